@@ -1,0 +1,116 @@
+"""The only module that touches the cffi `lib` and `ffi` of the C core (legacy_engine._core).
+
+Every wrapper is the same: borrow buffers (ffi.from_buffer), call, check the status,
+raise. Shapes and dtypes are given in the docstrings.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import NativeError, UnavailableError
+
+try:
+    from ._core import ffi, lib
+except ImportError as e:  # pragma: no cover - only when the package was not built
+    raise UnavailableError(
+        f"the native core legacy_engine._core is not built ({e}); run `pip install -e .` "
+        "in the source tree (needs gcc and the Python headers)"
+    ) from e
+
+LE_OK = lib.LE_OK
+
+
+def check(code: int, what: str) -> None:
+    """Turns a C status code into a NativeError carrying the C core's last-error message."""
+    if code != LE_OK:
+        detail = ffi.string(lib.le_last_error()).decode("utf-8", "replace")
+        name = ffi.string(lib.le_strerror(code)).decode()
+        raise NativeError(code, f"{what}: {name}: {detail}")
+
+
+def _struct_to_dict(cdata) -> dict:
+    out = {}
+    for field, _ in ffi.typeof(cdata[0]).fields:
+        value = getattr(cdata[0], field)
+        if isinstance(value, ffi.CData):  # char arrays
+            value = ffi.string(value).decode("utf-8", "replace").strip()
+        out[field] = value
+    return out
+
+
+# ---- capabilities -----------------------------------------------------------------
+
+def cpu_info() -> dict:
+    """CPU vendor, brand, and feature flags (CPUID masked by XGETBV)."""
+    p = ffi.new("le_cpu_info *")
+    check(lib.le_cpu_detect(p), "le_cpu_detect")
+    return _struct_to_dict(p)
+
+
+def numa_info() -> dict:
+    p = ffi.new("le_numa_info *")
+    check(lib.le_numa_detect(p), "le_numa_detect")
+    return _struct_to_dict(p)
+
+
+def gpu_info() -> dict:
+    """{'available', 'driver_version', 'device_count', 'reason', 'devices': [...]}"""
+    p = ffi.new("le_gpu_driver_info *")
+    check(lib.le_gpu_detect(p), "le_gpu_detect")
+    info = _struct_to_dict(p)
+    devices = []
+    for i in range(info["device_count"]):
+        d = ffi.new("le_gpu_device_info *")
+        check(lib.le_gpu_device(i, d), f"le_gpu_device({i})")
+        devices.append(_struct_to_dict(d))
+    info["devices"] = devices
+    return info
+
+
+# ---- quant types ------------------------------------------------------------------
+
+def type_traits(qtype: int) -> dict:
+    """The capability-table row of a ggml type id; UnavailableError if unsupported."""
+    p = ffi.new("le_type_info *")
+    code = lib.le_type_traits(int(qtype), p)
+    if code == lib.LE_ERR_UNSUPPORTED:
+        raise UnavailableError(f"ggml type id {qtype} is not supported by legacy_engine")
+    check(code, "le_type_traits")
+    return _struct_to_dict(p)
+
+
+def dequantize_row(qtype: int, data, n: int) -> np.ndarray:
+    """data: bytes-like holding n elements of `qtype` -> float32[n].
+
+    UnavailableError for a type id the engine does not support; ValueError when n is
+    negative or data is shorter than n elements; NativeError (from the C core) when n
+    is not a multiple of the block size.
+    """
+    t = type_traits(qtype)
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"n = {n} is negative")
+    src = ffi.from_buffer(data)
+    need = n // t["block_size"] * t["type_size"]
+    if len(src) < need:
+        raise ValueError(f"{n} elements of {t['name']} need {need} bytes, the buffer has {len(src)}")
+    out = np.empty(n, dtype=np.float32)
+    check(lib.le_dequantize_row(int(qtype), src, ffi.from_buffer("float[]", out), n), "le_dequantize_row")
+    return out
+
+
+def quantize_row(qtype: int, x: np.ndarray) -> bytes:
+    """x: float32[n] -> n elements of `qtype` as bytes.
+
+    Quantisers exist for f32, f16, bf16, q8_0, q8_1 and q8_K; other types raise
+    NativeError (LE_ERR_UNSUPPORTED). ValueError when n is not a multiple of the block size.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    t = type_traits(qtype)
+    n = x.size
+    if n % t["block_size"]:
+        raise ValueError(f"{n} elements is not a multiple of {t['name']}'s block size {t['block_size']}")
+    out = bytearray(n // t["block_size"] * t["type_size"])
+    check(lib.le_quantize_row(int(qtype), ffi.from_buffer("float[]", x), ffi.from_buffer(out), n),
+          "le_quantize_row")
+    return bytes(out)

@@ -1,0 +1,21 @@
+"""One exception tree for the engine. Each class mixes in the builtin a caller would expect."""
+
+
+class EngineError(Exception):
+    """Base of every error legacy_engine raises on purpose."""
+
+
+class FormatError(ValueError, EngineError):
+    """A model file (or other input) is malformed; the message names the key or tensor."""
+
+
+class UnavailableError(RuntimeError, EngineError):
+    """A path, feature or optional library is not available on this machine or build."""
+
+
+class NativeError(RuntimeError, EngineError):
+    """The C core returned an error status; the message carries its file:line."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code

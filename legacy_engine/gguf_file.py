@@ -1,0 +1,271 @@
+"""GGUF container: strict structural validation, then memory-mapped reading with gguf-py.
+
+gguf-py's GGUFReader trusts counts and lengths found in the file: a truncated array
+with a huge element count makes it loop without end, huge dims overflow its numpy
+products. So every file is first walked here with bounds checks in plain Python ints
+(`prescan`), and only a file that passes is handed to GGUFReader. Any violation is a
+FormatError naming the key or tensor and what was expected.
+
+Layout (GGUF v2/v3, little-endian; spec §3.1):
+  u32 magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+  n_kv   × (string key, u32 value_type, value)
+  n_tensors × (string name, u32 n_dims, u64 ne[n_dims], u32 ggml_type, u64 offset)
+  padding to general.alignment | tensor data (offsets relative to here, aligned)
+"""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+
+from .errors import FormatError
+
+GGUF_MAGIC = 0x46554747  # "GGUF" little-endian
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4
+MAX_KEY_LEN = 65535            # llama.cpp rejects longer keys as well
+MAX_ELEMENTS = 1 << 50         # far above any model; guards arithmetic on hostile dims
+
+# byte size of each scalar value type
+_SCALAR_SIZE = {
+    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4, GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file. ne is in ggml order (ne[0] fastest, = row length)."""
+    name: str
+    type: int                 # ggml type id
+    ne: tuple[int, ...]
+    n_bytes: int
+    offset: int               # absolute byte offset in the file
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.type).name
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.ne:
+            n *= d
+        return n
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads over a bytes-like object."""
+
+    def __init__(self, buf, size: int, path: str):
+        self.buf, self.size, self.pos, self.path = buf, size, 0, path
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise FormatError(f"{self.path}: truncated: {what} needs {n} bytes at offset {self.pos}, "
+                              f"file has {self.size}")
+
+    def u32(self, what: str) -> int:
+        self.need(4, what)
+        v = struct.unpack_from("<I", self.buf, self.pos)[0]
+        self.pos += 4
+        return v
+
+    def u64(self, what: str) -> int:
+        self.need(8, what)
+        v = struct.unpack_from("<Q", self.buf, self.pos)[0]
+        self.pos += 8
+        return v
+
+    def string(self, what: str, max_len: int | None = None) -> str:
+        n = self.u64(f"length of {what}")
+        if max_len is not None and n > max_len:
+            raise FormatError(f"{self.path}: {what} is {n} bytes long, at most {max_len} expected")
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FormatError(f"{self.path}: {what} is not valid UTF-8") from None
+
+    def skip_string(self, what: str) -> None:
+        n = self.u64(f"length of {what}")
+        self.need(n, what)
+        self.pos += n
+
+
+def _skip_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> None:
+    try:
+        t = GGUFValueType(vtype)
+    except ValueError:
+        raise FormatError(f"{cur.path}: key {key!r} has unknown value type {vtype}") from None
+    if t in _SCALAR_SIZE:
+        cur.need(_SCALAR_SIZE[t], f"value of {key!r}")
+        cur.pos += _SCALAR_SIZE[t]
+    elif t == GGUFValueType.STRING:
+        cur.skip_string(f"value of {key!r}")
+    elif t == GGUFValueType.ARRAY:
+        if depth > 0:
+            raise FormatError(f"{cur.path}: key {key!r} holds nested arrays, which GGUF models do not use")
+        itype = cur.u32(f"element type of {key!r}")
+        count = cur.u64(f"element count of {key!r}")
+        try:
+            it = GGUFValueType(itype)
+        except ValueError:
+            raise FormatError(f"{cur.path}: array {key!r} has unknown element type {itype}") from None
+        if it in _SCALAR_SIZE:
+            cur.need(count * _SCALAR_SIZE[it], f"{count} elements of {key!r}")
+            cur.pos += count * _SCALAR_SIZE[it]
+        elif it == GGUFValueType.STRING:
+            # each string needs at least its 8-byte length: bounds the loop by the file size
+            cur.need(count * 8, f"{count} strings of {key!r}")
+            for i in range(count):
+                cur.skip_string(f"{key!r}[{i}]")
+        else:
+            raise FormatError(f"{cur.path}: array {key!r} has element type {it.name}, not supported")
+    else:  # pragma: no cover - every GGUFValueType is handled above
+        raise FormatError(f"{cur.path}: key {key!r} has unhandled type {t.name}")
+
+
+def prescan(path: str) -> tuple[int, list[TensorInfo], int]:
+    """Walks the whole header with bounds checks.
+
+    Returns (version, tensors, data_start). Raises FormatError on any violation: bad
+    magic/version, truncation, bad value types, duplicate keys or tensors, bad dims,
+    unknown ggml types, misaligned offsets, data outside the file, overlapping tensors.
+    """
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror}") from None
+    if size < 24:
+        raise FormatError(f"{path}: {size} bytes is too short for a GGUF header (24 bytes)")
+    with open(path, "rb") as f:
+        mm = np.memmap(f, dtype=np.uint8, mode="r")
+    buf = memoryview(mm)
+    cur = _Cursor(buf, size, path)
+    magic = cur.u32("magic")
+    if magic != GGUF_MAGIC:
+        raise FormatError(f"{path}: not a GGUF file (magic {magic:#010x}, expected {GGUF_MAGIC:#010x} 'GGUF')")
+    version = cur.u32("version")
+    if version not in SUPPORTED_VERSIONS:
+        if version & 0xFFFF == 0 and (version >> 16) in SUPPORTED_VERSIONS:
+            raise FormatError(f"{path}: big-endian GGUF files are not supported")
+        raise FormatError(f"{path}: GGUF version {version} is not supported (expected 2 or 3)")
+    n_tensors = cur.u64("tensor count")
+    n_kv = cur.u64("key/value count")
+    # every kv needs >= 12 bytes (key length + type), every tensor info >= 24
+    if n_kv * 12 + n_tensors * 24 > size - cur.pos:
+        raise FormatError(f"{path}: header claims {n_kv} keys and {n_tensors} tensors, "
+                          f"more than a {size}-byte file can hold")
+
+    keys: set[str] = set()
+    alignment = DEFAULT_ALIGNMENT
+    for i in range(n_kv):
+        key = cur.string(f"key #{i}", MAX_KEY_LEN)
+        if key in keys:
+            raise FormatError(f"{path}: duplicate key {key!r}")
+        keys.add(key)
+        vtype = cur.u32(f"value type of {key!r}")
+        start = cur.pos
+        _skip_value(cur, vtype, key)
+        if key == "general.alignment":
+            if vtype != GGUFValueType.UINT32:
+                raise FormatError(f"{path}: general.alignment must be uint32, found value type {vtype}")
+            alignment = struct.unpack_from("<I", buf, start)[0]
+            if alignment == 0 or alignment & (alignment - 1):
+                raise FormatError(f"{path}: general.alignment = {alignment}, expected a power of two")
+
+    infos: list[tuple[str, int, tuple[int, ...], int]] = []
+    names: set[str] = set()
+    for i in range(n_tensors):
+        name = cur.string(f"name of tensor #{i}", MAX_KEY_LEN)
+        if name in names:
+            raise FormatError(f"{path}: duplicate tensor {name!r}")
+        names.add(name)
+        n_dims = cur.u32(f"n_dims of {name!r}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise FormatError(f"{path}: tensor {name!r} has {n_dims} dims, expected 1..{MAX_DIMS}")
+        ne = tuple(cur.u64(f"ne[{d}] of {name!r}") for d in range(n_dims))
+        gtype = cur.u32(f"type of {name!r}")
+        offset = cur.u64(f"offset of {name!r}")
+        infos.append((name, gtype, ne, offset))
+
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = []
+    for name, gtype, ne, offset in infos:
+        try:
+            qt = GGMLQuantizationType(gtype)
+            block, tsize = GGML_QUANT_SIZES[qt]
+        except (ValueError, KeyError):
+            raise FormatError(f"{path}: tensor {name!r} has unknown ggml type id {gtype}") from None
+        n = 1
+        for d in ne:
+            if d < 1:
+                raise FormatError(f"{path}: tensor {name!r} has a zero dimension: ne={list(ne)}")
+            n *= d
+            if n > MAX_ELEMENTS:
+                raise FormatError(f"{path}: tensor {name!r} has an absurd size: ne={list(ne)}")
+        if ne[0] % block:
+            raise FormatError(f"{path}: tensor {name!r}: row length ne[0]={ne[0]} is not a multiple "
+                              f"of {qt.name}'s block size {block}")
+        n_bytes = n // block * tsize
+        if offset % alignment:
+            raise FormatError(f"{path}: tensor {name!r} offset {offset} is not aligned to {alignment}")
+        start = data_start + offset
+        if start + n_bytes > size:
+            raise FormatError(f"{path}: tensor {name!r} ({qt.name}, ne={list(ne)}, {n_bytes} bytes at "
+                              f"{start}) extends past the end of the file ({size} bytes): truncated?")
+        tensors.append(TensorInfo(name, int(qt), ne, n_bytes, start))
+
+    by_offset = sorted(tensors, key=lambda t: t.offset)
+    for a, b in zip(by_offset, by_offset[1:]):
+        if a.offset + a.n_bytes > b.offset:
+            raise FormatError(f"{path}: tensors {a.name!r} and {b.name!r} overlap")
+    del buf, mm
+    return version, tensors, data_start
+
+
+class GGUFFile:
+    """A validated, memory-mapped GGUF file.
+
+    metadata: dict key -> Python value (str, int, float, bool, list);
+    tensors: dict name -> TensorInfo; data(name) -> numpy view into the map.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.version, infos, self.data_start = prescan(self.path)
+        try:
+            self._reader = GGUFReader(self.path, "r")
+        except Exception as e:  # the prescan should have caught everything; never leak a raw error
+            raise FormatError(f"{self.path}: gguf-py could not read the file: {e}") from None
+        self.tensors: dict[str, TensorInfo] = {t.name: t for t in infos}
+        self._views = {t.name: t for t in self._reader.tensors}
+        self.metadata: dict[str, object] = {}
+        for key, field in self._reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                self.metadata[key] = field.contents()
+            except UnicodeDecodeError:
+                raise FormatError(f"{self.path}: key {key!r} holds a string that is not UTF-8") from None
+        self.file_size = os.path.getsize(self.path)
+
+    def data(self, name: str) -> np.ndarray:
+        """Raw bytes of a tensor, uint8[n_bytes], a view into the memory map (no copy)."""
+        t = self.tensors[name]
+        return self._reader.data[t.offset:t.offset + t.n_bytes]
+
+    def value_type(self, key: str) -> GGUFValueType:
+        """The GGUF value type of a key (the element type for arrays)."""
+        return self._reader.fields[key].types[-1]
+
+    def is_array(self, key: str) -> bool:
+        return self._reader.fields[key].types[0] == GGUFValueType.ARRAY

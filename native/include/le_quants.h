@@ -1,0 +1,45 @@
+/* le_quants.h — the quant types of GGUF files and their scalar reference kernels.
+ * Type ids are ggml's (gguf-py GGMLQuantizationType). Rows hold n elements, n a
+ * multiple of the type's block size; a row of a quantised type is n/block_size
+ * consecutive blocks (block structs: le_blocks.h).
+ * This header is fed to cffi's cdef: declarations only, no macros. */
+#ifndef LE_QUANTS_H
+#define LE_QUANTS_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+typedef enum {
+    LE_TYPE_F32 = 0, LE_TYPE_F16 = 1, LE_TYPE_Q4_0 = 2, LE_TYPE_Q4_1 = 3,
+    LE_TYPE_Q5_0 = 6, LE_TYPE_Q5_1 = 7, LE_TYPE_Q8_0 = 8, LE_TYPE_Q8_1 = 9,
+    LE_TYPE_Q2_K = 10, LE_TYPE_Q3_K = 11, LE_TYPE_Q4_K = 12, LE_TYPE_Q5_K = 13,
+    LE_TYPE_Q6_K = 14, LE_TYPE_Q8_K = 15, LE_TYPE_IQ4_NL = 20, LE_TYPE_IQ4_XS = 23,
+    LE_TYPE_BF16 = 30, LE_TYPE_MXFP4 = 39,
+    LE_TYPE_COUNT = 42
+} le_type;
+
+/* What the engine knows of one type: the capability table row. */
+typedef struct {
+    int type;             /* le_type id; -1 when the id is not supported */
+    const char *name;     /* "q4_K" etc, as ggml names it */
+    int block_size;       /* elements per block */
+    int type_size;        /* bytes per block */
+    int vec_dot_type;     /* activation type the dot product quantises to (Q8_0/Q8_1/Q8_K/F32) */
+    int can_dequantize;   /* 1 if a dequantise kernel exists */
+    int can_quantize;     /* 1 if a quantise kernel exists */
+} le_type_info;
+
+/* Fills *out for a type id; LE_ERR_UNSUPPORTED for ids the engine does not handle. */
+int le_type_traits(int type, le_type_info *out);
+
+/* src: n elements of `type`, dst: n f32. n must be a multiple of the block size. */
+int le_dequantize_row(int type, const void *src, float *dst, int64_t n);
+
+/* src: n f32, dst: n elements of `type` (the activation types Q8_0/Q8_1/Q8_K, and F16, BF16, F32). */
+int le_quantize_row(int type, const float *src, void *dst, int64_t n);
+
+/* IEEE half <-> float, round to nearest even (numpy's conversion). */
+float le_fp16_to_fp32(uint16_t h);
+uint16_t le_fp32_to_fp16(float f);
+
+#endif

@@ -1,0 +1,83 @@
+"""Small valid GGUFs for the reader's tests: any Hparams, tensors from the schema, no tokenizer.
+
+Written with gguf-py's GGUFWriter (not with our make-model) so the reader is tested against
+a writer we did not write.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGUFWriter
+
+from legacy_engine.gguf_model import Hparams, expected_tensors
+
+
+def small_hparams(arch: str = "qwen35moe", **kw) -> Hparams:
+    base = dict(arch=arch, n_layer_all=4, n_nextn=0, n_ctx_train=4096, n_embd=64, n_head=2, n_head_kv=1,
+                head_dim=32, head_dim_v=32, rms_eps=1e-6, rope_theta=1e7, n_rot=16,
+                rope_sections=(3, 3, 2, 0) if arch != "qwen3next" else (0, 0, 0, 0),
+                ssm_conv_kernel=4, ssm_d_state=16, ssm_n_group=2, ssm_dt_rank=4, ssm_d_inner=64,
+                recurrent=(True, True, True, False), n_vocab=96, tied_embeddings=True)
+    if arch == "qwen35":
+        base.update(n_ff=96)
+    else:
+        base.update(n_expert=4, n_expert_used=2, n_ff_exp=32, n_ff_shexp=32)
+    base.update(kw)
+    return Hparams(**base)
+
+
+def hparam_metadata(hp: Hparams) -> dict:
+    a = hp.arch
+    m = {f"{a}.block_count": hp.n_layer_all, f"{a}.context_length": hp.n_ctx_train,
+         f"{a}.embedding_length": hp.n_embd, f"{a}.attention.head_count": hp.n_head,
+         f"{a}.attention.head_count_kv": hp.n_head_kv, f"{a}.attention.key_length": hp.head_dim,
+         f"{a}.attention.value_length": hp.head_dim_v, f"{a}.attention.layer_norm_rms_epsilon": hp.rms_eps,
+         f"{a}.rope.freq_base": hp.rope_theta, f"{a}.rope.dimension_count": hp.n_rot,
+         f"{a}.ssm.conv_kernel": hp.ssm_conv_kernel, f"{a}.ssm.state_size": hp.ssm_d_state,
+         f"{a}.ssm.group_count": hp.ssm_n_group, f"{a}.ssm.time_step_rank": hp.ssm_dt_rank,
+         f"{a}.ssm.inner_size": hp.ssm_d_inner, f"{a}.full_attention_interval": 4}
+    if a != "qwen3next":
+        m[f"{a}.rope.dimension_sections"] = list(hp.rope_sections)
+    if hp.n_nextn:
+        m[f"{a}.nextn_predict_layers"] = hp.n_nextn
+    if hp.is_moe:
+        m.update({f"{a}.expert_count": hp.n_expert, f"{a}.expert_used_count": hp.n_expert_used,
+                  f"{a}.expert_feed_forward_length": hp.n_ff_exp,
+                  f"{a}.expert_shared_feed_forward_length": hp.n_ff_shexp})
+    else:
+        m[f"{a}.feed_forward_length"] = hp.n_ff
+    return m
+
+
+def write_gguf(path, hp: Hparams, *, drop=(), reshape=None, extra_tensors=None, drop_keys=(),
+               extra_keys=None, seed=0) -> str:
+    """Writes an f32 model of hp. drop: tensor names to leave out; reshape: name -> ne to write
+    instead; extra_tensors: name -> ne to add; drop_keys / extra_keys: metadata edits."""
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), hp.arch)
+    meta = hparam_metadata(hp)
+    meta.update(extra_keys or {})
+    for k, v in meta.items():
+        if k in drop_keys:
+            continue
+        if isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, int):
+            w.add_uint32(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        elif isinstance(v, str):
+            w.add_string(k, v)
+        else:
+            w.add_array(k, v)
+    tensors = dict(expected_tensors(hp))
+    for name in drop:
+        tensors.pop(name)
+    tensors.update(reshape or {})
+    tensors.update(extra_tensors or {})
+    for name, ne in tensors.items():
+        w.add_tensor(name, rng.standard_normal(tuple(reversed(ne))).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
