@@ -114,3 +114,92 @@ def quantize_row(qtype: int, x: np.ndarray) -> bytes:
     check(lib.le_quantize_row(int(qtype), ffi.from_buffer("float[]", x), ffi.from_buffer(out), n),
           "le_quantize_row")
     return bytes(out)
+
+
+# ---- model and state ----------------------------------------------------------------
+
+HPARAM_FIELDS = ("n_layer", "n_embd", "n_vocab", "n_head", "n_head_kv", "head_dim", "n_rot", "rope_theta",
+                 "rms_eps", "ssm_conv_kernel", "ssm_d_state", "ssm_n_group", "ssm_dt_rank", "ssm_d_inner",
+                 "gdn_tiled", "n_ff", "n_expert", "n_expert_used", "n_ff_exp", "n_ff_shexp")
+MAX_LAYERS = 512
+
+
+def weight_slot(name: str) -> int:
+    """The C slot id of a weight, e.g. 'LE_W_SSM_A'."""
+    return getattr(lib, name)
+
+
+class NativeModel:
+    """Owns an le_model; weights point into buffers the caller keeps alive (`self.keep`)."""
+
+    def __init__(self, hp: dict, recurrent: list[bool], rope_sections, n_threads: int):
+        if len(recurrent) > MAX_LAYERS:
+            raise UnavailableError(f"{len(recurrent)} layers; this build handles at most {MAX_LAYERS}")
+        c = ffi.new("le_hparams *")
+        for k in HPARAM_FIELDS:
+            setattr(c, k, hp[k])
+        for i, s in enumerate(rope_sections):
+            c.rope_sections[i] = s
+        for i, r in enumerate(recurrent):
+            c.recurrent[i] = int(r)
+        p = ffi.new("le_model **")
+        check(lib.le_model_create(c, n_threads, p), "le_model_create")
+        self.ptr = ffi.gc(p[0], lib.le_model_free)
+        self.keep = []
+
+    def set_weight(self, layer: int, slot: str, data: np.ndarray, qtype: int, ne0: int, ne1: int, ne2: int = 1,
+                   nb2: int = 0, byte_offset: int = 0, what: str = "") -> None:
+        """data: the tensor's bytes (uint8 view into the map); byte_offset selects a row range."""
+        buf = ffi.from_buffer(data)
+        self.keep.append(buf)
+        check(lib.le_model_set_weight(self.ptr, layer, weight_slot(slot), buf + byte_offset, qtype, ne0, ne1, ne2,
+                                      nb2), f"setting {what or slot}")
+
+    def finalize(self) -> None:
+        check(lib.le_model_finalize(self.ptr), "le_model_finalize")
+
+
+class NativeState:
+    """Owns an le_state of a NativeModel."""
+
+    def __init__(self, model: NativeModel, n_ctx: int):
+        p = ffi.new("le_state **")
+        check(lib.le_state_create(model.ptr, n_ctx, p), "le_state_create")
+        self.model = model  # keeps the model alive while the state lives
+        self.ptr = ffi.gc(p[0], lib.le_state_free)
+
+    @property
+    def pos(self) -> int:
+        return lib.le_state_pos(self.ptr)
+
+    @property
+    def n_ctx(self) -> int:
+        return lib.le_state_n_ctx(self.ptr)
+
+    def reset(self) -> None:
+        lib.le_state_reset(self.ptr)
+
+    def save(self) -> bytes:
+        n = lib.le_state_nbytes(self.ptr)
+        out = bytearray(n)
+        check(lib.le_state_save(self.ptr, ffi.from_buffer(out), n), "le_state_save")
+        return bytes(out)
+
+    def restore(self, data: bytes) -> None:
+        check(lib.le_state_restore(self.ptr, ffi.from_buffer(data), len(data)), "le_state_restore")
+
+    def copy_from(self, other: "NativeState") -> None:
+        check(lib.le_state_copy(self.ptr, other.ptr), "le_state_copy")
+
+
+def forward(model: NativeModel, state: NativeState, tokens, n_vocab: int, all_logits: bool, chunked: bool,
+            want_logits: bool = True) -> np.ndarray | None:
+    """tokens: int32[n] -> logits float32[n or 1, n_vocab] (None when want_logits is False)."""
+    toks = np.ascontiguousarray(tokens, dtype=np.int32)
+    n = toks.size
+    out = np.empty((n if all_logits else 1, n_vocab), dtype=np.float32) if want_logits else None
+    lp = ffi.from_buffer("float[]", out) if want_logits else ffi.NULL
+    check(lib.le_forward(model.ptr, state.ptr, ffi.from_buffer("int32_t[]", toks), n, lp, int(all_logits),
+                         int(chunked)),
+          "le_forward")
+    return out
