@@ -1,7 +1,8 @@
 """The `legacy-engine` command line.
 
+  legacy-engine run MODEL -p TEXT | --chat   generate text (streams, then a timing line)
   legacy-engine info [MODEL] [--json]   what the machine has and chose; a model's architecture and tensors
-  legacy-engine demo                    the built-in tiny MoE model (made on first use, cached)
+  legacy-engine demo                    generate with the built-in tiny MoE model (made on first use, cached)
   legacy-engine make-model …            random-weight GGUFs in llama.cpp's layout (see make-model -h)
   legacy-engine convert HF_DIR OUT.gguf Hugging Face Qwen3.5/3.6 checkpoint to GGUF (see convert -h)
   legacy-engine tokenize MODEL TEXT     token ids as the model's own tokenizer gives them
@@ -115,22 +116,71 @@ def demo_model_path() -> str:
     return path
 
 
-def cmd_demo(args) -> int:
-    from .chat import render_chat
-    from .gguf_model import ModelFile
-    from .tokenizer import Tokenizer
+def _sampling(args):
+    from .sampling import SamplingParams
 
+    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, seed=args.seed)
+
+
+def _generate(path: str, args, messages_or_text, chat: bool) -> int:
+    from .generate import Engine
+
+    params = _sampling(args)
+    params.validate()
+    eng = Engine(path, n_threads=args.threads, n_ctx=args.ctx)
+    sess = eng.session()
+    prompt = eng.chat_prompt(messages_or_text, enable_thinking=not args.no_think) if chat else messages_or_text
+    res = sess.generate(prompt, max_tokens=args.n_predict, params=params, stop=args.stop,
+                        on_text=lambda t: print(t, end="", flush=True))
+    print()
+    print(f"[{res.finish_reason}] {res.timings.summary()}", file=sys.stderr)
+    return 0
+
+
+def cmd_run(args) -> int:
+    if args.chat:
+        return cmd_chat(args)
+    if args.prompt is None:
+        raise SystemExit("legacy-engine run: error: give a prompt with -p TEXT, or --chat")
+    return _generate(args.model, args, args.prompt, chat=False)
+
+
+def cmd_chat(args) -> int:
+    """Interactive chat: one line per user turn; an empty line or EOF ends it."""
+    from .generate import Engine
+
+    params = _sampling(args)
+    params.validate()
+    eng = Engine(args.model, n_threads=args.threads, n_ctx=args.ctx)
+    messages = []
+    if args.prompt:
+        messages.append({"role": "system", "content": args.prompt})
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        sess = eng.session()  # the snapshot cache will make re-running the history cheap
+        prompt = eng.chat_prompt(messages, enable_thinking=not args.no_think)
+        res = sess.generate(prompt, max_tokens=args.n_predict, params=params, stop=args.stop,
+                            on_text=lambda t: print(t, end="", flush=True))
+        print()
+        print(f"[{res.finish_reason}] {res.timings.summary()}", file=sys.stderr)
+        messages.append({"role": "assistant", "content": res.text})
+    return 0
+
+
+def cmd_demo(args) -> int:
     path = demo_model_path()
     _, lines = model_report(path)
-    print("\n".join(lines))
-    m = ModelFile.open(path)
-    tok = Tokenizer.from_metadata(m.metadata)
-    prompt = render_chat([{"role": "user", "content": args.prompt}], m.metadata.get("tokenizer.chat_template"))
-    ids = tok.encode(prompt)
-    print(f"\nchat prompt ({len(ids)} tokens):\n{prompt}")
-    print("ids: " + " ".join(map(str, ids)))
-    print("\n(text generation arrives with the forward pass; this build shows the model and tokenizer)")
-    return 0
+    print("\n".join(lines), file=sys.stderr)
+    print(f"\nuser: {args.prompt}\nassistant (random weights, so the words are noise):", file=sys.stderr)
+    return _generate(path, args, [{"role": "user", "content": args.prompt}], chat=True)
 
 
 def cmd_tokenize(args) -> int:
@@ -148,6 +198,29 @@ def cmd_tokenize(args) -> int:
     return 0
 
 
+def _positive_int(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return n
+
+
+def _gen_flags(s, n_predict: int = 128) -> None:
+    s.add_argument("-n", "--n-predict", type=int, default=n_predict, help=f"tokens to generate (default {n_predict})")
+    s.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
+    s.add_argument("-c", "--ctx", type=_positive_int, default=4096, help="context length in tokens (default 4096)")
+    s.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    s.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
+    s.add_argument("--presence-penalty", type=float, default=0.0, help="presence penalty")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, help="frequency penalty")
+    s.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
+    s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    s.add_argument("--no-think", action="store_true", help="chat: disable the <think> block")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="legacy-engine", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,8 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(func=cmd_info)
 
-    s = sub.add_parser("demo", help="describe and tokenize with the built-in tiny MoE model")
+    s = sub.add_parser("run", help="generate text from MODEL")
+    s.add_argument("model", help="a Qwen3.5/3.6 GGUF file")
+    s.add_argument("-p", "--prompt", help="the prompt (raw text; with --chat: a system message)")
+    s.add_argument("--chat", action="store_true", help="interactive chat through the model's chat template")
+    _gen_flags(s)
+    s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("demo", help="generate with the built-in tiny MoE model")
     s.add_argument("-p", "--prompt", default="Hello! What can a 2012 GPU still do?", help="the user message")
+    _gen_flags(s, n_predict=32)
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("tokenize", help="token ids of TEXT with MODEL's tokenizer")
@@ -190,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as e:
         print(f"legacy-engine: error: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:  # bad values that argparse cannot see (a sampling range, an empty prompt)
+        print(f"legacy-engine: error: {e}", file=sys.stderr)
+        return 2
     except FileNotFoundError as e:
         print(f"legacy-engine: error: {e}", file=sys.stderr)
         return 1

@@ -9,6 +9,10 @@ class FormatError(ValueError, EngineError):
     """A model file (or other input) is malformed; the message names the key or tensor."""
 
 
+class ContextLengthError(ValueError, EngineError):
+    """A prompt (or a generation) does not fit the context."""
+
+
 class UnavailableError(RuntimeError, EngineError):
     """A path, feature or optional library is not available on this machine or build."""
 

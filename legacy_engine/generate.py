@@ -1,0 +1,177 @@
+"""Engine (a loaded model + tokenizer) and Session (one conversation's state) with
+prefill, decode and streamed generation."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .chat import render_chat
+from .errors import ContextLengthError, EngineError
+from .model import DEFAULT_CTX, Model
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer
+
+PREFILL_BATCH = 256  # tokens per forward call during prefill: bounds activation memory
+
+
+@dataclass
+class Timings:
+    load_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"load {self.load_s:.2f} s | prefill {self.prefill_tokens} tok, {self.prefill_tps:.1f} tok/s | "
+                f"decode {self.decode_tokens} tok, {self.decode_tps:.1f} tok/s")
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    finish_reason: str            # "stop" (EOS or stop string) or "length"
+    timings: Timings = field(default_factory=Timings)
+
+
+class Engine:
+    """A model and its tokenizer. `Engine(path).session()` starts a conversation."""
+
+    def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_ctx: int = DEFAULT_CTX):
+        t0 = time.perf_counter()
+        self.model = Model(path, n_threads)
+        meta = self.model.file.metadata
+        self.tokenizer = Tokenizer.from_metadata(meta)
+        self.chat_template = meta.get("tokenizer.chat_template")
+        if n_ctx < 1:
+            raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
+        self.n_ctx = min(n_ctx, self.model.hparams.n_ctx_train)
+        self.load_s = time.perf_counter() - t0
+
+    def session(self) -> "Session":
+        return Session(self)
+
+    def chat_prompt(self, messages: list[dict], enable_thinking: bool = True, tools=None) -> str:
+        return render_chat(messages, self.chat_template, add_generation_prompt=True,
+                           enable_thinking=enable_thinking, tools=tools)
+
+
+class Session:
+    """One sequence: the tokens seen so far and the model state after them."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.state = engine.model.new_state(engine.n_ctx)
+        self.tokens: list[int] = []
+        self.timings = Timings(load_s=engine.load_s)
+
+    @property
+    def pos(self) -> int:
+        return self.state.pos
+
+    def reset(self) -> None:
+        self.state.reset()
+        self.tokens = []
+
+    def _forward(self, ids: list[int], all_logits: bool, chunked: bool) -> np.ndarray:
+        try:
+            return self.engine.model.forward(self.state, ids, all_logits=all_logits, chunked=chunked)
+        except EngineError:
+            # a failed forward may have updated some layers: the state is no longer trustworthy
+            self.reset()
+            raise
+
+    def prefill(self, ids: list[int], all_logits: bool = False, chunked: bool = True) -> np.ndarray:
+        """Runs ids after what the session holds. Returns logits of the last token
+        (float32[n_vocab]) or of every token ([n, n_vocab]) when all_logits."""
+        if not ids:
+            raise ValueError("empty prompt: nothing to run")
+        if self.pos + len(ids) > self.state.n_ctx:
+            raise ContextLengthError(f"{len(ids)} tokens after {self.pos} exceed the context of "
+                                     f"{self.state.n_ctx} tokens (raise --ctx, up to the model's "
+                                     f"{self.engine.model.hparams.n_ctx_train})")
+        t0 = time.perf_counter()
+        outs = []
+        for i in range(0, len(ids), PREFILL_BATCH):
+            part = ids[i:i + PREFILL_BATCH]
+            last = i + PREFILL_BATCH >= len(ids)
+            out = self._forward(part, all_logits=all_logits, chunked=chunked)
+            if all_logits or last:
+                outs.append(out)
+            self.tokens += part
+        self.timings.prefill_tokens += len(ids)
+        self.timings.prefill_s += time.perf_counter() - t0
+        return np.concatenate(outs) if all_logits else outs[-1][0]
+
+    def decode(self, token: int) -> np.ndarray:
+        """One token through the recurrent path -> logits float32[n_vocab]."""
+        if self.pos + 1 > self.state.n_ctx:
+            raise ContextLengthError(f"the context of {self.state.n_ctx} tokens is full")
+        t0 = time.perf_counter()
+        out = self._forward([token], all_logits=False, chunked=False)
+        self.tokens.append(token)
+        self.timings.decode_tokens += 1
+        self.timings.decode_s += time.perf_counter() - t0
+        return out[0]
+
+    def stream(self, prompt: str | list[int], max_tokens: int = 128, params: SamplingParams | None = None,
+               stop: list[str] | None = None, result: list | None = None) -> Iterator[str]:
+        """Yields text pieces as they are generated. A Generation is appended to `result`
+        when given. Stops at an EOS token, a stop string (not included), or max_tokens."""
+        tok = self.engine.tokenizer
+        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        sampler = Sampler(params)
+        stop = [s for s in (stop or []) if s]
+        logits = self.prefill(ids)
+        decoder = tok.stream()
+        text, pending, out_ids, finish, stopped_by_string = "", "", [], "length", False
+        hold = max((len(s) for s in stop), default=1) - 1
+        for i in range(max_tokens):
+            t = sampler.sample(logits, self.tokens)
+            out_ids.append(t)
+            if t in tok.eos_ids:
+                finish = "stop"
+                break
+            pending += decoder.push(t)
+            cut = min((pending.find(s) for s in stop if s in pending), default=-1)
+            if cut >= 0:
+                pending, finish, stopped_by_string = pending[:cut], "stop", True
+                break
+            if len(pending) > hold:  # emit what can no longer start a stop string
+                emit, pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
+                text += emit
+                yield emit
+            if i + 1 < max_tokens:
+                logits = self.decode(t)
+            else:  # the last sampled token still enters the state, so the session can continue
+                self.decode(t)
+        if not stopped_by_string:
+            pending += decoder.flush()
+        if pending:
+            text += pending
+            yield pending
+        if result is not None:
+            result.append(Generation(text, out_ids, finish, self.timings))
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 128, params: SamplingParams | None = None,
+                 stop: list[str] | None = None, on_text: Callable[[str], None] | None = None) -> Generation:
+        result: list[Generation] = []
+        for piece in self.stream(prompt, max_tokens, params, stop, result):
+            if on_text:
+                on_text(piece)
+        return result[0]

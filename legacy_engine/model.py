@@ -1,0 +1,111 @@
+"""A Qwen3.5/3.6 GGUF loaded into the C core: weights stay in the memory map.
+
+`Model(path)` validates the file (gguf_model.ModelFile), hands every weight to the C
+core as a pointer into the map (no copy), and creates sequence states. `forward` runs
+tokens through the model and returns logits.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import _native
+from .errors import UnavailableError
+from .gguf_model import ModelFile
+
+# GGUF tensor suffix -> C weight slot, per layer (spec §3.3)
+LAYER_SLOTS = {
+    "attn_norm.weight": "LE_W_ATTN_NORM", "post_attention_norm.weight": "LE_W_POST_NORM",
+    "attn_gate.weight": "LE_W_GDN_GATE", "ssm_conv1d.weight": "LE_W_SSM_CONV", "ssm_dt.bias": "LE_W_SSM_DT",
+    "ssm_a": "LE_W_SSM_A", "ssm_beta.weight": "LE_W_SSM_BETA", "ssm_alpha.weight": "LE_W_SSM_ALPHA",
+    "ssm_norm.weight": "LE_W_SSM_NORM", "ssm_out.weight": "LE_W_SSM_OUT",
+    "attn_q.weight": "LE_W_Q", "attn_k.weight": "LE_W_K", "attn_v.weight": "LE_W_V",
+    "attn_output.weight": "LE_W_O", "attn_q_norm.weight": "LE_W_Q_NORM", "attn_k_norm.weight": "LE_W_K_NORM",
+    "ffn_gate.weight": "LE_W_FFN_GATE", "ffn_up.weight": "LE_W_FFN_UP", "ffn_down.weight": "LE_W_FFN_DOWN",
+    "ffn_gate_inp.weight": "LE_W_GATE_INP", "ffn_gate_exps.weight": "LE_W_GATE_EXPS",
+    "ffn_up_exps.weight": "LE_W_UP_EXPS", "ffn_down_exps.weight": "LE_W_DOWN_EXPS",
+    "ffn_gate_inp_shexp.weight": "LE_W_GATE_INP_SHEXP", "ffn_gate_shexp.weight": "LE_W_GATE_SHEXP",
+    "ffn_up_shexp.weight": "LE_W_UP_SHEXP", "ffn_down_shexp.weight": "LE_W_DOWN_SHEXP",
+}
+GLOBAL_SLOTS = {"token_embd.weight": "LE_W_TOKEN_EMBD", "output_norm.weight": "LE_W_OUTPUT_NORM",
+                "output.weight": "LE_W_OUTPUT"}
+
+DEFAULT_CTX = 4096
+
+
+def default_threads() -> int:
+    """One thread per available core (hyper-threads are not worth it for these kernels)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class Model:
+    def __init__(self, path: str | os.PathLike, n_threads: int | None = None):
+        self.file = ModelFile.open(path)
+        hp = self.hparams = self.file.hparams
+        if hp.arch == "qwen3next":
+            raise UnavailableError("the forward pass for qwen3next (fused ssm_in/ssm_ba) is not implemented; "
+                                   "qwen35 and qwen35moe files run")
+        self.n_threads = n_threads or default_threads()
+        c = dict(n_layer=hp.n_layer, n_embd=hp.n_embd, n_vocab=hp.n_vocab, n_head=hp.n_head,
+                 n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, n_rot=hp.n_rot, rope_theta=hp.rope_theta,
+                 rms_eps=hp.rms_eps, ssm_conv_kernel=hp.ssm_conv_kernel, ssm_d_state=hp.ssm_d_state,
+                 ssm_n_group=hp.ssm_n_group, ssm_dt_rank=hp.ssm_dt_rank, ssm_d_inner=hp.ssm_d_inner,
+                 gdn_tiled=1, n_ff=hp.n_ff, n_expert=hp.n_expert, n_expert_used=hp.n_expert_used,
+                 n_ff_exp=hp.n_ff_exp, n_ff_shexp=hp.n_ff_shexp)
+        self.native = _native.NativeModel(c, list(hp.recurrent), hp.rope_sections, self.n_threads)
+        self._set_weights()
+        self.native.finalize()
+
+    def _set(self, layer: int, slot: str, name: str, rows: tuple[int, int] | None = None, nb2: int = 0,
+             ne1: int | None = None) -> None:
+        t = self.file.tensors[name]
+        ne = list(t.ne) + [1] * (3 - len(t.ne))
+        while len(ne) > 3 and ne[-1] == 1:
+            ne.pop()
+        offset = 0
+        if rows is not None:  # a row range of a fused tensor
+            row_bytes = t.n_bytes // (ne[1] * ne[2])
+            offset = rows[0] * row_bytes
+            ne[1] = rows[1] - rows[0]
+        if ne1 is not None:
+            ne[1] = ne1
+        self.native.set_weight(layer, slot, self.file.gguf.data(name), t.type, ne[0], ne[1], ne[2], nb2, offset,
+                               what=name)
+
+    def _set_weights(self) -> None:
+        hp, tensors = self.hparams, self.file.tensors
+        for name, slot in GLOBAL_SLOTS.items():
+            if name in tensors:
+                self._set(-1, slot, name)
+        for i in range(hp.n_layer):
+            p = f"blk.{i}."
+            for suffix, slot in LAYER_SLOTS.items():
+                if p + suffix in tensors:
+                    self._set(i, slot, p + suffix)
+            if hp.recurrent[i]:
+                self._set(i, "LE_W_GDN_QKV", p + "attn_qkv.weight")
+            elif p + "attn_qkv.weight" in tensors:  # fused Q+gate | K | V of an attention layer
+                q = 2 * hp.n_head * hp.head_dim
+                kv = hp.n_head_kv * hp.head_dim
+                self._set(i, "LE_W_Q", p + "attn_qkv.weight", rows=(0, q))
+                self._set(i, "LE_W_K", p + "attn_qkv.weight", rows=(q, q + kv))
+                self._set(i, "LE_W_V", p + "attn_qkv.weight", rows=(q + kv, q + 2 * kv))
+            if p + "ffn_gate_up_exps.weight" in tensors:  # fused gate|up experts: rows [0,ff) gate, [ff,2ff) up
+                name = p + "ffn_gate_up_exps.weight"
+                t = tensors[name]
+                ff = hp.n_ff_exp
+                stride = t.n_bytes // hp.n_expert
+                self._set(i, "LE_W_GATE_EXPS", name, rows=(0, ff), nb2=stride)
+                self._set(i, "LE_W_UP_EXPS", name, rows=(ff, 2 * ff), nb2=stride)
+
+    def new_state(self, n_ctx: int = DEFAULT_CTX) -> _native.NativeState:
+        return _native.NativeState(self.native, n_ctx)
+
+    def forward(self, state: _native.NativeState, tokens, all_logits: bool = False, chunked: bool = True,
+                want_logits: bool = True) -> np.ndarray | None:
+        """tokens: int[n] at positions state.pos.. -> logits float32[n or 1, n_vocab]."""
+        return _native.forward(self.native, state, tokens, self.hparams.n_vocab, all_logits, chunked, want_logits)

@@ -1,0 +1,101 @@
+/* attention.c — the gated full-attention mixer (spec §2.4), scalar reference.
+ *
+ *   [q | gate] per head = W_q x   (rows interleaved per head: q_h (hd) then gate_h (hd))
+ *   k = W_k x, v = W_v x;  q, k <- RMSNorm per head with q_norm / k_norm
+ *   q, k <- RoPE (NeoX on the first n_rot dims, IMRoPE sections); written to the KV cache
+ *   o_h = softmax(q_h K^T / sqrt(hd), causal) V   (query head h reads KV head h / (n_head/n_kv))
+ *   out = W_o (o * sigmoid(gate))
+ * Softmax in f32 with the running max subtracted; the KV cache is f32.
+ * Test: tests/test_model.py. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "le_internal.h"
+#include "le_ops.h"
+
+typedef struct {
+    const le_model *m;
+    const float *qg;  /* [n, n_head * 2 * hd] */
+    const float *kc, *vc;
+    float *o;         /* [n, n_head * hd] */
+    int n, pos, failed;
+} attn_job;
+
+static void attn_rows(void *ctx, int64_t i0, int64_t i1, int thread) {
+    attn_job *jb = ctx;
+    const le_hparams *hp = &jb->m->hp;
+    int hd = hp->head_dim, nh = hp->n_head, kvw = hp->n_head_kv * hd, group = nh / hp->n_head_kv;
+    float scale = 1.0f / sqrtf((float)hd);
+    int n_keys_max = jb->pos + jb->n;
+    float *sc = malloc((size_t)n_keys_max * sizeof(float));
+    if (!sc) {
+        __atomic_store_n(&jb->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t idx = i0; idx < i1; idx++) { /* idx = t * n_head + h */
+        int t = (int)(idx / nh), h = (int)(idx % nh), kvh = h / group;
+        const float *q = jb->qg + (size_t)t * nh * 2 * hd + (size_t)h * 2 * hd;
+        int n_keys = jb->pos + t + 1; /* causal: keys at positions 0..pos+t */
+        float mx = -INFINITY;
+        for (int p = 0; p < n_keys; p++) {
+            const float *k = jb->kc + (size_t)p * kvw + kvh * hd;
+            float d = 0.0f;
+            for (int e = 0; e < hd; e++) d += q[e] * k[e];
+            sc[p] = d * scale;
+            if (sc[p] > mx) mx = sc[p];
+        }
+        double sum = 0.0;
+        for (int p = 0; p < n_keys; p++) {
+            sc[p] = expf(sc[p] - mx);
+            sum += sc[p];
+        }
+        float inv = (float)(1.0 / sum);
+        float *o = jb->o + (size_t)t * nh * hd + (size_t)h * hd;
+        for (int e = 0; e < hd; e++) o[e] = 0.0f;
+        for (int p = 0; p < n_keys; p++) {
+            const float *v = jb->vc + (size_t)p * kvw + kvh * hd;
+            float wgt = sc[p] * inv;
+            for (int e = 0; e < hd; e++) o[e] += wgt * v[e];
+        }
+        const float *gate = q + hd;
+        for (int e = 0; e < hd; e++) o[e] *= le_sigmoid(gate[e]);
+    }
+    free(sc);
+}
+
+int le_attention_layer(const le_model *m, const le_weight *w, const float *x, int n, int pos, float *kc,
+                       float *vc, float *out) {
+    const le_hparams *hp = &m->hp;
+    int E = hp->n_embd, hd = hp->head_dim, nh = hp->n_head, nkv = hp->n_head_kv;
+    int qw = nh * 2 * hd, kvw = nkv * hd;
+    int rc;
+    float *buf = malloc(((size_t)n * qw + (size_t)n * nh * hd) * sizeof(float));
+    if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "attention scratch for %d tokens", n);
+    float *qg = buf, *o = qg + (size_t)n * qw;
+    float *kn = kc + (size_t)pos * kvw, *vn = vc + (size_t)pos * kvw; /* this batch's cache rows */
+    if ((rc = le_matmul(m->pool, &w[LE_W_Q], 0, x, n, E, qg, qw)) ||
+        (rc = le_matmul(m->pool, &w[LE_W_K], 0, x, n, E, kn, kvw)) ||
+        (rc = le_matmul(m->pool, &w[LE_W_V], 0, x, n, E, vn, kvw)))
+        goto done;
+    const float *qn = (const float *)w[LE_W_Q_NORM].data, *knw = (const float *)w[LE_W_K_NORM].data;
+    for (int t = 0; t < n; t++) {
+        float *qt = qg + (size_t)t * qw, *kt = kn + (size_t)t * kvw;
+        for (int h = 0; h < nh; h++) le_rmsnorm(qt + h * 2 * hd, qn, hd, hp->rms_eps, qt + h * 2 * hd);
+        for (int h = 0; h < nkv; h++) le_rmsnorm(kt + h * hd, knw, hd, hp->rms_eps, kt + h * hd);
+        /* rotate q heads (stride 2*hd: the gate half is skipped) and k heads */
+        for (int h = 0; h < nh; h++)
+            le_rope_neox(qt + h * 2 * hd, 1, hd, hp->n_rot, hp->rope_sections, hp->rope_theta, pos + t);
+        le_rope_neox(kt, nkv, hd, hp->n_rot, hp->rope_sections, hp->rope_theta, pos + t);
+    }
+    attn_job jb = {m, qg, kc, vc, o, n, pos, 0};
+    le_parallel_for(m->pool, (int64_t)n * nh, 1, attn_rows, &jb);
+    if (jb.failed) {
+        rc = LE_FAIL(LE_ERR_NO_MEMORY, "attention scores");
+        goto done;
+    }
+    rc = le_matmul(m->pool, &w[LE_W_O], 0, o, n, nh * hd, out, E);
+done:
+    free(buf);
+    return rc;
+}

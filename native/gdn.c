@@ -1,0 +1,258 @@
+/* gdn.c — the Gated DeltaNet mixer (spec §2.3), scalar reference.
+ *
+ *   qkv = W_qkv x, z = W_gate x, beta = sigmoid(W_beta x), g = softplus(W_alpha x + dt_bias) * ssm_a
+ *   u   = SiLU(causal depthwise conv_K(qkv))           (conv state: the last K-1 raw qkv rows)
+ *   q, k = l2norm per head (q also * 1/sqrt(d_k)); v-head j reads k-head j % H_k (tiled GGUF order)
+ *   per v-head, state S [d_k, d_v] (f32):
+ *     S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q
+ *   o   = RMSNorm(o) * ssm_norm * SiLU(z) per head;  out = W_out o
+ *
+ * Two forms of the recurrence, equal in exact arithmetic: the recurrent step (decode,
+ * token by token) and the chunked form (prefill, chunks of 64 tokens: the intra-chunk
+ * interactions solved as a unit-lower-triangular system, one state update per chunk;
+ * transformers' torch_chunk_gated_delta_rule, llama.cpp's build_delta_net_chunking).
+ * Test: tests/test_model.py (against transformers and llama.cpp). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "le_internal.h"
+#include "le_ops.h"
+
+#define GDN_CHUNK 64
+#define L2NORM_EPS 1e-6f /* transformers' l2norm eps */
+
+typedef struct {
+    const le_model *m;
+    const float *u;     /* [n, conv_dim]: q | k | v after conv + SiLU + l2norm + q scale */
+    const float *beta;  /* [n, H_v] */
+    const float *g;     /* [n, H_v] log decay (<= 0) */
+    float *ssm;         /* [H_v, d_k, d_v] */
+    float *o;           /* [n, d_inner] */
+    int n, chunked, failed;
+} gdn_job;
+
+static int k_head_of(const le_hparams *hp, int j) {
+    return hp->gdn_tiled ? j % hp->ssm_n_group : j / (hp->ssm_dt_rank / hp->ssm_n_group);
+}
+
+/* The recurrent step for tokens [0, n) of v-head j. */
+static void gdn_recurrent_head(const gdn_job *jb, int j) {
+    const le_hparams *hp = &jb->m->hp;
+    int dk = hp->ssm_d_state, dv = hp->ssm_d_inner / hp->ssm_dt_rank, Hv = hp->ssm_dt_rank;
+    int kh = k_head_of(hp, j);
+    int conv_dim = 2 * hp->ssm_n_group * dk + hp->ssm_d_inner;
+    float *S = jb->ssm + (int64_t)j * dk * dv;
+    float delta[1024];
+    for (int t = 0; t < jb->n; t++) {
+        const float *row = jb->u + (int64_t)t * conv_dim;
+        const float *q = row + kh * dk;
+        const float *k = row + hp->ssm_n_group * dk + kh * dk;
+        const float *v = row + 2 * hp->ssm_n_group * dk + j * dv;
+        float decay = expf(jb->g[t * Hv + j]), beta = jb->beta[t * Hv + j];
+        /* S <- decay S;  kv = S^T k */
+        for (int c = 0; c < dv; c++) delta[c] = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            float *Si = S + (int64_t)i * dv;
+            for (int c = 0; c < dv; c++) {
+                Si[c] *= decay;
+                delta[c] += Si[c] * k[i];
+            }
+        }
+        for (int c = 0; c < dv; c++) delta[c] = beta * (v[c] - delta[c]);
+        /* S += k delta^T;  o = S^T q */
+        float *o = jb->o + (int64_t)t * hp->ssm_d_inner + j * dv;
+        for (int c = 0; c < dv; c++) o[c] = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            float *Si = S + (int64_t)i * dv;
+            for (int c = 0; c < dv; c++) {
+                Si[c] += k[i] * delta[c];
+                o[c] += Si[c] * q[i];
+            }
+        }
+    }
+}
+
+/* The chunked form for tokens [0, n) of v-head j (spec §2.3, chunk C = 64). */
+static int gdn_chunked_head(const gdn_job *jb, int j) {
+    const le_hparams *hp = &jb->m->hp;
+    int dk = hp->ssm_d_state, dv = hp->ssm_d_inner / hp->ssm_dt_rank, Hv = hp->ssm_dt_rank;
+    int kh = k_head_of(hp, j);
+    int conv_dim = 2 * hp->ssm_n_group * dk + hp->ssm_d_inner;
+    int C = GDN_CHUNK;
+    float *S = jb->ssm + (int64_t)j * dk * dv;
+    /* scratch: G [C], A [C, C], U [C, dv], W [C, dk], Vp [C, dv], tmp [dv] */
+    size_t floats = (size_t)C + (size_t)C * C + 2 * (size_t)C * dv + (size_t)C * dk + dv;
+    float *scratch = malloc(floats * sizeof(float));
+    if (!scratch) return 0;
+    float *G = scratch, *A = G + C, *U = A + C * C, *W = U + C * dv, *Vp = W + C * dk, *tmp = Vp + C * dv;
+
+    for (int c0 = 0; c0 < jb->n; c0 += C) {
+        int L = jb->n - c0 < C ? jb->n - c0 : C;
+#define Q_(i) (jb->u + (int64_t)(c0 + (i)) * conv_dim + kh * dk)
+#define K_(i) (jb->u + (int64_t)(c0 + (i)) * conv_dim + hp->ssm_n_group * dk + kh * dk)
+#define V_(i) (jb->u + (int64_t)(c0 + (i)) * conv_dim + 2 * hp->ssm_n_group * dk + j * dv)
+#define BETA(i) (jb->beta[(int64_t)(c0 + (i)) * Hv + j])
+        /* G_i = cumulative log decay inside the chunk */
+        float acc = 0.0f;
+        for (int i = 0; i < L; i++) {
+            acc += jb->g[(int64_t)(c0 + i) * Hv + j];
+            G[i] = acc;
+        }
+        /* A_ij = beta_i (k_i . k_j) exp(G_i - G_j), j < i */
+        for (int i = 0; i < L; i++)
+            for (int jj = 0; jj < i; jj++) {
+                const float *ki = K_(i), *kj = K_(jj);
+                float d = 0.0f;
+                for (int e = 0; e < dk; e++) d += ki[e] * kj[e];
+                A[i * C + jj] = BETA(i) * d * expf(G[i] - G[jj]);
+            }
+        /* forward substitution of (I + A): U = T (beta V), W = T (beta e^G K) */
+        for (int i = 0; i < L; i++) {
+            float b = BETA(i), eg = expf(G[i]);
+            const float *vi = V_(i), *ki = K_(i);
+            float *Ui = U + i * dv, *Wi = W + i * dk;
+            for (int c = 0; c < dv; c++) Ui[c] = b * vi[c];
+            for (int e = 0; e < dk; e++) Wi[e] = b * eg * ki[e];
+            for (int jj = 0; jj < i; jj++) {
+                float a = A[i * C + jj];
+                const float *Uj = U + jj * dv, *Wj = W + jj * dk;
+                for (int c = 0; c < dv; c++) Ui[c] -= a * Uj[c];
+                for (int e = 0; e < dk; e++) Wi[e] -= a * Wj[e];
+            }
+        }
+        /* V' = U - W S */
+        for (int i = 0; i < L; i++) {
+            float *Vi = Vp + i * dv;
+            memcpy(Vi, U + i * dv, (size_t)dv * sizeof(float));
+            const float *Wi = W + i * dk;
+            for (int e = 0; e < dk; e++) {
+                const float *Se = S + (int64_t)e * dv;
+                float we = Wi[e];
+                for (int c = 0; c < dv; c++) Vi[c] -= we * Se[c];
+            }
+        }
+        /* O_i = e^{G_i} (S^T q_i) + sum_{j<=i} (q_i . k_j) e^{G_i - G_j} V'_j */
+        for (int i = 0; i < L; i++) {
+            const float *qi = Q_(i);
+            float *o = jb->o + (int64_t)(c0 + i) * hp->ssm_d_inner + j * dv;
+            for (int c = 0; c < dv; c++) tmp[c] = 0.0f;
+            for (int e = 0; e < dk; e++) {
+                const float *Se = S + (int64_t)e * dv;
+                for (int c = 0; c < dv; c++) tmp[c] += Se[c] * qi[e];
+            }
+            float eg = expf(G[i]);
+            for (int c = 0; c < dv; c++) o[c] = eg * tmp[c];
+            for (int jj = 0; jj <= i; jj++) {
+                const float *kj = K_(jj);
+                float d = 0.0f;
+                for (int e = 0; e < dk; e++) d += qi[e] * kj[e];
+                float coef = d * expf(G[i] - G[jj]);
+                const float *Vj = Vp + jj * dv;
+                for (int c = 0; c < dv; c++) o[c] += coef * Vj[c];
+            }
+        }
+        /* S <- e^{G_last} S + sum_j e^{G_last - G_j} k_j V'_j^T */
+        float glast = G[L - 1], elast = expf(glast);
+        for (int64_t e = 0; e < (int64_t)dk * dv; e++) S[e] *= elast;
+        for (int jj = 0; jj < L; jj++) {
+            const float *kj = K_(jj), *Vj = Vp + jj * dv;
+            float f = expf(glast - G[jj]);
+            for (int e = 0; e < dk; e++) {
+                float ke = f * kj[e];
+                float *Se = S + (int64_t)e * dv;
+                for (int c = 0; c < dv; c++) Se[c] += ke * Vj[c];
+            }
+        }
+#undef Q_
+#undef K_
+#undef V_
+#undef BETA
+    }
+    free(scratch);
+    return 1;
+}
+
+static void gdn_heads(void *ctx, int64_t h0, int64_t h1, int thread) {
+    gdn_job *jb = ctx;
+    for (int64_t j = h0; j < h1; j++) {
+        if (jb->chunked) {
+            if (!gdn_chunked_head(jb, (int)j)) __atomic_store_n(&jb->failed, 1, __ATOMIC_RELAXED);
+        } else {
+            gdn_recurrent_head(jb, (int)j);
+        }
+    }
+}
+
+int le_gdn_layer(const le_model *m, const le_weight *w, const float *x, int n, float *conv, float *ssm,
+                 int chunked, float *out) {
+    const le_hparams *hp = &m->hp;
+    int E = hp->n_embd, Hk = hp->ssm_n_group, Hv = hp->ssm_dt_rank, dk = hp->ssm_d_state;
+    int dinner = hp->ssm_d_inner, dv = dinner / Hv, K = hp->ssm_conv_kernel;
+    int conv_dim = 2 * Hk * dk + dinner;
+    if (dv > 1024) return LE_FAIL(LE_ERR_UNSUPPORTED, "value head size %d > 1024", dv);
+    int rc = LE_OK;
+    /* scratch: xin [(K-1)+n, conv_dim], u [n, conv_dim], z [n, dinner], b, a [n, Hv], o [n, dinner] */
+    size_t floats = (size_t)(K - 1 + n) * conv_dim + (size_t)n * conv_dim + 2 * (size_t)n * dinner + 2 * (size_t)n * Hv;
+    float *buf = malloc(floats * sizeof(float));
+    if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "gdn scratch for %d tokens", n);
+    float *xin = buf, *u = xin + (size_t)(K - 1 + n) * conv_dim, *z = u + (size_t)n * conv_dim;
+    float *b = z + (size_t)n * dinner, *a = b + (size_t)n * Hv, *o = a + (size_t)n * Hv;
+
+    /* projections; qkv lands after the K-1 rows of conv state */
+    memcpy(xin, conv, (size_t)(K - 1) * conv_dim * sizeof(float));
+    float *qkv = xin + (size_t)(K - 1) * conv_dim;
+    if ((rc = le_matmul(m->pool, &w[LE_W_GDN_QKV], 0, x, n, E, qkv, conv_dim)) ||
+        (rc = le_matmul(m->pool, &w[LE_W_GDN_GATE], 0, x, n, E, z, dinner)) ||
+        (rc = le_matmul(m->pool, &w[LE_W_SSM_BETA], 0, x, n, E, b, Hv)) ||
+        (rc = le_matmul(m->pool, &w[LE_W_SSM_ALPHA], 0, x, n, E, a, Hv)))
+        goto done;
+
+    /* beta = sigmoid(b);  g = softplus(a + dt_bias) * ssm_a  (ssm_a = -exp(A_log) < 0) */
+    const float *dt = (const float *)w[LE_W_SSM_DT].data, *A = (const float *)w[LE_W_SSM_A].data;
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < Hv; h++) {
+            b[t * Hv + h] = le_sigmoid(b[t * Hv + h]);
+            a[t * Hv + h] = le_softplus(a[t * Hv + h] + dt[h]) * A[h];
+        }
+
+    /* causal depthwise conv + SiLU: u[t, c] = SiLU(sum_k w[c, k] xin[t + k, c]); tap K-1 is the current token */
+    const float *cw = (const float *)w[LE_W_SSM_CONV].data; /* [conv_dim, K] */
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < conv_dim; c++) {
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) s += cw[c * K + k] * xin[(size_t)(t + k) * conv_dim + c];
+            u[(size_t)t * conv_dim + c] = le_silu(s);
+        }
+    /* new conv state: the last K-1 raw inputs */
+    memmove(conv, xin + (size_t)n * conv_dim, (size_t)(K - 1) * conv_dim * sizeof(float));
+
+    /* l2norm q and k per head; scale q by 1/sqrt(d_k) */
+    float qscale = 1.0f / sqrtf((float)dk);
+    for (int t = 0; t < n; t++) {
+        float *row = u + (size_t)t * conv_dim;
+        for (int h = 0; h < 2 * Hk; h++) le_l2norm(row + h * dk, dk, L2NORM_EPS);
+        for (int i = 0; i < Hk * dk; i++) row[i] *= qscale;
+    }
+
+    gdn_job jb = {m, u, b, a, ssm, o, n, chunked, 0};
+    le_parallel_for(m->pool, Hv, 1, gdn_heads, &jb);
+    if (jb.failed) {
+        rc = LE_FAIL(LE_ERR_NO_MEMORY, "gdn chunk scratch");
+        goto done;
+    }
+
+    /* gated RMSNorm per v-head: o = RMSNorm(o) * ssm_norm * SiLU(z) */
+    const float *nw = (const float *)w[LE_W_SSM_NORM].data;
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < Hv; h++) {
+            float *oh = o + (size_t)t * dinner + h * dv;
+            const float *zh = z + (size_t)t * dinner + h * dv;
+            le_rmsnorm(oh, nw, dv, hp->rms_eps, oh);
+            for (int c = 0; c < dv; c++) oh[c] *= le_silu(zh[c]);
+        }
+    rc = le_matmul(m->pool, &w[LE_W_SSM_OUT], 0, o, n, dinner, out, E);
+done:
+    free(buf);
+    return rc;
+}

@@ -1,0 +1,91 @@
+/* le_model.h — the Qwen3.5/3.6 forward pass on the CPU (reference path, fp32 activations).
+ *
+ * A model is a set of weight pointers (into the memory-mapped GGUF: never copied) with
+ * their ggml types, plus hyperparameters. A state holds one sequence: the conv and SSM
+ * state of every Gated DeltaNet layer, the KV cache of every attention layer, and the
+ * position. le_forward runs n tokens from the state's position, updates the state, and
+ * writes logits. States can be saved to / restored from a flat buffer at any position.
+ * This header is fed to cffi's cdef: declarations only, no macros. */
+#ifndef LE_MODEL_H
+#define LE_MODEL_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+typedef struct {
+    int n_layer;          /* layers to run (MTP excluded) */
+    int n_embd;
+    int n_vocab;
+    int n_head, n_head_kv, head_dim;
+    int n_rot;            /* rotary dims (NeoX pairs (i, i + n_rot/2)) */
+    int rope_sections[4]; /* IMRoPE sections (t, h, w, e); all 0 = plain NeoX */
+    float rope_theta;
+    float rms_eps;
+    int ssm_conv_kernel;  /* K */
+    int ssm_d_state;      /* d_k = d_v */
+    int ssm_n_group;      /* H_k */
+    int ssm_dt_rank;      /* H_v */
+    int ssm_d_inner;      /* H_v * d_v */
+    int gdn_tiled;        /* 1: v-head j uses k-head j % H_k (qwen35*); 0: j / (H_v/H_k) (qwen3next) */
+    int n_ff;             /* dense FFN width, 0 for MoE */
+    int n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
+    int recurrent[512];   /* per layer: 1 Gated DeltaNet, 0 full attention */
+} le_hparams;
+
+/* Weight slots; `layer` -1 for the global ones. */
+typedef enum {
+    LE_W_TOKEN_EMBD = 0, LE_W_OUTPUT_NORM, LE_W_OUTPUT,
+    LE_W_ATTN_NORM, LE_W_POST_NORM,
+    /* Gated DeltaNet */
+    LE_W_GDN_QKV, LE_W_GDN_GATE, LE_W_SSM_CONV, LE_W_SSM_DT, LE_W_SSM_A, LE_W_SSM_BETA, LE_W_SSM_ALPHA,
+    LE_W_SSM_NORM, LE_W_SSM_OUT,
+    /* gated attention */
+    LE_W_Q, LE_W_K, LE_W_V, LE_W_O, LE_W_Q_NORM, LE_W_K_NORM,
+    /* dense FFN */
+    LE_W_FFN_GATE, LE_W_FFN_UP, LE_W_FFN_DOWN,
+    /* MoE */
+    LE_W_GATE_INP, LE_W_GATE_EXPS, LE_W_UP_EXPS, LE_W_DOWN_EXPS,
+    LE_W_GATE_INP_SHEXP, LE_W_GATE_SHEXP, LE_W_UP_SHEXP, LE_W_DOWN_SHEXP,
+    LE_W_COUNT
+} le_weight_slot;
+
+typedef struct le_model le_model;
+typedef struct le_state le_state;
+
+/* Creates a model with n_threads worker threads (>= 1); weights are set afterwards. */
+int le_model_create(const le_hparams *hp, int n_threads, le_model **out);
+void le_model_free(le_model *m);
+
+/* Sets one weight: `data` holds ne1 rows of ne0 elements of `type` (x ne2 matrices for
+ * expert tensors, `nb2` bytes apart; nb2 = 0 means contiguous). The memory must outlive
+ * the model. Shapes are checked against the hyperparameters. */
+int le_model_set_weight(le_model *m, int layer, int slot, const void *data, int type,
+                        int64_t ne0, int64_t ne1, int64_t ne2, int64_t nb2);
+
+/* Checks that every weight the hyperparameters need is set. */
+int le_model_finalize(le_model *m);
+
+/* A sequence state for up to n_ctx positions. */
+int le_state_create(const le_model *m, int n_ctx, le_state **out);
+void le_state_free(le_state *s);
+int le_state_pos(const le_state *s);
+int le_state_n_ctx(const le_state *s);
+/* Forgets everything: position 0, zero recurrent state. */
+void le_state_reset(le_state *s);
+/* Bytes le_state_save writes at the state's current position. */
+int64_t le_state_nbytes(const le_state *s);
+/* Serialises position, conv + SSM states and KV[0:pos] to buf (nbytes >= le_state_nbytes). */
+int le_state_save(const le_state *s, void *buf, int64_t nbytes);
+/* Restores from a buffer written by le_state_save for the same model. */
+int le_state_restore(le_state *s, const void *buf, int64_t nbytes);
+/* dst := src (same model, dst->n_ctx >= src position). */
+int le_state_copy(le_state *dst, const le_state *src);
+
+/* Runs tokens[0..n) at positions pos..pos+n-1 and advances the state.
+ * logits: [n_out, n_vocab] f32 where n_out = n if all_logits else 1 (the last token's);
+ * may be NULL to skip the LM head. chunked: 1 uses the chunked Gated DeltaNet form for
+ * the whole batch (prefill), 0 the recurrent step token by token. */
+int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *logits, int all_logits,
+               int chunked);
+
+#endif
