@@ -120,8 +120,18 @@ def quantize_row(qtype: int, x: np.ndarray) -> bytes:
 
 HPARAM_FIELDS = ("n_layer", "n_embd", "n_vocab", "n_head", "n_head_kv", "head_dim", "n_rot", "rope_theta",
                  "rms_eps", "ssm_conv_kernel", "ssm_d_state", "ssm_n_group", "ssm_dt_rank", "ssm_d_inner",
-                 "gdn_tiled", "n_ff", "n_expert", "n_expert_used", "n_ff_exp", "n_ff_shexp")
+                 "gdn_tiled", "n_ff", "n_expert", "n_expert_used", "n_ff_exp", "n_ff_shexp", "faults")
 MAX_LAYERS = 512
+
+
+def fault_bits(faults: dict) -> int:
+    """Negative-control fault injection (tests only): names -> LE_FAULT_* bits.
+    'gdn_grouped' is not a bit: it clears le_hparams.gdn_tiled (model.py)."""
+    unknown = set(faults) - {"rope_interleaved", "no_topk_renorm", "gdn_grouped"}
+    if unknown:
+        raise ValueError(f"unknown faults {sorted(unknown)}")
+    return ((lib.LE_FAULT_ROPE_INTERLEAVED if faults.get("rope_interleaved") else 0)
+            | (lib.LE_FAULT_NO_TOPK_RENORM if faults.get("no_topk_renorm") else 0))
 
 
 def weight_slot(name: str) -> int:

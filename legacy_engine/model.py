@@ -43,7 +43,9 @@ def default_threads() -> int:
 
 
 class Model:
-    def __init__(self, path: str | os.PathLike, n_threads: int | None = None):
+    def __init__(self, path: str | os.PathLike, n_threads: int | None = None, _faults: dict | None = None):
+        """_faults (tests only): inject known bugs for negative controls, e.g.
+        {"rope_interleaved": True, "no_topk_renorm": True, "gdn_grouped": True}."""
         self.file = ModelFile.open(path)
         hp = self.hparams = self.file.hparams
         if hp.arch == "qwen3next":
@@ -54,8 +56,8 @@ class Model:
                  n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, n_rot=hp.n_rot, rope_theta=hp.rope_theta,
                  rms_eps=hp.rms_eps, ssm_conv_kernel=hp.ssm_conv_kernel, ssm_d_state=hp.ssm_d_state,
                  ssm_n_group=hp.ssm_n_group, ssm_dt_rank=hp.ssm_dt_rank, ssm_d_inner=hp.ssm_d_inner,
-                 gdn_tiled=1, n_ff=hp.n_ff, n_expert=hp.n_expert, n_expert_used=hp.n_expert_used,
-                 n_ff_exp=hp.n_ff_exp, n_ff_shexp=hp.n_ff_shexp)
+                 gdn_tiled=0 if (_faults or {}).get("gdn_grouped") else 1, n_ff=hp.n_ff, n_expert=hp.n_expert, n_expert_used=hp.n_expert_used,
+                 n_ff_exp=hp.n_ff_exp, n_ff_shexp=hp.n_ff_shexp, faults=_native.fault_bits(_faults or {}))
         self.native = _native.NativeModel(c, list(hp.recurrent), hp.rope_sections, self.n_threads)
         self._set_weights()
         self.native.finalize()

@@ -60,7 +60,8 @@ static inline float le_softplus(float x) { return x > 20.0f ? x : __builtin_log1
  * NeoX rotation of the first n_rot dims of each head (pairs (i, i + n_rot/2)) at text
  * position pos; IMRoPE sections pick each frequency slot's position component as ggml
  * does (text tokens: t = h = w = pos, e = 0). x: [n_heads, head_dim] */
-void le_rope_neox(float *x, int n_heads, int head_dim, int n_rot, const int sections[4], float theta, int pos);
+void le_rope_neox(float *x, int n_heads, int head_dim, int n_rot, const int sections[4], float theta, int pos,
+                  int faults);
 
 /* ---- gdn.c -------------------------------------------------------------------------
  * The Gated DeltaNet mixer of one layer for n tokens. x: [n, n_embd] normalised input;

@@ -74,6 +74,7 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
             wsum += l[best];
         }
         if (wsum < MOE_WSUM_MIN) wsum = MOE_WSUM_MIN;
+        if (hp->faults & LE_FAULT_NO_TOPK_RENORM) wsum = 1.0f;
         for (int s = 0; s < k; s++) {
             wsel[t * k + s] /= wsum;
             int e = sel[t * k + s];

@@ -9,8 +9,11 @@
 
 #include "le_ops.h"
 
-void le_rope_neox(float *x, int n_heads, int head_dim, int n_rot, const int sections[4], float theta, int pos) {
+void le_rope_neox(float *x, int n_heads, int head_dim, int n_rot, const int sections[4], float theta, int pos,
+                  int faults) {
     int half = n_rot / 2;
+    /* pair (a, b) of slot i: NeoX (i, i + half); the injected fault uses GPT-J's (2i, 2i + 1) */
+    int interleaved = faults & LE_FAULT_ROPE_INTERLEAVED;
     int imrope = sections[0] + sections[1] + sections[2] + sections[3] > 0;
     for (int i = 0; i < half; i++) {
         int p = pos;
@@ -26,9 +29,10 @@ void le_rope_neox(float *x, int n_heads, int head_dim, int n_rot, const int sect
         float c = (float)cos(ang), s = (float)sin(ang);
         for (int h = 0; h < n_heads; h++) {
             float *v = x + (int64_t)h * head_dim;
-            float a = v[i], b = v[i + half];
-            v[i] = a * c - b * s;
-            v[i + half] = a * s + b * c;
+            int ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+            float a = v[ia], b = v[ib];
+            v[ia] = a * c - b * s;
+            v[ib] = a * s + b * c;
         }
     }
 }

@@ -30,7 +30,14 @@ typedef struct {
     int n_ff;             /* dense FFN width, 0 for MoE */
     int n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
     int recurrent[512];   /* per layer: 1 Gated DeltaNet, 0 full attention */
+    int faults;           /* 0 always, except in negative-control tests: LE_FAULT_* bits inject a known bug */
 } le_hparams;
+
+/* Known bugs the oracle tests must catch (tests/test_model.py negative controls). */
+typedef enum {
+    LE_FAULT_ROPE_INTERLEAVED = 1, /* rotate pairs (2i, 2i+1) instead of NeoX (i, i + n_rot/2) */
+    LE_FAULT_NO_TOPK_RENORM = 2    /* use the softmax weights of the top-k experts without renormalising */
+} le_fault;
 
 /* Weight slots; `layer` -1 for the global ones. */
 typedef enum {
