@@ -130,7 +130,8 @@ class Session:
     def stream(self, prompt: str | list[int], max_tokens: int = 128, params: SamplingParams | None = None,
                stop: list[str] | None = None, result: list | None = None) -> Iterator[str]:
         """Yields text pieces as they are generated. A Generation is appended to `result`
-        when given. Stops at an EOS token, a stop string (not included), or max_tokens."""
+        when given. Stops at an EOS token or a stop string (not included): finish "stop";
+        at max_tokens or a full context: finish "length"."""
         tok = self.engine.tokenizer
         ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if max_tokens < 0:
@@ -156,6 +157,8 @@ class Session:
                 emit, pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
                 text += emit
                 yield emit
+            if self.pos >= self.state.n_ctx:  # the context is full: stop like max_tokens does
+                break
             if i + 1 < max_tokens:
                 logits = self.decode(t)
             else:  # the last sampled token still enters the state, so the session can continue

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from gguf_writer import small_hparams, write_gguf
 from legacy_engine.errors import EngineError, FormatError
-from legacy_engine.gguf_file import GGUFFile, prescan
+from gguf import GGUFReader
+
+from legacy_engine.gguf_file import GGUFFile
 from legacy_engine.gguf_model import ModelFile, expected_tensors
 
 pytestmark = pytest.mark.cpu
@@ -38,6 +40,26 @@ def test_valid_files_open(tmp_path, arch):
     # data views are zero-copy windows of the right size
     t = m.tensors["token_embd.weight"]
     assert m.gguf.data(t.name).nbytes == t.n_bytes == 96 * 64 * 4
+
+
+@pytest.mark.oracle
+def test_reader_agrees_with_gguf_py(tmp_path):
+    # gguf-py's GGUFReader is the oracle for what the header says
+    hp = small_hparams("qwen35moe")
+    p = write_gguf(tmp_path / "m.gguf", hp, extra_keys={"tokenizer.ggml.tokens": [f"t{i}\u00e9" for i in range(96)],
+                                                         "general.name": "tiny", "x.flag": True})
+    ours, ref = GGUFFile(p), GGUFReader(p)
+    ref_meta = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata.keys() == ref_meta.keys()
+    for k, v in ref_meta.items():
+        assert ours.metadata[k] == v, k
+        assert ours.value_type(k) == ref.fields[k].types[-1], k
+    assert [t.name for t in ref.tensors] == list(ours.tensors)
+    for t in ref.tensors:
+        mine = ours.tensors[t.name]
+        assert (mine.type, mine.ne, mine.n_bytes, mine.offset) == (int(t.tensor_type), tuple(int(d) for d in t.shape),
+                                                                   t.n_bytes, t.data_offset)
+        assert np.array_equal(ours.data(t.name), t.data.reshape(-1).view(np.uint8))
 
 
 def test_layers_to_run_excludes_mtp(tmp_path):
