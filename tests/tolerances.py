@@ -17,3 +17,8 @@ F16_ROUNDTRIP_REL = 2.0**-11
 
 # BF16 round trip of normal f32 values: round to nearest, 7-bit mantissa.
 BF16_ROUNDTRIP_REL = 2.0**-8
+
+# `legacy-engine convert` vs llama.cpp's converter, f32 values: bit-identical except ssm_a = −exp(A_log), which
+# llama.cpp takes with torch's float32 exp and we with numpy's float64 exp rounded once (no torch in the engine):
+# at most 1 ulp of f32, <= 2^-23 ~ 1.2e-7 relative; 1e-6 leaves room and still catches any wrong transform.
+CONVERT_F32_REL = 1e-6
