@@ -74,9 +74,9 @@ int le_attention_layer(const le_model *m, const le_weight *w, const float *x, in
     if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "attention scratch for %d tokens", n);
     float *qg = buf, *o = qg + (size_t)n * qw;
     float *kn = kc + (size_t)pos * kvw, *vn = vc + (size_t)pos * kvw; /* this batch's cache rows */
-    if ((rc = le_matmul(m->pool, &w[LE_W_Q], 0, x, n, E, qg, qw)) ||
-        (rc = le_matmul(m->pool, &w[LE_W_K], 0, x, n, E, kn, kvw)) ||
-        (rc = le_matmul(m->pool, &w[LE_W_V], 0, x, n, E, vn, kvw)))
+    if ((rc = le_matmul(m->pool, m->int8, &w[LE_W_Q], 0, x, n, E, qg, qw)) ||
+        (rc = le_matmul(m->pool, m->int8, &w[LE_W_K], 0, x, n, E, kn, kvw)) ||
+        (rc = le_matmul(m->pool, m->int8, &w[LE_W_V], 0, x, n, E, vn, kvw)))
         goto done;
     const float *qn = (const float *)w[LE_W_Q_NORM].data, *knw = (const float *)w[LE_W_K_NORM].data;
     for (int t = 0; t < n; t++) {
@@ -94,7 +94,7 @@ int le_attention_layer(const le_model *m, const le_weight *w, const float *x, in
         rc = LE_FAIL(LE_ERR_NO_MEMORY, "attention scores");
         goto done;
     }
-    rc = le_matmul(m->pool, &w[LE_W_O], 0, o, n, nh * hd, out, E);
+    rc = le_matmul(m->pool, m->int8, &w[LE_W_O], 0, o, n, nh * hd, out, E);
 done:
     free(buf);
     return rc;

@@ -43,7 +43,7 @@ ffibuilder.set_source(
     "legacy_engine._core",
     "\n".join(f'#include "{h}"' for h in API_HEADERS),
     sources=sources(),
-    include_dirs=[os.path.relpath(INCLUDE, ROOT), "native"],
+    include_dirs=[os.path.relpath(INCLUDE, ROOT), "native", "cpu_simd"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                         "-fno-strict-aliasing"],
     libraries=["dl", "m", "pthread"],

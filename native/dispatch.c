@@ -14,8 +14,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "le_caps.h"
 #include "le_dispatch.h"
 #include "le_internal.h"
+#include "le_simd.h"
 
 /* Adapters from the typed reference kernels to the table's void-pointer
  * signatures (calling through a cast function pointer would be undefined). */
@@ -146,5 +152,120 @@ int le_quantize_row(int type, const float *src, void *dst, int64_t n) {
                        "le_quantize_row: no quantiser for %s (only f32, f16, bf16, q8_0, q8_1, q8_K)",
                        t->name);
     t->quantize_row(src, dst, n);
+    return LE_OK;
+}
+
+/* ---- kernel tiers -----------------------------------------------------------------
+ * The selected integer kernels live in g_vec_dot / g_act, chosen per type from the
+ * per-ISA tables of cpu_simd/ (le_simd.h): the requested tier, or the best lower tier
+ * that has a kernel for the type. Selected once at first use with the best tier the
+ * CPU supports, or the one $LE_FORCE_ISA names (ref|ssse3|avx2|avx512vnni, if the CPU
+ * has it); le_set_isa changes it (tests run every path that way). */
+
+static le_vec_dot_fn g_vec_dot[LE_TYPE_COUNT];
+static signed char g_vec_dot_isa[LE_TYPE_COUNT];
+static le_quantize_row_fn g_act[LE_TYPE_COUNT];
+static int g_isa = LE_ISA_REF;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static const char *const k_isa_names[LE_ISA_COUNT] = {"ref", "ssse3", "avx2", "avx512vnni"};
+
+int le_isa_supported(int isa) {
+    le_cpu_info c;
+    le_cpu_detect(&c);
+    switch (isa) {
+    case LE_ISA_REF: return 1;
+    case LE_ISA_SSSE3: return c.ssse3;
+    case LE_ISA_AVX2: return c.avx2 && c.fma;
+    case LE_ISA_AVX512VNNI: return c.avx512f && c.avx512bw && c.avx512vl && c.avx512vnni;
+    default: return 0;
+    }
+}
+
+static void select_isa(int isa) {
+    for (int t = 0; t < LE_TYPE_COUNT; t++) {
+        g_vec_dot[t] = NULL;
+        g_vec_dot_isa[t] = -1;
+        g_act[t] = k_traits[t].name && (t == LE_TYPE_Q8_0 || t == LE_TYPE_Q8_1 || t == LE_TYPE_Q8_K)
+                       ? k_traits[t].quantize_row : NULL;
+        for (int i = isa; i >= 0; i--)
+            if (le_vec_dot_table[i][t]) {
+                g_vec_dot[t] = le_vec_dot_table[i][t];
+                g_vec_dot_isa[t] = (signed char)i;
+                break;
+            }
+        for (int i = isa; i >= 0; i--)
+            if (le_quantize_act_table[i][t]) {
+                g_act[t] = le_quantize_act_table[i][t];
+                break;
+            }
+    }
+    g_isa = isa;
+}
+
+static void init_once(void) {
+    int best = LE_ISA_REF;
+    for (int i = LE_ISA_COUNT - 1; i > 0; i--)
+        if (le_isa_supported(i)) {
+            best = i;
+            break;
+        }
+    const char *force = getenv("LE_FORCE_ISA");
+    if (force)
+        for (int i = 0; i < LE_ISA_COUNT; i++)
+            if (strcmp(force, k_isa_names[i]) == 0 && le_isa_supported(i)) best = i;
+    select_isa(best);
+}
+
+int le_set_isa(int isa) {
+    pthread_once(&g_once, init_once);
+    if (isa < 0 || isa >= LE_ISA_COUNT) return LE_FAIL(LE_ERR_INVALID_ARG, "ISA tier %d out of range", isa);
+    if (!le_isa_supported(isa))
+        return LE_FAIL(LE_ERR_UNAVAILABLE, "this CPU cannot run %s kernels", k_isa_names[isa]);
+    pthread_mutex_lock(&g_mu);
+    select_isa(isa);
+    pthread_mutex_unlock(&g_mu);
+    return LE_OK;
+}
+
+int le_get_isa(void) {
+    pthread_once(&g_once, init_once);
+    return g_isa;
+}
+
+int le_kernel_isa(int type) {
+    pthread_once(&g_once, init_once);
+    return type >= 0 && type < LE_TYPE_COUNT ? g_vec_dot_isa[type] : -1;
+}
+
+le_vec_dot_fn le_get_vec_dot(int type) {
+    pthread_once(&g_once, init_once);
+    return type >= 0 && type < LE_TYPE_COUNT ? g_vec_dot[type] : NULL;
+}
+
+le_quantize_row_fn le_get_act_quantizer(int act_type) {
+    pthread_once(&g_once, init_once);
+    return act_type >= 0 && act_type < LE_TYPE_COUNT ? g_act[act_type] : NULL;
+}
+
+int le_vec_dot(int type, int64_t n, const void *x, const void *y, float *out) {
+    const le_type_traits_t *t;
+    int rc = check_row("le_vec_dot", type, x, y, n, &t);
+    if (rc != LE_OK) return rc;
+    if (out == NULL) return LE_FAIL(LE_ERR_INVALID_ARG, "le_vec_dot: out is NULL");
+    le_vec_dot_fn f = le_get_vec_dot(type);
+    if (f == NULL) return LE_FAIL(LE_ERR_UNSUPPORTED, "le_vec_dot: no integer dot product for %s", t->name);
+    f(n, out, x, y);
+    return LE_OK;
+}
+
+int le_quantize_act(int act_type, const float *src, void *dst, int64_t n) {
+    const le_type_traits_t *t;
+    int rc = check_row("le_quantize_act", act_type, src, dst, n, &t);
+    if (rc != LE_OK) return rc;
+    le_quantize_row_fn f = le_get_act_quantizer(act_type);
+    if (f == NULL) return LE_FAIL(LE_ERR_UNSUPPORTED, "le_quantize_act: %s is not an activation type", t->name);
+    f(src, dst, n);
     return LE_OK;
 }

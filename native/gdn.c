@@ -202,10 +202,10 @@ int le_gdn_layer(const le_model *m, const le_weight *w, const float *x, int n, f
     /* projections; qkv lands after the K-1 rows of conv state */
     memcpy(xin, conv, (size_t)(K - 1) * conv_dim * sizeof(float));
     float *qkv = xin + (size_t)(K - 1) * conv_dim;
-    if ((rc = le_matmul(m->pool, &w[LE_W_GDN_QKV], 0, x, n, E, qkv, conv_dim)) ||
-        (rc = le_matmul(m->pool, &w[LE_W_GDN_GATE], 0, x, n, E, z, dinner)) ||
-        (rc = le_matmul(m->pool, &w[LE_W_SSM_BETA], 0, x, n, E, b, Hv)) ||
-        (rc = le_matmul(m->pool, &w[LE_W_SSM_ALPHA], 0, x, n, E, a, Hv)))
+    if ((rc = le_matmul(m->pool, m->int8, &w[LE_W_GDN_QKV], 0, x, n, E, qkv, conv_dim)) ||
+        (rc = le_matmul(m->pool, m->int8, &w[LE_W_GDN_GATE], 0, x, n, E, z, dinner)) ||
+        (rc = le_matmul(m->pool, m->int8, &w[LE_W_SSM_BETA], 0, x, n, E, b, Hv)) ||
+        (rc = le_matmul(m->pool, m->int8, &w[LE_W_SSM_ALPHA], 0, x, n, E, a, Hv)))
         goto done;
 
     /* beta = sigmoid(b);  g = softplus(a + dt_bias) * ssm_a  (ssm_a = -exp(A_log) < 0) */
@@ -251,7 +251,7 @@ int le_gdn_layer(const le_model *m, const le_weight *w, const float *x, int n, f
             le_rmsnorm(oh, nw, dv, hp->rms_eps, oh);
             for (int c = 0; c < dv; c++) oh[c] *= le_silu(zh[c]);
         }
-    rc = le_matmul(m->pool, &w[LE_W_SSM_OUT], 0, o, n, dinner, out, E);
+    rc = le_matmul(m->pool, m->int8, &w[LE_W_SSM_OUT], 0, o, n, dinner, out, E);
 done:
     free(buf);
     return rc;

@@ -19,6 +19,9 @@ typedef void (*le_dequantize_row_fn)(const void *x, float *y, int64_t n);
 /* x: n f32 -> y: n/block_size blocks of the row's type. */
 typedef void (*le_quantize_row_fn)(const float *x, void *y, int64_t n);
 
+/* *s = dot(x: a weight row of n elements, y: the activations in the type's vec_dot_type). */
+typedef void (*le_vec_dot_fn)(int64_t n, float *s, const void *x, const void *y);
+
 typedef struct {
     const char *name;                    /* ggml's spelling: "q4_K"; NULL marks an unsupported id */
     int block_size;                      /* elements per block */
@@ -30,6 +33,11 @@ typedef struct {
 
 /* The row of a type id, or NULL when the id is unknown or unsupported. */
 const le_type_traits_t *le_get_type_traits(int type);
+
+/* The selected tier's integer dot product of a weight type (NULL: none, use dequantise + f32),
+ * and the selected activation quantiser of an activation type (never NULL for Q8_0/Q8_1/Q8_K). */
+le_vec_dot_fn le_get_vec_dot(int type);
+le_quantize_row_fn le_get_act_quantizer(int act_type);
 
 /* ---- scalar references (quants_ref.c) --------------------------------------- */
 

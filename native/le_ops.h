@@ -27,6 +27,7 @@ struct le_model {
     le_weight (*layer)[LE_W_COUNT]; /* [n_layer][LE_W_COUNT] */
     int n_gdn, n_attn;
     int *state_index;              /* layer -> index among GDN layers or among attention layers */
+    int int8;                      /* 1: quantised weights use the integer dot products (W4A8 ...) */
 };
 
 struct le_state {
@@ -41,9 +42,11 @@ struct le_state {
 /* ---- matmul.c ---------------------------------------------------------------------
  * y[t, o] = sum_i W_e[o, i] * x[t, i] for t < n_tok, o < W.ne1.
  * x: [n_tok, W.ne0] with row stride ldx; y: [n_tok, W.ne1] with row stride ldy.
- * Each weight row is dequantised once and dotted with every token (prefill-friendly). */
-int le_matmul(le_pool *pool, const le_weight *w, int64_t expert, const float *x, int64_t n_tok, int64_t ldx,
-              float *y, int64_t ldy);
+ * int8 = 1 and a quantised weight type with an integer kernel: x is quantised once to
+ * the type's activation type and each row goes through the selected vec_dot (W4A8 ...).
+ * Otherwise each weight row is dequantised once and dotted in f32 with every token. */
+int le_matmul(le_pool *pool, int int8, const le_weight *w, int64_t expert, const float *x, int64_t n_tok,
+              int64_t ldx, float *y, int64_t ldy);
 /* One row of a weight as f32 (embedding lookup). out: [W.ne0] */
 void le_weight_row(const le_weight *w, int64_t row, float *out);
 

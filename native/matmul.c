@@ -30,7 +30,19 @@ typedef struct {
     int64_t n_tok, ldx, ldy;
     float *y;
     int failed;
+    /* integer path */
+    le_vec_dot_fn vec_dot;
+    const uint8_t *xq;   /* [n_tok, act_row_bytes] activations in the vec_dot type */
+    int64_t act_row_bytes;
 } matmul_job;
+
+static void matmul_rows_int8(void *ctx, int64_t r0, int64_t r1, int thread) {
+    matmul_job *j = ctx;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = j->base + r * j->w->nb1;
+        for (int64_t t = 0; t < j->n_tok; t++) j->vec_dot(j->w->ne0, &j->y[t * j->ldy + r], row, j->xq + t * j->act_row_bytes);
+    }
+}
 
 static void matmul_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
     matmul_job *j = ctx;
@@ -58,11 +70,28 @@ static void matmul_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
     free(buf);
 }
 
-int le_matmul(le_pool *pool, const le_weight *w, int64_t expert, const float *x, int64_t n_tok, int64_t ldx,
-              float *y, int64_t ldy) {
-    matmul_job j = {w, w->data + expert * w->nb2, x, n_tok, ldx, ldy, y, 0};
+int le_matmul(le_pool *pool, int int8, const le_weight *w, int64_t expert, const float *x, int64_t n_tok,
+              int64_t ldx, float *y, int64_t ldy) {
+    matmul_job j = {w, w->data + expert * w->nb2, x, n_tok, ldx, ldy, y, 0, NULL, NULL, 0};
     /* grain: enough rows per task to amortise the dispatch, few enough to balance */
     int64_t grain = w->ne1 / (8 * le_pool_threads(pool)) + 1;
+    le_vec_dot_fn vd = int8 && w->type != LE_TYPE_F32 && w->type != LE_TYPE_F16 && w->type != LE_TYPE_BF16
+                           ? le_get_vec_dot(w->type) : NULL;
+    if (vd) {
+        /* quantise every activation row once to the weight type's activation type */
+        const le_type_traits_t *at = le_get_type_traits(w->tr->vec_dot_type);
+        le_quantize_row_fn q = le_get_act_quantizer(w->tr->vec_dot_type);
+        int64_t rb = w->ne0 / at->block_size * at->type_size;
+        uint8_t *xq = malloc((size_t)(rb * n_tok));
+        if (!xq) return LE_FAIL(LE_ERR_NO_MEMORY, "quantised activations (%lld bytes)", (long long)(rb * n_tok));
+        for (int64_t t = 0; t < n_tok; t++) q(x + t * ldx, xq + t * rb, w->ne0);
+        j.vec_dot = vd;
+        j.xq = xq;
+        j.act_row_bytes = rb;
+        le_parallel_for(pool, w->ne1, grain, matmul_rows_int8, &j);
+        free(xq);
+        return LE_OK;
+    }
     le_parallel_for(pool, w->ne1, grain, matmul_rows, &j);
     if (j.failed) return LE_FAIL(LE_ERR_NO_MEMORY, "matmul row buffer (%lld floats)", (long long)w->ne0);
     return LE_OK;

@@ -84,6 +84,7 @@ int le_model_create(const le_hparams *hp, int n_threads, le_model **out) {
     le_model *m = calloc(1, sizeof *m);
     if (!m) return LE_FAIL(LE_ERR_NO_MEMORY, "model");
     m->hp = *hp;
+    m->int8 = 1;
     m->layer = calloc((size_t)hp->n_layer, sizeof *m->layer);
     m->state_index = calloc((size_t)hp->n_layer, sizeof(int));
     if (!m->layer || !m->state_index) {
@@ -142,6 +143,12 @@ int le_model_set_weight(le_model *m, int layer, int slot, const void *data, int 
     return LE_OK;
 }
 
+int le_model_set_int8(le_model *m, int on) {
+    if (!m) return LE_FAIL(LE_ERR_INVALID_ARG, "NULL model");
+    m->int8 = on != 0;
+    return LE_OK;
+}
+
 int le_model_finalize(le_model *m) {
     int64_t ne[3];
     for (int s = 0; s < 3; s++)
@@ -194,7 +201,7 @@ int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *lo
                 le_rmsnorm(x + (size_t)t * E, (const float *)m->global[LE_W_OUTPUT_NORM].data, E, hp->rms_eps,
                            h + (size_t)(t - first) * E);
             const le_weight *head = m->global[LE_W_OUTPUT].data ? &m->global[LE_W_OUTPUT] : &m->global[LE_W_TOKEN_EMBD];
-            rc = le_matmul(m->pool, head, 0, h, n_out, E, logits, hp->n_vocab);
+            rc = le_matmul(m->pool, m->int8, head, 0, h, n_out, E, logits, hp->n_vocab);
         }
     }
     free(buf);

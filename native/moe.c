@@ -23,10 +23,10 @@ static int swiglu(const le_model *m, const le_weight *wg, const le_weight *wu, c
     int64_t ff = wg->ne1;
     float *up = act + (size_t)n * ff;
     int rc;
-    if ((rc = le_matmul(m->pool, wg, e, x, n, E, act, ff)) || (rc = le_matmul(m->pool, wu, e, x, n, E, up, ff)))
+    if ((rc = le_matmul(m->pool, m->int8, wg, e, x, n, E, act, ff)) || (rc = le_matmul(m->pool, m->int8, wu, e, x, n, E, up, ff)))
         return rc;
     for (size_t i = 0; i < (size_t)n * ff; i++) act[i] = le_silu(act[i]) * up[i];
-    return le_matmul(m->pool, wd, e, act, n, ff, out, E);
+    return le_matmul(m->pool, m->int8, wd, e, act, n, ff, out, E);
 }
 
 static int moe(const le_model *m, const le_weight *w, const float *x, int n, float *out) {
@@ -48,7 +48,7 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
     float *act = xg + (size_t)n * E, *y = act + 2 * (size_t)n * ff, *acc = y + (size_t)n * E;
     int *sel = ids, *tok_of = sel + (size_t)n * k, *count = tok_of + (size_t)ne * n;
 
-    if ((rc = le_matmul(m->pool, &w[LE_W_GATE_INP], 0, x, n, E, logits, ne))) goto done;
+    if ((rc = le_matmul(m->pool, m->int8, &w[LE_W_GATE_INP], 0, x, n, E, logits, ne))) goto done;
     memset(count, 0, (size_t)ne * sizeof(int));
     for (int t = 0; t < n; t++) {
         float *l = logits + (size_t)t * ne;

@@ -69,6 +69,11 @@ void le_model_free(le_model *m);
 int le_model_set_weight(le_model *m, int layer, int slot, const void *data, int type,
                         int64_t ne0, int64_t ne1, int64_t ne2, int64_t nb2);
 
+/* on = 1 (default): quantised weights use the integer dot products of the selected CPU
+ * tier, activations quantised to Q8 per matmul (W4A8 ...); 0: dequantise weights and
+ * compute in f32 (the faithful reference path). */
+int le_model_set_int8(le_model *m, int on);
+
 /* Checks that every weight the hyperparameters need is set. */
 int le_model_finalize(le_model *m);
 

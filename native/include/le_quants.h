@@ -38,6 +38,28 @@ int le_dequantize_row(int type, const void *src, float *dst, int64_t n);
 /* src: n f32, dst: n elements of `type` (the activation types Q8_0/Q8_1/Q8_K, and F16, BF16, F32). */
 int le_quantize_row(int type, const float *src, void *dst, int64_t n);
 
+/* Instruction-set tiers of the CPU kernels, lowest first. */
+typedef enum {
+    LE_ISA_REF = 0,          /* scalar C: the reference and the fallback */
+    LE_ISA_SSSE3 = 1,        /* pmaddubsw: any x86-64 since 2006 (the legacy-host baseline) */
+    LE_ISA_AVX2 = 2,         /* 256-bit integer + FMA */
+    LE_ISA_AVX512VNNI = 3,   /* vpdpbusd on 512-bit registers */
+    LE_ISA_COUNT = 4
+} le_isa;
+
+/* 1 if this CPU (CPUID + XGETBV) can run kernels of `isa`. */
+int le_isa_supported(int isa);
+/* Selects the kernels of `isa` (or the best lower tier per type); LE_ERR_UNAVAILABLE if the CPU lacks it.
+ * Called once at load with the best supported tier (or $LE_FORCE_ISA); tests call it to run every path. */
+int le_set_isa(int isa);
+int le_get_isa(void);
+/* The tier that serves `type`'s dot product now (after fallbacks); -1 if the type has none. */
+int le_kernel_isa(int type);
+/* *out = dot(x: n weights of `type`, y: n activations quantised to type's vec_dot_type). */
+int le_vec_dot(int type, int64_t n, const void *x, const void *y, float *out);
+/* Quantises activations to an activation type (Q8_0/Q8_1/Q8_K) with the selected tier's kernel. */
+int le_quantize_act(int act_type, const float *src, void *dst, int64_t n);
+
 /* IEEE half <-> float, round to nearest even (numpy's conversion). */
 float le_fp16_to_fp32(uint16_t h);
 uint16_t le_fp32_to_fp16(float f);
