@@ -168,6 +168,10 @@ class NativeModel:
     def finalize(self) -> None:
         check(lib.le_model_finalize(self.ptr), "le_model_finalize")
 
+    def set_int8(self, on: bool) -> None:
+        """True: quantised weights use the integer kernels (W4A8 ...); False: dequantise + f32."""
+        check(lib.le_model_set_int8(self.ptr, int(on)), "le_model_set_int8")
+
 
 class NativeState:
     """Owns an le_state of a NativeModel."""
@@ -201,15 +205,131 @@ class NativeState:
     def copy_from(self, other: "NativeState") -> None:
         check(lib.le_state_copy(self.ptr, other.ptr), "le_state_copy")
 
+    # pieces for the snapshot cache (legacy_engine/cache.py)
+    def save_recurrent(self) -> bytes:
+        """conv + SSM states of every GDN layer at the current position (f32 bytes)."""
+        n = lib.le_state_recurrent_nbytes(self.ptr)
+        out = bytearray(n)
+        check(lib.le_state_save_recurrent(self.ptr, ffi.from_buffer(out), n), "le_state_save_recurrent")
+        return bytes(out)
+
+    def restore_recurrent(self, data: bytes, pos: int) -> None:
+        """Sets the recurrent states and the position; KV rows [0, pos) are written with write_kv."""
+        check(lib.le_state_restore_recurrent(self.ptr, ffi.from_buffer(data), len(data), pos),
+              "le_state_restore_recurrent")
+
+    def read_kv(self, start: int, n: int) -> bytes:
+        """KV rows [start, start+n) of every attention layer, [n_attn][K,V][n][row] f32 bytes."""
+        nb = lib.le_state_kv_nbytes(self.ptr, n)
+        out = bytearray(nb)
+        check(lib.le_state_read_kv(self.ptr, start, n, ffi.from_buffer(out), nb), "le_state_read_kv")
+        return bytes(out)
+
+    def write_kv(self, start: int, n: int, data: bytes) -> None:
+        check(lib.le_state_write_kv(self.ptr, start, n, ffi.from_buffer(data), len(data)), "le_state_write_kv")
+
 
 def forward(model: NativeModel, state: NativeState, tokens, n_vocab: int, all_logits: bool, chunked: bool,
             want_logits: bool = True) -> np.ndarray | None:
     """tokens: int32[n] -> logits float32[n or 1, n_vocab] (None when want_logits is False)."""
-    toks = np.ascontiguousarray(tokens, dtype=np.int32)
+    raw = np.asarray(tokens)
+    if raw.size and (raw.dtype.kind not in "iu" or raw.min() < 0 or raw.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"token ids must be non-negative int32 integers, got dtype {raw.dtype}")
+    toks = np.ascontiguousarray(raw, dtype=np.int32).reshape(-1)
     n = toks.size
     out = np.empty((n if all_logits else 1, n_vocab), dtype=np.float32) if want_logits else None
     lp = ffi.from_buffer("float[]", out) if want_logits else ffi.NULL
     check(lib.le_forward(model.ptr, state.ptr, ffi.from_buffer("int32_t[]", toks), n, lp, int(all_logits),
                          int(chunked)),
           "le_forward")
+    return out
+
+
+# ---- kernel tiers -------------------------------------------------------------------
+# The integer dot products (W4A8 ...) of cpu_simd/ per instruction-set tier: select a
+# tier (le_set_isa), ask which tier serves a type, and call one row's kernel. The tier
+# is process-wide: tests that change it put it back.
+
+ISA_NAMES = ("ref", "ssse3", "avx2", "avx512vnni")
+
+
+def _isa_id(name: str) -> int:
+    try:
+        return ISA_NAMES.index(name)
+    except ValueError:
+        raise ValueError(f"unknown ISA tier {name!r}; one of {', '.join(ISA_NAMES)}") from None
+
+
+def isa_supported(name: str) -> bool:
+    """True if this CPU (CPUID and XGETBV) can run the kernels of tier `name`."""
+    return bool(lib.le_isa_supported(_isa_id(name)))
+
+
+def set_isa(name: str) -> None:
+    """Selects tier `name` (each type falls back to the best lower tier that has a kernel).
+    UnavailableError if this CPU cannot run it."""
+    code = lib.le_set_isa(_isa_id(name))
+    if code == lib.LE_ERR_UNAVAILABLE:
+        detail = ffi.string(lib.le_last_error()).decode("utf-8", "replace")
+        raise UnavailableError(f"ISA tier {name}: {detail}; pick one of "
+                               f"{[n for n in ISA_NAMES if isa_supported(n)]}")
+    check(code, f"le_set_isa({name})")
+
+
+def get_isa() -> str:
+    """The selected tier (the best the CPU has, or $LE_FORCE_ISA, unless set_isa changed it)."""
+    return ISA_NAMES[lib.le_get_isa()]
+
+
+def kernel_isa(qtype: int) -> str | None:
+    """The tier whose kernel serves `qtype`'s dot product now; None if it has none."""
+    i = lib.le_kernel_isa(int(qtype))
+    return ISA_NAMES[i] if i >= 0 else None
+
+
+def _row_bytes(t: dict, n: int) -> int:
+    if n < 0 or n % t["block_size"]:
+        raise ValueError(f"n = {n} is not a non-negative multiple of {t['name']}'s block size {t['block_size']}")
+    return n // t["block_size"] * t["type_size"]
+
+
+def quantize_act(act_type: int, x: np.ndarray) -> bytes:
+    """x: float32[n] -> the activation row in `act_type` (Q8_0/Q8_1/Q8_K) by the selected tier's quantiser."""
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    out = bytearray(_row_bytes(type_traits(act_type), x.size))
+    check(lib.le_quantize_act(int(act_type), ffi.from_buffer("float[]", x), ffi.from_buffer(out), x.size),
+          "le_quantize_act")
+    return bytes(out)
+
+
+def vec_dot(qtype: int, x, y, n: int) -> float:
+    """x: n weights of `qtype` (bytes-like), y: n activations in its vec_dot_type -> the f32 dot product,
+    by the selected tier's kernel."""
+    t = type_traits(qtype)
+    xb, yb = ffi.from_buffer(x), ffi.from_buffer(y)
+    need_x, need_y = _row_bytes(t, int(n)), _row_bytes(type_traits(t["vec_dot_type"]), int(n))
+    if len(xb) < need_x or len(yb) < need_y:
+        raise ValueError(f"{n} elements need {need_x} weight bytes and {need_y} activation bytes; "
+                         f"got {len(xb)} and {len(yb)}")
+    out = ffi.new("float *")
+    check(lib.le_vec_dot(int(qtype), int(n), xb, yb, out), "le_vec_dot")
+    return out[0]
+
+
+def vec_dot_rows(qtype: int, w, y, n: int, rows: int) -> np.ndarray:
+    """w: `rows` consecutive rows of n weights of `qtype`, y: one activation row -> float32[rows]
+    (a GEMV through le_vec_dot, one C call per row; for benchmarks and tests)."""
+    t = type_traits(qtype)
+    rb = _row_bytes(t, int(n))
+    wb, yb = ffi.from_buffer(w), ffi.from_buffer(y)
+    if len(wb) < rb * rows or len(yb) < _row_bytes(type_traits(t["vec_dot_type"]), int(n)):
+        raise ValueError(f"{rows} rows of {n} {t['name']} weights need {rb * rows} bytes; got {len(wb)}")
+    out = np.empty(rows, dtype=np.float32)
+    op = ffi.from_buffer("float[]", out)
+    base = ffi.cast("uint8_t *", wb)
+    f, q = lib.le_vec_dot, int(qtype)
+    for r in range(rows):
+        code = f(q, n, base + r * rb, yb, op + r)
+        if code != LE_OK:
+            check(code, "le_vec_dot")
     return out

@@ -143,7 +143,7 @@ def cmd_run(args) -> int:
     if args.chat:
         return cmd_chat(args)
     if args.prompt is None:
-        raise SystemExit("legacy-engine run: error: give a prompt with -p TEXT, or --chat")
+        args.parser.error("give a prompt with -p TEXT, or --chat")  # exits 2, like any bad flag
     return _generate(args.model, args, args.prompt, chat=False)
 
 
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-p", "--prompt", help="the prompt (raw text; with --chat: a system message)")
     s.add_argument("--chat", action="store_true", help="interactive chat through the model's chat template")
     _gen_flags(s)
-    s.set_defaults(func=cmd_run)
+    s.set_defaults(func=cmd_run, parser=s)
 
     s = sub.add_parser("demo", help="generate with the built-in tiny MoE model")
     s.add_argument("-p", "--prompt", default="Hello! What can a 2012 GPU still do?", help="the user message")

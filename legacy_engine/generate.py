@@ -87,6 +87,10 @@ class Session:
         self.tokens = []
 
     def _forward(self, ids: list[int], all_logits: bool, chunked: bool) -> np.ndarray:
+        n_vocab = self.engine.model.hparams.n_vocab
+        bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and 0 <= t < n_vocab)]
+        if bad:  # refused before anything runs: the session keeps its state
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {n_vocab})")
         try:
             return self.engine.model.forward(self.state, ids, all_logits=all_logits, chunked=chunked)
         except EngineError:

@@ -140,3 +140,71 @@ int le_state_copy(le_state *dst, const le_state *src) {
     dst->pos = src->pos;
     return LE_OK;
 }
+
+/* ---- pieces for the snapshot cache ---------------------------------------------- */
+
+int64_t le_state_recurrent_nbytes(const le_state *s) {
+    return (int64_t)sizeof(float) * s->m->n_gdn * (s->conv_floats + s->ssm_floats);
+}
+
+int le_state_save_recurrent(const le_state *s, void *buf, int64_t nbytes) {
+    int64_t need = le_state_recurrent_nbytes(s);
+    if (!buf || nbytes < need) return LE_FAIL(LE_ERR_INVALID_ARG, "buffer of %lld bytes, %lld needed", (long long)nbytes, (long long)need);
+    size_t conv = (size_t)(s->m->n_gdn * s->conv_floats) * sizeof(float);
+    memcpy(buf, s->conv, conv);
+    memcpy((char *)buf + conv, s->ssm, (size_t)need - conv);
+    return LE_OK;
+}
+
+int le_state_restore_recurrent(le_state *s, const void *buf, int64_t nbytes, int pos) {
+    int64_t need = le_state_recurrent_nbytes(s);
+    if (!buf || nbytes != need)
+        return LE_FAIL(LE_ERR_FORMAT, "recurrent state of %lld bytes, %lld expected", (long long)nbytes, (long long)need);
+    if (pos < 0 || pos > s->n_ctx) return LE_FAIL(LE_ERR_INVALID_ARG, "position %d outside the context of %d", pos, s->n_ctx);
+    size_t conv = (size_t)(s->m->n_gdn * s->conv_floats) * sizeof(float);
+    memcpy(s->conv, buf, conv);
+    memcpy(s->ssm, (const char *)buf + conv, (size_t)need - conv);
+    s->pos = pos;
+    return LE_OK;
+}
+
+int64_t le_state_kv_nbytes(const le_state *s, int n) {
+    return (int64_t)sizeof(float) * 2 * s->m->n_attn * n * row_floats(s);
+}
+
+static int check_kv_range(const le_state *s, int start, int n, const void *buf, int64_t nbytes) {
+    if (start < 0 || n < 0 || start + n > s->n_ctx)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "KV rows [%d, %d) outside the context of %d", start, start + n, s->n_ctx);
+    if (!buf || nbytes != le_state_kv_nbytes(s, n))
+        return LE_FAIL(LE_ERR_INVALID_ARG, "KV buffer of %lld bytes, %lld expected", (long long)nbytes,
+                       (long long)le_state_kv_nbytes(s, n));
+    return LE_OK;
+}
+
+int le_state_read_kv(const le_state *s, int start, int n, void *buf, int64_t nbytes) {
+    int rc = check_kv_range(s, start, n, buf, nbytes);
+    if (rc) return rc;
+    size_t rows = (size_t)n * row_floats(s) * sizeof(float), off = (size_t)start * row_floats(s);
+    char *p = buf;
+    for (int a = 0; a < s->m->n_attn; a++) {
+        memcpy(p, s->k + a * s->kv_floats + off, rows);
+        p += rows;
+        memcpy(p, s->v + a * s->kv_floats + off, rows);
+        p += rows;
+    }
+    return LE_OK;
+}
+
+int le_state_write_kv(le_state *s, int start, int n, const void *buf, int64_t nbytes) {
+    int rc = check_kv_range(s, start, n, buf, nbytes);
+    if (rc) return rc;
+    size_t rows = (size_t)n * row_floats(s) * sizeof(float), off = (size_t)start * row_floats(s);
+    const char *p = buf;
+    for (int a = 0; a < s->m->n_attn; a++) {
+        memcpy(s->k + a * s->kv_floats + off, p, rows);
+        p += rows;
+        memcpy(s->v + a * s->kv_floats + off, p, rows);
+        p += rows;
+    }
+    return LE_OK;
+}

@@ -22,3 +22,72 @@ BF16_ROUNDTRIP_REL = 2.0**-8
 # llama.cpp takes with torch's float32 exp and we with numpy's float64 exp rounded once (no torch in the engine):
 # at most 1 ulp of f32, <= 2^-23 ~ 1.2e-7 relative; 1e-6 leaves room and still catches any wrong transform.
 CONVERT_F32_REL = 1e-6
+
+# ---- quantised GGUFs judged by KL against transformers on the file's dequantised weights (test_quantized.py)
+# KL(p‖q) = ½·Var_p(Δlogit) + O(Δ³) ≤ ½·max|Δlogit|², so the f32 bar of oracle.md (|Δlogit| ≤ 1e-3) allows a KL of
+# 5e-7 per position. Used (1) as the floor of the relative gate: below it both engines are at f32 noise and a ratio
+# means nothing; (2) as the bound for our f32 path (integer kernels off), which computes in f32 on the dequantised
+# weights and so must meet the f32 bar on any weight type (measured ~1e-13 mean, ~1e-12 max on the tiny tame models).
+QUANT_KL_FLOOR = 0.5 * 1e-3**2
+
+# Ours may be at most this many times further (mean / max KL over positions) from the reference than llama.cpp on
+# the same file. llama.cpp quantises activations (Q8_0 for Q8_0/Q5_0 weights, Q8_K for K-quants) and measures
+# 4e-5 … 2e-4 mean KL here; our integer (W4A8) path quantises the same way and measured 0.93-1.03x llama.cpp's mean
+# and max; a different but equally good rounding choice (per-256 vs per-32 scales, other summation order) moves
+# that by tens of %: 1.5x leaves room for it and still fails the injected bugs of the negative controls (GDN V heads
+# grouped: 150-300x; top-k not renormalised: 60x; RoPE interleaved instead of NeoX on the dense model: 3-4x).
+QUANT_KL_RATIO = 1.5
+
+# Top-5 overlap (fraction of the 5·n top-5 slots shared with the reference) of ours may be this much below
+# llama.cpp's. An engine that quantises activations swaps near-tied 5th/6th tokens at random: llama.cpp loses
+# 13-29 of the 1000 slots of a 200-token run here, so two such engines differ by a count with SD ≈ √(2·20) ≈ 6
+# slots; 0.015 (15 slots) is 2.5 SD. (Measured: our W4A8 path within 0.004 of llama.cpp, our f32 path 1.000.)
+# Argmax agreement is reported, not gated (oracle.md: never gate on argmax; it flips 1-3 of 200 near-ties).
+QUANT_TOP5_SLACK = 0.015
+
+# GGUF → HF (fixtures/gguf_to_hf.py) of an f32 file against the checkpoint: everything exact but (1) norms, stored as
+# fl(1+w) and read back as fl(fl(1+w) − 1): off by at most half an ulp of 1+w (2^-24 for |1+w| < 2, 2^-23 below 4)
+# and (2) A_log = log(−ssm_a) with ssm_a = −exp(A_log) rounded to f32 (relative 2^-24) plus log's own rounding, for
+# |A_log| ≤ 1.4: < 2^-22. Measured: 6e-8.
+GGUF_TO_HF_F32_ABS = 2.0**-22
+
+# transformers on those round-tripped weights against transformers on the checkpoint, max |Δlogit|. Measured 0:
+# transformers computes 1+w from the stored w, and fl(1 + fl(fl(1+w) − 1)) = fl(1+w); exp(A_log) rounds back to the
+# same f32 in the cases seen. 1e-6 allows a one-ulp flip of an A_log to reach the logits (≈ 1e-7 relative decay
+# change through 8 layers) while any wrong transform (a missed −1 moves logits by O(1)) still fails.
+GGUF_TO_HF_LOGITS_ABS = 1e-6
+
+# ---- the f32 forward pass against the oracles (test_model.py)
+# Our f32 logits vs transformers (f32) and vs llama.cpp (F32 KV cache) on the tiny checkpoints, max |Δ| over every
+# position and vocab column: the three sum in different orders (chunked vs recurrent GDN, blocked matmuls, their own
+# exp/softplus), so f32 rounding grows with the logits' scale. Measured ≤ 2.2e-4 (dense_tied, whose tied head gives
+# logits of std 8) and ≤ 3.4e-5 on the other kinds; llama.cpp vs transformers ≤ 1.3e-4 (oracle.md: 1.2e-4). The
+# injected bugs of the negative controls move it to ≥ 0.076, so 1e-3 separates both sides by more than 4× and 70×.
+LOGIT_ABS_F32 = 1e-3
+
+# A prefill split across several forward calls vs one call, max |Δlogit| / max |logit| (also over the decode that
+# follows): each call starts its own grid of 64-token GDN chunks, so a split off that grid changes the summation
+# order of the intra-chunk products (split on the grid: bit-identical, asserted separately). Measured ≤ 3.5e-6.
+SPLIT_PREFILL_REL = 2e-5
+
+# Integer dot products (tests/test_vec_dot.py), |s - s_ref| <= VEC_DOT_REL * |s_ref| + bound * M, where
+# bound = VEC_DOT_ABS_PER_BLOCK * (n_blocks + VEC_DOT_EXTRA_ROUNDINGS) and M = sum_i |w_i * a_i| (for types with a
+# min term, |scale part| + |min part| of each w_i, so that cancelling halves cannot hide the rounding).
+# Inside a block every tier sums integers exactly; only the f32 work differs: each tier applies the block scales
+# with its own rounding (d*sc rounded or not, FMA or mul+add) and sums the block terms in its own order (1, 2, 8
+# or 16 lanes). Recursive f32 summation of m terms errs by at most (m-1)*u*sum|term|, u = 2^-24, plus about 3
+# roundings per term (scale products, conversion, the final horizontal sum), for each of the two sides compared:
+# hence 2 * 2^-24 per block plus 16 spare roundings. VEC_DOT_REL covers the last rounding of the result itself.
+VEC_DOT_REL = 2.0**-22
+VEC_DOT_ABS_PER_BLOCK = 2 * 2.0**-24
+VEC_DOT_EXTRA_ROUNDINGS = 16
+# The same bound serves ref vs f64 math on the dequantised rows (the ref's f32 rounding against none; the f32
+# dequantised values carry the same few roundings per element) and ref vs llama.cpp's own generic kernels, which
+# its GGML_NATIVE=OFF build compiles with -mfma: gcc contracts `sums[l] += d*aux32[l]` into FMAs, one rounding
+# less per term than ggml's C text (and our ref, built with fp-contract=off) has.
+
+# Sampler draw frequencies vs the intended distribution on a crafted 4-token distribution, 20,000 seeded draws
+# (test_generate.py): the binomial standard deviation is at most sqrt(0.25 / 20000) = 0.0035, so 0.02 is > 5σ,
+# while the tested mistakes are far larger: a wrong kept set draws a token that must never appear, and a
+# temperature left out (T = 3 case) moves a frequency by 0.13.
+SAMPLING_FREQ_ABS = 0.02

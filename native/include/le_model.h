@@ -90,6 +90,17 @@ int64_t le_state_nbytes(const le_state *s);
 int le_state_save(const le_state *s, void *buf, int64_t nbytes);
 /* Restores from a buffer written by le_state_save for the same model. */
 int le_state_restore(le_state *s, const void *buf, int64_t nbytes);
+/* The pieces the snapshot cache stores separately:
+ * the recurrent part (conv + SSM states of every GDN layer, f32) ... */
+int64_t le_state_recurrent_nbytes(const le_state *s);
+int le_state_save_recurrent(const le_state *s, void *buf, int64_t nbytes);
+/* ... restored together with a position; KV rows [0, pos) must be written separately. */
+int le_state_restore_recurrent(le_state *s, const void *buf, int64_t nbytes, int pos);
+/* KV rows [start, start+n) of every attention layer: buf = [n_attn][K then V][n][n_head_kv*head_dim] f32. */
+int64_t le_state_kv_nbytes(const le_state *s, int n);
+int le_state_read_kv(const le_state *s, int start, int n, void *buf, int64_t nbytes);
+int le_state_write_kv(le_state *s, int start, int n, const void *buf, int64_t nbytes);
+
 /* dst := src (same model, dst->n_ctx >= src position). */
 int le_state_copy(le_state *dst, const le_state *src);
 
