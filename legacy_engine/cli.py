@@ -6,6 +6,7 @@
   legacy-engine make-model …            random-weight GGUFs in llama.cpp's layout (see make-model -h)
   legacy-engine convert HF_DIR OUT.gguf Hugging Face Qwen3.5/3.6 checkpoint to GGUF (see convert -h)
   legacy-engine tokenize MODEL TEXT     token ids as the model's own tokenizer gives them
+  legacy-engine serve MODEL             OpenAI-compatible HTTP server (see serve -h)
 
 Errors the user can fix (a bad file, a missing feature) print one line and exit 1; bad flags exit 2.
 """
@@ -249,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-special", action="store_true", help="treat special-token text as plain text")
     s.add_argument("--json", action="store_true", help="print the ids as a JSON list")
     s.set_defaults(func=cmd_tokenize)
+
+    from .server import add_serve_parser
+    add_serve_parser(sub)
 
     # make-model and convert own their flags; they are parsed by their modules
     sub.add_parser("make-model", help="write a random-weight GGUF (make-model -h for flags)", add_help=False)

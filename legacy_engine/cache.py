@@ -1,0 +1,512 @@
+"""Position-indexed prefix cache: a prompt that repeats or extends one seen before skips that prefix.
+
+A Gated DeltaNet layer folds the whole prefix into one recurrent state, so the state at position p cannot
+be cut out of a longer run: it is snapshotted while prefilling. Snapshots (conv + SSM state of every GDN
+layer, f32) are taken at multiples of `page` tokens: on a grid (every `grid` tokens) and at the end of
+every prompt. The attention layers' KV rows are kept in immutable pages of `page` tokens, shared by every
+snapshot whose prefix contains them.
+
+Keys form a hash chain over the prompt's pages: h_0 = seed, h_k = sha256(h_{k-1} || tokens of page k-1).
+The snapshot at position k*page and the KV page of tokens [(k-1)*page, k*page) are both keyed by h_k:
+equal prefixes share entries, a different token anywhere before means a different key.
+
+Bit-identical to a full recompute: the chunked GDN prefill (native/gdn.c) is exact only up to rounding,
+and its rounding depends on where its 64-token chunks start; a fresh prefill chunks at absolute positions
+0, 64, 128, ... So snapshots are taken and restored only at multiples of 64 and the tokens after a
+restored position run in forward calls split only at multiples of 64. Attention, MoE and norms are per
+token, so the logits equal a fresh Session's bit for bit (tests/test_cache.py).
+
+Memory: RAM holds snapshots in LRU order within `ram_bytes`; a page is counted once and held by the
+snapshots that need it (reference counts), dropped with the last one; a snapshot being restored is
+pinned. The optional disk tier (`disk_dir`) is written through, survives restarts, and every file carries
+the model fingerprint, FORMAT_VERSION, its key and a sha256 of its payload: a file that does not match is
+ignored, warned about (CacheFileWarning) and counted (stats "disk_rejected"), never loaded.
+
+    cache = PrefixCache.for_model(engine.model, disk_dir="~/.cache/legacy_engine/prefix")
+    logits = cache.prefill(session, ids)     # instead of session.reset(); session.prefill(ids)
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import threading
+import time
+import warnings
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ContextLengthError, EngineError
+from .generate import PREFILL_BATCH
+
+FORMAT_VERSION = 1  # of the files and of the payloads (save_recurrent / read_kv layouts); bump on any change
+CHUNK = 64          # native/gdn.c GDN_CHUNK: restore points and forward-call splits are multiples of it
+assert PREFILL_BATCH % CHUNK == 0, "prefill batches must split at chunk boundaries"
+
+MAGIC = b"LEPCACHE"
+# magic, version, kind, pos, page tokens, model fingerprint, key, sha256(payload), payload bytes
+_HEADER = struct.Struct("<8sIIqq32s32s32sQ")
+KIND_SNAPSHOT, KIND_PAGE = 1, 2
+_EXT = {KIND_SNAPSHOT: ".snap", KIND_PAGE: ".kv"}
+
+
+class CacheFileWarning(UserWarning):
+    """A disk-tier file was ignored (corrupt, truncated, another model's or another format's)."""
+
+
+def model_fingerprint(model, head_bytes: int = 4 << 20, tail_bytes: int = 1 << 20) -> bytes:
+    """sha256 identifying a model file: its size, its whole GGUF header (metadata + tensor table) and the
+    first `head_bytes` and last `tail_bytes` of tensor data. Independent of path and mtime.
+    model: a legacy_engine Model, a ModelFile, a GGUFFile or a path."""
+    from .gguf_file import parse_header
+
+    mf = getattr(model, "file", model)
+    mf = getattr(mf, "gguf", mf)
+    if hasattr(mf, "data_start"):
+        path, data_start = mf.path, mf.data_start
+    else:
+        path = os.fspath(mf)
+        data_start = parse_header(path)[4]
+    size = os.path.getsize(path)
+    h = hashlib.sha256(b"legacy_engine model fingerprint v1")
+    h.update(struct.pack("<QQ", size, data_start))
+    with open(path, "rb") as f:
+        h.update(f.read(data_start + head_bytes))
+        f.seek(max(data_start, size - tail_bytes))
+        h.update(f.read(tail_bytes))
+    return h.digest()
+
+
+_fingerprints: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Model -> model_fingerprint, once
+
+
+def chain_keys(ids, page: int) -> list[bytes]:
+    """[h_1 .. h_K], K = len(ids) // page: h_k = sha256(h_{k-1} || int32 LE tokens [(k-1)*page, k*page))."""
+    toks = np.asarray(ids, dtype=np.int64)
+    if toks.size and (toks.min() < 0 or toks.max() >= 1 << 31):
+        raise ValueError("token ids must lie in [0, 2**31)")
+    raw = toks.astype("<i4").tobytes()
+    h = hashlib.sha256(b"legacy_engine prefix chain v%d page %d" % (FORMAT_VERSION, page)).digest()
+    out = []
+    for k in range(toks.size // page):
+        h = hashlib.sha256(h + raw[4 * k * page:4 * (k + 1) * page]).digest()
+        out.append(h)
+    return out
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Payload bytes of one snapshot and one page for a model (the C state's layout, native/state.c)."""
+    snapshot: int
+    page: int
+
+    @classmethod
+    def of(cls, model, page: int) -> "Sizes":
+        hp = model.hparams
+        n_gdn = sum(1 for r in hp.recurrent if r)
+        n_attn = hp.n_layer - n_gdn
+        conv_dim = 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_d_inner
+        recurrent = n_gdn * ((hp.ssm_conv_kernel - 1) * conv_dim + hp.ssm_d_inner * hp.ssm_d_state)
+        return cls(4 * recurrent, 4 * 2 * n_attn * page * hp.n_head_kv * hp.head_dim)
+
+
+@dataclass
+class _Snapshot:
+    pos: int
+    data: bytes         # save_recurrent() at pos
+    pages: list[bytes]  # keys of the KV pages [0, pos)
+    pins: int = 0
+
+
+@dataclass
+class _Page:
+    data: bytes         # read_kv(start, page)
+    refs: int = 0       # snapshots in RAM that hold it
+
+
+class PrefixCache:
+    """Snapshots of GDN state + shared KV pages, keyed by position and a hash chain of the tokens before it.
+
+    model_fingerprint: bytes or str naming the model (model_fingerprint(model)); disk files of any other
+    fingerprint are ignored. grid: snapshot every `grid` tokens (a multiple of `page`). page: KV page and
+    hash block in tokens (a multiple of 64). ram_bytes: RAM budget. disk_dir: optional write-through disk
+    tier; disk_bytes: its budget (None: unbounded; oldest files go first).
+
+    One cache serves one model (one fingerprint); it is safe to share between threads.
+    """
+
+    def __init__(self, model_fingerprint: bytes | str, grid: int = 256, page: int = 64, ram_bytes: int = 4 << 30,
+                 disk_dir: str | os.PathLike | None = None, disk_bytes: int | None = None):
+        if page <= 0 or page % CHUNK:
+            raise ValueError(f"page = {page}: must be a positive multiple of {CHUNK} (the GDN chunk)")
+        if grid <= 0 or grid % page:
+            raise ValueError(f"grid = {grid}: must be a positive multiple of page = {page}")
+        if ram_bytes < 0:
+            raise ValueError(f"ram_bytes = {ram_bytes} is negative")
+        fp = model_fingerprint.encode() if isinstance(model_fingerprint, str) else bytes(model_fingerprint)
+        self.fingerprint = fp if len(fp) == 32 else hashlib.sha256(fp).digest()
+        self.grid, self.page, self.ram_bytes = grid, page, ram_bytes
+        self.disk_dir = os.path.expanduser(os.fspath(disk_dir)) if disk_dir is not None else None
+        self.disk_bytes = disk_bytes
+        self._lock = threading.RLock()
+        self._snaps: OrderedDict[bytes, _Snapshot] = OrderedDict()  # LRU first
+        self._pages: dict[bytes, _Page] = {}
+        self._ram = 0
+        self._sizes: Sizes | None = None
+        self._model: bytes | None = None  # model_fingerprint of the model it serves (set on first use)
+        self._disk: dict[tuple[bytes, int], int] = {}  # (key, kind) -> file bytes, for files in disk_dir
+        self._stats = dict(hits=0, misses=0, disk_hits=0, tokens_reused=0, tokens_prefilled=0, snapshots_taken=0,
+                           evictions=0, disk_reads=0, disk_writes=0, disk_rejected=0, disk_errors=0,
+                           disk_evictions=0)
+        self.last: dict = {}  # the last prefill: reused, prefilled, restore_s, prefill_s, capture_s (in prefill_s)
+        if self.disk_dir is not None:
+            os.makedirs(self.disk_dir, exist_ok=True)
+            self._scan_disk()
+
+    @classmethod
+    def for_model(cls, model, **kw) -> "PrefixCache":
+        """A cache for a legacy_engine Model (or ModelFile / path), fingerprinted from its file."""
+        return cls(model_fingerprint(model), **kw)
+
+    # ---- public -------------------------------------------------------------------------------------------
+
+    def prefill(self, session, ids) -> np.ndarray:
+        """Runs the whole sequence `ids` in `session`, reusing the longest cached prefix, and returns the
+        logits of its last token (float32[n_vocab]), equal bit for bit to a fresh session's prefill.
+
+        The session's previous content is replaced: afterwards session.tokens == ids, session.pos == len(ids).
+        Snapshots and KV pages of ids are stored for later prompts."""
+        ids = [int(t) for t in ids]
+        n, state = len(ids), session.state
+        if n == 0:
+            raise ValueError("empty prompt: nothing to run")
+        if n > state.n_ctx:
+            raise ContextLengthError(f"{n} tokens exceed the context of {state.n_ctx} tokens")
+        sizes = self._check_model(session.engine.model)
+        keys = chain_keys(ids, self.page)
+        t0 = time.perf_counter()
+        p, snap_key, snap, pages = self._lookup(keys, (n - 1) // self.page, sizes)  # leaves >= 1 token to run
+        session.reset()
+        try:
+            if p:
+                state.restore_recurrent(snap, p)
+                for j, d in enumerate(pages):
+                    state.write_kv(j * self.page, self.page, d)
+        except EngineError:
+            session.reset()
+            raise
+        finally:
+            if snap_key is not None:
+                self._unpin(snap_key)
+        session.tokens = ids[:p]
+        t1 = time.perf_counter()
+        logits = self._run(session, ids, p, keys, pages)
+        t2 = time.perf_counter()
+        with self._lock:
+            self._stats["hits" if p else "misses"] += 1
+            self._stats["tokens_reused"] += p
+            self._stats["tokens_prefilled"] += n - p
+        self.last.update(reused=p, prefilled=n - p, restore_s=t1 - t0, prefill_s=t2 - t1)
+        session.timings.prefill_tokens += n - p
+        session.timings.prefill_s += t2 - t0
+        return logits
+
+    def cached_prefix(self, ids) -> int:
+        """How many leading tokens of ids a prefill would reuse now (no disk file is read or checked)."""
+        keys = chain_keys(ids, self.page)
+        with self._lock:
+            for k in range(min((len(ids) - 1) // self.page, len(keys)), 0, -1):
+                key = keys[k - 1]
+                if key in self._snaps or ((key, KIND_SNAPSHOT) in self._disk and all(
+                        kk in self._pages or (kk, KIND_PAGE) in self._disk for kk in keys[:k])):
+                    return k * self.page
+        return 0
+
+    @property
+    def stats(self) -> dict:
+        """Counters plus what is held: snapshots, pages, ram_bytes, disk_files, disk_bytes."""
+        with self._lock:
+            return dict(self._stats, snapshots=len(self._snaps), pages=len(self._pages), ram_bytes=self._ram,
+                        disk_files=len(self._disk), disk_bytes=sum(self._disk.values()))
+
+    def clear(self) -> None:
+        """Drops every RAM entry (pinned ones stay); disk files stay."""
+        with self._lock:
+            for key in [k for k, s in self._snaps.items() if not s.pins]:
+                self._drop(key)
+
+    # ---- restore --------------------------------------------------------------------------------------------
+
+    def _check_model(self, model) -> Sizes:
+        """The payload sizes of `model`; ValueError if the cache already served a model of another file."""
+        fp = _fingerprints.get(model)
+        if fp is None:
+            fp = _fingerprints[model] = model_fingerprint(model)
+        with self._lock:
+            if self._model is None:
+                self._model, self._sizes = fp, Sizes.of(model, self.page)
+            elif fp != self._model:
+                raise ValueError("this PrefixCache holds another model's states; use one PrefixCache per model")
+        return self._sizes
+
+    def _lookup(self, keys: list[bytes], k_max: int, sizes: Sizes):
+        """The largest k <= k_max whose snapshot and pages are available -> (pos, key, snapshot, pages).
+        The snapshot comes back pinned in RAM (unpin it with _unpin(key)) unless it did not fit."""
+        disk_pages: dict[bytes, bytes | None] = {}  # pages read from disk during this lookup
+        for k in range(min(k_max, len(keys)), 0, -1):
+            key, pos = keys[k - 1], k * self.page
+            with self._lock:
+                s = self._snaps.get(key)
+                if s is not None:
+                    s.pins += 1
+                    self._snaps.move_to_end(key)
+                    return pos, key, s.data, [self._pages[pk].data for pk in s.pages]
+                if (key, KIND_SNAPSHOT) not in self._disk:
+                    continue
+            data = self._read(key, KIND_SNAPSHOT, pos, sizes.snapshot)
+            if data is None:
+                continue
+            pages = []
+            for j, pk in enumerate(keys[:k]):
+                with self._lock:
+                    pg = self._pages.get(pk)
+                d = pg.data if pg is not None else disk_pages.get(pk)
+                if d is None and pk not in disk_pages:
+                    d = disk_pages[pk] = self._read(pk, KIND_PAGE, j * self.page, sizes.page)
+                if d is None:
+                    break
+                pages.append(d)
+            if len(pages) < k:
+                continue
+            with self._lock:
+                self._stats["disk_hits"] += 1
+                pinned = self._insert(key, pos, data, keys[:k], pages, pin=True)
+            self._write_through(key, pos, data, keys[:k], pages)  # pages that were only in RAM
+            return pos, key if pinned else None, data, pages
+        return 0, None, None, []
+
+    def _unpin(self, key: bytes) -> None:
+        with self._lock:
+            s = self._snaps.get(key)
+            if s is not None:
+                s.pins -= 1
+            self._evict()
+
+    # ---- prefill with capture -------------------------------------------------------------------------------
+
+    def _capture_points(self, p: int, n: int) -> list[int]:
+        """Snapshot positions in (p, n]: the grid and the prompt's end (floor to a page; also the page before
+        it when n is a multiple of page, the restore point of an exact repeat)."""
+        pts = set(range(self.grid, n + 1, self.grid))
+        pts |= {(n - 1) // self.page * self.page, n // self.page * self.page}
+        return sorted(q for q in pts if q > p)
+
+    def _run(self, session, ids: list[int], p: int, keys: list[bytes], pages: list[bytes]) -> np.ndarray:
+        """Prefill ids[p:] in forward calls that split only at multiples of 64, storing snapshots and pages."""
+        n, model, state = len(ids), session.engine.model, session.state
+        capture = self._capture_points(p, n)
+        cuts = sorted(set(capture) | set(range((p // PREFILL_BATCH + 1) * PREFILL_BATCH, n, PREFILL_BATCH)) | {n})
+        pages = list(pages)  # KV page j for j < len(pages)
+        pos, logits, t_capture = p, None, 0.0
+        for q in cuts:
+            try:
+                out = model.forward(state, ids[pos:q], all_logits=False, chunked=True, want_logits=q == n)
+            except EngineError:
+                session.reset()  # a failed forward may have updated some layers
+                raise
+            session.tokens += ids[pos:q]
+            pos = q
+            if q == n:
+                logits = out[0]
+            if q in capture:
+                t0 = time.perf_counter()
+                k = q // self.page
+                with self._lock:
+                    if keys[k - 1] in self._snaps:  # taken by an earlier prompt: only refresh its recency
+                        self._snaps.move_to_end(keys[k - 1])
+                        continue
+                while len(pages) < k:
+                    j = len(pages)
+                    with self._lock:
+                        pg = self._pages.get(keys[j])
+                    pages.append(pg.data if pg is not None else state.read_kv(j * self.page, self.page))
+                snap = state.save_recurrent()
+                if len(snap) != self._sizes.snapshot or len(pages[0]) != self._sizes.page:
+                    raise EngineError(f"state layout changed: snapshot {len(snap)} B, page {len(pages[0])} B; "
+                                      f"expected {self._sizes}")
+                with self._lock:
+                    self._stats["snapshots_taken"] += 1
+                    self._insert(keys[k - 1], q, snap, keys[:k], pages[:k], pin=False)
+                self._write_through(keys[k - 1], q, snap, keys[:k], pages[:k])
+                t_capture += time.perf_counter() - t0
+        self.last["capture_s"] = t_capture
+        return logits
+
+    # ---- RAM tier -------------------------------------------------------------------------------------------
+
+    def _insert(self, key: bytes, pos: int, data: bytes, page_keys: list[bytes], pages: list[bytes],
+                pin: bool) -> bool:
+        """Adds a snapshot and its pages to RAM (lock held) and evicts to the budget.
+        Returns whether the snapshot is in RAM afterwards (and pinned when pin)."""
+        s = self._snaps.get(key)
+        if s is None:
+            for pk, d in zip(page_keys, pages):
+                pg = self._pages.get(pk)
+                if pg is None:
+                    pg = self._pages[pk] = _Page(d)
+                    self._ram += len(d)
+                pg.refs += 1
+            s = self._snaps[key] = _Snapshot(pos, data, list(page_keys))
+            self._ram += len(data)
+        self._snaps.move_to_end(key)
+        if pin:
+            s.pins += 1
+        self._evict(keep=key)
+        return key in self._snaps
+
+    def _evict(self, keep: bytes | None = None) -> None:
+        """Drops least recently used unpinned snapshots until RAM fits the budget; `keep` goes last."""
+        while self._ram > self.ram_bytes:
+            victim = next((k for k, s in self._snaps.items() if not s.pins and k != keep), None)
+            if victim is None:
+                s = self._snaps.get(keep)
+                if s is None or s.pins:
+                    return
+                victim = keep
+            self._drop(victim)
+            self._stats["evictions"] += 1
+
+    def _drop(self, key: bytes) -> None:
+        s = self._snaps.pop(key)
+        self._ram -= len(s.data)
+        for pk in s.pages:
+            pg = self._pages[pk]
+            pg.refs -= 1
+            if pg.refs == 0:
+                del self._pages[pk]
+                self._ram -= len(pg.data)
+
+    # ---- disk tier ------------------------------------------------------------------------------------------
+
+    def _path(self, key: bytes, kind: int) -> str:
+        return os.path.join(self.disk_dir, key.hex() + _EXT[kind])
+
+    def _scan_disk(self) -> None:
+        kinds = {ext: kind for kind, ext in _EXT.items()}
+        for name in os.listdir(self.disk_dir):
+            stem, ext = os.path.splitext(name)
+            if ext in kinds and len(stem) == 64:
+                try:
+                    self._disk[(bytes.fromhex(stem), kinds[ext])] = os.path.getsize(os.path.join(self.disk_dir, name))
+                except (ValueError, OSError):
+                    pass
+
+    def _reject(self, path: str, key: bytes, kind: int, reason: str) -> None:
+        with self._lock:
+            self._stats["disk_rejected"] += 1
+            self._disk.pop((key, kind), None)  # ignored from now on; the next capture of this key replaces it
+        warnings.warn(f"prefix cache: ignoring {path}: {reason}", CacheFileWarning, stacklevel=4)
+
+    def _read(self, key: bytes, kind: int, pos: int, nbytes: int) -> bytes | None:
+        """The payload of a disk file after checking everything in its header; None if absent or rejected."""
+        path = self._path(key, kind)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            with self._lock:
+                self._disk.pop((key, kind), None)
+            return None
+        except OSError as e:
+            self._reject(path, key, kind, f"unreadable ({e.strerror})")
+            return None
+        reason = self._check(raw, key, kind, pos, nbytes)
+        if reason:
+            self._reject(path, key, kind, reason)
+            return None
+        try:
+            os.utime(path)  # recency for the disk budget
+        except OSError:
+            pass
+        with self._lock:
+            self._stats["disk_reads"] += 1
+        return raw[_HEADER.size:]
+
+    def _check(self, raw: bytes, key: bytes, kind: int, pos: int, nbytes: int) -> str | None:
+        if len(raw) < _HEADER.size:
+            return f"{len(raw)} bytes, shorter than the header"
+        magic, version, f_kind, f_pos, f_page, fp, f_key, digest, length = _HEADER.unpack_from(raw)
+        if magic != MAGIC:
+            return "not a prefix-cache file (bad magic)"
+        if version != FORMAT_VERSION:
+            return f"format version {version}, this engine writes {FORMAT_VERSION}"
+        if fp != self.fingerprint:
+            return "made for another model (fingerprint differs)"
+        if (f_kind, f_key, f_pos, f_page) != (kind, key, pos, self.page):
+            return "header names another entry (kind, key, position or page size differ)"
+        if length != nbytes or len(raw) - _HEADER.size != length:
+            return f"payload of {len(raw) - _HEADER.size} bytes (header {length}), {nbytes} expected"
+        if hashlib.sha256(memoryview(raw)[_HEADER.size:]).digest() != digest:
+            return "checksum mismatch (corrupt)"
+        return None
+
+    def _write_through(self, key: bytes, pos: int, data: bytes, page_keys: list[bytes], pages: list[bytes]) -> None:
+        if self.disk_dir is None:
+            return
+        self._write(key, KIND_SNAPSHOT, pos, data)
+        for j, (pk, d) in enumerate(zip(page_keys, pages)):
+            self._write(pk, KIND_PAGE, j * self.page, d)
+
+    def _write(self, key: bytes, kind: int, pos: int, payload: bytes) -> None:
+        """Writes one file atomically (temp file + rename) unless a good one is there. No fsync: a file torn by
+        a crash fails its checksum and is ignored."""
+        with self._lock:
+            if (key, kind) in self._disk:
+                return
+        path = self._path(key, kind)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        header = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, pos, self.page, self.fingerprint, key,
+                              hashlib.sha256(payload).digest(), len(payload))
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError as e:
+            with self._lock:
+                self._stats["disk_errors"] += 1
+            warnings.warn(f"prefix cache: cannot write {path}: {e.strerror}", CacheFileWarning, stacklevel=4)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return
+        with self._lock:
+            self._disk[(key, kind)] = len(header) + len(payload)
+            self._stats["disk_writes"] += 1
+            if self.disk_bytes is not None and sum(self._disk.values()) > self.disk_bytes:
+                self._prune_disk()
+
+    def _prune_disk(self) -> None:
+        """Deletes the least recently used files (by mtime: written or read) until the disk budget holds
+        (lock held)."""
+        entries = []
+        for (key, kind), size in self._disk.items():
+            try:
+                entries.append((os.path.getmtime(self._path(key, kind)), key, kind, size))
+            except OSError:
+                entries.append((0.0, key, kind, size))
+        total = sum(e[3] for e in entries)
+        for _, key, kind, size in sorted(entries, key=lambda e: e[0]):
+            if total <= self.disk_bytes:
+                break
+            try:
+                os.unlink(self._path(key, kind))
+            except OSError:
+                pass
+            del self._disk[(key, kind)]
+            total -= size
+            self._stats["disk_evictions"] += 1

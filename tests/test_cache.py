@@ -1,0 +1,407 @@
+"""The prefix cache (legacy_engine/cache.py): every answer equals a full recompute bit for bit.
+
+The oracle is a fresh Session prefilling the whole prompt (Session.prefill, chunked, PREFILL_BATCH calls);
+the cache must give np.array_equal logits after restoring any prefix it holds, from RAM or disk, with any
+eviction in between. Models: our f32 conversions of the tiny MoE and dense checkpoints (8 layers: 6 GDN +
+2 attention, vocab 4096), rebuilt without torch (fixtures/make_reference.tiny_gguf). Prompts use ids of a
+small range so that random prompts share prefixes; lengths up to ~330 cover several 64-token chunks.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from fixtures.make_reference import tiny_gguf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from legacy_engine.cache import (FORMAT_VERSION, CacheFileWarning, PrefixCache, Sizes, chain_keys,
+                                 model_fingerprint)
+from legacy_engine.errors import ContextLengthError
+from legacy_engine.generate import Engine
+
+pytestmark = pytest.mark.cpu
+
+N_THREADS = 2
+N_CTX = 1024
+GRID = 128          # small grid: several snapshots per test prompt
+KINDS = ("moe", "dense")
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    made, root = {}, tmp_path_factory.mktemp("cache_models")
+
+    def get(kind: str) -> str:
+        if kind not in made:
+            made[kind] = str(tiny_gguf(kind, root / f"{kind}.f32.gguf"))
+        return made[kind]
+    return get
+
+
+@pytest.fixture(scope="module")
+def engine(model_file):
+    made = {}
+
+    def get(kind: str) -> Engine:
+        if kind not in made:
+            made[kind] = Engine(model_file(kind), n_threads=N_THREADS, n_ctx=N_CTX)
+        return made[kind]
+    return get
+
+
+@pytest.fixture(scope="module")
+def recompute(engine):
+    """recompute(kind, ids) -> last logits of a fresh session prefilling ids (memoised: it is deterministic)."""
+    memo = {}
+
+    def get(kind: str, ids) -> np.ndarray:
+        key = (kind, tuple(ids))
+        if key not in memo:
+            memo[key] = engine(kind).session().prefill(list(ids))
+        return memo[key]
+    return get
+
+
+def new_cache(eng: Engine, **kw) -> PrefixCache:
+    kw.setdefault("grid", GRID)
+    return PrefixCache.for_model(eng.model, **kw)
+
+
+def tokens(seed: int, n: int, vocab: int = 500) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def run(cache, sess, kind, ids, recompute, reused: int | None = None) -> np.ndarray:
+    """cache.prefill checked against the recompute and the Session contract; `reused`: the expected reuse."""
+    out = cache.prefill(sess, ids)
+    assert np.array_equal(out, recompute(kind, ids))
+    assert sess.tokens == list(ids) and sess.pos == len(ids)
+    if reused is not None:
+        assert cache.last["reused"] == reused
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ keys
+
+def test_chain_keys_share_prefixes_and_split_at_the_first_difference():
+    a = tokens(0, 300)
+    b = a[:150] + [a[150] + 1] + a[151:]            # differs at 150, inside page 2 = tokens [128, 192)
+    ka, kb = chain_keys(a, 64), chain_keys(b, 64)
+    assert len(ka) == 4 and ka[:2] == kb[:2] and all(x != y for x, y in zip(ka[2:], kb[2:]))
+    assert chain_keys(a[:200], 64) == ka[:3]       # a position's key does not depend on what follows
+    assert chain_keys(a, 128)[0] != ka[1]           # the page size is part of the key
+
+
+def test_model_fingerprint_is_content_not_path(model_file, tmp_path):
+    src = model_file("moe")
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(src, copy)
+    os.utime(copy, (1, 1))
+    assert model_fingerprint(src) == model_fingerprint(copy) == model_fingerprint(Engine(src, 1, 64).model)
+    assert model_fingerprint(src) != model_fingerprint(model_file("dense"))
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 1                                    # a flipped byte of tensor data (the tail is hashed)
+    copy.write_bytes(bytes(data))
+    assert model_fingerprint(src) != model_fingerprint(copy)
+
+
+def test_sizes_match_the_native_state(engine):
+    eng = engine("moe")
+    s = eng.session()
+    s.prefill(tokens(1, 70))
+    sizes = Sizes.of(eng.model, 64)
+    assert len(s.state.save_recurrent()) == sizes.snapshot and len(s.state.read_kv(0, 64)) == sizes.page
+
+
+def test_arguments_are_checked(engine):
+    fp = model_fingerprint(engine("moe").model)
+    for bad in (dict(page=32), dict(page=64, grid=96), dict(grid=0), dict(ram_bytes=-1)):
+        with pytest.raises(ValueError):
+            PrefixCache(fp, **bad)
+    cache, sess = new_cache(engine("moe")), engine("moe").session()
+    with pytest.raises(ValueError):
+        cache.prefill(sess, [])
+    with pytest.raises(ContextLengthError):
+        cache.prefill(sess, [1] * (N_CTX + 1))
+    cache.prefill(sess, [1] * 10)
+    with pytest.raises(ValueError, match="another model"):      # one cache per model
+        cache.prefill(engine("dense").session(), [1] * 10)
+
+
+# ------------------------------------------------------------------------------------------------ bit-identical reuse
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_exact_repeat(kind, engine, recompute):
+    eng = engine(kind)
+    cache, sess = new_cache(eng), eng.session()
+    a = tokens(2, 300)
+    run(cache, sess, kind, a, recompute, reused=0)
+    run(cache, sess, kind, a, recompute, reused=256)       # the end snapshot: floor(300 / 64) * 64
+    b = tokens(3, 256)                                      # a multiple of 64: one page is rerun for its logits
+    run(cache, eng.session(), kind, b, recompute, reused=0)
+    run(cache, sess, kind, b, recompute, reused=192)
+    st_ = cache.stats
+    assert st_["hits"] == 2 and st_["misses"] == 2 and st_["tokens_reused"] == 448
+    assert st_["tokens_prefilled"] == 300 + 44 + 256 + 64
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_extension_and_chat_turns(kind, engine, recompute):
+    """A follow-up that appends to a prompt, and a conversation continued after decoding: decoded tokens are not
+    in any snapshot (the recurrent form rounds differently), the prompt's end snapshot is."""
+    eng = engine(kind)
+    cache, sess = new_cache(eng), eng.session()
+    a = tokens(4, 200)
+    run(cache, sess, kind, a, recompute, reused=0)
+    run(cache, sess, kind, a + tokens(5, 50), recompute, reused=192)
+    # a chat turn: generate a few tokens, then the next prompt holds the whole history
+    out = cache.prefill(sess, a)
+    fresh = eng.session()
+    fresh.prefill(a)
+    for _ in range(5):                                     # decoding after a cached prefill = after a fresh one
+        t = int(np.argmax(out))
+        out = sess.decode(t)
+        assert np.array_equal(out, fresh.decode(t))
+    turn2 = sess.tokens + tokens(6, 60)
+    run(cache, sess, kind, turn2, recompute, reused=192)
+    run(cache, sess, kind, turn2 + tokens(7, 70), recompute, reused=256)   # snapshots of turn 2: 256 (grid)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_divergence_mid_block_and_at_zero(kind, engine, recompute):
+    eng = engine(kind)
+    cache, sess = new_cache(eng), eng.session()
+    a = tokens(8, 320)
+    run(cache, sess, kind, a, recompute, reused=0)
+    b = a[:150] + [(a[150] + 1) % 500] + a[151:]         # diverges inside page [128, 192)
+    run(cache, sess, kind, b, recompute, reused=128)
+    c = [(a[0] + 1) % 500] + a[1:]                       # diverges at 0: nothing is reused
+    run(cache, sess, kind, c, recompute, reused=0)
+    run(cache, sess, kind, a[:191], recompute, reused=128)   # a shorter prompt inside a cached one
+    run(cache, sess, kind, a[:40], recompute, reused=0)      # shorter than a page
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pages_are_shared(kind, engine, recompute):
+    eng = engine(kind)
+    cache, sess = new_cache(eng), eng.session()
+    a = tokens(9, 300)
+    run(cache, sess, kind, a, recompute)
+    run(cache, sess, kind, a[:256] + tokens(10, 100), recompute, reused=256)
+    st_ = cache.stats
+    # a: snapshots 128, 256 (grid and end) over pages 0-3; the second prompt adds 320 (end) and page 4 only
+    assert st_["snapshots"] == 3 and st_["pages"] == 5
+    sizes = Sizes.of(eng.model, 64)
+    assert st_["ram_bytes"] == 3 * sizes.snapshot + 5 * sizes.page
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eviction_between_requests(kind, engine, recompute):
+    eng = engine(kind)
+    sizes = Sizes.of(eng.model, 64)
+    one = sizes.snapshot + 5 * sizes.page                 # room for one snapshot at 320 and its pages
+    cache, sess = new_cache(eng, ram_bytes=one), eng.session()
+    a, b = tokens(11, 330), tokens(12, 330)
+    run(cache, sess, kind, a, recompute, reused=0)
+    assert cache.stats["ram_bytes"] <= one and cache.stats["evictions"] >= 2   # 128 and 256 went for 320
+    run(cache, sess, kind, a + [1, 2, 3], recompute, reused=320)
+    run(cache, sess, kind, b, recompute, reused=0)          # evicts a's snapshot
+    run(cache, sess, kind, a, recompute, reused=0)
+    run(cache, sess, kind, a[:200], recompute, reused=0)    # 128 was evicted when 320 came
+    cache.clear()
+    assert cache.stats["ram_bytes"] == 0 and cache.stats["pages"] == 0
+    run(cache, sess, kind, a, recompute, reused=0)
+    none = new_cache(eng, ram_bytes=0)                      # a cache that holds nothing still answers right
+    run(none, sess, kind, a, recompute, reused=0)
+    run(none, sess, kind, a, recompute, reused=0)
+    assert none.stats["ram_bytes"] == 0 and none.stats["snapshots"] == 0
+
+
+def test_a_pinned_snapshot_is_not_evicted(engine, recompute):
+    eng = engine("moe")
+    cache, sess = new_cache(eng), eng.session()
+    a = tokens(13, 200)
+    run(cache, sess, "moe", a, recompute)
+    keys = chain_keys(a, 64)
+    pos, key, _, _ = cache._lookup(keys, 3, cache._sizes)   # what prefill does before restoring
+    assert (pos, key) == (192, keys[2])
+    cache.ram_bytes = 0
+    cache._evict()
+    assert cache.stats["snapshots"] == 1 and cache.cached_prefix(a) == 192
+    cache._unpin(key)                                       # restored: now it can go
+    assert cache.stats["snapshots"] == 0 and cache.stats["ram_bytes"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ disk tier
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_restart_with_the_disk_tier(kind, engine, recompute, tmp_path):
+    eng = engine(kind)
+    first, sess = new_cache(eng, disk_dir=tmp_path), eng.session()
+    a = tokens(14, 300)
+    run(first, sess, kind, a, recompute, reused=0)
+    assert first.stats["disk_files"] == 2 + 4            # snapshots 128, 256 + pages 0-3
+    del first
+    second = new_cache(eng, disk_dir=tmp_path)           # a new process would do the same
+    assert second.cached_prefix(a + [1]) == 256 and second.stats["snapshots"] == 0
+    run(second, sess, kind, a + tokens(15, 50), recompute, reused=256)
+    st_ = second.stats
+    assert st_["disk_hits"] == 1 and st_["disk_reads"] == 1 + 4 and st_["disk_rejected"] == 0
+    run(second, sess, kind, a, recompute, reused=256)    # now from RAM
+    assert second.stats["disk_reads"] == 5
+    # a RAM budget of zero: every hit comes from disk
+    third = new_cache(eng, disk_dir=tmp_path, ram_bytes=0)
+    run(third, sess, kind, a, recompute, reused=256)
+    run(third, sess, kind, a, recompute, reused=256)
+    assert third.stats["disk_hits"] == 2 and third.stats["ram_bytes"] == 0
+
+
+def _files(d, ext):
+    return sorted(p for p in os.listdir(d) if p.endswith(ext))
+
+
+def test_disk_budget_drops_the_oldest_files(engine, recompute, tmp_path):
+    eng = engine("moe")
+    sizes = Sizes.of(eng.model, 64)
+    budget = 3 * (sizes.snapshot + sizes.page) + 4 * sizes.page
+    cache, sess = new_cache(eng, disk_dir=tmp_path, disk_bytes=budget), eng.session()
+    for seed in (16, 17, 18):
+        run(cache, sess, "moe", tokens(seed, 300), recompute)
+    st_ = cache.stats
+    assert st_["disk_evictions"] > 0 and st_["disk_bytes"] <= budget
+    assert sum(os.path.getsize(tmp_path / p) for p in os.listdir(tmp_path)) == st_["disk_bytes"]
+
+
+def test_corrupt_and_foreign_disk_files_are_ignored_and_counted(engine, recompute, tmp_path):
+    moe, dense = engine("moe"), engine("dense")
+    a = tokens(19, 300)
+    writer = new_cache(moe, disk_dir=tmp_path)
+    run(writer, moe.session(), "moe", a, recompute)
+    snaps, pages = _files(tmp_path, ".snap"), _files(tmp_path, ".kv")
+    assert len(snaps) == 2 and len(pages) == 4
+
+    # another model on the same directory: every file has the same name (same tokens) but not its fingerprint
+    foreign = new_cache(dense, disk_dir=tmp_path)
+    with pytest.warns(CacheFileWarning, match="another model"):
+        run(foreign, dense.session(), "dense", a, recompute, reused=0)
+    assert foreign.stats["disk_rejected"] == 2            # both snapshots (256 then 128), never loaded
+    assert foreign.stats["disk_hits"] == 0
+
+    # fresh moe files, then damage them in every way the header catches
+    shutil.rmtree(tmp_path)
+    writer = new_cache(moe, disk_dir=tmp_path)
+    run(writer, moe.session(), "moe", a, recompute)
+    by_pos = {}
+    for name in _files(tmp_path, ".snap"):
+        raw = (tmp_path / name).read_bytes()
+        by_pos[int.from_bytes(raw[16:24], "little")] = tmp_path / name
+    p256, p128 = by_pos[256], by_pos[128]
+    raw = bytearray(p256.read_bytes())
+    raw[-100] ^= 0x40                                     # a flipped payload bit: checksum
+    p256.write_bytes(bytes(raw))
+    page0 = tmp_path / (chain_keys(a, 64)[0].hex() + ".kv")
+    page0.write_bytes(page0.read_bytes()[:-8])           # a truncated page: 128 and 256 both need it
+
+    reader = new_cache(moe, disk_dir=tmp_path)
+    with pytest.warns(CacheFileWarning) as w:
+        run(reader, moe.session(), "moe", a, recompute, reused=0)
+    reasons = " | ".join(str(x.message) for x in w)
+    assert "checksum" in reasons and "payload of" in reasons
+    assert reader.stats["disk_rejected"] == 2 and reader.stats["disk_hits"] == 0
+    # the prefill rewrote the rejected files: a restart now reuses them
+    again = new_cache(moe, disk_dir=tmp_path)
+    run(again, moe.session(), "moe", a, recompute, reused=256)
+    assert again.stats["disk_rejected"] == 0
+
+    # another format version and a file that is not ours at all
+    raw = bytearray(p128.read_bytes())
+    raw[8:12] = (FORMAT_VERSION + 1).to_bytes(4, "little")
+    p128.write_bytes(bytes(raw))
+    p256.write_bytes(b"not a cache file")
+    late = new_cache(moe, disk_dir=tmp_path)
+    with pytest.warns(CacheFileWarning) as w:
+        run(late, moe.session(), "moe", a[:250], recompute, reused=0)
+    reasons = " | ".join(str(x.message) for x in w)
+    assert "format version" in reasons and late.stats["disk_rejected"] == 1     # 250 tokens look up 192, 128
+    with pytest.warns(CacheFileWarning, match="shorter than the header"):
+        run(late, moe.session(), "moe", a + [1], recompute, reused=192)   # 256 is junk; 192 came with a[:250]
+    assert late.stats["disk_rejected"] == 2
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+# ------------------------------------------------------------------------------------------------ negative control
+
+def test_a_restore_at_an_unaligned_split_is_not_bit_identical(engine, recompute):
+    """Why the cache only splits at multiples of 64: the same restore, continued with a call that ends at 160,
+    differs from the recompute in the last bits (the test above would catch a cache doing this)."""
+    eng = engine("moe")
+    a = tokens(20, 300)
+    full = eng.session()
+    full.prefill(a[:128])
+    snap, kv = full.state.save_recurrent(), full.state.read_kv(0, 128)
+    s = eng.model.new_state(N_CTX)
+    s.restore_recurrent(snap, 128)
+    s.write_kv(0, 128, kv)
+    eng.model.forward(s, a[128:160], want_logits=False)
+    out = eng.model.forward(s, a[160:])[0]
+    ref = recompute("moe", a)
+    assert not np.array_equal(out, ref)
+    assert np.allclose(out, ref, atol=1e-3)               # ... though equal up to rounding
+
+
+# ------------------------------------------------------------------------------------------------ property
+
+@st.composite
+def workloads(draw):
+    """Prompts that share random prefixes with earlier ones (cut anywhere, or near the end: a follow-up), a RAM
+    budget (in snapshots with five pages: none, one, two, all) and clears or squeezes between requests."""
+    def ids(n):
+        return draw(st.lists(st.integers(0, 15), min_size=n, max_size=n))
+
+    prompts = [ids(draw(st.integers(1, 330)))]
+    for _ in range(draw(st.integers(1, 3))):
+        src = draw(st.sampled_from(prompts))
+        cut = draw(st.one_of(st.integers(0, len(src)), st.integers(max(0, len(src) - 80), len(src))))
+        prompts.append(src[:cut] + ids(draw(st.integers(0 if cut else 1, 330 - cut))))
+    events = [draw(st.sampled_from(["none", "none", "none", "clear", "squeeze"])) for _ in prompts]
+    budget = draw(st.sampled_from([0, 1, 2, None]))
+    return prompts, events, budget
+
+
+def expected_reuse(seen: set, ids: list[int]) -> int:
+    """What an unbounded cache reuses: the longest snapshot prefix taken for an earlier prompt (grid positions and
+    prompt ends), leaving at least one token to run."""
+    return max((q for q in range(64, len(ids), 64) if tuple(ids[:q]) in seen), default=0)
+
+
+def snapshot_prefixes(ids: list[int]) -> set:
+    n = len(ids)
+    return {tuple(ids[:q]) for q in {*range(GRID, n + 1, GRID), (n - 1) // 64 * 64, n // 64 * 64} if q}
+
+
+@settings(max_examples=12, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(work=workloads())
+def test_random_shared_prefixes_equal_the_recompute(engine, recompute, work):
+    prompts, events, budget = work
+    eng = engine("moe")
+    sizes = Sizes.of(eng.model, 64)
+    ram = 1 << 40 if budget is None else budget * (sizes.snapshot + 5 * sizes.page)
+    cache, sess, seen, evicting = new_cache(eng, ram_bytes=ram), eng.session(), set(), budget is not None
+    for ids, event in zip(prompts, events):
+        want = expected_reuse(seen, ids)
+        assert cache.cached_prefix(ids) == cache.cached_prefix(ids) <= want
+        run(cache, sess, "moe", ids, recompute, reused=None if evicting else want)
+        assert cache.last["reused"] <= want and cache.stats["ram_bytes"] <= cache.ram_bytes
+        seen |= snapshot_prefixes(ids)
+        if event == "clear":
+            cache.clear()
+            seen, evicting = set(), False
+        elif event == "squeeze":                          # evict down to half the budget
+            cache.ram_bytes //= 2
+            cache._evict()
+            evicting = True
+            assert cache.stats["ram_bytes"] <= cache.ram_bytes

@@ -1,0 +1,737 @@
+"""The OpenAI-compatible server (legacy_engine/server.py), driven by the official `openai` client.
+
+One server runs in-process (uvicorn in a thread, on a free loopback port) for the whole module, on a tiny MoE
+made once (make-model tiny-moe q8_0, 4 layers, the real 248k Qwen vocabulary) with the prefix cache on.
+Oracles: a separate Engine's Session.generate on the same rendered prompt (greedy text, token counts), the
+tokenizer's count of the rendered prompt (usage), and the FIFO log the worker keeps (order of arrival).
+Model output is random-weight noise; where a test needs a known output (tool calls, reasoning) it swaps the
+worker's sampler seam for a scripted one, so the real path still runs: template, prefill, detokenizer,
+parser, HTTP, client. Raw HTTP (malformed JSON, disconnects) uses http.client on 127.0.0.1 only.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client: pip install openai")
+pytest.importorskip("starlette", reason="the server needs starlette: pip install starlette uvicorn")
+uvicorn = pytest.importorskip("uvicorn", reason="the server needs uvicorn: pip install starlette uvicorn")
+
+from legacy_engine.cache import PrefixCache, model_fingerprint  # noqa: E402
+from legacy_engine.generate import Engine  # noqa: E402
+from legacy_engine.make_model import make_model  # noqa: E402
+from legacy_engine.sampling import SamplingParams  # noqa: E402
+from legacy_engine.server import (APIError, ChatOutput, Job, Plan, ServeConfig, Worker,  # noqa: E402
+                                  add_serve_parser, create_app, parse_tool_calls)
+
+pytestmark = pytest.mark.cpu
+
+N_THREADS = 2
+N_CTX = 2048
+MODEL_ID = "tiny-moe"
+API_KEY = "sk-test-key"
+MAX_BODY = 256 << 10
+TIMEOUT = 60            # seconds: the client's limit on any one request
+REPO = Path(__file__).resolve().parents[1]
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather and a forecast for a city.",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "description": "city name"},
+        "days": {"type": "integer", "description": "forecast days"},
+        "metric": {"type": "boolean"},
+        "where": {"type": "object"}}}}}
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("server_model") / "tiny-moe-q8_0-4l.gguf"
+    return make_model("tiny-moe", str(out), layers=4, quant="q8_0", progress=False)
+
+
+@pytest.fixture(scope="module")
+def ref(model_path) -> Engine:
+    """A second Engine on the same file: the oracle, never touched by the server."""
+    return Engine(model_path, n_threads=N_THREADS, n_ctx=N_CTX)
+
+
+class Served:
+    """The running server: its URL, worker, cache and a way to make clients."""
+
+    def __init__(self, port: int, worker: Worker, cache: PrefixCache):
+        self.port, self.worker, self.cache = port, worker, cache
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+
+    def client(self, api_key: str = API_KEY, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=TIMEOUT, **kw)
+
+    def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """(status, parsed JSON or text) over http.client."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT)
+        try:
+            h = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+            h.update(headers or {})
+            conn.request(method, path, body=body, headers=h)
+            r = conn.getresponse()
+            text = r.read().decode()
+            try:
+                return r.status, json.loads(text)
+            except ValueError:
+                return r.status, text
+        finally:
+            conn.close()
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        t0 = time.monotonic()
+        while self.worker.current is not None or self.worker.queued:
+            assert time.monotonic() - t0 < timeout, "the worker did not become idle"
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    engine = Engine(model_path, n_threads=N_THREADS, n_ctx=N_CTX)
+    cache = PrefixCache(model_fingerprint(engine.model), ram_bytes=1 << 30)
+    worker = Worker(engine, cache=cache, max_queue=256)
+    cfg = ServeConfig(model_id=MODEL_ID, api_key=API_KEY, max_body=MAX_BODY)
+    app = create_app(worker, cfg)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
+    thread.start()  # uvicorn installs signal handlers only on the main thread: none here
+    t0 = time.monotonic()
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() - t0 < 30, "the server did not start"
+        time.sleep(0.02)
+    yield Served(sock.getsockname()[1], worker, cache)
+    srv.should_exit = True
+    thread.join(15)
+    sock.close()
+    assert not thread.is_alive(), "the server did not shut down"
+    assert not worker.alive, "the worker thread outlived the server"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@contextmanager
+def scripted(worker: Worker, text: str):
+    """The worker's sampler replaced by one that emits the tokens of `text`, then <|im_end|>."""
+    tok = worker.engine.tokenizer
+    ids = tok.encode(text) + [tok.id_of("<|im_end|>")]
+
+    class Script:
+        def __init__(self, params):
+            self.i = 0
+
+        def sample(self, logits, history):
+            self.i += 1
+            return ids[min(self.i, len(ids)) - 1]
+
+    saved = worker.make_sampler
+    worker.make_sampler = Script
+    try:
+        yield
+    finally:
+        worker.make_sampler = saved
+
+
+@contextmanager
+def recording(worker: Worker):
+    """Token ids of every prompt the worker prefills, through its prefill seam."""
+    seen: list[list[int]] = []
+    saved = worker.prefill
+
+    def prefill(session, ids):
+        seen.append(list(ids))
+        return saved(session, ids)
+    worker.prefill = prefill
+    try:
+        yield seen
+    finally:
+        worker.prefill = saved
+
+
+def reasoning_of(msg) -> str | None:
+    return getattr(msg, "reasoning_content", None) or (msg.model_extra or {}).get("reasoning_content")
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
+
+
+# ------------------------------------------------------------------------------------------------ chat and completions
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_ID]
+    assert client.models.retrieve(MODEL_ID).id == MODEL_ID
+    status, body = server.raw("GET", "/health", headers={"Authorization": ""})  # /health needs no key
+    assert status == 200 and body["status"] == "ok"
+    status, text = server.raw("GET", "/metrics")
+    assert status == 200
+    for name in ("requests_total", "prompt_tokens_total", "completion_tokens_total", "prefill_tokens_per_second",
+                 "decode_tokens_per_second", "cache_hits_total", "queue_length"):
+        assert f"# TYPE legacy_engine_{name} " in text
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["no-think", "think"])
+def test_chat_equals_session(server, client, ref, thinking):
+    """Greedy chat = Session.generate on the rendered prompt; usage = the tokenizer's count and the tokens made."""
+    r = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=12, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+    prompt = ref.chat_prompt(MESSAGES, enable_thinking=thinking)
+    want = ref.session().generate(prompt, max_tokens=12)
+    msg = r.choices[0].message
+    assert r.object == "chat.completion" and r.model == MODEL_ID and msg.role == "assistant"
+    if thinking:  # the prompt leaves <think> open: all of it is reasoning (noise never closes it)
+        assert reasoning_of(msg) == want.text.strip() and not msg.content
+    else:
+        assert msg.content == want.text.strip() and not reasoning_of(msg)
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.prompt_tokens == len(ref.tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == len(want.tokens)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream(server, client):
+    kw = dict(model=MODEL_ID, messages=MESSAGES, max_tokens=10, temperature=0, extra_body=NO_THINK)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    plain = list(client.chat.completions.create(**kw, stream=True))  # no include_usage: no usage chunk
+    assert all(c.choices and c.usage is None for c in plain)
+
+
+def test_completions_and_penalties(server, client, ref):
+    prompt = "The old lighthouse keeper said"
+    params = SamplingParams(presence_penalty=1.5, frequency_penalty=0.5)
+    for kw, p in (({}, SamplingParams()), ({"presence_penalty": 1.5, "frequency_penalty": 0.5}, params)):
+        r = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16, temperature=0, **kw)
+        want = ref.session().generate(prompt, max_tokens=16, params=p)
+        assert r.object == "text_completion" and r.choices[0].text == want.text
+        assert r.usage.prompt_tokens == len(ref.tokenizer.encode(prompt))
+        assert r.usage.completion_tokens == len(want.tokens)
+    ids = ref.tokenizer.encode(prompt)
+    by_ids = client.completions.create(model=MODEL_ID, prompt=ids, max_tokens=16, temperature=0)
+    assert by_ids.choices[0].text == ref.session().generate(ids, max_tokens=16).text
+    stream = list(client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in stream if c.choices) == ref.session().generate(prompt, 16).text
+    assert stream[-1].usage.completion_tokens == 16
+
+
+def test_stop_sequences(server, client):
+    prompt = "Once upon a time"
+    full = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    k = next(k for k in range(len(full) // 2, len(full) - 3) if full.find(full[k:k + 3]) == k and full[k:k + 3].strip())
+    stop = full[k:k + 3]
+    for stream in (False, True):
+        kw = dict(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "never-seen-§"])
+        if stream:
+            chunks = list(client.completions.create(**kw, stream=True))
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            r = client.completions.create(**kw)
+            text, finish = r.choices[0].text, r.choices[0].finish_reason
+        assert text == full[:k] and finish == "stop"
+    r = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=24, temperature=0, stop=stop,
+                                       extra_body=NO_THINK)  # a single string is accepted too
+    assert stop not in (r.choices[0].message.content or "")
+
+
+def test_seed_reproducible(server, client):
+    def run(seed):
+        return client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=12, temperature=1.0,
+                                              top_p=0.95, seed=seed,
+                                              extra_body={**NO_THINK, "top_k": 50, "min_p": 0.01}
+                                              ).choices[0].message.content
+    a, b, c = run(7), run(7), run(8)
+    assert a == b and a != c
+
+
+def test_n_above_one_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, n=2, max_tokens=2)
+    assert e.value.param == "n"
+
+
+# ------------------------------------------------------------------------------------------------ tools and reasoning
+
+CALL_XML = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n</function>\n</tool_call>")
+
+
+def test_tool_schema_reaches_the_prompt(server, client, ref):
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    with recording(server.worker) as seen:
+        r = client.chat.completions.create(model=MODEL_ID, messages=msgs, tools=[WEATHER], max_tokens=2,
+                                           temperature=0)
+    prompt = ref.tokenizer.decode(seen[-1])
+    assert "<tools>" in prompt and json.dumps(WEATHER, ensure_ascii=False) in prompt
+    assert "<function=function_name>" in prompt  # the template's call-format instructions
+    assert r.usage.prompt_tokens == len(ref.tokenizer.encode(ref.chat_prompt(msgs, tools=[WEATHER])))
+    with recording(server.worker) as seen:
+        client.chat.completions.create(model=MODEL_ID, messages=msgs, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=2, temperature=0)
+    assert "<tools>" not in ref.tokenizer.decode(seen[-1])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_ID, messages=msgs, tools=[WEATHER], tool_choice="required")
+    assert e.value.param == "tool_choice"
+
+
+def test_tool_call_round_trip(server, client, ref):
+    """A scripted model answer (reasoning + Qwen3.5 XML call) comes back as reasoning_content and tool_calls;
+    the call and its result then render into the next prompt."""
+    msgs = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    script = "The user wants weather.\n</think>\n\n" + CALL_XML
+    with scripted(server.worker, script):
+        r = client.chat.completions.create(model=MODEL_ID, messages=msgs, tools=[WEATHER], max_tokens=100)
+        chunks = list(client.chat.completions.create(model=MODEL_ID, messages=msgs, tools=[WEATHER], max_tokens=100,
+                                                     stream=True))
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert reasoning_of(choice.message) == "The user wants weather."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    assert r.usage.completion_tokens == len(ref.tokenizer.encode(script)) + 1  # + <|im_end|>
+
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(reasoning_of(d) or "" for d in deltas) == "The user wants weather."
+    assert "".join(d.content or "" for d in deltas) == ""
+    (streamed,) = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert streamed.index == 0 and streamed.function.name == "get_weather"
+    assert json.loads(streamed.function.arguments) == {"city": "Paris", "days": 3}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    follow = msgs + [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}]
+    with recording(server.worker) as seen:
+        client.chat.completions.create(model=MODEL_ID, messages=follow, tools=[WEATHER], max_tokens=2)
+    prompt = ref.tokenizer.decode(seen[-1])
+    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>" in prompt
+    assert '<tool_response>\n{"temp_c": 21}\n</tool_response>' in prompt
+
+
+def test_scripted_json_call_and_plain_content(server, client):
+    msgs = [{"role": "user", "content": "hi"}]
+    with scripted(server.worker, 'Sure.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                                 '</tool_call>'):
+        r = client.chat.completions.create(model=MODEL_ID, messages=msgs, tools=[WEATHER], extra_body=NO_THINK)
+    assert r.choices[0].message.content == "Sure."
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    with scripted(server.worker, "<tool_call>not a call</tool_call>"):  # without tools nothing is parsed
+        r = client.chat.completions.create(model=MODEL_ID, messages=msgs, extra_body=NO_THINK)
+    assert r.choices[0].message.content == "<tool_call>not a call</tool_call>"
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+
+
+def test_parse_tool_calls_strings():
+    tools = [WEATHER]
+    content, calls = parse_tool_calls("Checking.\n\n" + CALL_XML, tools)
+    assert content == "Checking." and len(calls) == 1
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    two = (CALL_XML + "\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew\nYork\n</parameter>\n"
+           "<parameter=metric>\ntrue\n</parameter>\n<parameter=where>\n{\"lat\": 1}\n</parameter>\n</function>\n"
+           "</tool_call>")
+    content, calls = parse_tool_calls(two, tools)
+    assert content == "" and [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "Paris", "days": 3}, {"city": "New\nYork", "metric": True, "where": {"lat": 1}}]
+    assert len({c["id"] for c in calls}) == 2
+    # JSON inside <tool_call>, arguments as an object or a JSON string; a final block without </tool_call>
+    for body in ('{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+                 '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}'):
+        assert json.loads(parse_tool_calls(f"<tool_call>\n{body}\n</tool_call>", tools)[1][0]["function"]
+                          ["arguments"]) == {"city": "Oslo"}
+    assert parse_tool_calls("<tool_call>\n<function=f>\n</function>", tools)[1][0]["function"] == {
+        "name": "f", "arguments": "{}"}
+    # a string-typed value stays a string even when it looks like JSON; unknown params stay strings
+    _, calls = parse_tool_calls("<tool_call><function=get_weather><parameter=city>\n42\n</parameter>"
+                                "<parameter=extra>\n7\n</parameter></function></tool_call>", tools)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "42", "extra": "7"}
+    # malformed blocks stay in the content; no tools: nothing parsed
+    assert parse_tool_calls("<tool_call>{oops</tool_call>", tools) == ("<tool_call>{oops</tool_call>", [])
+    assert parse_tool_calls(CALL_XML, None) == (CALL_XML, [])
+
+
+SPLIT_CASES = [
+    (True, None, "  I think.\n\nMore thought. \n</think>\n\nThe answer is 4.\n", "I think.\n\nMore thought.",
+     "The answer is 4.", 0),
+    (False, None, "\n<think>\nhidden</think>visible < text <thin", "hidden", "visible < text <thin", 0),
+    (False, [WEATHER], "Let me look.\n\n" + CALL_XML + "\n", "", "Let me look.", 1),
+    (True, [WEATHER], "plan</think>" + CALL_XML + CALL_XML, "plan", "", 2),
+    (True, None, "cut off mid-thought </thi", "cut off mid-thought </thi", "", 0),
+    (False, [WEATHER], "a <tool_call>broken", "", "a\n\n<tool_call>broken", 0),
+]
+
+
+@pytest.mark.parametrize("thinking,tools,text,reasoning,content,n_calls", SPLIT_CASES)
+def test_chat_output_split_is_cut_independent(thinking, tools, text, reasoning, content, n_calls):
+    rng = random.Random(len(text))
+    for trial in range(30):
+        out = ChatOutput(thinking, tools)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, trial % 7))) if trial else []
+        streamed = {"reasoning": "", "content": ""}
+        for a, b in zip([0] + cuts, cuts + [len(text)], strict=True):
+            for kind, piece in out.push(text[a:b]):
+                streamed[kind] += piece
+        parts, calls = out.finish()
+        for kind, piece in parts:
+            streamed[kind] += piece
+        assert (streamed["reasoning"], streamed["content"], len(calls)) == (reasoning, content, n_calls), cuts
+        assert (out.reasoning, out.content) == (reasoning, content)
+
+
+# ------------------------------------------------------------------------------------------------ robustness
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": 3}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_completion_tokens": True}, "max_completion_tokens"),
+    ({"stop": 5}, "stop"),
+    ({"stop": ["a", 1]}, "stop"),
+    ({"seed": "x"}, "seed"),
+    ({"stream": "yes"}, "stream"),
+    ({"presence_penalty": 9}, "presence_penalty"),
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools"),
+    ({"logprobs": True}, "logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"chat_template_kwargs": {"enable_thinking": "no"}}, "enable_thinking"),
+])
+def test_wrong_types_and_values(server, body, param):
+    """Each bad field -> 400 in OpenAI's error format, naming the field (sent raw: the client would coerce some)."""
+    full = {"model": MODEL_ID, "messages": MESSAGES, "max_tokens": 2, **body}
+    status, err = server.raw("POST", "/v1/chat/completions", json.dumps(full).encode())
+    assert status == 400, err
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["param"] == param
+
+
+def test_malformed_json_and_unknown_routes(server):
+    for raw in (b"{bad json", b"", b"[1, 2]", b"\xff\xfe\x00garbage", b"[" * 100_000):
+        status, err = server.raw("POST", "/v1/chat/completions", raw)
+        assert status == 400 and err["error"]["code"] == "invalid_json", raw[:20]
+    status, err = server.raw("POST", "/v1/completions", json.dumps({"model": MODEL_ID, "prompt": 5}).encode())
+    assert status == 400 and err["error"]["param"] == "prompt"
+    status, err = server.raw("GET", "/v2/nothing")
+    assert status == 404 and err["error"]["code"] == "not_found"
+    status, err = server.raw("GET", "/v1/chat/completions")
+    assert status == 405 and "error" in err
+
+
+def test_unknown_model(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_api_key(server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        server.client(api_key="sk-wrong").chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=2)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    status, err = server.raw("GET", "/v1/models", headers={"Authorization": ""})
+    assert status == 401 and err["error"]["code"] == "invalid_api_key"
+    status, _ = server.raw("GET", "/metrics", headers={"Authorization": "Basic " + API_KEY})
+    assert status == 401
+
+
+def test_oversize_body(server, client):
+    with pytest.raises(openai.APIStatusError) as e:  # Content-Length says too much: refused before reading
+        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x" * (4 * MAX_BODY)}])
+    assert e.value.status_code == 413 and e.value.code == "request_too_large"
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
+    try:  # chunked: no Content-Length, so the limit is enforced while reading
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Authorization", f"Bearer {API_KEY}")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        piece = b"x" * 65536
+        try:
+            for _ in range(2 * MAX_BODY // len(piece)):
+                conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+            conn.send(b"0\r\n\r\n")
+        except OSError:  # the server may answer and close before the rest is sent
+            pass
+        r = conn.getresponse()
+        assert r.status == 413 and json.loads(r.read())["error"]["code"] == "request_too_large"
+    finally:
+        conn.close()
+    assert server.raw("GET", "/health")[0] == 200
+
+
+def test_prompt_beyond_context(client):
+    long = [{"role": "user", "content": "hello " * N_CTX}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_ID, messages=long, max_tokens=2)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_ID, prompt=list(range(N_CTX)), max_tokens=2)
+    assert e.value.code == "context_length_exceeded"
+    # a max_tokens beyond what the context has left is clipped: generation ends with "length" at the edge
+    r = client.completions.create(model=MODEL_ID, prompt=list(range(1000, 1000 + N_CTX - 3)), max_tokens=50,
+                                  temperature=0)
+    assert r.usage.completion_tokens <= 3 and r.usage.prompt_tokens + r.usage.completion_tokens <= N_CTX
+
+
+def test_concurrent_clients_fifo(server, client):
+    """100 clients at once: every one answered, no error, and the worker ran them in the order they arrived."""
+    n = 100
+    start = len(server.worker.log)
+    barrier = threading.Barrier(n, timeout=30)
+
+    def one(i: int):
+        barrier.wait()
+        return client.chat.completions.create(model=MODEL_ID, max_tokens=2, temperature=0, extra_body=NO_THINK,
+                                              messages=[{"role": "user", "content": f"client {i}"}])
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        results = list(pool.map(one, range(n), timeout=120))
+    elapsed = time.monotonic() - t0
+    assert all(r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1 for r in results)
+    ran = list(server.worker.log)[start:]
+    assert len(ran) == n and all(finish in ("length", "stop") for _, finish, _, _ in ran)
+    seqs = [seq for seq, *_ in ran]
+    assert seqs == sorted(seqs) and seqs == list(range(seqs[0], seqs[0] + n))  # FIFO, none skipped
+    print(f"\n100 concurrent chat requests (max_tokens 2) answered in {elapsed:.2f} s")
+
+
+def test_queue_limit(server):
+    """A full queue answers 503 queue_full (a Worker that is not started keeps everything queued)."""
+    import asyncio
+
+    w = Worker(server.worker.engine, max_queue=2)
+    loop = asyncio.new_event_loop()
+    try:
+        plan = Plan(ids=[1, 2], max_tokens=1, params=SamplingParams(), stop=[], stream=False, include_usage=False)
+        w.submit(Job(plan, loop))
+        w.submit(Job(plan, loop))
+        with pytest.raises(APIError) as e:
+            w.submit(Job(plan, loop))
+        assert e.value.status == 503 and e.value.code == "queue_full"
+    finally:
+        loop.close()
+
+
+def test_worker_default_prefill_seam(ref):
+    """A Worker without a cache runs the fresh-prefill seam; its events carry what Session.generate gives."""
+    import asyncio
+
+    ids = ref.tokenizer.encode("The worker, alone")
+    want = ref.session().generate(ids, max_tokens=8)
+
+    async def run() -> list:
+        w = Worker(ref)
+        w.start()
+        try:
+            plan = Plan(ids=ids, max_tokens=8, params=SamplingParams(), stop=[], stream=False, include_usage=False)
+            job = Job(plan, asyncio.get_running_loop())
+            w.submit(job)
+            events = []
+            while not events or events[-1][0] not in ("done", "error"):
+                events.append(await asyncio.wait_for(job.events.get(), TIMEOUT))
+            return events
+        finally:
+            w.close()
+    events = asyncio.run(run())
+    assert events[0] == ("start", {"prompt_tokens": len(ids), "cached_tokens": 0})
+    assert "".join(p for k, p in events if k == "text") == want.text
+    assert events[-1] == ("done", {"finish_reason": want.finish_reason, "completion_tokens": len(want.tokens)})
+
+
+def _wait_for_cancel(server, seq_floor: int, timeout: float = 10.0):
+    t0 = time.monotonic()
+    while True:
+        done = [e for e in server.worker.log if e[0] >= seq_floor]
+        if done:
+            return done[-1]
+        assert time.monotonic() - t0 < timeout, "the generation did not stop"
+        time.sleep(0.02)
+
+
+def test_disconnect_mid_stream_cancels(server, client):
+    server.wait_idle()
+    floor = server.worker._seq
+    cancelled0 = server.worker.counters.jobs_cancelled
+    stream = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=1500, temperature=0,
+                                            stream=True)
+    it = iter(stream)
+    for _ in range(4):
+        next(it)
+    stream.close()  # drops the connection mid-stream
+    _, finish, _, n = _wait_for_cancel(server, floor)
+    assert finish == "cancelled" and n < 200, (finish, n)  # 1500 tokens would take ~10 s here
+    assert server.worker.counters.jobs_cancelled == cancelled0 + 1
+    server.wait_idle()
+    assert server.raw("GET", "/health")[1]["status"] == "ok"
+    assert client.completions.create(model=MODEL_ID, prompt="still alive?", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_disconnect_while_waiting_non_stream(server):
+    """A non-streamed request whose client hangs up is cancelled too."""
+    server.wait_idle()
+    floor = server.worker._seq
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
+    body = json.dumps({"model": MODEL_ID, "prompt": "a long story", "max_tokens": 1500, "temperature": 0})
+    conn.request("POST", "/v1/completions", body=body.encode(),
+                 headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    t0 = time.monotonic()
+    while server.worker.current is None and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    _, finish, _, n = _wait_for_cancel(server, floor)
+    assert finish == "cancelled" and n < 300, (finish, n)
+    assert server.raw("GET", "/health")[0] == 200
+
+
+def test_disconnect_while_queued_skips_the_job(server, client):
+    """A request whose client leaves while it waits behind another never runs."""
+    server.wait_idle()
+    floor = server.worker._seq
+    stream = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=1500, temperature=0,
+                                            stream=True)  # keeps the worker busy
+    next(iter(stream))
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
+    body = json.dumps({"model": MODEL_ID, "prompt": "queued", "max_tokens": 5})
+    conn.request("POST", "/v1/completions", body=body.encode(),
+                 headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    t0 = time.monotonic()
+    while server.worker.queued < 1:
+        assert time.monotonic() - t0 < 10, "the second request was not queued"
+        time.sleep(0.01)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    time.sleep(0.2)  # let the server see the hang-up before the worker reaches the job
+    stream.close()
+    server.wait_idle()
+    ran = {seq: (finish, n) for seq, finish, _, n in server.worker.log if seq >= floor}
+    assert ran == {floor: ran[floor], floor + 1: ("cancelled", 0)} and ran[floor][0] == "cancelled"
+    _, text = server.raw("GET", "/metrics")
+    assert 'legacy_engine_requests_total{endpoint="completions",code="499"}' in text
+
+
+def test_prefix_cache_makes_repeat_faster(server, client):
+    """The second identical request restores the prompt from the shared cache: measured and reported."""
+    server.wait_idle()
+    words = random.Random(1234).choices(["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa"], k=700)
+    prompt = "A unique preamble: " + " ".join(words)
+    hits0 = server.cache.stats["hits"]
+    times, results = [], []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        results.append(client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=1, temperature=0))
+        times.append(time.perf_counter() - t0)
+    first, second = results
+    n = first.usage.prompt_tokens
+    assert n > 512 and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= n - 64
+    assert second.choices[0].text == first.choices[0].text
+    assert server.cache.stats["hits"] == hits0 + 1
+    assert times[1] < 0.5 * times[0], times
+    _, text = server.raw("GET", "/metrics")
+    hits = [ln for ln in text.splitlines() if ln.startswith("legacy_engine_cache_hits_total")]
+    assert int(hits[0].split()[-1]) >= 1
+    print(f"\nprefix cache: {n}-token prompt, first request {times[0] * 1000:.0f} ms, identical second request "
+          f"{times[1] * 1000:.0f} ms ({times[0] / times[1]:.1f}x), {second.usage.prompt_tokens_details.cached_tokens} "
+          f"tokens restored")
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SERVE_MAIN = ("import argparse, sys\n"
+              "from legacy_engine.server import add_serve_parser\n"
+              "p = argparse.ArgumentParser(prog='legacy-engine')\n"
+              "add_serve_parser(p.add_subparsers(dest='cmd', required=True))\n"
+              "a = p.parse_args(sys.argv[1:])\n"
+              "sys.exit(a.func(a))\n")
+
+
+def test_serve_parser_flags(monkeypatch):
+    monkeypatch.delenv("LEGACY_ENGINE_API_KEY", raising=False)
+    p = argparse.ArgumentParser()
+    s = add_serve_parser(p.add_subparsers(dest="cmd"))
+    a = p.parse_args(["serve", "m.gguf"])
+    assert (a.host, a.port, a.api_key, a.ctx) == ("127.0.0.1", 8080, None, 4096)
+    assert (a.max_body, a.cache_ram) == (4 << 20, 2 << 30)
+    a = p.parse_args(["serve", "m.gguf", "--max-body", "512K", "--cache-ram", "0", "--max-queue", "3"])
+    assert (a.max_body, a.cache_ram, a.max_queue) == (512 << 10, 0, 3)
+    helptext = s.format_help()
+    for flag in ("--host", "--port", "--api-key", "--ctx", "--threads", "--max-body", "--max-queue", "--max-tokens",
+                 "--cache-ram", "--cache-dir", "--no-think"):
+        assert flag in helptext
+
+
+def test_serve_command_subprocess(model_path, tmp_path):
+    """`serve` as a process: starts, answers, keeps its disk cache, and exits 0 on SIGINT."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_MAIN, "serve", model_path, "--port", str(port),
+                             "--ctx", "512", "--threads", "2", "--alias", "t", "--cache-dir", str(tmp_path / "pc"),
+                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                c.models.list()
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() - t0 < 60, "serve did not come up"
+                time.sleep(0.1)
+        r = c.completions.create(model="t", prompt="x " * 200, max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2
+        assert any((tmp_path / "pc").iterdir())
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "legacy-engine serve: t" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
