@@ -39,10 +39,7 @@ static void attn_rows(void *ctx, int64_t i0, int64_t i1, int thread) {
         int n_keys = jb->pos + t + 1; /* causal: keys at positions 0..pos+t */
         float mx = -INFINITY;
         for (int p = 0; p < n_keys; p++) {
-            const float *k = jb->kc + (size_t)p * kvw + kvh * hd;
-            float d = 0.0f;
-            for (int e = 0; e < hd; e++) d += q[e] * k[e];
-            sc[p] = d * scale;
+            sc[p] = le_dot_f32(q, jb->kc + (size_t)p * kvw + kvh * hd, hd) * scale;
             if (sc[p] > mx) mx = sc[p];
         }
         double sum = 0.0;

@@ -102,10 +102,7 @@ static int gdn_chunked_head(const gdn_job *jb, int j) {
         /* A_ij = beta_i (k_i . k_j) exp(G_i - G_j), j < i */
         for (int i = 0; i < L; i++)
             for (int jj = 0; jj < i; jj++) {
-                const float *ki = K_(i), *kj = K_(jj);
-                float d = 0.0f;
-                for (int e = 0; e < dk; e++) d += ki[e] * kj[e];
-                A[i * C + jj] = BETA(i) * d * expf(G[i] - G[jj]);
+                A[i * C + jj] = BETA(i) * le_dot_f32(K_(i), K_(jj), dk) * expf(G[i] - G[jj]);
             }
         /* forward substitution of (I + A): U = T (beta V), W = T (beta e^G K) */
         for (int i = 0; i < L; i++) {
@@ -144,10 +141,7 @@ static int gdn_chunked_head(const gdn_job *jb, int j) {
             float eg = expf(G[i]);
             for (int c = 0; c < dv; c++) o[c] = eg * tmp[c];
             for (int jj = 0; jj <= i; jj++) {
-                const float *kj = K_(jj);
-                float d = 0.0f;
-                for (int e = 0; e < dk; e++) d += qi[e] * kj[e];
-                float coef = d * expf(G[i] - G[jj]);
+                float coef = le_dot_f32(qi, K_(jj), dk) * expf(G[i] - G[jj]);
                 const float *Vj = Vp + jj * dv;
                 for (int c = 0; c < dv; c++) o[c] += coef * Vj[c];
             }

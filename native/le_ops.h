@@ -50,6 +50,18 @@ int le_matmul(le_pool *pool, int int8, const le_weight *w, int64_t expert, const
 /* One row of a weight as f32 (embedding lookup). out: [W.ne0] */
 void le_weight_row(const le_weight *w, int64_t row, float *out);
 
+/* Dot product with 8 independent partial sums: gcc vectorises it without -ffast-math.
+ * The summation order is fixed, so results do not depend on the batch or thread split. */
+static inline float le_dot_f32(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
 /* ---- norm.c ------------------------------------------------------------------------ */
 /* out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]  (w NULL: no weight). In-place allowed. */
 void le_rmsnorm(const float *x, const float *w, int n, float eps, float *out);

@@ -12,17 +12,6 @@
 #include "le_internal.h"
 #include "le_ops.h"
 
-/* Dot product with 8 independent partial sums (lets gcc vectorise without -ffast-math). */
-static float dot_f32(const float *a, const float *b, int64_t n) {
-    float acc[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
-    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 typedef struct {
     const le_weight *w;
     const uint8_t *base; /* the expert's first row */
@@ -65,7 +54,7 @@ static void matmul_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
         } else {
             wr = (const float *)row;
         }
-        for (int64_t t = 0; t < j->n_tok; t++) j->y[t * j->ldy + r] = dot_f32(wr, j->x + t * j->ldx, ne0);
+        for (int64_t t = 0; t < j->n_tok; t++) j->y[t * j->ldy + r] = le_dot_f32(wr, j->x + t * j->ldx, ne0);
     }
     free(buf);
 }
