@@ -16,6 +16,10 @@ if ! python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36
     CMAKE_ARGS="-DGGML_NATIVE=OFF" python -m pip install -q --no-cache-dir llama-cpp-python==0.3.36
 fi
 
+# legacy CUDA toolchains (NVRTC 11.8 / 12.9 and their ptxas) from PyPI: they compile the Kepler,
+# Pascal and Volta tiers' PTX on a machine without a GPU (tests/test_gpu.py, non-GPU part)
+python -m legacy_engine.gpu install-toolchains
+
 set +e
 python -m pytest "$@"
 rc=$?

@@ -91,3 +91,27 @@ VEC_DOT_EXTRA_ROUNDINGS = 16
 # while the tested mistakes are far larger: a wrong kept set draws a token that must never appear, and a
 # temperature left out (T = 3 case) moves a frequency by 0.13.
 SAMPLING_FREQ_ABS = 0.02
+
+# ---- GPU kernels (cuda8/, tests/test_gpu.py), every tier against f64 math on the same inputs.
+# GEMV / GEMM / int8 GEMV: Higham's bound for f32 recursive summation, |err| <= (n-1)*u*sum|term| with u = 2^-24,
+# where n is the longest chain of dependent f32 additions in the kernel: the per-lane (gemv) or per-thread (gemm)
+# chain of products, plus 5 levels of the warp tree (gemv). GPU_SUM_EXTRA_ROUNDINGS covers the roundings in forming
+# each term: the dequantised weight by FMA (d*q - m in one rounding, the reference in two), the product with x,
+# and in the int8 kernel d0*lo, d1*hi, their sum, times d8, m*s8 and the subtraction (the integer sums are exact).
+# The magnitude M is taken per element as (|d*q| + |m|) * |x| (the scale part and the min part apart, so that
+# cancelling halves cannot hide a rounding; as VEC_DOT above). A wrong nibble, scale or block shifts a result by
+# about |w*x| of one element, i.e. ~M/n: orders of magnitude above n*u*M for every n tested (<= 4096).
+GPU_SUM_U = 2.0**-24
+GPU_SUM_EXTRA_ROUNDINGS = 8
+
+# RMSNorm (rmsnorm.cu) vs le_rmsnorm done in f64, relative per element: the f32 sum of squares runs a chain of
+# ncols/256 per-thread additions plus 8 tree levels (<= 40 for ncols <= 8192): relative error <= 41u; the scale
+# 1/sqrt(ss/n + eps) halves it and adds 4 roundings (divide, add, sqrt, divide), then x*scale*w adds 2:
+# (41/2 + 6) u = 26.5u = 1.6e-6 < 2e-6.
+GPU_RMSNORM_REL = 2e-6
+
+# quantize_q8_1.cu's s = fp16(sum of the 32 floats) vs the f64 sum: the fp16 rounding (2^-11 relative, or half the
+# smallest subnormal 2^-25 absolute) plus the f32 sum's 5 tree levels (5u * sum|x|). d and qs are compared exactly.
+GPU_Q8_1_SUM_REL = 2.0**-11
+GPU_Q8_1_SUM_ABS = 2.0**-25
+GPU_Q8_1_SUM_CHAIN = 5

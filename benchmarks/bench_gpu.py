@@ -1,0 +1,187 @@
+"""GPU GEMV (decode) and GEMM (prefill) of cuda8/, per weight type x tier variant, timed with CUDA events.
+
+    python benchmarks/bench_gpu.py [--mib 512] [--reps 20] [--variants dp4a-sm90,fermi-sm35] [--json out.json]
+    python -m pytest benchmarks/bench_gpu.py -m gpu          # the same, small, as tests (extra_info has the numbers)
+
+What is timed: y = W x for a weight matrix of N = 4096 columns and as many rows as fit `--mib` MiB (default 512 MiB,
+~10x the H100/H200 L2, so the weights stream from HBM), gemv_f32 (f32 x) and gemv_dp4a (x already quantised to
+Q8_1; the quantiser is timed apart), after 3 warm-up launches, as the mean of `--reps` back-to-back launches between
+two CUDA events. Bytes counted: the weight bytes, read once (x and y are < 0.1 % of them).
+Roofline: the device's peak memory bandwidth from cuDeviceGetAttribute (2 x memory clock x bus width; DDR), and
+a measured device-to-device copy (cuMemcpyDtoD of 1 GiB, read + write bytes). Legacy variants (fermi-sm35 …) are
+JIT-compiled for the card they run on: their numbers are the legacy code path on this card, not an old card's.
+GEMM: Y = X W^T with X [128 tokens, 4096] against a 4096 x 4096 matrix: GFLOP/s (2 flops per weight per token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from legacy_engine import _native, gpu
+from legacy_engine.errors import EngineError
+
+pytestmark = pytest.mark.gpu
+
+NCOLS = 4096
+ATTR_MEMORY_CLOCK_KHZ, ATTR_BUS_WIDTH_BITS = 36, 37
+HALF_FIELDS = {2: [0], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208], 23: [0]}
+
+
+def peak_bandwidth() -> float | None:
+    """Bytes/s from the memory clock and bus width (None when the driver does not say)."""
+    try:
+        clock = _native.gpu_attribute(ATTR_MEMORY_CLOCK_KHZ)
+        width = _native.gpu_attribute(ATTR_BUS_WIDTH_BITS)
+    except EngineError:
+        return None
+    return 2.0 * clock * 1e3 * width / 8 if clock and width else None
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Measured device-to-device copy, bytes read + written per second."""
+    with gpu.Buffer(nbytes, "copy src") as a, gpu.Buffer(nbytes, "copy dst") as b:
+        _native.gpu_copy_dtod(b.ptr, a.ptr, nbytes)
+        e0, e1 = gpu.Event(), gpu.Event()
+        e0.record()
+        for _ in range(reps):
+            _native.gpu_copy_dtod(b.ptr, a.ptr, nbytes)
+        e1.record()
+        ms = e0.elapsed_ms(e1) / reps
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def weights(qtype: int, nrows: int, ncols: int, seed: int = 0) -> np.ndarray:
+    _, bs, ts = gpu.GPU_TYPES[qtype]
+    nb = nrows * ncols // bs
+    raw = np.random.default_rng(seed).integers(0, 256, size=(nb, ts), dtype=np.uint8)
+    half = np.array([0.01], np.float16).view(np.uint8)
+    for off in HALF_FIELDS[qtype]:
+        raw[:, off], raw[:, off + 1] = half[0], half[1]
+    return raw.reshape(-1)
+
+
+def time_ms(launch, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        launch()
+    e0, e1 = gpu.Event(), gpu.Event()
+    e0.record()
+    for _ in range(reps):
+        launch()
+    e1.record()
+    return e0.elapsed_ms(e1) / reps
+
+
+def bench(kernels: list[gpu.Kernels], mib: int, reps: int) -> list[dict]:
+    """Every op x type for each loaded variant; weights made and uploaded once per type."""
+    rows = []
+    x = np.random.default_rng(1).standard_normal(NCOLS).astype(np.float32)
+    with gpu.Buffer.from_array(x) as bx, gpu.Buffer(NCOLS // 32 * 36) as bq:
+        for k in kernels:
+            k.quantize_q8_1(bx, bq, NCOLS)
+            ms = time_ms(lambda: k.quantize_q8_1(bx, bq, NCOLS), reps)
+            rows.append({"variant": k.name, "op": "quantize_q8_1", "type": "f32", "ms": ms, "bytes": 4 * NCOLS})
+        for qtype, (tn, bs, ts) in gpu.GPU_TYPES.items():
+            row_bytes = NCOLS // bs * ts
+            nrows = (mib << 20) // row_bytes
+            with gpu.Buffer.from_array(weights(qtype, nrows, NCOLS), f"{tn} weights") as bw, \
+                    gpu.Buffer(4 * nrows) as by:
+                for k in kernels:
+                    for op, act in (("gemv_f32", bx), ("gemv_dp4a", bq)):
+                        fn = getattr(k, op)
+                        ms = time_ms(lambda: fn(qtype, bw, act, by, nrows, NCOLS), reps)
+                        rows.append({"variant": k.name, "op": op, "type": tn, "rows": nrows, "ms": ms,
+                                     "bytes": nrows * row_bytes})
+    # prefill GEMM: 128 tokens x 4096 x 4096
+    ntok, n = 128, 4096
+    X = np.random.default_rng(2).standard_normal((ntok, n)).astype(np.float32)
+    with gpu.Buffer.from_array(X) as bX, gpu.Buffer(4 * ntok * n) as bY:
+        for qtype, (tn, bs, ts) in gpu.GPU_TYPES.items():
+            with gpu.Buffer.from_array(weights(qtype, n, n)) as bw:
+                for k in kernels:
+                    ms = time_ms(lambda: k.gemm_f32(qtype, bw, bX, bY, n, n, ntok), max(2, reps // 4))
+                    rows.append({"variant": k.name, "op": "gemm_f32", "type": tn, "rows": n, "ntok": ntok, "ms": ms,
+                                 "bytes": n * (n // bs) * ts, "flops": 2.0 * ntok * n * n})
+    order = {k.name: i for i, k in enumerate(kernels)}
+    return sorted(rows, key=lambda r: (order[r["variant"]], r["op"]))
+
+
+def report(rows: list[dict], peak: float | None, copy: float) -> list[str]:
+    lines = [f"{'variant':<12} {'op':<14} {'type':<7} {'ms':>8} {'GB/s':>8} {'% peak':>7} {'% copy':>7} {'GFLOP/s':>8}"]
+    for r in rows:
+        gbs = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+        r["gbps"] = gbs
+        r["pct_peak"] = 100 * gbs * 1e9 / peak if peak else None
+        r["pct_copy"] = 100 * gbs * 1e9 / copy
+        gf = f"{r['flops'] / (r['ms'] * 1e-3) / 1e9:8.0f}" if "flops" in r else "       -"
+        pk = f"{r['pct_peak']:6.1f}%" if peak else "     -"
+        lines.append(f"{r['variant']:<12} {r['op']:<14} {r['type']:<7} {r['ms']:8.3f} {gbs:8.1f} {pk:>7} "
+                     f"{r['pct_copy']:6.1f}% {gf}")
+    return lines
+
+
+def variants(names: str | None) -> list[tuple[str, int]]:
+    arch = gpu.device_arch()
+    vs = [v for v in gpu.default_variants(native_archs=(arch,)) if v[1] <= arch]
+    if names:
+        want = set(names.split(","))
+        vs = [v for v in vs if gpu.variant_name(*v) in want]
+    return vs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mib", type=int, default=512, help="weight MiB per GEMV (default 512)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--variants", help="comma-separated, e.g. dp4a-sm90,fermi-sm35 (default: all that run here)")
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args(argv)
+    dev = gpu.init()
+    peak, copy = peak_bandwidth(), copy_bandwidth()
+    print(f"{dev['name']} sm_{gpu.device_arch()}: peak {peak / 1e9 if peak else float('nan'):.0f} GB/s "
+          f"(memory clock x bus width), device-to-device copy {copy / 1e9:.0f} GB/s (read + write)")
+    kernels = []
+    for tier, arch in variants(a.variants):
+        try:
+            kernels.append(gpu.Kernels(tier, arch))
+        except EngineError as e:
+            print(f"{gpu.variant_name(tier, arch)}: skipped ({e})")
+    rows = bench(kernels, a.mib, a.reps)
+    print("\n".join(report(rows, peak, copy)))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": dev, "peak_bytes_per_s": peak, "copy_bytes_per_s": copy, "rows": rows}, f, indent=1)
+    return 0
+
+
+# ---- as pytest (small: 64 MiB per GEMV, still past L2) ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def roofline():
+    ok, why = gpu.available()
+    if not ok:
+        pytest.skip(f"no GPU: {why}")
+    gpu.init()
+    return peak_bandwidth(), copy_bandwidth(256 << 20)
+
+
+@pytest.mark.parametrize("variant", ["fermi-sm35", "kepler-sm35", "dp4a-sm61", "dp4a-sm70", "native"])
+def test_bench_gemv(roofline, variant, record_property):
+    arch = gpu.device_arch()
+    tier, va = ("dp4a", arch) if variant == "native" else (variant.split("-sm")[0], int(variant.split("-sm")[1]))
+    try:
+        k = gpu.Kernels(tier, va)
+    except EngineError as e:
+        pytest.skip(str(e))
+    rows = bench([k], 64, 5)
+    lines = report(rows, *roofline)
+    print("\n" + "\n".join(lines))
+    record_property("rows", json.dumps(rows))
+    assert all(r["ms"] > 0 for r in rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

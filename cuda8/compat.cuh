@@ -1,0 +1,216 @@
+/* compat.cuh — every GPU capability, and everything CUDA-version dependent, named once.
+ *
+ * Kernel files include this and never test __CUDA_ARCH__ or __CUDACC_VER_MAJOR__ themselves
+ * (tests/lint_cuda8.py checks). It builds with nvcc 8 … 13 and NVRTC 11.x / 12.x as C++11.
+ *
+ * Tiers (the code path a kernel takes), lowest first:
+ *   fermi   sm_20+  no warp shuffles (shared memory + __syncthreads), no __ldg, no __dp4a
+ *   kepler  sm_30+  warp shuffles; __ldg from sm_35 (LE_CC_LDG)
+ *   dp4a    sm_61+  __dp4a (4 int8 products per instruction) for the W4A8/W8A8 kernels
+ * The tier is the PTX target's compute capability, lowered at compile time by
+ * -DLE_FORCE_TIER=<tier>: LE_CC_FERMI (200), LE_CC_KEPLER (300), LE_CC_LDG (350) or LE_CC_DP4A
+ * (610). That is how the Fermi path (which no toolkit we can run targets any more) is compiled
+ * for compute_35 … compute_90 and run, JIT-compiled by the driver, on a Hopper.
+ *
+ * Why the fermi tier synchronises the whole block even inside a warp: from sm_70 on, threads
+ * of a warp are scheduled independently, so the warp-synchronous shared-memory idiom of the
+ * Fermi era is a race there. __syncthreads() is correct on every chip; the cost only matters
+ * on real Fermi cards, which do not run this code faster than it runs here anyway.
+ *
+ * No __launch_bounds__ on the kernels: with one (and no minimum of blocks) ptxas 11.8 squeezes the
+ * sm_35 code into 32 registers and spills; without, nothing spills on sm_35/61/70
+ * (python -m legacy_engine.gpu ptxas). Block sizes are fixed per kernel (the *_THREADS macros).
+ *
+ * Rules for the helpers with a `scratch` argument (le_shfl_xor, le_warp_*, le_block_*):
+ *   1-D blocks whose size is a multiple of 32 (a power of two for le_block_*),
+ *   scratch = a __shared__ float[blockDim.x] (LE_SCRATCH(n) declares one),
+ *   every thread of the block calls them (uniform control flow): on the fermi tier they
+ *   contain __syncthreads(); on the others scratch is unused except by le_block_*.
+ */
+#ifndef LE_COMPAT_CUH
+#define LE_COMPAT_CUH
+
+#include "le_blocks.h"
+
+/* ---- tiers: compute capability x 100, as __CUDA_ARCH__ counts ------------------------- */
+#define LE_CC_FERMI 200  /* sm_20: the floor of CUDA 8 */
+#define LE_CC_KEPLER 300 /* sm_30: __shfl_xor */
+#define LE_CC_LDG 350    /* sm_35: __ldg (read-only data cache) */
+#define LE_CC_FP16 530   /* sm_53: __half arithmetic (not used: fp16 is converted from raw bits) */
+#define LE_CC_DP4A 610   /* sm_61: __dp4a */
+#define LE_CC_VOLTA 700  /* sm_70: independent thread scheduling */
+
+#ifdef __CUDA_ARCH__
+#define LE_ARCH __CUDA_ARCH__
+#else
+#define LE_ARCH 0 /* host pass of nvcc: no device code is emitted from it */
+#endif
+
+/* The effective tier: the target's, or LE_FORCE_TIER when that is lower. */
+#if defined(LE_FORCE_TIER) && (LE_FORCE_TIER) < LE_ARCH
+#define LE_CC (LE_FORCE_TIER)
+#else
+#define LE_CC LE_ARCH
+#endif
+
+#define LE_HAS_SHFL (LE_CC >= LE_CC_KEPLER)
+#define LE_HAS_LDG (LE_CC >= LE_CC_LDG)
+#define LE_HAS_DP4A (LE_CC >= LE_CC_DP4A)
+
+/* why on the compiler version and not CUDART_VERSION: NVRTC does not define the latter.
+ * CUDA 9 added the *_sync shuffles and made them mandatory for sm_70+. */
+#if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ >= 9
+#define LE_HAS_SYNC_INTRINSICS 1
+#else
+#define LE_HAS_SYNC_INTRINSICS 0
+#endif
+#ifdef __CUDACC_VER_MINOR__
+#define LE_CUDACC_VERSION (__CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__)
+#elif defined(__CUDACC_VER_MAJOR__)
+#define LE_CUDACC_VERSION (__CUDACC_VER_MAJOR__ * 100)
+#else
+#define LE_CUDACC_VERSION 0
+#endif
+
+#define LE_WARP 32
+/* A block-sized scratch array for the reduction helpers. */
+#define LE_SCRATCH(name, n) __shared__ float name[(n)]
+
+/* ---- loads ------------------------------------------------------------------------------ */
+
+/* why not plain __restrict__: on const pointers it lets nvcc emit ld.global.nc (the sm_35
+ * read-only cache) by itself, which the fermi/kepler-sm_30 path must not use. */
+#if LE_HAS_LDG
+#define LE_RESTRICT __restrict__
+#else
+#define LE_RESTRICT
+#endif
+
+/* A read-only global load: through the texture/read-only cache (__ldg) from sm_35, plain below. */
+template <typename T>
+__device__ __forceinline__ T le_ldg(const T *p) {
+#if LE_HAS_LDG
+    return __ldg(p);
+#else
+    return *p;
+#endif
+}
+
+/* 4 bytes at p as an int; p only 2-byte aligned (blocks of 18, 34, 210 bytes). */
+__device__ __forceinline__ int le_load_i32_a2(const uint8_t *p) {
+    const uint16_t *h = (const uint16_t *)p;
+    return (int)((unsigned)le_ldg(h) | ((unsigned)le_ldg(h + 1) << 16));
+}
+
+/* 4 bytes at p as an int; p 4-byte aligned. */
+__device__ __forceinline__ int le_load_i32_a4(const uint8_t *p) { return le_ldg((const int *)p); }
+
+/* ---- fp16 from raw bits: no __half type, no half arithmetic (cuda_fp16.h differs between
+ * CUDA 8 and 9+, and NVRTC has no headers); cvt.f32.f16 / cvt.rn.f16.f32 exist on every
+ * PTX target. Exact (f16 -> f32) and round-to-nearest-even (f32 -> f16), like numpy. */
+__device__ __forceinline__ float le_half_to_float(uint16_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ uint16_t le_float_to_half(float f) {
+    uint16_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+/* A fp16 field of a block, through the read-only cache. */
+__device__ __forceinline__ float le_ldg_half(const uint16_t *p) { return le_half_to_float(le_ldg(p)); }
+
+/* ---- integer dot product -------------------------------------------------------------------- */
+
+/* c + sum of the four products of the signed bytes of a and b (__dp4a from sm_61). */
+__device__ __forceinline__ int le_dp4a(int a, int b, int c) {
+#if LE_HAS_DP4A
+    return __dp4a(a, b, c);
+#else
+#pragma unroll
+    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+#endif
+}
+
+/* ---- warp exchange --------------------------------------------------------------------------- */
+
+/* The value of lane (lane ^ mask), mask < 32. See the rules at the top for `scratch`. */
+__device__ __forceinline__ float le_shfl_xor(float v, int mask, volatile float *scratch) {
+#if LE_HAS_SHFL && LE_HAS_SYNC_INTRINSICS
+    return __shfl_xor_sync(0xffffffffu, v, mask);
+#elif LE_HAS_SHFL
+    return __shfl_xor(v, mask); /* CUDA 8 */
+#else
+    const int t = threadIdx.x;
+    scratch[t] = v;
+    __syncthreads();
+    const float r = scratch[t ^ mask];
+    __syncthreads();
+    return r;
+#endif
+}
+
+/* Sum / max over the 32 lanes of each warp; every lane gets the result. */
+__device__ __forceinline__ float le_warp_sum(float v, float *scratch) {
+#pragma unroll
+    for (int m = LE_WARP / 2; m > 0; m >>= 1) v += le_shfl_xor(v, m, scratch);
+    return v;
+}
+
+__device__ __forceinline__ float le_warp_max(float v, float *scratch) {
+#pragma unroll
+    for (int m = LE_WARP / 2; m > 0; m >>= 1) v = fmaxf(v, le_shfl_xor(v, m, scratch));
+    return v;
+}
+
+/* Sum over the block; every thread gets the result. blockDim.x: a power of two, >= 32. */
+__device__ __forceinline__ float le_block_sum(float v, float *scratch) {
+#if LE_HAS_SHFL
+    const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP, n_warps = blockDim.x / LE_WARP;
+    v = le_warp_sum(v, scratch);
+    __syncthreads(); /* scratch may still be read by the previous call */
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : 0.0f;
+    return le_warp_sum(v, scratch);
+#else
+    /* tree in shared memory */
+    const int t = threadIdx.x;
+    __syncthreads();
+    scratch[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) scratch[t] += scratch[t + s];
+        __syncthreads();
+    }
+    return scratch[0];
+#endif
+}
+
+/* ---- what a module was compiled as ------------------------------------------------------------------ */
+
+#define LE_FEATURE_SHFL 1
+#define LE_FEATURE_LDG 2
+#define LE_FEATURE_DP4A 4
+#define LE_FEATURE_SYNC 8
+
+/* out[0] = __CUDA_ARCH__ of the PTX target, out[1] = the effective tier (LE_CC),
+ * out[2] = compiler version (major*100+minor), out[3] = LE_FEATURE_* bits in use (SYNC: the
+ * shuffles are the *_sync ones).
+ * Every module carries it, so a test can prove which path the loaded code takes. */
+extern "C" __global__ void le_tier_probe(int *out) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        out[0] = LE_ARCH;
+        out[1] = LE_CC;
+        out[2] = LE_CUDACC_VERSION;
+        out[3] = (LE_HAS_SHFL ? LE_FEATURE_SHFL : 0) | (LE_HAS_LDG ? LE_FEATURE_LDG : 0) |
+                 (LE_HAS_DP4A ? LE_FEATURE_DP4A : 0) |
+                 (LE_HAS_SHFL && LE_HAS_SYNC_INTRINSICS ? LE_FEATURE_SYNC : 0);
+    }
+}
+
+#endif

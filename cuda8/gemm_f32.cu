@@ -1,0 +1,83 @@
+/* gemm_f32.cu — prefill GEMM with f32 activations: Y = X W^T for several tokens, W quantised.
+ *
+ *   gemm_f32_<type>(W, X, Y, nrows, ncols, ntok)   type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
+ *     W: [nrows, ncols] rows of quant blocks (as gemv_f32.cu), X: [ntok, ncols] f32,
+ *     Y: [ntok, nrows] f32 (Y[t, r] = sum_k W[r, k] X[t, k])
+ *     launch: block GEMM_THREADS (256) x 1 x 1,
+ *             grid min(ceil(nrows/32), 65535) x ceil(ntok/32) x 1   (ntok <= 32 * 65535)
+ * Tiled: per step of 32 columns, 32 threads decode one 32-element sub-block of the tile's 32
+ * rows into shared memory (Ws, transposed so both the writes and the reads are conflict-free),
+ * all threads stage 32 tokens x 32 columns of X (Xs), then each thread accumulates 4 tokens
+ * of one row. 8.4 KB of static shared memory; no shuffles, so every tier runs the same code
+ * (fermi: plain loads; kepler+: __ldg).
+ * Reference: le_dequantize_row + f64 matmul; only summation order differs
+ * (tests/tolerances.py GPU_GEMV_F32_REL).
+ * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k gemm
+ */
+#include "quants.cuh"
+
+#define GEMM_THREADS 256
+#define GEMM_TR 32 /* rows per tile */
+#define GEMM_TT 32 /* tokens per tile */
+#define GEMM_TPT (GEMM_TT / (GEMM_THREADS / GEMM_TR)) /* tokens per thread: 4 */
+
+template <class T>
+__device__ __forceinline__ void gemm_f32(const uint8_t *LE_RESTRICT W, const float *LE_RESTRICT X,
+                                         float *LE_RESTRICT Y, int nrows, int ncols, int ntok,
+                                         float (*Ws)[GEMM_TR + 1], float (*Xs)[32 + 1]) {
+    const int tid = threadIdx.x, r = tid % GEMM_TR, tg = tid / GEMM_TR; /* row in tile, token group */
+    const int nsub = ncols / 32;
+    const size_t row_bytes = le_row_bytes<T>(ncols);
+    const int t0 = blockIdx.y * GEMM_TT;
+    for (int r0 = blockIdx.x * GEMM_TR; r0 < nrows; r0 += gridDim.x * GEMM_TR) {
+        float acc[GEMM_TPT];
+#pragma unroll
+        for (int i = 0; i < GEMM_TPT; i++) acc[i] = 0.0f;
+        for (int s = 0; s < nsub; s++) {
+            __syncthreads(); /* the previous step's tiles are consumed */
+            if (tid < GEMM_TR) {
+                const int row = r0 + tid;
+                if (row < nrows) {
+                    le_q32 b;
+                    T::decode(W + (size_t)row * row_bytes, s, b);
+#pragma unroll
+                    for (int j = 0; j < 32; j++) Ws[j][tid] = b.d[j / 16] * le_byte(b.q[j / 4], j % 4) - b.m;
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 32; j++) Ws[j][tid] = 0.0f;
+                }
+            }
+            for (int i = tid; i < GEMM_TT * 32; i += GEMM_THREADS) {
+                const int t = i / 32, k = i % 32;
+                Xs[t][k] = t0 + t < ntok ? le_ldg(X + (size_t)(t0 + t) * ncols + 32 * s + k) : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll 8
+            for (int k = 0; k < 32; k++) {
+                const float w = Ws[k][r];
+#pragma unroll
+                for (int i = 0; i < GEMM_TPT; i++) acc[i] += w * Xs[tg * GEMM_TPT + i][k];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < GEMM_TPT; i++) {
+            const int t = t0 + tg * GEMM_TPT + i;
+            if (t < ntok && r0 + r < nrows) Y[(size_t)t * nrows + r0 + r] = acc[i];
+        }
+    }
+}
+
+#define LE_GEMM_F32(name, T)                                                                              \
+    extern "C" __global__ void name(const uint8_t *W, const float *X, float *Y, int nrows, int ncols,     \
+                                    int ntok) {                                                           \
+        __shared__ float Ws[32][GEMM_TR + 1];                                                             \
+        __shared__ float Xs[GEMM_TT][32 + 1];                                                             \
+        gemm_f32<T>(W, X, Y, nrows, ncols, ntok, Ws, Xs);                                                 \
+    }
+
+LE_GEMM_F32(gemm_f32_q4_0, le_t_q4_0)
+LE_GEMM_F32(gemm_f32_q8_0, le_t_q8_0)
+LE_GEMM_F32(gemm_f32_q4_K, le_t_q4_K)
+LE_GEMM_F32(gemm_f32_q5_K, le_t_q5_K)
+LE_GEMM_F32(gemm_f32_q6_K, le_t_q6_K)
+LE_GEMM_F32(gemm_f32_iq4_xs, le_t_iq4_xs)

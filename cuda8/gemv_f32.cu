@@ -1,0 +1,59 @@
+/* gemv_f32.cu — decode GEMV with f32 activations: y = W x, W quantised, dequantised on the fly.
+ *
+ *   gemv_f32_<type>(W, x, y, nrows, ncols)      type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
+ *     W: [nrows, ncols] rows of quant blocks (row r at W + r * ncols/BLOCK*BYTES; W 4-byte aligned)
+ *     x: [ncols] f32 (16-byte aligned), y: [nrows] f32; ncols a multiple of the block size
+ *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(nrows/4), 65535) x 1 x 1
+ * One warp per row (rows grid-strided); lane l takes the 4-element words l, l+32, … of the row
+ * (quants.cuh word() decodes one to the reference's exact weights), so that a warp reads 128
+ * consecutive elements of x and the matching weight bytes per step (coalesced), multiplies in
+ * f32, and the warp sums the lanes. Reference: le_dequantize_row + an f64 dot product;
+ * only the summation order differs (tests/tolerances.py GPU_GEMV_F32_REL).
+ * Tiers: all (fermi: warp sum in shared memory, plain loads; kepler: shuffles, __ldg from sm_35).
+ * Bandwidth-bound: the weights are read once; x (a few KB) stays in L1/L2.
+ * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k gemv_f32
+ */
+#include "quants.cuh"
+
+#define GEMV_THREADS 128
+#define GEMV_WARPS (GEMV_THREADS / LE_WARP)
+
+template <class T>
+__device__ __forceinline__ void gemv_f32(const uint8_t *LE_RESTRICT W, const float *LE_RESTRICT x,
+                                         float *LE_RESTRICT y, int nrows, int ncols, float *scratch) {
+    const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP;
+    const int nsub = ncols / 32;
+    const size_t row_bytes = le_row_bytes<T>(ncols);
+    /* the loop bound is the block's, not the warp's: le_warp_sum synchronises the block on fermi */
+    for (int base = blockIdx.x * GEMV_WARPS; base < nrows; base += gridDim.x * GEMV_WARPS) {
+        const int row = base + warp;
+        float acc = 0.0f;
+        if (row < nrows) {
+            const uint8_t *w = W + (size_t)row * row_bytes;
+            for (int i = lane; i < 8 * nsub; i += LE_WARP) {
+                float d, m;
+                const int q = T::word(w, i / 8, i % 8, d, m);
+                const float4 xx = le_ldg((const float4 *)x + i); /* elements 4i..4i+3 */
+                acc += (d * le_byte(q, 0) - m) * xx.x;
+                acc += (d * le_byte(q, 1) - m) * xx.y;
+                acc += (d * le_byte(q, 2) - m) * xx.z;
+                acc += (d * le_byte(q, 3) - m) * xx.w;
+            }
+        }
+        acc = le_warp_sum(acc, scratch);
+        if (lane == 0 && row < nrows) y[row] = acc;
+    }
+}
+
+#define LE_GEMV_F32(name, T)                                                                              \
+    extern "C" __global__ void name(const uint8_t *W, const float *x, float *y, int nrows, int ncols) {   \
+        LE_SCRATCH(scratch, GEMV_THREADS);                                                                \
+        gemv_f32<T>(W, x, y, nrows, ncols, scratch);                                                      \
+    }
+
+LE_GEMV_F32(gemv_f32_q4_0, le_t_q4_0)
+LE_GEMV_F32(gemv_f32_q8_0, le_t_q8_0)
+LE_GEMV_F32(gemv_f32_q4_K, le_t_q4_K)
+LE_GEMV_F32(gemv_f32_q5_K, le_t_q5_K)
+LE_GEMV_F32(gemv_f32_q6_K, le_t_q6_K)
+LE_GEMV_F32(gemv_f32_iq4_xs, le_t_iq4_xs)

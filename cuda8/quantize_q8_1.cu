@@ -1,0 +1,42 @@
+/* quantize_q8_1.cu — f32 activations to block_q8_1 in CUDA's layout, for the int8 GEMVs.
+ *
+ * GPU layout of block_q8_1 (36 bytes, the struct of native/include/le_blocks.h):
+ *   uint16 d      fp16 of d = amax/127 over the 32 values (amax = max |x|)
+ *   uint16 s      fp16 of the SUM OF THE ORIGINAL FLOATS x (ggml-cuda's ds.y = sum x)
+ *   int8 qs[32]   q = roundf(x / d) with the f32 d (0 when amax = 0), half away from zero
+ * This is ggml-cuda's quantize_q8_1 (spec qwen35.md §4), NOT our CPU block_q8_1, whose s is
+ * fp16(d * sum(q)): the GPU kernels use s to apply the min term of Q4_K/Q5_K (dmin * m * sum x).
+ * The test reference (tests/test_gpu.py quantize_q8_1_gpu_ref) spells the same rules in numpy.
+ *   quantize_q8_1(x, y, n)
+ *     x: [n] f32 (n a multiple of 32; rows of a [tokens, K] matrix with K % 32 == 0 are flat),
+ *     y: [n/32] block_q8_1
+ *     launch: block Q8_THREADS (128 = 4 blocks of 32) x 1 x 1, grid min(ceil(n/128), 65535).
+ * Tiers: all (one warp per block of 32: max and sum by shuffles, shared memory on fermi).
+ * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k quantize
+ */
+#include "compat.cuh"
+
+#define Q8_THREADS 128
+#define Q8_WARPS (Q8_THREADS / LE_WARP)
+
+extern "C" __global__ void quantize_q8_1(const float *x, block_q8_1 *y, int n) {
+    LE_SCRATCH(scratch, Q8_THREADS);
+    const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP;
+    const int nb = n / QK8_1;
+    /* uniform loop bound for the whole block: the fermi reductions need every thread */
+    for (int base = blockIdx.x * Q8_WARPS; base < nb; base += gridDim.x * Q8_WARPS) {
+        const int ib = base + warp;
+        const float xi = ib < nb ? x[(size_t)ib * QK8_1 + lane] : 0.0f;
+        const float amax = le_warp_max(fabsf(xi), scratch);
+        const float sum = le_warp_sum(xi, scratch);
+        const float d = amax / 127;
+        const int q = amax == 0.0f ? 0 : (int)roundf(xi / d);
+        if (ib < nb) {
+            y[ib].qs[lane] = (int8_t)q;
+            if (lane == 0) {
+                y[ib].d = le_float_to_half(d);
+                y[ib].s = le_float_to_half(sum);
+            }
+        }
+    }
+}

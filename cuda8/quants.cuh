@@ -1,0 +1,238 @@
+/* quants.cuh — weight blocks decoded 32 elements at a time, for every GEMV/GEMM file.
+ *
+ * A weight row of n elements (n a multiple of the type's block size) is n/32 "sub-blocks"
+ * of 32 consecutive elements; sub-block s covers elements [32s, 32s+32). Every type decodes
+ * a sub-block to an le_q32: 32 small integers packed 4 per int (element 4k+i in byte i of
+ * q[k], signed bytes) and the affine map
+ *     y[j] = d[j / 16] * q[j] - m
+ * which is exactly the dequantisation of native/quants_ref.c (same products in the same
+ * order), so the f32 kernels see the reference's weights bit for bit and the int8 kernels
+ * can feed q[] to le_dp4a. Two scales because Q6_K has one per 16 elements.
+ *
+ * Types (layouts: native/include/le_blocks.h, spec qwen35.md §4), with the alignment of a
+ * block in a row, which decides the load width (row starts are 4-byte aligned):
+ *   Q4_0   32 el, 18 B, 2-aligned   q = nibble - 8 (signed), m = 0
+ *   Q8_0   32 el, 34 B, 2-aligned   q = int8, m = 0
+ *   Q4_K  256 el, 144 B, 4-aligned  q = nibble, d = d*sc, m = dmin*mn (6-bit sc, mn)
+ *   Q5_K  256 el, 176 B, 4-aligned  q = nibble | qh bit << 4, as Q4_K
+ *   Q6_K  256 el, 210 B, 2-aligned  q = 6 bits - 32 (signed), d[h] = d*scales[g], m = 0
+ *   IQ4_XS 256 el, 136 B, 4-aligned q = kvalues_iq4nl[nibble] (int8), d = d*(ls-32), m = 0
+ * Only Q4_K and Q5_K have a min term; the int8 kernels take it from Q8_1's sum of x.
+ *
+ * decode(row, s, b) fills all of sub-block s; word(row, s, k, d, m) returns only its int k
+ * (elements 4k..4k+3) with that int's scale and min: for kernels whose consecutive lanes take
+ * consecutive words, so that weight and activation loads coalesce (gemv_f32.cu).
+ */
+#ifndef LE_QUANTS_CUH
+#define LE_QUANTS_CUH
+
+#include "compat.cuh"
+
+struct le_q32 {
+    int q[8];   /* 32 signed bytes: element 4k+i is byte i of q[k] */
+    float d[2]; /* scale of elements 0..15 and 16..31 */
+    float m;    /* subtracted from every element */
+};
+
+/* Bytewise b - c for bytes b < 128 and c <= b's range, without borrows between bytes:
+ * ((b | 0x80) - c) ^ 0x80 per byte (the set top bit absorbs the borrow). */
+__device__ __forceinline__ int le_sub_bytes(int b, int c) {
+    return (int)((((unsigned)b | 0x80808080u) - (unsigned)c) ^ 0x80808080u);
+}
+
+/* Q4_K / Q5_K: the 6-bit (scale, min) pair of sub-block j of 8 (ggml get_scale_min_k4). */
+__device__ __forceinline__ void le_scale_min_k4(int j, const uint8_t *s, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = le_ldg(s + j) & 63;
+        *mn = le_ldg(s + j + 4) & 63;
+    } else {
+        const int a = le_ldg(s + j + 4), lo = le_ldg(s + j - 4), hi = le_ldg(s + j);
+        *sc = (a & 0xF) | ((lo >> 6) << 4);
+        *mn = (a >> 4) | ((hi >> 6) << 4);
+    }
+}
+
+/* IQ4_NL/IQ4_XS grid: four 4-bit indices (one per byte of v, each < 16) -> four int8 values,
+ * with two byte permutes (prmt, every chip) instead of four table loads. */
+__device__ __forceinline__ int le_iq4_lookup(int v) {
+    /* kvalues_iq4nl = {-127,-104,-83,-65,-49,-35,-22,-10, 1,13,25,38,53,69,89,113} as bytes */
+    const unsigned t0 = 0xBFAD9881u, t1 = 0xF6EADDCFu, t2 = 0x26190D01u, t3 = 0x71594535u;
+    const unsigned t = (unsigned)v | ((unsigned)v >> 4);            /* nibbles of bytes 0,1 / 2,3 side by side */
+    const unsigned sel = ((t & 0xFFu) | ((t >> 8) & 0xFF00u)) & 0x7777u; /* byte i <- index & 7 */
+    const unsigned lo = __byte_perm(t0, t1, sel), hi = __byte_perm(t2, t3, sel);
+    const unsigned upper = (((unsigned)v >> 3) & 0x01010101u) * 0xFFu;  /* bytes whose index >= 8 */
+    return (int)((lo & ~upper) | (hi & upper));
+}
+
+/* ---- one struct per type: BLOCK elements, BYTES per block, decode(row, s, out) ---------------- */
+
+struct le_t_q4_0 {
+    enum { BLOCK = QK4_0, BYTES = sizeof(block_q4_0) };
+    static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
+        const uint8_t *blk = row + (size_t)s * BYTES;
+        const float d = le_ldg_half((const uint16_t *)blk);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int v = le_load_i32_a2(blk + 2 + 4 * k);
+            b.q[k] = le_sub_bytes(v & 0x0F0F0F0F, 0x08080808);            /* elements 4k.. */
+            b.q[k + 4] = le_sub_bytes((v >> 4) & 0x0F0F0F0F, 0x08080808); /* elements 16+4k.. */
+        }
+        b.d[0] = b.d[1] = d;
+        b.m = 0.0f;
+    }
+    static __device__ __forceinline__ int word(const uint8_t *row, int s, int k, float &d, float &m) {
+        const uint8_t *blk = row + (size_t)s * BYTES;
+        d = le_ldg_half((const uint16_t *)blk);
+        m = 0.0f;
+        const int v = le_load_i32_a2(blk + 2 + 4 * (k & 3));
+        return le_sub_bytes((k < 4 ? v : v >> 4) & 0x0F0F0F0F, 0x08080808);
+    }
+};
+
+struct le_t_q8_0 {
+    enum { BLOCK = QK8_0, BYTES = sizeof(block_q8_0) };
+    static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
+        const uint8_t *blk = row + (size_t)s * BYTES;
+        b.d[0] = b.d[1] = le_ldg_half((const uint16_t *)blk);
+#pragma unroll
+        for (int k = 0; k < 8; k++) b.q[k] = le_load_i32_a2(blk + 2 + 4 * k);
+        b.m = 0.0f;
+    }
+    static __device__ __forceinline__ int word(const uint8_t *row, int s, int k, float &d, float &m) {
+        const uint8_t *blk = row + (size_t)s * BYTES;
+        d = le_ldg_half((const uint16_t *)blk);
+        m = 0.0f;
+        return le_load_i32_a2(blk + 2 + 4 * k);
+    }
+};
+
+struct le_t_q4_K {
+    enum { BLOCK = QK_K, BYTES = sizeof(block_q4_K) };
+    static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
+        const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
+        const int j = s % 8; /* sub-block of the super-block */
+        const float d = le_ldg_half((const uint16_t *)blk), dmin = le_ldg_half((const uint16_t *)blk + 1);
+        int sc, mn;
+        le_scale_min_k4(j, blk + 4, &sc, &mn);
+        const uint8_t *qs = blk + 16 + 32 * (j / 2); /* even j: low nibbles, odd j: high nibbles */
+        const int shift = 4 * (j & 1);
+#pragma unroll
+        for (int k = 0; k < 8; k++) b.q[k] = (le_load_i32_a4(qs + 4 * k) >> shift) & 0x0F0F0F0F;
+        b.d[0] = b.d[1] = d * sc;
+        b.m = dmin * mn;
+    }
+    static __device__ __forceinline__ int word(const uint8_t *row, int s, int k, float &d, float &m) {
+        const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
+        const int j = s % 8;
+        int sc, mn;
+        le_scale_min_k4(j, blk + 4, &sc, &mn);
+        d = le_ldg_half((const uint16_t *)blk) * sc;
+        m = le_ldg_half((const uint16_t *)blk + 1) * mn;
+        return (le_load_i32_a4(blk + 16 + 32 * (j / 2) + 4 * k) >> (4 * (j & 1))) & 0x0F0F0F0F;
+    }
+};
+
+struct le_t_q5_K {
+    enum { BLOCK = QK_K, BYTES = sizeof(block_q5_K) };
+    static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
+        const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
+        const int j = s % 8;
+        const float d = le_ldg_half((const uint16_t *)blk), dmin = le_ldg_half((const uint16_t *)blk + 1);
+        int sc, mn;
+        le_scale_min_k4(j, blk + 4, &sc, &mn);
+        const uint8_t *qh = blk + 16;                 /* bit j of qh[l]: 5th bit of element l */
+        const uint8_t *qs = blk + 48 + 32 * (j / 2);
+        const int shift = 4 * (j & 1);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int lo = (le_load_i32_a4(qs + 4 * k) >> shift) & 0x0F0F0F0F;
+            const int hi = ((le_load_i32_a4(qh + 4 * k) >> j) & 0x01010101) << 4;
+            b.q[k] = lo | hi;
+        }
+        b.d[0] = b.d[1] = d * sc;
+        b.m = dmin * mn;
+    }
+    static __device__ __forceinline__ int word(const uint8_t *row, int s, int k, float &d, float &m) {
+        const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
+        const int j = s % 8;
+        int sc, mn;
+        le_scale_min_k4(j, blk + 4, &sc, &mn);
+        d = le_ldg_half((const uint16_t *)blk) * sc;
+        m = le_ldg_half((const uint16_t *)blk + 1) * mn;
+        const int lo = (le_load_i32_a4(blk + 48 + 32 * (j / 2) + 4 * k) >> (4 * (j & 1))) & 0x0F0F0F0F;
+        const int hi = ((le_load_i32_a4(blk + 16 + 4 * k) >> j) & 0x01010101) << 4;
+        return lo | hi;
+    }
+};
+
+struct le_t_q6_K {
+    enum { BLOCK = QK_K, BYTES = sizeof(block_q6_K) };
+    static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
+        const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
+        const int j = s % 8, n = j / 4, t = j % 4; /* half n of 128 elements, quarter t of it */
+        const uint8_t *ql = blk + 64 * n + 32 * (t & 1);
+        const uint8_t *qh = blk + 128 + 32 * n;
+        const int8_t *scales = (const int8_t *)(blk + 192) + 8 * n + 2 * t;
+        const float d = le_ldg_half((const uint16_t *)(blk + 208));
+        const int lshift = 4 * (t >> 1), hshift = 2 * t;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int lo = (le_load_i32_a2(ql + 4 * k) >> lshift) & 0x0F0F0F0F;
+            const int hi = ((le_load_i32_a2(qh + 4 * k) >> hshift) & 0x03030303) << 4;
+            b.q[k] = le_sub_bytes(lo | hi, 0x20202020); /* q - 32 */
+        }
+        b.d[0] = d * le_ldg(scales);     /* elements 0..15 */
+        b.d[1] = d * le_ldg(scales + 1); /* elements 16..31 */
+        b.m = 0.0f;
+    }
+    static __device__ __forceinline__ int word(const uint8_t *row, int s, int k, float &d, float &m) {
+        const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
+        const int j = s % 8, n = j / 4, t = j % 4;
+        d = le_ldg_half((const uint16_t *)(blk + 208)) * le_ldg((const int8_t *)(blk + 192) + 8 * n + 2 * t + k / 4);
+        m = 0.0f;
+        const int lo = (le_load_i32_a2(blk + 64 * n + 32 * (t & 1) + 4 * k) >> (4 * (t >> 1))) & 0x0F0F0F0F;
+        const int hi = ((le_load_i32_a2(blk + 128 + 32 * n + 4 * k) >> (2 * t)) & 0x03030303) << 4;
+        return le_sub_bytes(lo | hi, 0x20202020);
+    }
+};
+
+struct le_t_iq4_xs {
+    enum { BLOCK = QK_K, BYTES = sizeof(block_iq4_xs) };
+    static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
+        const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
+        const int j = s % 8;
+        const float d = le_ldg_half((const uint16_t *)blk);
+        const int scales_h = le_ldg((const uint16_t *)blk + 1);
+        const int ls = ((le_ldg(blk + 4 + j / 2) >> (4 * (j % 2))) & 0xF) | (((scales_h >> (2 * j)) & 3) << 4);
+        const uint8_t *qs = blk + 8 + 16 * j;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int v = le_load_i32_a4(qs + 4 * k);
+            b.q[k] = le_iq4_lookup(v & 0x0F0F0F0F);
+            b.q[k + 4] = le_iq4_lookup((v >> 4) & 0x0F0F0F0F);
+        }
+        b.d[0] = b.d[1] = d * (ls - 32);
+        b.m = 0.0f;
+    }
+    static __device__ __forceinline__ int word(const uint8_t *row, int s, int k, float &d, float &m) {
+        const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
+        const int j = s % 8;
+        const int scales_h = le_ldg((const uint16_t *)blk + 1);
+        const int ls = ((le_ldg(blk + 4 + j / 2) >> (4 * (j % 2))) & 0xF) | (((scales_h >> (2 * j)) & 3) << 4);
+        d = le_ldg_half((const uint16_t *)blk) * (ls - 32);
+        m = 0.0f;
+        const int v = le_load_i32_a4(blk + 8 + 16 * j + 4 * (k & 3));
+        return le_iq4_lookup((k < 4 ? v : v >> 4) & 0x0F0F0F0F);
+    }
+};
+
+/* The byte i of q as a signed value. */
+__device__ __forceinline__ int le_byte(int q, int i) { return (int)(signed char)(q >> (8 * i)); }
+
+/* Row bytes of n elements of type T. */
+template <class T>
+__device__ __forceinline__ size_t le_row_bytes(int n) {
+    return (size_t)(n / T::BLOCK) * T::BYTES;
+}
+
+#endif

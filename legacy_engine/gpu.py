@@ -1,0 +1,882 @@
+"""GPU kernels: cuda8/*.cu built to PTX per tier, loaded through the CUDA driver API, run as ops.
+
+Tiers (cuda8/compat.cuh): ``fermi`` (no shuffles, no __ldg, no dp4a; forced with
+-DLE_FORCE_TIER=LE_CC_FERMI), ``kepler`` (shuffles and __ldg; forced with LE_CC_LDG) and ``dp4a``
+(sm_61+, the target's own path). A *variant* is a (tier, arch) pair: PTX for compute_<arch>
+taking that tier's code path. The driver JIT-compiles any variant whose arch is <= the card's,
+so the legacy paths run on a Hopper exactly as they would on the old card.
+
+Toolchains, any of which builds every source: nvcc 8 … 13 on PATH (or /usr/local/cuda), and
+NVRTC loaded with ctypes from the PyPI wheels nvidia-cuda-nvrtc-cu11==11.8.89 (compute_35 …)
+and nvidia-cuda-nvrtc-cu12==12.9.86 (compute_50 …). PTX is cached per (source, tier, arch,
+toolchain version, source hash) in ``$LE_CACHE_DIR/ptx`` (default ~/.cache/legacy_engine);
+``$LE_PTX_DIR`` names a folder of prebuilt PTX (``python -m legacy_engine.gpu build --out DIR``)
+that is used first when its manifest's source hash matches the sources.
+
+``python -m legacy_engine.gpu {build,toolchains,ptxas,install-toolchains,info}``; ``cli_build``
+is the ``legacy-engine build-kernels`` entry point.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import EngineError, UnavailableError
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA_DIR = ROOT / "cuda8"
+INCLUDE_DIR = ROOT / "native" / "include"
+
+SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32")
+HEADERS = ("compat.cuh", "quants.cuh")          # in cuda8/
+SHARED_HEADERS = ("le_blocks.h",)               # in native/include/
+
+# tier -> the LE_FORCE_TIER value, and the lowest arch whose own path it is
+TIERS = {"fermi": ("LE_CC_FERMI", 20), "kepler": ("LE_CC_LDG", 30), "dp4a": (None, 61)}
+TIER_CC = {"fermi": 200, "kepler": 350, "dp4a": 610}
+# The legacy variants: built by NVRTC 11.8 (compute_35) and 12.9 (compute_61/70) here and carried.
+LEGACY_VARIANTS = (("fermi", 35), ("kepler", 35), ("dp4a", 61), ("dp4a", 70))
+
+# ggml type id -> kernel suffix (cuda8/quants.cuh le_t_*), elements per block, bytes per block
+GPU_TYPES = {2: ("q4_0", 32, 18), 8: ("q8_0", 32, 34), 12: ("q4_K", 256, 144), 13: ("q5_K", 256, 176),
+             14: ("q6_K", 256, 210), 23: ("iq4_xs", 256, 136)}
+Q8_1_BYTES = 36
+
+GEMV_THREADS, GEMV_ROWS = 128, 4
+GEMM_THREADS, GEMM_TILE = 256, 32
+RMSNORM_THREADS, Q8_THREADS = 256, 128
+MAX_GRID = 65535   # Fermi's grid x limit (y/z everywhere); kernels grid-stride beyond it
+
+
+class KernelBuildError(RuntimeError, EngineError):
+    """A kernel source failed to compile; the message carries the compiler's log."""
+
+
+def cache_dir() -> Path:
+    """$LE_CACHE_DIR, else $XDG_CACHE_HOME/legacy_engine (as legacy_engine.cli.cache_dir)."""
+    d = os.environ.get("LE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "legacy_engine")
+    os.makedirs(d, exist_ok=True)
+    return Path(d)
+
+
+def source_hash(name: str) -> str:
+    """sha256 over a kernel source and every header it may include (the build's real inputs)."""
+    h = hashlib.sha256()
+    for p in [CUDA_DIR / f"{name}.cu"] + [CUDA_DIR / x for x in HEADERS] + [INCLUDE_DIR / x for x in SHARED_HEADERS]:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def variant_name(tier: str, arch: int) -> str:
+    return f"{tier}-sm{arch}"
+
+
+def check_variant(tier: str, arch: int) -> None:
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; one of {', '.join(TIERS)}")
+    if arch < TIERS[tier][1] and tier != "fermi":
+        raise ValueError(f"tier {tier} needs compute_{TIERS[tier][1]} or newer, not compute_{arch}")
+
+
+def defines(tier: str) -> list[str]:
+    force = TIERS[tier][0]
+    return [f"LE_FORCE_TIER={force}"] if force else []
+
+
+# ------------------------------------------------------------------------------------------ toolchains
+
+# NVRTC has no system headers; le_blocks.h needs only these.
+_NVRTC_STDINT = b"""#pragma once
+typedef signed char int8_t; typedef unsigned char uint8_t; typedef short int16_t; typedef unsigned short uint16_t;
+typedef int int32_t; typedef unsigned int uint32_t; typedef long long int64_t; typedef unsigned long long uint64_t;
+typedef long long intptr_t; typedef unsigned long long uintptr_t;
+"""
+
+
+@dataclass
+class Toolchain:
+    """A compiler that turns cuda8/*.cu into PTX: nvcc (a subprocess) or NVRTC (ctypes)."""
+    kind: str                    # "nvcc" or "nvrtc"
+    version: tuple[int, int]
+    path: str
+    archs: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.version[0]}.{self.version[1]}"
+
+    def compile(self, name: str, tier: str, arch: int) -> bytes:
+        """PTX of cuda8/<name>.cu for (tier, arch); KernelBuildError with the log on failure."""
+        if arch not in self.archs:
+            raise UnavailableError(f"{self.name} cannot target compute_{arch} (it does {self.archs[0]}…"
+                                   f"{self.archs[-1]})")
+        src = CUDA_DIR / f"{name}.cu"
+        opts = [f"-D{d}" for d in defines(tier)] + [f"-I{CUDA_DIR}", f"-I{INCLUDE_DIR}"]
+        if self.kind == "nvcc":
+            return self._nvcc(src, arch, opts)
+        return self._nvrtc(src, arch, opts)
+
+    def _nvcc(self, src: Path, arch: int, opts: list[str]) -> bytes:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out.ptx"
+            cmd = [self.path, "-ptx", f"-arch=compute_{arch}", "-std=c++11", *opts, "-o", str(out), str(src)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise KernelBuildError(f"{self.name} failed on {src.name} for compute_{arch}:\n{r.stderr[-4000:]}")
+            return out.read_bytes()
+
+    def _nvrtc(self, src: Path, arch: int, opts: list[str]) -> bytes:
+        lib = _nvrtc_lib(self.path)
+        prog = ctypes.c_void_p()
+        headers = (ctypes.c_char_p * 1)(_NVRTC_STDINT)
+        names = (ctypes.c_char_p * 1)(b"stdint.h")
+        rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src.read_bytes(), src.name.encode(), 1, headers, names)
+        if rc != 0:
+            raise KernelBuildError(f"{self.name}: nvrtcCreateProgram({src.name}) returned {rc}")
+        try:
+            args = [f"--gpu-architecture=compute_{arch}", "-std=c++11", *opts]
+            argv = (ctypes.c_char_p * len(args))(*[a.encode() for a in args])
+            rc = lib.nvrtcCompileProgram(prog, len(args), argv)
+            n = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+            log = ctypes.create_string_buffer(n.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            if rc != 0:
+                raise KernelBuildError(f"{self.name} failed on {src.name} for compute_{arch}:\n"
+                                       f"{log.value.decode('utf-8', 'replace')[-4000:]}")
+            lib.nvrtcGetPTXSize(prog, ctypes.byref(n))
+            ptx = ctypes.create_string_buffer(n.value)
+            lib.nvrtcGetPTX(prog, ptx)
+            return ptx.value
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+_NVRTC_LIBS: dict[str, ctypes.CDLL] = {}
+
+
+def _nvrtc_lib(path: str) -> ctypes.CDLL:
+    if path not in _NVRTC_LIBS:
+        _NVRTC_LIBS[path] = ctypes.CDLL(path)
+    return _NVRTC_LIBS[path]
+
+
+def _nvrtc_toolchain(path: str) -> Toolchain | None:
+    try:
+        lib = _nvrtc_lib(path)
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
+            return None
+        n = ctypes.c_int()
+        if lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)) != 0:
+            return None
+        archs = (ctypes.c_int * n.value)()
+        lib.nvrtcGetSupportedArchs(archs)
+    except (OSError, AttributeError):
+        return None
+    return Toolchain("nvrtc", (major.value, minor.value), path, sorted(archs))
+
+
+# The lowest compute_XX each nvcc major version accepts (CUDA 8 still targets Fermi).
+_NVCC_MIN_ARCH = {8: 20, 9: 30, 10: 30, 11: 35, 12: 50, 13: 75}
+_KNOWN_ARCHS = (20, 30, 32, 35, 37, 50, 52, 53, 60, 61, 62, 70, 72, 75, 80, 86, 87, 89, 90)
+
+
+def _nvcc_toolchain(path: str) -> Toolchain | None:
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        return None
+    version = (int(m.group(1)), int(m.group(2)))
+    archs: list[int] = []
+    try:   # CUDA 11+: the exact list
+        r = subprocess.run([path, "--list-gpu-arch"], capture_output=True, text=True, timeout=60)
+        archs = sorted({int(a) for a in re.findall(r"compute_(\d+)", r.stdout)})
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if not archs:
+        low = _NVCC_MIN_ARCH.get(version[0], 75)
+        archs = [a for a in _KNOWN_ARCHS if a >= low]
+    return Toolchain("nvcc", version, path, archs)
+
+
+def _site_dirs() -> list[Path]:
+    dirs = [Path(p) for p in sys.path if p and os.path.isdir(p)]
+    dirs += sorted(Path(cache_dir(), "toolchains").glob("*"))
+    return dirs
+
+
+def find_toolchains() -> list[Toolchain]:
+    """Every usable compiler: nvcc (PATH, $CUDA_HOME, /usr/local/cuda) and NVRTC from the wheels
+    ($LE_NVRTC, colon-separated paths, first), newest first within a kind."""
+    found: dict[tuple, Toolchain] = {}
+    nvccs = [shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")]
+    for p in nvccs:
+        if p and os.path.isfile(p) and (t := _nvcc_toolchain(p)):
+            found.setdefault((t.kind, t.version), t)
+    libs = [p for p in os.environ.get("LE_NVRTC", "").split(":") if p]
+    for d in _site_dirs():
+        libs += sorted(glob.glob(str(d / "nvidia" / "cuda_nvrtc" / "lib" / "libnvrtc.so.*[0-9]")))
+        libs += sorted(glob.glob(str(d / "nvidia" / "cu13" / "lib" / "libnvrtc.so.*[0-9]")))
+    for p in libs:
+        if "builtins" in p or "alt" in os.path.basename(p):
+            continue
+        if (t := _nvrtc_toolchain(p)):
+            found.setdefault((t.kind, t.version), t)
+    return sorted(found.values(), key=lambda t: (t.kind != "nvcc", tuple(-v for v in t.version)))
+
+
+def pick_toolchain(arch: int, toolchain: str = "auto", chains: list[Toolchain] | None = None) -> Toolchain:
+    """The toolchain that builds compute_<arch>: `toolchain` is "auto" (nvcc if it can, else the newest
+    NVRTC that can), "nvcc", "nvrtc", or a name like "nvrtc-11.8"."""
+    chains = find_toolchains() if chains is None else chains
+    ok = [t for t in chains if arch in t.archs and
+          (toolchain == "auto" or toolchain in (t.kind, t.name))]
+    if not ok:
+        have = ", ".join(f"{t.name} (compute_{t.archs[0]}…{t.archs[-1]})" for t in chains) or "none"
+        raise UnavailableError(
+            f"no {'' if toolchain == 'auto' else toolchain + ' '}toolchain builds compute_{arch}; found: {have}. "
+            "Install nvidia-cuda-nvrtc-cu11==11.8.89 (compute_35+) or nvidia-cuda-nvrtc-cu12==12.9.86 (compute_50+) "
+            "with pip, or point $LE_PTX_DIR at prebuilt PTX (python -m legacy_engine.gpu build --out DIR)")
+    return ok[0]
+
+
+# ------------------------------------------------------------------------------------------ PTX: build, cache, prebuilt
+
+def ptx_filename(name: str, tier: str, arch: int) -> str:
+    return f"{name}.{tier}.compute_{arch}.ptx"
+
+
+def build_ptx(name: str, tier: str, arch: int, toolchain: str = "auto",
+              chains: list[Toolchain] | None = None) -> tuple[Path, Toolchain]:
+    """cuda8/<name>.cu -> PTX for (tier, arch), from the user cache when already built."""
+    check_variant(tier, arch)
+    tc = pick_toolchain(arch, toolchain, chains)
+    h = source_hash(name)
+    out = cache_dir() / "ptx" / f"{name}.{tier}.compute_{arch}.{tc.name}.{h[:16]}.ptx"
+    if not out.exists():
+        ptx = tc.compile(name, tier, arch)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(ptx)
+        os.replace(tmp, out)
+    return out, tc
+
+
+def default_variants(chains: list[Toolchain] | None = None, native_archs=(75, 90)) -> list[tuple[str, int]]:
+    """The legacy variants (compute_35/61/70, NVRTC) plus every tier at `native_archs` that some
+    toolchain here can build (nvcc 13: 75 and 90)."""
+    chains = find_toolchains() if chains is None else chains
+    out = list(LEGACY_VARIANTS)
+    for arch in native_archs:
+        if any(arch in t.archs for t in chains):
+            out += [(tier, arch) for tier in TIERS]
+    return out
+
+
+def build_kernels(arch: int | None = None, toolchain: str = "auto", out: str | os.PathLike | None = None,
+                  variants: list[tuple[str, int]] | None = None, skip_missing: bool = True) -> list[dict]:
+    """Builds every cuda8 source for every tier at `arch` (None: default_variants()); with `out`, also
+    copies the PTX there with a manifest.json (a folder for $LE_PTX_DIR). -> one record per PTX.
+
+    A variant no toolchain here can build is skipped (with skip_missing) and reported with its reason."""
+    chains = find_toolchains()
+    if variants is None:
+        variants = ([(t, arch) for t in TIERS if arch >= TIERS[t][1] or t == "fermi"] if arch
+                    else default_variants(chains))
+    records = []
+    for tier, a in variants:
+        for name in SOURCES:
+            rec = {"name": name, "tier": tier, "arch": a, "source_hash": source_hash(name)}
+            try:
+                path, tc = build_ptx(name, tier, a, toolchain, chains)
+            except UnavailableError as e:
+                if not skip_missing:
+                    raise
+                rec["skipped"] = str(e)
+                records.append(rec)
+                continue
+            rec.update(toolchain=tc.name, ptx=str(path), bytes=path.stat().st_size)
+            records.append(rec)
+    if out is not None:
+        dest = Path(out)
+        dest.mkdir(parents=True, exist_ok=True)
+        manifest = []
+        for rec in records:
+            if "ptx" not in rec:
+                continue
+            fn = ptx_filename(rec["name"], rec["tier"], rec["arch"])
+            shutil.copyfile(rec["ptx"], dest / fn)
+            manifest.append({k: rec[k] for k in ("name", "tier", "arch", "toolchain", "source_hash")} | {"file": fn})
+        old = _read_manifest(dest)
+        keep = [m for m in old if (m["name"], m["tier"], m["arch"]) not in
+                {(n["name"], n["tier"], n["arch"]) for n in manifest}]
+        (dest / "manifest.json").write_text(json.dumps(keep + manifest, indent=1))
+    return records
+
+
+def _read_manifest(d: Path) -> list[dict]:
+    try:
+        return json.loads((d / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def prebuilt_ptx(name: str, tier: str, arch: int) -> tuple[Path | None, str]:
+    """PTX for (name, tier, arch) from $LE_PTX_DIR -> (path or None, why not)."""
+    d = os.environ.get("LE_PTX_DIR")
+    if not d:
+        return None, "LE_PTX_DIR is not set"
+    for m in _read_manifest(Path(d)):
+        if (m["name"], m["tier"], m["arch"]) == (name, tier, arch):
+            if m["source_hash"] != source_hash(name):
+                return None, (f"{d}/{m['file']} is stale (built from other sources); rebuild it with "
+                              f"python -m legacy_engine.gpu build --out {d}")
+            return Path(d) / m["file"], f"prebuilt by {m['toolchain']}"
+    return None, f"{d} has no {ptx_filename(name, tier, arch)}"
+
+
+def get_ptx(name: str, tier: str, arch: int, toolchain: str = "auto") -> tuple[bytes, str]:
+    """The PTX of (name, tier, arch) -> (text, origin): $LE_PTX_DIR first, then the cache / a compiler."""
+    path, why = prebuilt_ptx(name, tier, arch)
+    if path is not None:
+        return path.read_bytes(), f"{why} ({path})"
+    try:
+        p, tc = build_ptx(name, tier, arch, toolchain)
+    except UnavailableError as e:
+        raise UnavailableError(f"no PTX for {name} {variant_name(tier, arch)}: {e}; and {why}") from None
+    return p.read_bytes(), f"built by {tc.name} ({p})"
+
+
+# ------------------------------------------------------------------------------------------ ptxas reports
+
+def find_ptxas() -> list[tuple[tuple[int, int], str]]:
+    """[(version, path)] of every ptxas here: the nvidia-cuda-nvcc-cu11/-cu12 wheels (installed under
+    the cache by install-toolchains, or in site-packages) and the CUDA toolkit's."""
+    cands = []
+    for d in _site_dirs():
+        cands += glob.glob(str(d / "nvidia" / "cuda_nvcc" / "bin" / "ptxas"))
+    cands += [shutil.which("ptxas") or "", os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "ptxas")]
+    found = {}
+    for p in cands:
+        if not p or not os.path.isfile(p):
+            continue
+        try:
+            out = subprocess.run([p, "--version"], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if m := re.search(r"release (\d+)\.(\d+)", out):
+            found.setdefault((int(m.group(1)), int(m.group(2))), os.path.realpath(p))
+    return sorted(found.items())
+
+
+def ptxas_report(ptx: Path | str, sm: int, ptxas: str, max_regs: int | None = None) -> dict[str, dict]:
+    """Assembles PTX into a real sm_<sm> cubin with `ptxas -v` -> {kernel: {regs, smem, cmem, stack,
+    spill_stores, spill_loads}}; KernelBuildError if ptxas fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cap = [f"-maxrregcount={max_regs}"] if max_regs else []
+        r = subprocess.run([ptxas, "-v", f"-arch=sm_{sm}", *cap, str(ptx), "-o", os.path.join(tmp, "out.cubin")],
+                           capture_output=True, text=True)
+    if r.returncode != 0:
+        raise KernelBuildError(f"ptxas -arch=sm_{sm} {ptx} failed:\n{r.stderr[-3000:]}")
+    out: dict[str, dict] = {}
+    cur = None
+    for line in r.stderr.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            cur = out.setdefault(m.group(1), {"regs": 0, "smem": 0, "cmem": 0, "stack": 0, "spill_stores": 0,
+                                              "spill_loads": 0})
+        elif cur is not None and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                                                 r"(\d+) bytes spill loads", line)):
+            cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif cur is not None and "Used" in line:
+            if m := re.search(r"Used (\d+) registers", line):
+                cur["regs"] = int(m.group(1))
+            if m := re.search(r"(\d+) bytes smem", line):
+                cur["smem"] = int(m.group(1))
+            if m := re.search(r"(\d+) bytes cmem\[0\]", line):
+                cur["cmem"] = int(m.group(1))
+    return out
+
+
+# The lowest sm_XX each ptxas major version assembles.
+_PTXAS_MIN_SM = {8: 20, 9: 30, 10: 30, 11: 35, 12: 50, 13: 75}
+FERMI_MAX_REGS = 63
+
+
+def ptxas_table(variants=LEGACY_VARIANTS) -> list[dict]:
+    """ptxas -v of every source for each legacy variant on its own chip (sm_35/61/70). Each PTX goes to the
+    newest ptxas that targets the chip and accepts the PTX's ISA version (a newer PTX needs a newer ptxas).
+    The fermi tier is assembled with -maxrregcount=63, Fermi's per-thread register limit (as CUDA 8 for sm_20 would).
+    Rows: {variant, sm, source, ptxas, kernel, regs, smem, cmem, stack, spill_stores, spill_loads}."""
+    assemblers = find_ptxas()
+    rows = []
+    for tier, arch in variants:
+        usable = [(v, p) for v, p in reversed(assemblers) if arch >= _PTXAS_MIN_SM.get(v[0], 75)]
+        if not usable:
+            raise UnavailableError(f"no ptxas here assembles sm_{arch}; run python -m legacy_engine.gpu "
+                                   "install-toolchains (nvidia-cuda-nvcc-cu11 / -cu12 wheels)")
+        for name in SOURCES:
+            ptx, _ = get_ptx(name, tier, arch)
+            with tempfile.NamedTemporaryFile(suffix=".ptx") as f:
+                f.write(ptx)
+                f.flush()
+                err = None
+                for version, ptxas in usable:
+                    try:
+                        report = ptxas_report(f.name, arch, ptxas, FERMI_MAX_REGS if tier == "fermi" else None)
+                        break
+                    except KernelBuildError as e:
+                        err = e
+                else:
+                    raise err
+            for kernel, info in report.items():
+                rows.append({"variant": variant_name(tier, arch), "sm": arch, "source": name,
+                             "ptxas": f"{version[0]}.{version[1]}", "kernel": kernel, **info})
+    return rows
+
+
+TOOLCHAIN_WHEELS = ("nvidia-cuda-nvrtc-cu11==11.8.89", "nvidia-cuda-nvrtc-cu12==12.9.86",
+                    "nvidia-cuda-nvcc-cu11==11.8.89", "nvidia-cuda-nvcc-cu12==12.9.86")
+
+
+def install_toolchains() -> Path:
+    """pip-installs the NVRTC and ptxas wheels, each into its own folder under the cache (the cu11 and
+    cu12 nvcc wheels both write nvidia/cuda_nvcc/bin/ptxas, so one site-packages holds only one)."""
+    root = cache_dir() / "toolchains"
+    for spec in TOOLCHAIN_WHEELS:
+        dest = root / spec.replace("==", "-")
+        if dest.exists():
+            continue
+        tmp = root / (dest.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), spec],
+                       check=True)
+        os.replace(tmp, dest)
+    return root
+
+
+# ------------------------------------------------------------------------------------------ runtime objects
+
+def _native():
+    from . import _native as n   # imported late: building PTX needs no compiled core
+    return n
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when a driver and a device are there, else (False, why)."""
+    info = _native().gpu_info()
+    if not info["available"]:
+        return False, info["reason"]
+    if info["device_count"] < 1:
+        return False, "the CUDA driver sees no device"
+    return True, ""
+
+
+def init(device: int = 0) -> dict:
+    """Opens `device` (UnavailableError with the reason when there is no driver or device) -> its info."""
+    ok, why = available()
+    if not ok:
+        raise UnavailableError(f"no usable GPU: {why}")
+    n = _native()
+    n.gpu_init(device)
+    return n.gpu_info()["devices"][device]
+
+
+def device_arch(device: int = 0) -> int:
+    d = _native().gpu_info()["devices"][device]
+    return d["cc_major"] * 10 + d["cc_minor"]
+
+
+def set_budget(nbytes: int | None) -> None:
+    """VRAM budget for every Buffer (None: none); a Buffer beyond it raises NativeError (LE_ERR_NO_MEMORY)."""
+    _native().gpu_set_budget(nbytes)
+
+
+def mem_stats() -> dict:
+    return _native().gpu_mem_stats()
+
+
+def _ensure_open() -> None:
+    """Opens device 0 on first use (UnavailableError with the reason when there is none)."""
+    if _native().gpu_current_device() < 0:
+        init()
+
+
+class Buffer:
+    """Device memory; freed by free(), by `with`, or when garbage-collected."""
+
+    def __init__(self, nbytes: int, what: str = "buffer"):
+        _ensure_open()
+        self.nbytes = int(nbytes)
+        self.what = what
+        self.ptr = _native().gpu_alloc(self.nbytes, what)
+
+    @classmethod
+    def from_array(cls, a, what: str = "buffer") -> "Buffer":
+        a = np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a
+        mv = memoryview(a).cast("B")
+        b = cls(max(mv.nbytes, 1), what)
+        if mv.nbytes:
+            b.upload(mv)
+        return b
+
+    def upload(self, src, stream: "Stream | None" = None) -> None:
+        n = memoryview(src).nbytes
+        if n > self.nbytes:
+            raise ValueError(f"{n} bytes do not fit the {self.nbytes}-byte {self.what}")
+        _native().gpu_copy_htod(self.ptr, src, n, None if stream is None else stream.handle)
+
+    def download(self, out=None, dtype=np.uint8, count: int | None = None, stream: "Stream | None" = None):
+        """-> a numpy array of `count` `dtype` items (default: the whole buffer), or fills `out`."""
+        if out is None:
+            dt = np.dtype(dtype)
+            out = np.empty(self.nbytes // dt.itemsize if count is None else count, dtype=dt)
+        n = memoryview(out).nbytes
+        if n > self.nbytes:
+            raise ValueError(f"{n} bytes asked from the {self.nbytes}-byte {self.what}")
+        _native().gpu_copy_dtoh(out, self.ptr, n, None if stream is None else stream.handle)
+        return out
+
+    def free(self) -> None:
+        if self.ptr:
+            ptr, self.ptr = self.ptr, 0
+            _native().gpu_free(ptr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:   # interpreter shutdown or a closed context: nothing left to free
+            pass
+
+
+class PinnedBuffer:
+    """Page-locked host memory (fast and asynchronous copies); .array is a uint8 numpy view."""
+
+    def __init__(self, nbytes: int):
+        _ensure_open()
+        self.nbytes = int(nbytes)
+        self.ptr, buf = _native().gpu_host_alloc(self.nbytes)
+        self.array = np.frombuffer(buf, dtype=np.uint8)
+
+    def free(self) -> None:
+        if self.ptr is not None:
+            ptr, self.ptr = self.ptr, None
+            self.array = None
+            _native().gpu_host_free(ptr)
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:
+            pass
+
+
+class Stream:
+    def __init__(self):
+        _ensure_open()
+        self.handle = _native().gpu_stream_create()
+
+    def synchronize(self) -> None:
+        _native().gpu_stream_synchronize(self.handle)
+
+    def __del__(self):
+        try:
+            if self.handle is not None:
+                _native().gpu_stream_destroy(self.handle)
+                self.handle = None
+        except Exception:
+            pass
+
+
+class Event:
+    def __init__(self):
+        _ensure_open()
+        self.handle = _native().gpu_event_create()
+
+    def record(self, stream: Stream | None = None) -> None:
+        _native().gpu_event_record(self.handle, None if stream is None else stream.handle)
+
+    def synchronize(self) -> None:
+        _native().gpu_event_synchronize(self.handle)
+
+    def elapsed_ms(self, end: "Event") -> float:
+        """Milliseconds from this event to `end` (both recorded; waits for `end`)."""
+        end.synchronize()
+        return _native().gpu_event_elapsed_ms(self.handle, end.handle)
+
+    def __del__(self):
+        try:
+            if self.handle is not None:
+                _native().gpu_event_destroy(self.handle)
+                self.handle = None
+        except Exception:
+            pass
+
+
+class Module:
+    """A loaded PTX/cubin image; kernel(name) fetches its functions."""
+
+    def __init__(self, image: bytes, name: str):
+        _ensure_open()
+        self.name = name
+        self.handle = _native().gpu_module_load(image, name)
+        self._kernels: dict[str, Kernel] = {}
+
+    @property
+    def jit_log(self) -> str:
+        return _native().gpu_module_log(self.handle)
+
+    def kernel(self, name: str) -> "Kernel":
+        if name not in self._kernels:
+            self._kernels[name] = Kernel(self, name, _native().gpu_kernel_get(self.handle, name))
+        return self._kernels[name]
+
+    def unload(self) -> None:
+        if self.handle is not None:
+            h, self.handle = self.handle, None
+            self._kernels.clear()
+            _native().gpu_module_unload(h)
+
+    def __del__(self):
+        try:
+            self.unload()
+        except Exception:
+            pass
+
+
+class Kernel:
+    def __init__(self, module: Module, name: str, handle):
+        self.module, self.name, self.handle = module, name, handle
+
+    def info(self) -> dict:
+        """Registers, shared/local bytes, PTX and binary versions as the driver compiled it."""
+        return _native().gpu_kernel_info(self.handle)
+
+    def launch(self, grid, block, args, shared_bytes: int = 0, stream: Stream | None = None) -> None:
+        """grid/block: (x, y, z); args: [(kind, value)], kind in ptr/i32/u32/i64/f32 (Buffer -> its ptr)."""
+        args = [(k, v.ptr if isinstance(v, Buffer) else v) for k, v in args]
+        _native().gpu_launch(self.handle, grid, block, args, shared_bytes, None if stream is None else stream.handle)
+
+
+def synchronize() -> None:
+    _native().gpu_synchronize()
+
+
+def _ptr(b) -> int:
+    return 0 if b is None else (b.ptr if isinstance(b, Buffer) else int(b))
+
+
+def _need(buf, nbytes: int, what: str) -> None:
+    if isinstance(buf, Buffer) and buf.nbytes < nbytes:
+        raise ValueError(f"{what} needs {nbytes} bytes; the buffer has {buf.nbytes}")
+
+
+class Kernels:
+    """The cuda8 kernels of one variant (tier, arch) on the open device.
+
+    Each op checks shapes and buffer sizes before launching (an out-of-bounds kernel would take the
+    whole context down) and launches on `stream` (default stream when None) without waiting."""
+
+    def __init__(self, tier: str, arch: int | None = None, toolchain: str = "auto"):
+        _ensure_open()
+        self.arch = device_arch(_native().gpu_current_device()) if arch is None else int(arch)
+        self.tier = tier
+        check_variant(tier, self.arch)
+        self.modules: dict[str, Module] = {}
+        self.origins: dict[str, str] = {}
+        for name in SOURCES:
+            ptx, origin = get_ptx(name, tier, self.arch, toolchain)
+            self.modules[name] = Module(ptx, f"{name}.{variant_name(tier, self.arch)}")
+            self.origins[name] = origin
+
+    @property
+    def name(self) -> str:
+        return variant_name(self.tier, self.arch)
+
+    def probe(self, source: str = "gemv_f32") -> dict:
+        """What a module was compiled as: {'arch', 'tier_cc', 'compiler', 'features'} (le_tier_probe)."""
+        with Buffer(16, "probe") as out:
+            self.modules[source].kernel("le_tier_probe").launch((1, 1, 1), (32, 1, 1), [("ptr", out)])
+            v = out.download(dtype=np.int32, count=4)
+        feats = [f for bit, f in ((1, "shfl"), (2, "ldg"), (4, "dp4a"), (8, "sync")) if v[3] & bit]
+        return {"arch": int(v[0]), "tier_cc": int(v[1]), "compiler": int(v[2]), "features": feats}
+
+    @staticmethod
+    def _grid(n_units: int) -> int:
+        return max(1, min(n_units, MAX_GRID))
+
+    def rmsnorm(self, x, w, y, ncols: int, nrows: int, eps: float, stream: Stream | None = None) -> None:
+        """x, y: [nrows, ncols] f32 (y may be x); w: [ncols] f32 or None."""
+        _need(x, 4 * ncols * nrows, "rmsnorm x")
+        _need(y, 4 * ncols * nrows, "rmsnorm y")
+        _need(w, 4 * ncols, "rmsnorm w")
+        self.modules["rmsnorm"].kernel("rmsnorm_f32").launch(
+            (self._grid(nrows), 1, 1), (RMSNORM_THREADS, 1, 1),
+            [("ptr", _ptr(x)), ("ptr", _ptr(w)), ("ptr", _ptr(y)), ("i32", ncols), ("i32", nrows), ("f32", eps)],
+            stream=stream)
+
+    def quantize_q8_1(self, x, y, n: int, stream: Stream | None = None) -> None:
+        """x: [n] f32 (n % 32 == 0) -> y: [n/32] block_q8_1, GPU layout (d, s = sum of x)."""
+        if n % 32:
+            raise ValueError(f"quantize_q8_1: n = {n} is not a multiple of 32")
+        _need(x, 4 * n, "quantize_q8_1 x")
+        _need(y, n // 32 * Q8_1_BYTES, "quantize_q8_1 y")
+        self.modules["quantize_q8_1"].kernel("quantize_q8_1").launch(
+            (self._grid(-(-n // Q8_THREADS)), 1, 1), (Q8_THREADS, 1, 1),
+            [("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", n)], stream=stream)
+
+    def _weights(self, qtype: int, W, nrows: int, ncols: int, what: str) -> str:
+        if qtype not in GPU_TYPES:
+            raise UnavailableError(f"{what}: no GPU kernel for ggml type {qtype}; GPU types: "
+                                   + ", ".join(v[0] for v in GPU_TYPES.values()))
+        suffix, bs, ts = GPU_TYPES[qtype]
+        if ncols <= 0 or ncols % bs:
+            raise ValueError(f"{what}: ncols = {ncols} is not a positive multiple of {suffix}'s block size {bs}")
+        if _ptr(W) % 4:
+            raise ValueError(f"{what}: weights must be 4-byte aligned")
+        _need(W, nrows * (ncols // bs) * ts, f"{what} W")
+        return suffix
+
+    def gemv_f32(self, qtype: int, W, x, y, nrows: int, ncols: int, stream: Stream | None = None) -> None:
+        """y[nrows] = W[nrows, ncols] (ggml type `qtype`) x[ncols] f32."""
+        suffix = self._weights(qtype, W, nrows, ncols, "gemv_f32")
+        if _ptr(x) % 16:
+            raise ValueError("gemv_f32: x must be 16-byte aligned (it is read as float4)")
+        _need(x, 4 * ncols, "gemv_f32 x")
+        _need(y, 4 * nrows, "gemv_f32 y")
+        self.modules["gemv_f32"].kernel(f"gemv_f32_{suffix}").launch(
+            (self._grid(-(-nrows // GEMV_ROWS)), 1, 1), (GEMV_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols)], stream=stream)
+
+    def gemv_dp4a(self, qtype: int, W, xq, y, nrows: int, ncols: int, stream: Stream | None = None) -> None:
+        """y[nrows] = W[nrows, ncols] xq, xq: [ncols/32] block_q8_1 from quantize_q8_1."""
+        suffix = self._weights(qtype, W, nrows, ncols, "gemv_dp4a")
+        _need(xq, ncols // 32 * Q8_1_BYTES, "gemv_dp4a xq")
+        _need(y, 4 * nrows, "gemv_dp4a y")
+        self.modules["gemv_dp4a"].kernel(f"gemv_dp4a_{suffix}").launch(
+            (self._grid(-(-nrows // GEMV_ROWS)), 1, 1), (GEMV_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(xq)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols)], stream=stream)
+
+    def gemm_f32(self, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
+        """Y[ntok, nrows] = X[ntok, ncols] f32 times W[nrows, ncols]^T."""
+        suffix = self._weights(qtype, W, nrows, ncols, "gemm_f32")
+        if not 0 < ntok <= GEMM_TILE * MAX_GRID:
+            raise ValueError(f"gemm_f32: ntok = {ntok} outside 1…{GEMM_TILE * MAX_GRID}")
+        _need(X, 4 * ncols * ntok, "gemm_f32 X")
+        _need(Y, 4 * nrows * ntok, "gemm_f32 Y")
+        self.modules["gemm_f32"].kernel(f"gemm_f32_{suffix}").launch(
+            (self._grid(-(-nrows // GEMM_TILE)), -(-ntok // GEMM_TILE), 1), (GEMM_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
+            stream=stream)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+def _print_records(records: list[dict]) -> None:
+    for r in records:
+        v = variant_name(r["tier"], r["arch"])
+        if "skipped" in r:
+            print(f"  {r['name']:<14} {v:<12} skipped: {r['skipped']}")
+        else:
+            print(f"  {r['name']:<14} {v:<12} {r['toolchain']:<11} {r['bytes']:>8} B  {r['ptx']}")
+
+
+def cli_build(argv: list[str] | None = None) -> int:
+    """`legacy-engine build-kernels` / `python -m legacy_engine.gpu build`."""
+    p = argparse.ArgumentParser(prog="legacy-engine build-kernels",
+                                description="Build cuda8/*.cu to PTX for every tier (cached; --out also writes a "
+                                            "folder usable as $LE_PTX_DIR).")
+    p.add_argument("--arch", type=int, help="compute capability x10 (35, 61, 70, 90 …); default: the legacy "
+                                            "variants plus 75 and 90 where a toolchain can")
+    p.add_argument("--toolchain", default="auto", help="auto, nvcc, nvrtc, or a name such as nvrtc-11.8")
+    p.add_argument("--out", help="copy the PTX and a manifest.json into this folder")
+    p.add_argument("--strict", action="store_true", help="fail when a variant cannot be built")
+    a = p.parse_args(argv)
+    try:
+        records = build_kernels(a.arch, a.toolchain, a.out, skip_missing=not a.strict)
+    except (UnavailableError, KernelBuildError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    _print_records(records)
+    built = sum("ptx" in r for r in records)
+    print(f"{built} PTX built or cached, {len(records) - built} skipped" + (f"; folder {a.out}" if a.out else ""))
+    return 0 if built else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m legacy_engine.gpu")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("build", help="build PTX (build -h)", add_help=False)
+    sub.add_parser("toolchains", help="list the compilers and assemblers found")
+    s = sub.add_parser("ptxas", help="assemble the legacy PTX for sm_35/61/70 and print registers / smem")
+    s.add_argument("--json", help="also write the rows to this file")
+    sub.add_parser("install-toolchains", help="pip-install the NVRTC and ptxas wheels under the cache")
+    sub.add_parser("info", help="the device, and which variants load on it")
+    if argv and argv[0] == "build":
+        return cli_build(argv[1:])
+    a = p.parse_args(argv)
+    if a.cmd == "toolchains":
+        for t in find_toolchains():
+            print(f"{t.name:<12} compute_{t.archs[0]}…{t.archs[-1]}  {t.path}")
+        for v, path in find_ptxas():
+            print(f"ptxas-{v[0]}.{v[1]:<6} {path}")
+        return 0
+    if a.cmd == "install-toolchains":
+        print(install_toolchains())
+        return 0
+    if a.cmd == "ptxas":
+        rows = ptxas_table()
+        print(f"{'variant':<12} {'ptxas':<5} {'kernel':<22} {'regs':>4} {'smem':>6} {'spill':>6}")
+        for r in rows:
+            print(f"{r['variant']:<12} {r['ptxas']:<5} {r['kernel']:<22} {r['regs']:>4} {r['smem']:>6} "
+                  f"{r['spill_stores'] + r['spill_loads']:>6}")
+        if a.json:
+            Path(a.json).write_text(json.dumps(rows, indent=1))
+        return 0
+    if a.cmd == "info":
+        ok, why = available()
+        if not ok:
+            print(f"no GPU: {why}")
+            return 1
+        dev = init()
+        arch = device_arch()
+        print(f"{dev['name']} sm_{arch}, {dev['total_mem'] / 2**30:.1f} GiB")
+        for tier, va in default_variants(native_archs=(arch,)):
+            if va > arch:
+                print(f"  {variant_name(tier, va):<12} not runnable on sm_{arch}")
+                continue
+            try:
+                k = Kernels(tier, va)
+                print(f"  {k.name:<12} {k.probe()}  ({k.origins['gemv_f32']})")
+            except EngineError as e:
+                print(f"  {variant_name(tier, va):<12} unavailable: {str(e)[:200]}")
+        return 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

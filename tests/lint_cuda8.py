@@ -1,0 +1,166 @@
+"""Keeps cuda8/ inside what CUDA 8 (C++11, sm_20) accepts; CUDA 8 itself cannot be installed here.
+
+Rules (comments and string literals are ignored):
+* outside compat.cuh: no *_sync intrinsics or __syncwarp/__activemask, no __shfl*, no __ldg, no __dp4a,
+  no __CUDA_ARCH__ / __CUDACC_VER_* (tiers are named in compat.cuh), no __half / half2 / __h* arithmetic
+  and no cuda_fp16.h;
+* anywhere: no cooperative groups, no C++14 that is cheap to spot (auto return type deduction,
+  decltype(auto), generic lambdas, lambda init-captures, variable templates, binary literals, digit
+  separators, [[deprecated]], constexpr functions with loops or several statements, make_unique);
+* static __shared__ arrays (LE_SCRATCH included) of a file <= 48 KB (their sum: an upper bound per kernel).
+
+Run: python tests/lint_cuda8.py [files]; tests/test_gpu.py runs it on cuda8/.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA_DIR = ROOT / "cuda8"
+COMPAT = "compat.cuh"
+SHARED_LIMIT = 48 * 1024
+
+SIZEOF = {"float": 4, "int": 4, "unsigned": 4, "uint32_t": 4, "int32_t": 4, "double": 8, "int64_t": 8,
+          "uint64_t": 8, "short": 2, "int16_t": 2, "uint16_t": 2, "char": 1, "int8_t": 1, "uint8_t": 1,
+          "float2": 8, "float4": 16, "int2": 8, "int4": 16, "block_q8_1": 36, "block_q8_0": 34}
+
+# (regex, message, allowed in compat.cuh)
+RULES = [
+    (r"\b__\w+_sync\s*\(|\b__syncwarp\b|\b__activemask\b", "*_sync / warp-sync intrinsic (CUDA 9+)", True),
+    (r"\b__shfl\w*", "warp shuffle (sm_30+; use le_shfl_xor)", True),
+    (r"\b__ldg\b", "__ldg (sm_35+; use le_ldg)", True),
+    (r"\b__dp4a\b", "__dp4a (sm_61+; use le_dp4a)", True),
+    (r"\b__CUDA_ARCH__\b|\b__CUDACC_VER_\w+", "raw arch / compiler version test (name it in compat.cuh)", True),
+    (r"\b__half2?\b|\bhalf2\b|\b__h(add|sub|mul|div|fma|neg)2?\b|cuda_fp16\.h", "__half arithmetic (sm_53+)", True),
+    (r"cooperative_groups", "cooperative groups (CUDA 9+)", False),
+    (r"\bdecltype\s*\(\s*auto\s*\)", "decltype(auto) (C++14)", False),
+    (r"\[[^\[\]]*\]\s*\([^()]*\bauto\b", "generic lambda (C++14)", False),
+    (r"\[[^\[\]]*\b\w+\s*=\s*[^\]=,]+\]\s*\(", "lambda init-capture (C++14)", False),
+    (r"template\s*<[^<>]*>\s*(constexpr\s+)?[\w:]+\s+\w+\s*=", "variable template (C++14)", False),
+    (r"\b0[bB][01]+", "binary literal (C++14)", False),
+    (r"\d'\d", "digit separator (C++14)", False),
+    (r"\[\[\s*deprecated", "[[deprecated]] (C++14)", False),
+    (r"\bmake_unique\b", "std::make_unique (C++14)", False),
+]
+
+# `auto name(args) {` or `auto name(args) const {` without a trailing return type
+AUTO_RETURN = re.compile(r"\bauto\s+[\w:]+\s*\(([^()]|\([^()]*\))*\)\s*(const\s*)?(noexcept\s*)?\{")
+CONSTEXPR_FN = re.compile(r"\bconstexpr\b[^;{}=]*\([^;{}]*\)\s*(const\s*)?\{")
+
+
+def strip(text: str) -> str:
+    """Comments and string/char literals blanked (newlines kept, so line numbers hold)."""
+    def blank(m):
+        return re.sub(r"[^\n]", " ", m.group(0))
+    return re.sub(r'//[^\n]*|/\*.*?\*/|"(\\.|[^"\\\n])*"|\'(\\.|[^\'\\\n])+\'', blank, text, flags=re.S)
+
+
+def _line(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
+
+
+def _body(text: str, open_brace: int) -> str:
+    depth = 0
+    for i in range(open_brace, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[open_brace + 1:i]
+    return text[open_brace + 1:]
+
+
+def _eval_dim(expr: str, macros: dict[str, str]) -> int | None:
+    for _ in range(10):   # expand macros (nested ones too)
+        new = re.sub(r"\b[A-Za-z_]\w*\b", lambda m: f"({macros[m.group(0)]})" if m.group(0) in macros else m.group(0),
+                     expr)
+        if new == expr:
+            break
+        expr = new
+    if not re.fullmatch(r"[\d\s()+\-*/%]+", expr):
+        return None
+    try:
+        return int(eval(expr.replace("/", "//"), {"__builtins__": {}}))
+    except (SyntaxError, ZeroDivisionError):
+        return None
+
+
+def shared_bytes(text: str, macros: dict[str, str]) -> tuple[int, list[str]]:
+    """Sum of the static __shared__ arrays declared in text (LE_SCRATCH(name, n) = float[n])."""
+    total, problems, out = 0, [], []
+    for m in re.finditer(r"__shared__\s+(?:volatile\s+)?(\w+)\s+\w+((?:\s*\[[^\]]+\])+)\s*;", text):
+        out.append((m.group(1), re.findall(r"\[([^\]]+)\]", m.group(2)), m.start()))
+    for m in re.finditer(r"\bLE_SCRATCH\s*\(\s*\w+\s*,\s*([^)]+)\)", text):
+        out.append(("float", [m.group(1)], m.start()))
+    for typ, dims, pos in out:
+        if "define LE_SCRATCH" in text[max(0, pos - 40):pos + 12]:
+            continue
+        size = SIZEOF.get(typ)
+        n = 1
+        for d in dims:
+            v = _eval_dim(d, macros)
+            n = None if v is None or n is None else n * v
+        if size is None or n is None:
+            problems.append(f"line {_line(text, pos)}: cannot size __shared__ {typ}[{']['.join(dims)}]")
+            continue
+        total += size * n
+    return total, problems
+
+
+def _macros(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^\s*#\s*define\s+(\w+)\s+([^\n]+)$", text, flags=re.M))
+
+
+def lint_text(name: str, raw: str, header_text: str = "") -> list[str]:
+    """Problems of one file; header_text: the (stripped) headers whose macros are in scope."""
+    text = strip(raw)
+    is_compat = name == COMPAT
+    out = []
+    for pattern, msg, compat_ok in RULES:
+        if compat_ok and is_compat:
+            continue
+        for m in re.finditer(pattern, text):
+            out.append(f"{name}:{_line(text, m.start())}: {msg}: {m.group(0).strip()!r}")
+    for m in AUTO_RETURN.finditer(text):
+        out.append(f"{name}:{_line(text, m.start())}: auto return type deduction (C++14)")
+    for m in CONSTEXPR_FN.finditer(text):
+        body = _body(text, m.end() - 1)
+        if re.search(r"\b(for|while|do|switch)\b", body) or body.count(";") > 1:
+            out.append(f"{name}:{_line(text, m.start())}: constexpr function with more than a return (C++14)")
+    total, problems = shared_bytes(text, _macros(header_text + "\n" + text))
+    out += [f"{name}: {p}" for p in problems]
+    if total > SHARED_LIMIT:
+        out.append(f"{name}: {total} bytes of static __shared__ arrays > 48 KB")
+    return out
+
+
+def headers_text() -> str:
+    return "\n".join(strip(h.read_text()) for h in sorted(CUDA_DIR.glob("*.cuh")))
+
+
+def shared_report() -> dict[str, int]:
+    """Static __shared__ bytes declared per cuda8 file."""
+    hdr = headers_text()
+    return {p.name: shared_bytes(strip(p.read_text()), _macros(hdr + "\n" + strip(p.read_text())))[0]
+            for p in sorted(CUDA_DIR.glob("*.cu"))}
+
+
+def lint(paths=None) -> list[str]:
+    paths = sorted(CUDA_DIR.glob("*.cu")) + sorted(CUDA_DIR.glob("*.cuh")) if paths is None else [Path(p) for p in paths]
+    hdr = headers_text()
+    out = []
+    for p in paths:
+        out += lint_text(p.name, p.read_text(), hdr)
+    return out
+
+
+def main(argv=None) -> int:
+    problems = lint((argv or sys.argv[1:]) or None)
+    for p in problems:
+        print(p)
+    print(f"{len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
