@@ -18,6 +18,52 @@
 
 #include "le_dispatch.h"
 
+/* ---- scalar references (native/vec_dot_ref.c): the oracle and the last fallback ---- */
+void vec_dot_q4_0_q8_0_ref(int64_t n, float *s, const void *x, const void *y);
+void vec_dot_q4_1_q8_1_ref(int64_t n, float *s, const void *x, const void *y);
+void vec_dot_q5_0_q8_0_ref(int64_t n, float *s, const void *x, const void *y);
+void vec_dot_q5_1_q8_1_ref(int64_t n, float *s, const void *x, const void *y);
+void vec_dot_q8_0_q8_0_ref(int64_t n, float *s, const void *x, const void *y);
+void vec_dot_iq4_nl_q8_0_ref(int64_t n, float *s, const void *x, const void *y);
+void vec_dot_mxfp4_q8_0_ref(int64_t n, float *s, const void *x, const void *y);
+void vec_dot_q2_K_q8_K_ref(int64_t n, float *s, const void *x, const void *y);
+void vec_dot_q3_K_q8_K_ref(int64_t n, float *s, const void *x, const void *y);
+void vec_dot_q4_K_q8_K_ref(int64_t n, float *s, const void *x, const void *y);
+void vec_dot_q5_K_q8_K_ref(int64_t n, float *s, const void *x, const void *y);
+void vec_dot_q6_K_q8_K_ref(int64_t n, float *s, const void *x, const void *y);
+void vec_dot_iq4_xs_q8_K_ref(int64_t n, float *s, const void *x, const void *y);
+
+/* The 16-value grids of IQ4_NL/IQ4_XS and MXFP4 (E2M1 doubled), as ggml-common.h. */
+extern const int8_t le_kvalues_iq4nl[16];
+extern const int8_t le_kvalues_mxfp4[16];
+
+/* ---- SIMD kernels (cpu_simd/vec_dot_<family>_<isa>.c); same contract as the refs ----
+ * Activation bytes must come from the Q8 quantisers (values -127..127, never -128):
+ * the sign trick of pmaddubsw/vpdpbusd negates them. */
+#define LE_DECLARE_VEC_DOTS(isa)                                                        \
+    void vec_dot_q4_0_q8_0_##isa(int64_t n, float *s, const void *x, const void *y);   \
+    void vec_dot_q4_1_q8_1_##isa(int64_t n, float *s, const void *x, const void *y);   \
+    void vec_dot_q5_0_q8_0_##isa(int64_t n, float *s, const void *x, const void *y);   \
+    void vec_dot_q5_1_q8_1_##isa(int64_t n, float *s, const void *x, const void *y);   \
+    void vec_dot_q8_0_q8_0_##isa(int64_t n, float *s, const void *x, const void *y);   \
+    void vec_dot_iq4_nl_q8_0_##isa(int64_t n, float *s, const void *x, const void *y); \
+    void vec_dot_mxfp4_q8_0_##isa(int64_t n, float *s, const void *x, const void *y);  \
+    void vec_dot_q2_K_q8_K_##isa(int64_t n, float *s, const void *x, const void *y);   \
+    void vec_dot_q3_K_q8_K_##isa(int64_t n, float *s, const void *x, const void *y);   \
+    void vec_dot_q4_K_q8_K_##isa(int64_t n, float *s, const void *x, const void *y);   \
+    void vec_dot_q5_K_q8_K_##isa(int64_t n, float *s, const void *x, const void *y);   \
+    void vec_dot_q6_K_q8_K_##isa(int64_t n, float *s, const void *x, const void *y);   \
+    void vec_dot_iq4_xs_q8_K_##isa(int64_t n, float *s, const void *x, const void *y);
+LE_DECLARE_VEC_DOTS(ssse3)
+LE_DECLARE_VEC_DOTS(avx2)
+LE_DECLARE_VEC_DOTS(avx512vnni)
+
+/* Activation quantisers (cpu_simd/quantize_act_<isa>.c): the same bytes as the refs of
+ * native/quants_ref.c, bit for bit. */
+void quantize_row_q8_0_avx2(const float *x, void *y, int64_t n);
+void quantize_row_q8_1_avx2(const float *x, void *y, int64_t n);
+void quantize_row_q8_K_avx2(const float *x, void *y, int64_t n);
+
 /* [LE_ISA_*][ggml type id] */
 extern const le_vec_dot_fn le_vec_dot_table[LE_ISA_COUNT][LE_TYPE_COUNT];
 /* Activation quantisers per ISA for the vec_dot types (Q8_0, Q8_1, Q8_K); NULL: fall back. */
