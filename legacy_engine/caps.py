@@ -6,7 +6,10 @@ SIMD tiers the CPU could run and why a tier is off. `legacy-engine info` prints 
 """
 from __future__ import annotations
 
+import os
+
 from . import _native
+from .errors import UnavailableError
 
 # The CPU tiers of the capability table, best first, with the features each needs.
 CPU_TIERS = (
@@ -35,11 +38,25 @@ def cpu_tiers(cpu: dict) -> list[tuple[str, bool, str]]:
     return out
 
 
+def kernel_report() -> dict:
+    """The selected CPU tier and which tier serves each quant type's integer dot product."""
+    names = {}
+    for qtype in range(64):
+        try:
+            names[_native.type_traits(qtype)["name"]] = qtype
+        except UnavailableError:  # ids the engine does not handle
+            continue
+    return {"isa": _native.get_isa(),
+            "vec_dot": {n: _native.kernel_isa(q) for n, q in names.items() if n not in ("f32", "f16", "bf16",
+                                                                                       "q8_1", "q8_K")}}
+
+
 def machine_report() -> dict:
     cpu = _native.cpu_info()
     return {
         "cpu": cpu,
         "cpu_tiers": cpu_tiers(cpu),
+        "kernels": kernel_report(),
         "numa": _native.numa_info(),
         "gpu": _native.gpu_info(),
     }
@@ -57,8 +74,13 @@ def format_machine_report(rep: dict) -> list[str]:
     lines.append("  OS saves register state for: " + (", ".join(os_state) or "SSE only") + " (XGETBV)")
     for tier, ok, why in rep["cpu_tiers"]:
         lines.append(f"  tier {tier:<11} {'usable' if ok else 'off: ' + why}")
-    lines.append("  kernels in this build: scalar reference (ref) for every quant type; "
-                 "the SIMD GEMV tiers above are not built yet")
+    k = rep["kernels"]
+    forced = os.environ.get("LE_FORCE_ISA")
+    lines.append(f"  chosen tier: {k['isa']}" + (f" (LE_FORCE_ISA={forced})" if forced else " (best the CPU runs)"))
+    by_tier: dict[str, list[str]] = {}
+    for name, tier in k["vec_dot"].items():
+        by_tier.setdefault(tier or "none (dequantise + f32)", []).append(name)
+    lines.append("  integer dot products (W4A8 ...): " + "; ".join(f"{t}: {' '.join(n)}" for t, n in by_tier.items()))
     if numa["available"]:
         lines.append(f"NUMA     {numa['nodes']} node(s) (libnuma)"
                      + ("; interleave is a no-op with one node" if numa["nodes"] == 1 else ""))
