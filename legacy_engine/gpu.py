@@ -134,7 +134,7 @@ class Toolchain:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "out.ptx"
             cmd = [self.path, "-ptx", f"-arch=compute_{arch}", "-std=c++11", *opts, "-o", str(out), str(src)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
+            r = subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace")
             if r.returncode != 0:
                 raise KernelBuildError(f"{self.name} failed on {src.name} for compute_{arch}:\n{r.stderr[-4000:]}")
             return out.read_bytes()
@@ -198,7 +198,7 @@ _KNOWN_ARCHS = (20, 30, 32, 35, 37, 50, 52, 53, 60, 61, 62, 70, 72, 75, 80, 86, 
 
 def _nvcc_toolchain(path: str) -> Toolchain | None:
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run([path, "--version"], capture_output=True, encoding="utf-8", errors="replace", timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     m = re.search(r"release (\d+)\.(\d+)", out)
@@ -207,7 +207,7 @@ def _nvcc_toolchain(path: str) -> Toolchain | None:
     version = (int(m.group(1)), int(m.group(2)))
     archs: list[int] = []
     try:   # CUDA 11+: the exact list
-        r = subprocess.run([path, "--list-gpu-arch"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([path, "--list-gpu-arch"], capture_output=True, encoding="utf-8", errors="replace", timeout=60)
         archs = sorted({int(a) for a in re.findall(r"compute_(\d+)", r.stdout)})
     except (OSError, subprocess.SubprocessError):
         pass
@@ -379,7 +379,7 @@ def find_ptxas() -> list[tuple[tuple[int, int], str]]:
         if not p or not os.path.isfile(p):
             continue
         try:
-            out = subprocess.run([p, "--version"], capture_output=True, text=True, timeout=60).stdout
+            out = subprocess.run([p, "--version"], capture_output=True, encoding="utf-8", errors="replace", timeout=60).stdout
         except (OSError, subprocess.SubprocessError):
             continue
         if m := re.search(r"release (\d+)\.(\d+)", out):
@@ -393,7 +393,7 @@ def ptxas_report(ptx: Path | str, sm: int, ptxas: str, max_regs: int | None = No
     with tempfile.TemporaryDirectory() as tmp:
         cap = [f"-maxrregcount={max_regs}"] if max_regs else []
         r = subprocess.run([ptxas, "-v", f"-arch=sm_{sm}", *cap, str(ptx), "-o", os.path.join(tmp, "out.cubin")],
-                           capture_output=True, text=True)
+                           capture_output=True, encoding="utf-8", errors="replace")
     if r.returncode != 0:
         raise KernelBuildError(f"ptxas -arch=sm_{sm} {ptx} failed:\n{r.stderr[-3000:]}")
     out: dict[str, dict] = {}

@@ -78,7 +78,7 @@ def _fetch_converter(dest: Path) -> None:
     if not tarballs:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
                         f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(downloads)],
-                       check=True, capture_output=True, text=True, timeout=900)
+                       check=True, capture_output=True, encoding="utf-8", errors="replace", timeout=900)
         tarballs = sorted(downloads.glob("llama_cpp_python-*.tar.gz"))
     prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".unpack-"))
@@ -126,7 +126,7 @@ def llama_cpp_convert(llama_cpp_src, tmp_path_factory):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(llama_cpp_src / "gguf-py"), str(llama_cpp_src)]))
         env.pop("NO_LOCAL_GGUF", None)
         r = subprocess.run([sys.executable, str(wrapper), str(llama_cpp_src), str(hf_dir), "--outfile", str(out),
-                            "--outtype", outtype, "--no-mtp"], env=env, capture_output=True, text=True, timeout=600)
+                            "--outtype", outtype, "--no-mtp"], env=env, capture_output=True, encoding="utf-8", errors="replace", timeout=600)
         if r.returncode != 0:
             raise AssertionError(f"llama.cpp's converter failed ({r.returncode}):\n{r.stderr[-3000:]}")
         return Path(out)

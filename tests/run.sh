@@ -9,6 +9,7 @@
 # is skipped when that exact version is already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONUTF8=1  # the suite's subprocesses print UTF-8 (tokens, llama.cpp logs) whatever the locale
 
 python -m pip install -q -e ".[test,oracle]"
 if ! python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36')" 2>/dev/null; then

@@ -248,7 +248,7 @@ def test_seeded_sampling_reproducible(engine):
 
 def _cli(*args, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "legacy_engine", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+                          encoding="utf-8", errors="replace", timeout=timeout)
 
 
 TIMING = re.compile(r"^\[(length|stop)\] load [\d.]+ s \| prefill \d+ tok, [\d.]+ tok/s \| decode \d+ tok, "

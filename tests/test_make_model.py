@@ -376,7 +376,7 @@ print(json.dumps({"tokens": toks, "finite": bool(np.isfinite(lg).all()), "min_st
 
 def run_llama_cpp(path: str) -> dict:
     pytest.importorskip("llama_cpp", reason="llama-cpp-python 0.3.36 is not installed (tests/run.sh builds it)")
-    p = subprocess.run([sys.executable, "-c", LLAMA_RUN, path], capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", LLAMA_RUN, path], capture_output=True, encoding="utf-8", errors="replace", timeout=600)
     assert p.returncode == 0, f"llama.cpp failed on {path} (rc {p.returncode}):\n{p.stderr[-3000:]}"
     return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -712,7 +712,7 @@ def test_serve_command_subprocess(model_path, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", SERVE_MAIN, "serve", model_path, "--port", str(port),
                              "--ctx", "512", "--threads", "2", "--alias", "t", "--cache-dir", str(tmp_path / "pc"),
                              "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            encoding="utf-8", errors="replace")
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
         t0 = time.monotonic()

@@ -309,7 +309,7 @@ def test_default_tier_is_the_best_supported():
         pytest.skip("LE_FORCE_ISA is set")
     best = [i for i in _native.ISA_NAMES if _native.isa_supported(i)][-1]
     out = subprocess.run([sys.executable, "-c", "from legacy_engine import _native as N; print(N.get_isa())"],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, encoding="utf-8", errors="replace", check=True)
     assert out.stdout.strip() == best
 
 
@@ -318,7 +318,7 @@ def test_force_isa_env(isa):
     if not _native.isa_supported(isa):
         pytest.skip(f"this CPU cannot run {isa}")
     code = "from legacy_engine import _native as N; print(N.get_isa(), N.kernel_isa(12))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, encoding="utf-8", errors="replace", check=True,
                          env=dict(os.environ, LE_FORCE_ISA=isa))
     tier, q4k = out.stdout.split()
     assert tier == isa and q4k in ("ref", isa)           # Q4_K's kernel: the forced tier's, or the ref below it
