@@ -7,7 +7,7 @@ bench cache — the prefix cache (legacy_engine/cache.py): time to first token w
 Per prompt length L (synthetic seeded ids), with a fresh PrefixCache (grid 256, pages of 64 tokens):
   plain     Session.prefill of the L tokens, no cache (the baseline)
   cold      cache.prefill of the L tokens, nothing cached (baseline + snapshot capture)
-  repeat    the same L tokens again (restores floor((L-1)/64)*64, reruns the rest)
+  repeat    the same L tokens again (an exact repeat: restores the end-of-prompt entry, runs nothing)
   follow    L + 50 appended tokens (a follow-up turn)
   shared    the first 900 tokens, then L - 900 other tokens (restores the largest snapshot <= 900)
   capture   the part of `cold` spent taking snapshots and pages (and writing them with --disk)

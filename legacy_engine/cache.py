@@ -6,6 +6,14 @@ layer, f32) are taken at multiples of `page` tokens: on a grid (every `grid` tok
 every prompt. The attention layers' KV rows are kept in immutable pages of `page` tokens, shared by every
 snapshot whose prefix contains them.
 
+An exact repeat of a prompt costs only a restore: every prefill of an L-token prompt also keeps an end entry,
+keyed by a hash of the whole prompt (the chain key of its aligned prefix a = floor(L/page)*page, the tail tokens
+[a, L) and L), holding the recurrent state at L, the KV rows [a, L) and the last token's logits. It serves only a
+prompt equal to the cached one (same length and tokens): its aligned KV pages, the tail rows and the state at L
+are written back and the stored logits returned. It is bit-identical because a full recompute of the same prompt
+performs exactly the same computation (same chunk boundaries), so its state and logits at L are the same bits.
+An extension or a divergence never uses it (its key differs): they take the aligned path below.
+
 Keys form a hash chain over the prompt's pages: h_0 = seed, h_k = sha256(h_{k-1} || tokens of page k-1).
 The snapshot at position k*page and the KV page of tokens [(k-1)*page, k*page) are both keyed by h_k:
 equal prefixes share entries, a different token anywhere before means a different key.
@@ -16,9 +24,12 @@ and its rounding depends on where its 64-token chunks start; a fresh prefill chu
 restored position run in forward calls split only at multiples of 64. Attention, MoE and norms are per
 token, so the logits equal a fresh Session's bit for bit (tests/test_cache.py).
 
-Memory: RAM holds snapshots in LRU order within `ram_bytes`; a page is counted once and held by the
-snapshots that need it (reference counts), dropped with the last one; a snapshot being restored is
-pinned. The optional disk tier (`disk_dir`) is written through, survives restarts, and every file carries
+Memory: RAM holds snapshots and end entries in one LRU order within `ram_bytes`; a page is counted once and
+held by the entries that need it (reference counts), dropped with the last one; an entry being restored is
+pinned. An end entry is kept only if it fits the budget on its own, and ranks just below the prompt's last
+snapshot in the LRU order (under pressure it goes first: that snapshot also serves extensions). End entries
+live in RAM only (the disk tier holds snapshots and pages; after a restart an exact repeat takes the aligned
+path, still bit-identical). The optional disk tier (`disk_dir`) is written through, survives restarts, and every file carries
 the model fingerprint, FORMAT_VERSION, its key and a sha256 of its payload: a file that does not match is
 ignored, warned about (CacheFileWarning) and counted (stats "disk_rejected"), never loaded.
 
@@ -50,6 +61,7 @@ MAGIC = b"LEPCACHE"
 # magic, version, kind, pos, page tokens, model fingerprint, key, sha256(payload), payload bytes
 _HEADER = struct.Struct("<8sIIqq32s32s32sQ")
 KIND_SNAPSHOT, KIND_PAGE = 1, 2
+_END_SEED = b"legacy_engine prompt end v%d" % FORMAT_VERSION
 _EXT = {KIND_SNAPSHOT: ".snap", KIND_PAGE: ".kv"}
 
 
@@ -97,6 +109,15 @@ def chain_keys(ids, page: int) -> list[bytes]:
     return out
 
 
+def end_key(ids, keys: list[bytes], page: int) -> bytes:
+    """The key of the end entry of the whole prompt ids (keys = chain_keys(ids, page)): a hash of the chain key of
+    its aligned prefix [0, floor(L/page)*page), its tail tokens and its length L."""
+    k = len(ids) // page
+    tail = np.asarray(ids[k * page:], dtype=np.int64).astype("<i4").tobytes()
+    prefix = keys[k - 1] if k else b"page %d" % page
+    return hashlib.sha256(_END_SEED + prefix + struct.pack("<q", len(ids)) + tail).digest()
+
+
 @dataclass(frozen=True)
 class Sizes:
     """Payload bytes of one snapshot and one page for a model (the C state's layout, native/state.c)."""
@@ -117,8 +138,14 @@ class Sizes:
 class _Snapshot:
     pos: int
     data: bytes         # save_recurrent() at pos
-    pages: list[bytes]  # keys of the KV pages [0, pos)
+    pages: list[bytes]  # keys of the KV pages [0, pos) (an end entry: [0, floor(pos/page)*page))
     pins: int = 0
+    tail: bytes = b""   # an end entry: read_kv of the rows after its pages, up to pos
+    logits: np.ndarray | None = None  # an end entry: the last token's logits (float32); None for a snapshot
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + len(self.tail) + (0 if self.logits is None else self.logits.nbytes)
 
 
 @dataclass
@@ -158,10 +185,10 @@ class PrefixCache:
         self._sizes: Sizes | None = None
         self._model: bytes | None = None  # model_fingerprint of the model it serves (set on first use)
         self._disk: dict[tuple[bytes, int], int] = {}  # (key, kind) -> file bytes, for files in disk_dir
-        self._stats = dict(hits=0, misses=0, disk_hits=0, tokens_reused=0, tokens_prefilled=0, snapshots_taken=0,
+        self._stats = dict(hits=0, misses=0, exact_hits=0, disk_hits=0, tokens_reused=0, tokens_prefilled=0, snapshots_taken=0,
                            evictions=0, disk_reads=0, disk_writes=0, disk_rejected=0, disk_errors=0,
                            disk_evictions=0)
-        self.last: dict = {}  # the last prefill: reused, prefilled, restore_s, prefill_s, capture_s (in prefill_s)
+        self.last: dict = {}  # the last prefill: reused, prefilled, exact, restore_s, prefill_s, capture_s (in prefill_s)
         if self.disk_dir is not None:
             os.makedirs(self.disk_dir, exist_ok=True)
             self._scan_disk()
@@ -178,7 +205,8 @@ class PrefixCache:
         logits of its last token (float32[n_vocab]), equal bit for bit to a fresh session's prefill.
 
         The session's previous content is replaced: afterwards session.tokens == ids, session.pos == len(ids).
-        Snapshots and KV pages of ids are stored for later prompts."""
+        Snapshots, KV pages and the end entry of ids are stored for later prompts; an exact repeat of a prompt
+        whose end entry is held runs nothing (reused == len(ids))."""
         ids = [int(t) for t in ids]
         n, state = len(ids), session.state
         if n == 0:
@@ -187,7 +215,18 @@ class PrefixCache:
             raise ContextLengthError(f"{n} tokens exceed the context of {state.n_ctx} tokens")
         sizes = self._check_model(session.engine.model)
         keys = chain_keys(ids, self.page)
+        ekey = end_key(ids, keys, self.page)
         t0 = time.perf_counter()
+        logits = self._restore_end(session, ids, ekey)
+        if logits is not None:
+            t1 = time.perf_counter()
+            with self._lock:
+                self._stats["hits"] += 1
+                self._stats["exact_hits"] += 1
+                self._stats["tokens_reused"] += n
+            self.last.update(reused=n, prefilled=0, exact=True, restore_s=t1 - t0, prefill_s=0.0, capture_s=0.0)
+            session.timings.prefill_s += t1 - t0
+            return logits
         p, snap_key, snap, pages = self._lookup(keys, (n - 1) // self.page, sizes)  # leaves >= 1 token to run
         session.reset()
         try:
@@ -203,21 +242,24 @@ class PrefixCache:
                 self._unpin(snap_key)
         session.tokens = ids[:p]
         t1 = time.perf_counter()
-        logits = self._run(session, ids, p, keys, pages)
+        logits = self._run(session, ids, p, keys, pages, ekey)
         t2 = time.perf_counter()
         with self._lock:
             self._stats["hits" if p else "misses"] += 1
             self._stats["tokens_reused"] += p
             self._stats["tokens_prefilled"] += n - p
-        self.last.update(reused=p, prefilled=n - p, restore_s=t1 - t0, prefill_s=t2 - t1)
+        self.last.update(reused=p, prefilled=n - p, exact=False, restore_s=t1 - t0, prefill_s=t2 - t1)
         session.timings.prefill_tokens += n - p
         session.timings.prefill_s += t2 - t0
         return logits
 
     def cached_prefix(self, ids) -> int:
-        """How many leading tokens of ids a prefill would reuse now (no disk file is read or checked)."""
+        """How many leading tokens of ids a prefill would reuse now (no disk file is read or checked):
+        len(ids) when its end entry is held (an exact repeat)."""
         keys = chain_keys(ids, self.page)
         with self._lock:
+            if ids and end_key(ids, keys, self.page) in self._snaps:
+                return len(ids)
             for k in range(min((len(ids) - 1) // self.page, len(keys)), 0, -1):
                 key = keys[k - 1]
                 if key in self._snaps or ((key, KIND_SNAPSHOT) in self._disk and all(
@@ -227,9 +269,11 @@ class PrefixCache:
 
     @property
     def stats(self) -> dict:
-        """Counters plus what is held: snapshots, pages, ram_bytes, disk_files, disk_bytes."""
+        """Counters plus what is held: snapshots, end_entries, pages, ram_bytes, disk_files, disk_bytes."""
         with self._lock:
-            return dict(self._stats, snapshots=len(self._snaps), pages=len(self._pages), ram_bytes=self._ram,
+            ends = sum(1 for s in self._snaps.values() if s.logits is not None)
+            return dict(self._stats, snapshots=len(self._snaps) - ends, end_entries=ends, pages=len(self._pages),
+                        ram_bytes=self._ram,
                         disk_files=len(self._disk), disk_bytes=sum(self._disk.values()))
 
     def clear(self) -> None:
@@ -288,6 +332,32 @@ class PrefixCache:
             return pos, key if pinned else None, data, pages
         return 0, None, None, []
 
+    def _restore_end(self, session, ids: list[int], ekey: bytes) -> np.ndarray | None:
+        """An exact repeat: writes the end entry of ids (pages, tail rows, state at len(ids)) into the session and
+        returns a copy of its logits; None (session untouched) when the entry is not held."""
+        with self._lock:
+            e = self._snaps.get(ekey)
+            if e is None or e.logits is None or e.pos != len(ids):
+                return None
+            e.pins += 1
+            self._snaps.move_to_end(ekey)
+            pages = [self._pages[pk].data for pk in e.pages]
+        state, a = session.state, len(e.pages) * self.page
+        session.reset()
+        try:
+            state.restore_recurrent(e.data, e.pos)
+            for j, d in enumerate(pages):
+                state.write_kv(j * self.page, self.page, d)
+            if e.pos > a:
+                state.write_kv(a, e.pos - a, e.tail)
+        except EngineError:
+            session.reset()
+            raise
+        finally:
+            self._unpin(ekey)
+        session.tokens = list(ids)
+        return e.logits.copy()
+
     def _unpin(self, key: bytes) -> None:
         with self._lock:
             s = self._snaps.get(key)
@@ -304,8 +374,9 @@ class PrefixCache:
         pts |= {(n - 1) // self.page * self.page, n // self.page * self.page}
         return sorted(q for q in pts if q > p)
 
-    def _run(self, session, ids: list[int], p: int, keys: list[bytes], pages: list[bytes]) -> np.ndarray:
-        """Prefill ids[p:] in forward calls that split only at multiples of 64, storing snapshots and pages."""
+    def _run(self, session, ids: list[int], p: int, keys: list[bytes], pages: list[bytes], ekey: bytes) -> np.ndarray:
+        """Prefill ids[p:] in forward calls that split only at multiples of 64, storing snapshots, pages and the
+        end entry (key ekey)."""
         n, model, state = len(ids), session.engine.model, session.state
         capture = self._capture_points(p, n)
         cuts = sorted(set(capture) | set(range((p // PREFILL_BATCH + 1) * PREFILL_BATCH, n, PREFILL_BATCH)) | {n})
@@ -328,11 +399,7 @@ class PrefixCache:
                     if keys[k - 1] in self._snaps:  # taken by an earlier prompt: only refresh its recency
                         self._snaps.move_to_end(keys[k - 1])
                         continue
-                while len(pages) < k:
-                    j = len(pages)
-                    with self._lock:
-                        pg = self._pages.get(keys[j])
-                    pages.append(pg.data if pg is not None else state.read_kv(j * self.page, self.page))
+                self._fill_pages(state, keys, pages, k)
                 snap = state.save_recurrent()
                 if len(snap) != self._sizes.snapshot or len(pages[0]) != self._sizes.page:
                     raise EngineError(f"state layout changed: snapshot {len(snap)} B, page {len(pages[0])} B; "
@@ -342,8 +409,43 @@ class PrefixCache:
                     self._insert(keys[k - 1], q, snap, keys[:k], pages[:k], pin=False)
                 self._write_through(keys[k - 1], q, snap, keys[:k], pages[:k])
                 t_capture += time.perf_counter() - t0
-        self.last["capture_s"] = t_capture
+        t0 = time.perf_counter()
+        self._capture_end(state, ids, keys, pages, ekey, logits)
+        self.last["capture_s"] = t_capture + time.perf_counter() - t0
         return logits
+
+    def _fill_pages(self, state, keys: list[bytes], pages: list[bytes], k: int) -> None:
+        """Extends pages to the first k KV pages (from RAM where held, else read from the state)."""
+        while len(pages) < k:
+            j = len(pages)
+            with self._lock:
+                pg = self._pages.get(keys[j])
+            pages.append(pg.data if pg is not None else state.read_kv(j * self.page, self.page))
+
+    def _capture_end(self, state, ids: list[int], keys: list[bytes], pages: list[bytes], ekey: bytes,
+                     logits: np.ndarray) -> None:
+        """Stores the end entry of ids (state at len(ids)): only if it fits the RAM budget on its own, ranked
+        just below the prompt's last snapshot in the LRU order. RAM only."""
+        n, k = len(ids), len(ids) // self.page
+        a = k * self.page
+        with self._lock:
+            if ekey in self._snaps:
+                self._snaps.move_to_end(ekey)
+                return
+        cost = self._sizes.snapshot + self._sizes.page * k + self._sizes.page // self.page * (n - a) + 4 * logits.size
+        if cost > self.ram_bytes:
+            return
+        self._fill_pages(state, keys, pages, k)
+        e = _Snapshot(n, state.save_recurrent(), list(keys[:k]), tail=state.read_kv(a, n - a) if n > a else b"",
+                      logits=np.array(logits, dtype=np.float32, copy=True))
+        with self._lock:
+            if ekey in self._snaps:
+                return
+            self._add(ekey, e, pages[:k])
+            for j in sorted({(n - 1) // self.page, k}):  # the prompt's last snapshots (restore points) stay above it
+                if j and keys[j - 1] in self._snaps:
+                    self._snaps.move_to_end(keys[j - 1])
+            self._evict()
 
     # ---- RAM tier -------------------------------------------------------------------------------------------
 
@@ -353,19 +455,24 @@ class PrefixCache:
         Returns whether the snapshot is in RAM afterwards (and pinned when pin)."""
         s = self._snaps.get(key)
         if s is None:
-            for pk, d in zip(page_keys, pages):
-                pg = self._pages.get(pk)
-                if pg is None:
-                    pg = self._pages[pk] = _Page(d)
-                    self._ram += len(d)
-                pg.refs += 1
-            s = self._snaps[key] = _Snapshot(pos, data, list(page_keys))
-            self._ram += len(data)
+            s = self._add(key, _Snapshot(pos, data, list(page_keys)), pages)
         self._snaps.move_to_end(key)
         if pin:
             s.pins += 1
         self._evict(keep=key)
         return key in self._snaps
+
+    def _add(self, key: bytes, s: _Snapshot, pages: list[bytes]) -> _Snapshot:
+        """Adds an entry (the most recent) and references its pages (lock held); no eviction."""
+        for pk, d in zip(s.pages, pages):
+            pg = self._pages.get(pk)
+            if pg is None:
+                pg = self._pages[pk] = _Page(d)
+                self._ram += len(d)
+            pg.refs += 1
+        self._snaps[key] = s
+        self._ram += s.nbytes
+        return s
 
     def _evict(self, keep: bytes | None = None) -> None:
         """Drops least recently used unpinned snapshots until RAM fits the budget; `keep` goes last."""
@@ -381,7 +488,7 @@ class PrefixCache:
 
     def _drop(self, key: bytes) -> None:
         s = self._snaps.pop(key)
-        self._ram -= len(s.data)
+        self._ram -= s.nbytes
         for pk in s.pages:
             pg = self._pages[pk]
             pg.refs -= 1

@@ -17,7 +17,7 @@ from fixtures.make_reference import tiny_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from legacy_engine.cache import (FORMAT_VERSION, CacheFileWarning, PrefixCache, Sizes, chain_keys,
+from legacy_engine.cache import (FORMAT_VERSION, CacheFileWarning, PrefixCache, Sizes, chain_keys, end_key,
                                  model_fingerprint)
 from legacy_engine.errors import ContextLengthError
 from legacy_engine.generate import Engine
@@ -133,19 +133,64 @@ def test_arguments_are_checked(engine):
 
 # ------------------------------------------------------------------------------------------------ bit-identical reuse
 
+def decode_after(sess, out, n: int = 5) -> list[np.ndarray]:
+    """n greedy decode steps after a prefill that returned out -> the logits of each."""
+    outs = []
+    for _ in range(n):
+        out = sess.decode(int(np.argmax(out)))
+        outs.append(out)
+    return outs
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_exact_repeat(kind, engine, recompute):
+    """An exact repeat is served by the prompt's end entry: nothing runs, the logits and the session afterwards
+    (decoding) equal a fresh prefill's bit for bit."""
     eng = engine(kind)
     cache, sess = new_cache(eng), eng.session()
     a = tokens(2, 300)
     run(cache, sess, kind, a, recompute, reused=0)
-    run(cache, sess, kind, a, recompute, reused=256)       # the end snapshot: floor(300 / 64) * 64
-    b = tokens(3, 256)                                      # a multiple of 64: one page is rerun for its logits
+    out = run(cache, sess, kind, a, recompute, reused=300)  # the end entry: the whole prompt
+    assert cache.last["exact"] and cache.last["prefilled"] == 0
+    fresh = eng.session()
+    ref = fresh.prefill(a)
+    for x, y in zip(decode_after(sess, out), decode_after(fresh, ref)):
+        assert np.array_equal(x, y)
+    assert sess.tokens == fresh.tokens
+    out[:] = 0                                              # the caller gets a copy
+    b = tokens(3, 256)                                      # a multiple of 64: an empty tail
     run(cache, eng.session(), kind, b, recompute, reused=0)
-    run(cache, sess, kind, b, recompute, reused=192)
+    out = run(cache, sess, kind, b, recompute, reused=256)
+    fresh = eng.session()
+    ref = fresh.prefill(b)
+    for x, y in zip(decode_after(sess, out), decode_after(fresh, ref)):
+        assert np.array_equal(x, y)
+    run(cache, sess, kind, a, recompute, reused=300)        # a's logits were not changed by out[:] = 0
     st_ = cache.stats
-    assert st_["hits"] == 2 and st_["misses"] == 2 and st_["tokens_reused"] == 448
-    assert st_["tokens_prefilled"] == 300 + 44 + 256 + 64
+    assert st_["hits"] == 3 and st_["exact_hits"] == 3 and st_["misses"] == 2
+    assert st_["tokens_reused"] == 856 and st_["tokens_prefilled"] == 300 + 256
+    assert st_["end_entries"] == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_end_entry_serves_only_the_same_prompt(kind, engine, recompute):
+    """Extensions, truncations and a changed tail token take the aligned path (and stay bit-identical)."""
+    eng = engine(kind)
+    cache, sess = new_cache(eng), eng.session()
+    a = tokens(21, 300)
+    run(cache, sess, kind, a, recompute, reused=0)
+    assert cache.cached_prefix(a) == 300
+    run(cache, sess, kind, a + [7], recompute, reused=256)          # an extension by one token
+    assert not cache.last["exact"]
+    run(cache, sess, kind, a + tokens(22, 40), recompute, reused=256)
+    run(cache, sess, kind, a[:299], recompute, reused=256)           # one token shorter
+    run(cache, sess, kind, a[:-1] + [(a[-1] + 1) % 500], recompute, reused=256)  # last token differs
+    run(cache, sess, kind, a[:256], recompute, reused=128)           # the aligned prefix alone (its own end: 256)
+    assert cache.stats["exact_hits"] == 0
+    keys = chain_keys(a, 64)
+    assert end_key(a, keys, 64) != end_key(a[:299], chain_keys(a[:299], 64), 64)
+    run(cache, sess, kind, a, recompute, reused=300)
+    assert cache.stats["exact_hits"] == 1
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -192,10 +237,12 @@ def test_pages_are_shared(kind, engine, recompute):
     run(cache, sess, kind, a, recompute)
     run(cache, sess, kind, a[:256] + tokens(10, 100), recompute, reused=256)
     st_ = cache.stats
-    # a: snapshots 128, 256 (grid and end) over pages 0-3; the second prompt adds 320 (end) and page 4 only
-    assert st_["snapshots"] == 3 and st_["pages"] == 5
+    # a: snapshots 128, 256 (grid and end) over pages 0-3; the second prompt adds 320 (end) and page 4 only;
+    # end entries at 300 (pages 0-3, 44 tail rows) and 356 (pages 0-4, 36 tail rows) share the same pages
+    assert st_["snapshots"] == 3 and st_["pages"] == 5 and st_["end_entries"] == 2
     sizes = Sizes.of(eng.model, 64)
-    assert st_["ram_bytes"] == 3 * sizes.snapshot + 5 * sizes.page
+    logits = 4 * eng.model.hparams.n_vocab
+    assert st_["ram_bytes"] == 5 * sizes.snapshot + 5 * sizes.page + (44 + 36) * sizes.page // 64 + 2 * logits
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -218,6 +265,59 @@ def test_eviction_between_requests(kind, engine, recompute):
     run(none, sess, kind, a, recompute, reused=0)
     run(none, sess, kind, a, recompute, reused=0)
     assert none.stats["ram_bytes"] == 0 and none.stats["snapshots"] == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_end_entries_are_evicted_under_a_tiny_budget(kind, engine, recompute):
+    eng = engine(kind)
+    sizes = Sizes.of(eng.model, 64)
+    snap192 = sizes.snapshot + 3 * sizes.page              # the snapshot at 192 with its pages
+    end200 = sizes.snapshot + 8 * sizes.page // 64 + 4 * eng.model.hparams.n_vocab   # + the end entry of 200
+    a, b = tokens(23, 200), tokens(24, 200)
+
+    # room for one snapshot with its pages, not for an end entry too: it is never kept, repeats take the aligned path
+    cache, sess = new_cache(eng, ram_bytes=snap192), eng.session()
+    run(cache, sess, kind, a, recompute, reused=0)
+    assert cache.stats["end_entries"] == 0 and cache.stats["ram_bytes"] <= snap192
+    run(cache, sess, kind, a, recompute, reused=192)
+    assert cache.stats["exact_hits"] == 0
+
+    # room for the snapshot at 192 and the end entry: the end entry evicts the older snapshot at 128, then b's
+    # entries evict a's (the end entry first: it ranks below the snapshot it was taken with)
+    cache, sess = new_cache(eng, ram_bytes=snap192 + end200), eng.session()
+    run(cache, sess, kind, a, recompute, reused=0)
+    st_ = cache.stats
+    assert st_["end_entries"] == 1 and st_["snapshots"] == 1 and st_["evictions"] == 1
+    assert st_["ram_bytes"] == snap192 + end200
+    run(cache, sess, kind, a, recompute, reused=200)
+    run(cache, sess, kind, b, recompute, reused=0)
+    st_ = cache.stats
+    assert st_["ram_bytes"] <= snap192 + end200 and st_["end_entries"] == 1 and cache.cached_prefix(b) == 200
+    assert cache.cached_prefix(a) == 0
+    run(cache, sess, kind, a, recompute, reused=0)
+    # squeezed below the end entry: it goes, the snapshot at 192 stays and serves the repeat
+    cache.ram_bytes = snap192
+    cache._evict()
+    assert cache.stats["end_entries"] == 0 and cache.cached_prefix(a) == 192
+    out = run(cache, sess, kind, a, recompute, reused=192)
+    fresh = eng.session()
+    ref = fresh.prefill(a)
+    for x, y in zip(decode_after(sess, out), decode_after(fresh, ref)):
+        assert np.array_equal(x, y)
+
+
+def test_a_pinned_end_entry_is_not_evicted(engine, recompute):
+    eng = engine("moe")
+    cache, sess = new_cache(eng), eng.session()
+    a = tokens(25, 200)
+    run(cache, sess, "moe", a, recompute)
+    ekey = end_key(a, chain_keys(a, 64), 64)
+    cache._snaps[ekey].pins += 1                            # as during a restore
+    cache.ram_bytes = 0
+    cache._evict()
+    assert cache.stats["end_entries"] == 1 and cache.stats["snapshots"] == 0 and cache.cached_prefix(a) == 200
+    cache._unpin(ekey)
+    assert cache.stats["end_entries"] == 0 and cache.stats["ram_bytes"] == 0
 
 
 def test_a_pinned_snapshot_is_not_evicted(engine, recompute):
@@ -371,9 +471,12 @@ def workloads(draw):
     return prompts, events, budget
 
 
-def expected_reuse(seen: set, ids: list[int]) -> int:
-    """What an unbounded cache reuses: the longest snapshot prefix taken for an earlier prompt (grid positions and
-    prompt ends), leaving at least one token to run."""
+def expected_reuse(seen: set, ends: set, ids: list[int]) -> int:
+    """What an unbounded cache reuses: the whole prompt if it is an exact repeat of an earlier one (its end entry),
+    else the longest snapshot prefix taken for an earlier prompt (grid positions and prompt ends), leaving at
+    least one token to run."""
+    if tuple(ids) in ends:
+        return len(ids)
     return max((q for q in range(64, len(ids), 64) if tuple(ids[:q]) in seen), default=0)
 
 
@@ -391,15 +494,17 @@ def test_random_shared_prefixes_equal_the_recompute(engine, recompute, work):
     sizes = Sizes.of(eng.model, 64)
     ram = 1 << 40 if budget is None else budget * (sizes.snapshot + 5 * sizes.page)
     cache, sess, seen, evicting = new_cache(eng, ram_bytes=ram), eng.session(), set(), budget is not None
+    ends = set()
     for ids, event in zip(prompts, events):
-        want = expected_reuse(seen, ids)
+        want = expected_reuse(seen, ends, ids)
         assert cache.cached_prefix(ids) == cache.cached_prefix(ids) <= want
         run(cache, sess, "moe", ids, recompute, reused=None if evicting else want)
         assert cache.last["reused"] <= want and cache.stats["ram_bytes"] <= cache.ram_bytes
         seen |= snapshot_prefixes(ids)
+        ends.add(tuple(ids))
         if event == "clear":
             cache.clear()
-            seen, evicting = set(), False
+            seen, ends, evicting = set(), set(), budget is not None   # a finite budget can evict again
         elif event == "squeeze":                          # evict down to half the budget
             cache.ram_bytes //= 2
             cache._evict()
