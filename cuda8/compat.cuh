@@ -154,6 +154,27 @@ __device__ __forceinline__ float le_shfl_xor(float v, int mask, volatile float *
 #endif
 }
 
+/* The same for an int (argmax indices): native int shuffles, or the scratch read as ints. */
+__device__ __forceinline__ int le_shfl_xor(int v, int mask, volatile float *scratch) {
+#if LE_HAS_SHFL && LE_HAS_SYNC_INTRINSICS
+    return __shfl_xor_sync(0xffffffffu, v, mask);
+#elif LE_HAS_SHFL
+    return __shfl_xor(v, mask); /* CUDA 8 */
+#else
+    volatile int *s = (volatile int *)scratch;
+    const int t = threadIdx.x;
+    s[t] = v;
+    __syncthreads();
+    const int r = s[t ^ mask];
+    __syncthreads();
+    return r;
+#endif
+}
+
+/* -infinity without math.h (NVRTC has no headers), and the largest int (an argmax's "no index"). */
+__device__ __forceinline__ float le_neg_inf() { return __int_as_float((int)0xff800000u); }
+#define LE_INT_MAX 0x7fffffff
+
 /* Sum / max over the 32 lanes of each warp; every lane gets the result. */
 __device__ __forceinline__ float le_warp_sum(float v, float *scratch) {
 #pragma unroll
@@ -189,6 +210,68 @@ __device__ __forceinline__ float le_block_sum(float v, float *scratch) {
     }
     return scratch[0];
 #endif
+}
+
+/* Max over the block; every thread gets the result. blockDim.x: a power of two, >= 32. */
+__device__ __forceinline__ float le_block_max(float v, float *scratch) {
+#if LE_HAS_SHFL
+    const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP, n_warps = blockDim.x / LE_WARP;
+    v = le_warp_max(v, scratch);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : le_neg_inf();
+    return le_warp_max(v, scratch);
+#else
+    const int t = threadIdx.x;
+    __syncthreads();
+    scratch[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) scratch[t] = fmaxf(scratch[t], scratch[t + s]);
+        __syncthreads();
+    }
+    return scratch[0];
+#endif
+}
+
+/* ---- argmax: (value, index) pairs; the larger value wins, an equal value the lower index ------------------------- */
+
+/* why the index tie-break: every lane of a butterfly then keeps the same winner, and the result
+ * is the first maximum, as np.argmax and the C references pick it. NaN must not enter (it
+ * compares false both ways, so lanes would disagree): callers skip NaN when they scan. */
+__device__ __forceinline__ bool le_argmax_better(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+__device__ __forceinline__ void le_warp_argmax(float &v, int &i, float *scratch) {
+#pragma unroll
+    for (int m = LE_WARP / 2; m > 0; m >>= 1) {
+        const float ov = le_shfl_xor(v, m, scratch);
+        const int oi = le_shfl_xor(i, m, scratch);
+        if (le_argmax_better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+}
+
+/* Argmax over the block; every thread gets (v, i). blockDim.x: a multiple of 32, >= 64 (the
+ * warp winners take scratch[0, 32) for values and [32, 64) for indices). */
+__device__ __forceinline__ void le_block_argmax(float &v, int &i, float *scratch) {
+    const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP, n_warps = blockDim.x / LE_WARP;
+    __syncthreads(); /* fermi: scratch may still be read by the previous call (le_block_sum's result) */
+    le_warp_argmax(v, i, scratch);
+    __syncthreads();
+    if (lane == 0) {
+        scratch[warp] = v;
+        ((volatile int *)scratch)[LE_WARP + warp] = i;
+    }
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : le_neg_inf();
+    i = lane < n_warps ? ((volatile int *)scratch)[LE_WARP + lane] : LE_INT_MAX;
+    __syncthreads(); /* fermi: the next butterfly writes scratch, which others may still be reading */
+    le_warp_argmax(v, i, scratch);
 }
 
 /* ---- what a module was compiled as ------------------------------------------------------------------ */

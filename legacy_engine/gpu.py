@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CUDA_DIR = ROOT / "cuda8"
 INCLUDE_DIR = ROOT / "native" / "include"
 
-SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32")
+SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "conv1d", "gdn", "attention",
+           "moe_route", "argmax", "elementwise")
 HEADERS = ("compat.cuh", "quants.cuh")          # in cuda8/
 SHARED_HEADERS = ("le_blocks.h",)               # in native/include/
 
@@ -59,6 +60,15 @@ GEMV_THREADS, GEMV_ROWS = 128, 4
 GEMM_THREADS, GEMM_TILE = 256, 32
 RMSNORM_THREADS, Q8_THREADS = 256, 128
 MAX_GRID = 65535   # Fermi's grid x limit (y/z everywhere); kernels grid-stride beyond it
+# the #defines of the newer sources (tests check they agree with cuda8/)
+CONV_THREADS, CONV_TOKENS, CONV_MAX_K = 128, 64, 8
+GDN_THREADS, GDN_COLS, GDN_MAX_DK, GDN_NORM_THREADS, GDN_EW_THREADS = 256, 16, 128, 128, 256
+ATTN_THREADS, ATTN_WARPS, ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_MAX_HD = 128, 4, 256, 8, 256
+ATTN_MIN_KEYS_PER_SPLIT, ATTN_MAX_SPLIT = 128, 64       # decode split-K: launcher policy only
+MOE_THREADS, MOE_MAX_K = 256, 32
+MOE_WSUM_MIN = 6.103515625e-5                            # native/moe.c MOE_WSUM_MIN (llama.cpp's clamp)
+ARGMAX_THREADS, ARGMAX_MAX_PARTS = 256, 256
+EW_THREADS = 256
 
 
 class KernelBuildError(RuntimeError, EngineError):
@@ -791,6 +801,216 @@ class Kernels:
             (self._grid(-(-nrows // GEMM_TILE)), -(-ntok // GEMM_TILE), 1), (GEMM_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
             stream=stream)
+
+
+    # ---- the layer ops after the matmuls (cuda8/conv1d.cu, gdn.cu, attention.cu, moe_route.cu, argmax.cu,
+    # elementwise.cu); every tensor f32 unless said, shapes as in each file's header.
+
+    def conv1d_silu(self, x, w, state, y, n: int, conv_dim: int, K: int, stream: Stream | None = None) -> None:
+        """y[n, conv_dim] = SiLU(causal depthwise conv of [state; x] with w[conv_dim, K]); state[K-1, conv_dim]
+        (oldest row first) becomes the last K-1 rows of [state; x]. y must not be x."""
+        if not 1 <= K <= CONV_MAX_K:
+            raise ValueError(f"conv1d: K = {K} outside 1…{CONV_MAX_K}")
+        if n <= 0 or conv_dim <= 0:
+            raise ValueError(f"conv1d: n = {n}, conv_dim = {conv_dim}")
+        if _ptr(x) == _ptr(y):
+            raise ValueError("conv1d: y must not be x (later tokens read x after earlier ones are written)")
+        _need(x, 4 * n * conv_dim, "conv1d x")
+        _need(y, 4 * n * conv_dim, "conv1d y")
+        _need(w, 4 * conv_dim * K, "conv1d w")
+        _need(state, 4 * max(K - 1, 1) * conv_dim, "conv1d state")
+        gx = -(-conv_dim // CONV_THREADS)
+        mod = self.modules["conv1d"]
+        mod.kernel("conv1d_silu_f32").launch(
+            (gx, self._grid(-(-n // CONV_TOKENS)), 1), (CONV_THREADS, 1, 1),
+            [("ptr", _ptr(x)), ("ptr", _ptr(w)), ("ptr", _ptr(state)), ("ptr", _ptr(y)), ("i32", n),
+             ("i32", conv_dim), ("i32", K)], stream=stream)
+        mod.kernel("conv1d_state_f32").launch(
+            (gx, 1, 1), (CONV_THREADS, 1, 1),
+            [("ptr", _ptr(x)), ("ptr", _ptr(state)), ("i32", n), ("i32", conv_dim), ("i32", K)], stream=stream)
+
+    def gdn_gates(self, beta, g, dt_bias, ssm_a, n: int, Hv: int, stream: Stream | None = None) -> None:
+        """In place, [n, Hv] each: beta <- sigmoid(beta); g <- softplus(g + dt_bias) * ssm_a (the log decay)."""
+        _need(beta, 4 * n * Hv, "gdn_gates beta")
+        _need(g, 4 * n * Hv, "gdn_gates g")
+        _need(dt_bias, 4 * Hv, "gdn_gates dt_bias")
+        _need(ssm_a, 4 * Hv, "gdn_gates ssm_a")
+        self.modules["gdn"].kernel("gdn_gates_f32").launch(
+            (self._grid(-(-n * Hv // GDN_EW_THREADS)), 1, 1), (GDN_EW_THREADS, 1, 1),
+            [("ptr", _ptr(beta)), ("ptr", _ptr(g)), ("ptr", _ptr(dt_bias)), ("ptr", _ptr(ssm_a)), ("i32", n),
+             ("i32", Hv)], stream=stream)
+
+    def gdn_l2norm_qk(self, u, n: int, conv_dim: int, Hk: int, dk: int, eps: float = 1e-6,
+                      qscale: float | None = None, stream: Stream | None = None) -> None:
+        """In place on u[n, conv_dim] (q | k | v per row): each of the Hk q and Hk k heads of dk <- l2-normalised
+        (x / sqrt(sum x^2 + eps)), q heads then * qscale (default 1/sqrt(dk) in f32, as gdn.c)."""
+        if conv_dim < 2 * Hk * dk:
+            raise ValueError(f"gdn_l2norm_qk: conv_dim {conv_dim} < 2 * {Hk} * {dk}")
+        _need(u, 4 * n * conv_dim, "gdn_l2norm_qk u")
+        qscale = float(np.float32(1) / np.sqrt(np.float32(dk))) if qscale is None else qscale
+        self.modules["gdn"].kernel("gdn_l2norm_qk_f32").launch(
+            (self._grid(n * 2 * Hk), 1, 1), (GDN_NORM_THREADS, 1, 1),
+            [("ptr", _ptr(u)), ("i32", n), ("i32", conv_dim), ("i32", Hk), ("i32", dk), ("f32", qscale),
+             ("f32", eps)], stream=stream)
+
+    def gdn_recurrent(self, u, g, beta, S, o, n: int, Hk: int, Hv: int, dk: int, dv: int, tiled: bool = True,
+                      stream: Stream | None = None) -> None:
+        """The delta rule over n tokens: u [n, 2*Hk*dk + Hv*dv] (normalised q | k | v), g and beta [n, Hv],
+        S [Hv, dk, dv] updated in place, o [n, Hv*dv]. v-head j reads k-head j % Hk (tiled, qwen35*) or
+        j / (Hv/Hk) (qwen3next)."""
+        if not 0 < dk <= GDN_MAX_DK:
+            raise ValueError(f"gdn_recurrent: dk = {dk} outside 1…{GDN_MAX_DK}")
+        if Hk <= 0 or Hv % Hk or dv <= 0 or n <= 0:
+            raise ValueError(f"gdn_recurrent: Hv = {Hv} is not a multiple of Hk = {Hk} (or dv = {dv}, n = {n})")
+        conv_dim = 2 * Hk * dk + Hv * dv
+        _need(u, 4 * n * conv_dim, "gdn_recurrent u")
+        _need(g, 4 * n * Hv, "gdn_recurrent g")
+        _need(beta, 4 * n * Hv, "gdn_recurrent beta")
+        _need(S, 4 * Hv * dk * dv, "gdn_recurrent S")
+        _need(o, 4 * n * Hv * dv, "gdn_recurrent o")
+        self.modules["gdn"].kernel("gdn_recurrent_f32").launch(
+            (Hv, -(-dv // GDN_COLS), 1), (GDN_THREADS, 1, 1),
+            [("ptr", _ptr(u)), ("ptr", _ptr(g)), ("ptr", _ptr(beta)), ("ptr", _ptr(S)), ("ptr", _ptr(o)),
+             ("i32", n), ("i32", conv_dim), ("i32", Hk), ("i32", Hv), ("i32", dk), ("i32", dv),
+             ("i32", int(bool(tiled)))], stream=stream)
+
+    def gdn_gated_rmsnorm(self, o, z, w, y, nrows: int, dv: int, eps: float, stream: Stream | None = None) -> None:
+        """y = RMSNorm(o) * w * SiLU(z) per row of dv (nrows = n * Hv); y may be o."""
+        _need(o, 4 * nrows * dv, "gdn_gated_rmsnorm o")
+        _need(z, 4 * nrows * dv, "gdn_gated_rmsnorm z")
+        _need(y, 4 * nrows * dv, "gdn_gated_rmsnorm y")
+        _need(w, 4 * dv, "gdn_gated_rmsnorm w")
+        self.modules["gdn"].kernel("gdn_gated_rmsnorm_f32").launch(
+            (self._grid(nrows), 1, 1), (GDN_NORM_THREADS, 1, 1),
+            [("ptr", _ptr(o)), ("ptr", _ptr(z)), ("ptr", _ptr(w)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", dv),
+             ("f32", eps)], stream=stream)
+
+    @staticmethod
+    def _attn_shape(n_head: int, n_kv: int, hd: int, what: str) -> None:
+        if hd <= 0 or hd % 32 or hd > ATTN_MAX_HD:
+            raise ValueError(f"{what}: head size {hd} is not a multiple of 32 in 32…{ATTN_MAX_HD}")
+        if n_kv <= 0 or n_head % n_kv:
+            raise ValueError(f"{what}: n_head = {n_head} is not a multiple of n_kv = {n_kv}")
+
+    @staticmethod
+    def attn_splits(n_keys: int) -> tuple[int, int]:
+        """Decode split-K: (n_split, keys_per_split): at least ATTN_MIN_KEYS_PER_SPLIT keys a split (a multiple
+        of the block's warps), at most ATTN_MAX_SPLIT splits."""
+        kps = max(ATTN_MIN_KEYS_PER_SPLIT, -(-n_keys // ATTN_MAX_SPLIT))
+        kps = -(-kps // ATTN_WARPS) * ATTN_WARPS
+        return max(1, -(-n_keys // kps)), kps
+
+    @staticmethod
+    def attn_partials_bytes(n_head: int, hd: int, n_split: int) -> int:
+        """Bytes of the f32 partials of attention_decode: [n_head, n_split, hd + 2]."""
+        return 4 * n_head * n_split * (hd + 2)
+
+    def attention_decode(self, qg, kc, vc, o, part, n_keys: int, n_head: int, n_kv: int, hd: int,
+                         scale: float | None = None, n_split: int | None = None,
+                         stream: Stream | None = None) -> None:
+        """One query token: qg [n_head * 2 * hd] (q_h then gate_h per head), kc/vc [>= n_keys, n_kv * hd],
+        o [n_head * hd] = softmax(scale q K^T) V * sigmoid(gate), split-K over n_split blocks per head
+        (default attn_splits) with f32 partials in `part` (attn_partials_bytes) merged by log-sum-exp."""
+        self._attn_shape(n_head, n_kv, hd, "attention_decode")
+        if n_keys <= 0:
+            raise ValueError(f"attention_decode: n_keys = {n_keys}")
+        if n_split is None:
+            n_split, kps = self.attn_splits(n_keys)
+        else:
+            if not 0 < n_split <= MAX_GRID:
+                raise ValueError(f"attention_decode: n_split = {n_split} outside 1…{MAX_GRID}")
+            kps = -(-n_keys // n_split)
+        scale = float(np.float32(1) / np.sqrt(np.float32(hd))) if scale is None else scale
+        _need(qg, 4 * n_head * 2 * hd, "attention_decode qg")
+        _need(kc, 4 * n_keys * n_kv * hd, "attention_decode kc")
+        _need(vc, 4 * n_keys * n_kv * hd, "attention_decode vc")
+        _need(o, 4 * n_head * hd, "attention_decode o")
+        _need(part, self.attn_partials_bytes(n_head, hd, n_split), "attention_decode partials")
+        mod = self.modules["attention"]
+        mod.kernel("attn_decode_partial_f32").launch(
+            (n_head, n_split, 1), (ATTN_THREADS, 1, 1),
+            [("ptr", _ptr(qg)), ("ptr", _ptr(kc)), ("ptr", _ptr(vc)), ("ptr", _ptr(part)), ("i32", n_keys),
+             ("i32", n_head), ("i32", n_kv), ("i32", hd), ("f32", scale), ("i32", kps)], stream=stream)
+        mod.kernel("attn_decode_merge_f32").launch(
+            (n_head, 1, 1), (ATTN_THREADS, 1, 1),
+            [("ptr", _ptr(part)), ("ptr", _ptr(qg)), ("ptr", _ptr(o)), ("i32", n_head), ("i32", hd),
+             ("i32", n_split)], stream=stream)
+
+    def attention_prefill(self, qg, kc, vc, o, n: int, pos: int, n_head: int, n_kv: int, hd: int,
+                          scale: float | None = None, stream: Stream | None = None) -> None:
+        """n query tokens at positions pos … pos+n-1 (qg [n, n_head * 2 * hd]; their keys already in kc/vc
+        [>= pos+n, n_kv * hd]), causal: o [n, n_head * hd]."""
+        self._attn_shape(n_head, n_kv, hd, "attention_prefill")
+        if n <= 0 or pos < 0:
+            raise ValueError(f"attention_prefill: n = {n}, pos = {pos}")
+        scale = float(np.float32(1) / np.sqrt(np.float32(hd))) if scale is None else scale
+        _need(qg, 4 * n * n_head * 2 * hd, "attention_prefill qg")
+        _need(kc, 4 * (pos + n) * n_kv * hd, "attention_prefill kc")
+        _need(vc, 4 * (pos + n) * n_kv * hd, "attention_prefill vc")
+        _need(o, 4 * n * n_head * hd, "attention_prefill o")
+        self.modules["attention"].kernel("attn_prefill_f32").launch(
+            (n_head, self._grid(-(-n // ATTN_QTILE)), 1), (ATTN_PREFILL_THREADS, 1, 1),
+            [("ptr", _ptr(qg)), ("ptr", _ptr(kc)), ("ptr", _ptr(vc)), ("ptr", _ptr(o)), ("i32", n), ("i32", pos),
+             ("i32", n_head), ("i32", n_kv), ("i32", hd), ("f32", scale)], stream=stream)
+
+    def moe_route(self, logits, ids, weights, n_tok: int, n_expert: int, k: int, wsum_min: float = MOE_WSUM_MIN,
+                  stream: Stream | None = None) -> None:
+        """logits [n_tok, n_expert] -> ids [n_tok, k] int32 (largest first, ties to the lower index) and
+        weights [n_tok, k] = the top-k softmax probabilities / max(their sum, wsum_min)."""
+        if not 0 < k <= min(MOE_MAX_K, n_expert):
+            raise ValueError(f"moe_route: k = {k} outside 1…min({MOE_MAX_K}, n_expert = {n_expert})")
+        _need(logits, 4 * n_tok * n_expert, "moe_route logits")
+        _need(ids, 4 * n_tok * k, "moe_route ids")
+        _need(weights, 4 * n_tok * k, "moe_route weights")
+        self.modules["moe_route"].kernel("moe_route_f32").launch(
+            (self._grid(n_tok), 1, 1), (MOE_THREADS, 1, 1),
+            [("ptr", _ptr(logits)), ("ptr", _ptr(ids)), ("ptr", _ptr(weights)), ("i32", n_tok), ("i32", n_expert),
+             ("i32", k), ("f32", wsum_min)], stream=stream)
+
+    @staticmethod
+    def argmax_parts(n: int) -> int:
+        """Blocks of the first argmax pass for a row of n: ~8 elements a thread, at most ARGMAX_MAX_PARTS."""
+        return max(1, min(ARGMAX_MAX_PARTS, -(-n // (ARGMAX_THREADS * 8))))
+
+    def argmax(self, x, part, out, n: int, n_rows: int = 1, n_part: int | None = None,
+               stream: Stream | None = None) -> None:
+        """out[n_rows] int32 = the index of the first maximum of each row of x [n_rows, n]; part: scratch of
+        8 * n_rows * n_part bytes (n_part default argmax_parts(n))."""
+        n_part = self.argmax_parts(n) if n_part is None else n_part
+        if not 0 < n_part <= ARGMAX_MAX_PARTS or not 0 < n_rows <= MAX_GRID or n <= 0:
+            raise ValueError(f"argmax: n_part = {n_part} (1…{ARGMAX_MAX_PARTS}), n_rows = {n_rows}, n = {n}")
+        _need(x, 4 * n * n_rows, "argmax x")
+        _need(part, 8 * n_rows * n_part, "argmax partials")
+        _need(out, 4 * n_rows, "argmax out")
+        part_v, part_i = _ptr(part), _ptr(part) + 4 * n_rows * n_part
+        mod = self.modules["argmax"]
+        mod.kernel("argmax_partial_f32").launch(
+            (n_part, n_rows, 1), (ARGMAX_THREADS, 1, 1),
+            [("ptr", _ptr(x)), ("i32", n), ("ptr", part_v), ("ptr", part_i)], stream=stream)
+        mod.kernel("argmax_final_i32").launch(
+            (n_rows, 1, 1), (ARGMAX_THREADS, 1, 1),
+            [("ptr", part_v), ("ptr", part_i), ("i32", n_part), ("ptr", _ptr(out))], stream=stream)
+
+    def _elementwise(self, kernel: str, args: list, n: int, bufs: list, stream: Stream | None) -> None:
+        for b, what in bufs:
+            _need(b, 4 * n, f"{kernel} {what}")
+        self.modules["elementwise"].kernel(kernel).launch(
+            (self._grid(-(-n // EW_THREADS)), 1, 1), (EW_THREADS, 1, 1), args + [("i32", n)], stream=stream)
+
+    def swiglu(self, g, u, out, n: int, stream: Stream | None = None) -> None:
+        """out[n] = SiLU(g) * u (out may be g or u)."""
+        self._elementwise("swiglu_f32", [("ptr", _ptr(g)), ("ptr", _ptr(u)), ("ptr", _ptr(out))], n,
+                          [(g, "g"), (u, "u"), (out, "out")], stream)
+
+    def add(self, a, b, out, n: int, stream: Stream | None = None) -> None:
+        """out[n] = a + b (out may be a or b)."""
+        self._elementwise("add_f32", [("ptr", _ptr(a)), ("ptr", _ptr(b)), ("ptr", _ptr(out))], n,
+                          [(a, "a"), (b, "b"), (out, "out")], stream)
+
+    def add_scaled(self, acc, y, w: float, n: int, stream: Stream | None = None) -> None:
+        """acc[n] += w * y (an expert's output into the MoE sum)."""
+        self._elementwise("add_scaled_f32", [("ptr", _ptr(acc)), ("ptr", _ptr(y)), ("f32", w)], n,
+                          [(acc, "acc"), (y, "y")], stream)
 
 
 # ------------------------------------------------------------------------------------------ CLI

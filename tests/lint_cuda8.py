@@ -135,13 +135,13 @@ def lint_text(name: str, raw: str, header_text: str = "") -> list[str]:
 
 
 def headers_text() -> str:
-    return "\n".join(strip(h.read_text()) for h in sorted(CUDA_DIR.glob("*.cuh")))
+    return "\n".join(strip(h.read_text(encoding="utf-8")) for h in sorted(CUDA_DIR.glob("*.cuh")))
 
 
 def shared_report() -> dict[str, int]:
     """Static __shared__ bytes declared per cuda8 file."""
     hdr = headers_text()
-    return {p.name: shared_bytes(strip(p.read_text()), _macros(hdr + "\n" + strip(p.read_text())))[0]
+    return {p.name: shared_bytes(strip(p.read_text(encoding="utf-8")), _macros(hdr + "\n" + strip(p.read_text(encoding="utf-8"))))[0]
             for p in sorted(CUDA_DIR.glob("*.cu"))}
 
 
@@ -150,7 +150,7 @@ def lint(paths=None) -> list[str]:
     hdr = headers_text()
     out = []
     for p in paths:
-        out += lint_text(p.name, p.read_text(), hdr)
+        out += lint_text(p.name, p.read_text(encoding="utf-8"), hdr)
     return out
 
 

@@ -4,7 +4,8 @@ Here (no GPU): PTX builds of every source for every tier with nvcc and with the 
 PTX may and may not contain, the PTX cache and prebuilt folders, ptxas on real sm_35/61/70 (slow), the CUDA-8 lint,
 and "no driver" -> UnavailableError.
 On a GPU (marker gpu): every kernel x tier variant against f64 math on the same inputs (weights dequantised by
-the C reference le_dequantize_row), the VRAM budget, a bad PTX's JIT log, copies, streams, events and launch errors.
+the C reference le_dequantize_row; the layer ops - conv1d, GDN, attention, MoE routing, argmax, elementwise -
+against numpy transcriptions of native/gdn.c, attention.c, moe.c, with bounds named at "layer ops"), the VRAM budget, a bad PTX's JIT log, copies, streams, events and launch errors.
 
 GPU machine, one command (after `pip install -e .`; nvcc there builds the sm_90 variants, the legacy ones come
 prebuilt from this box: python -m legacy_engine.gpu build --out DIR):
@@ -99,7 +100,7 @@ __global__ void k(float *x) {
 def test_shared_memory_fits_fermi():
     sizes = lint_cuda8.shared_report()
     assert set(sizes) >= {f"{s}.cu" for s in gpu.SOURCES}
-    assert all(0 < b <= 48 * 1024 for b in sizes.values()), sizes
+    assert all(0 <= b <= 48 * 1024 for b in sizes.values()), sizes   # conv1d and elementwise share nothing
 
 
 def _toolchain(kind: str, arch: int):
@@ -113,13 +114,46 @@ def _entries(ptx: bytes) -> set[bytes]:
     return set(re.findall(rb"\.entry\s+(\w+)", ptx))
 
 
+ENTRIES = {"rmsnorm": {"rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1"},
+           "conv1d": {"conv1d_silu_f32", "conv1d_state_f32"},
+           "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
+           "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32"},
+           "moe_route": {"moe_route_f32"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
+           "elementwise": {"swiglu_f32", "add_f32", "add_scaled_f32"}}
+
+
 def expected_entries(name: str) -> set[str]:
     per_type = {"gemv_f32": "gemv_f32_", "gemv_dp4a": "gemv_dp4a_", "gemm_f32": "gemm_f32_"}
     if name in per_type:
         out = {per_type[name] + tname(t) for t in TYPES}
     else:
-        out = {{"rmsnorm": "rmsnorm_f32", "quantize_q8_1": "quantize_q8_1"}[name]}
+        out = ENTRIES[name]
     return {e.encode() for e in out} | {b"le_tier_probe"}
+
+
+@pytest.mark.cpu
+def test_every_source_is_known():
+    """SOURCES lists every cuda8/*.cu (so the build, lint, ptxas and probe tests cover it) and each has its entries."""
+    assert {p.stem for p in gpu.CUDA_DIR.glob("*.cu")} == set(gpu.SOURCES)
+    assert set(gpu.SOURCES) - {"gemv_f32", "gemv_dp4a", "gemm_f32"} == set(ENTRIES)
+
+
+# launch constants of gpu.py that must equal the #defines of a cuda8 source
+LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
+                    "gdn": ("GDN_THREADS", "GDN_COLS", "GDN_MAX_DK", "GDN_NORM_THREADS", "GDN_EW_THREADS"),
+                    "attention": ("ATTN_THREADS", "ATTN_WARPS", "ATTN_PREFILL_THREADS", "ATTN_QTILE", "ATTN_MAX_HD"),
+                    "moe_route": ("MOE_THREADS", "MOE_MAX_K"), "argmax": ("ARGMAX_THREADS", "ARGMAX_MAX_PARTS"),
+                    "elementwise": ("EW_THREADS",), "rmsnorm": ("RMSNORM_THREADS",),
+                    "gemv_f32": ("GEMV_THREADS",), "gemm_f32": ("GEMM_THREADS",)}
+
+
+@pytest.mark.cpu
+def test_launch_constants_match_sources():
+    for name, consts in LAUNCH_CONSTANTS.items():
+        text = (gpu.CUDA_DIR / f"{name}.cu").read_text(encoding="utf-8")
+        defs = dict(re.findall(r"^#define\s+(\w+)\s+(\d+)\b", text, flags=re.M))
+        for c in consts:
+            assert int(defs[c]) == getattr(gpu, c), f"{name}.cu {c} = {defs[c]}, gpu.py {getattr(gpu, c)}"
 
 
 @pytest.mark.cpu
@@ -235,7 +269,7 @@ def test_nvrtc_compile_error_carries_log(tmp_path, monkeypatch):
     bad = tmp_path / "broken.cu"
     bad.write_text('#include "compat.cuh"\nextern "C" __global__ void broken(float *x) { x[0] = undefined_name; }\n')
     monkeypatch.setattr(gpu, "CUDA_DIR", tmp_path)
-    (tmp_path / "compat.cuh").write_text((gpu.ROOT / "cuda8" / "compat.cuh").read_text())
+    (tmp_path / "compat.cuh").write_bytes((gpu.ROOT / "cuda8" / "compat.cuh").read_bytes())
     with pytest.raises(gpu.KernelBuildError, match="undefined_name"):
         tc.compile("broken", "fermi", max(tc.archs[0], 35))
 
@@ -650,3 +684,403 @@ def test_events_time_a_kernel(gpu_device):
         e1.record(s)
         ms = e0.elapsed_ms(e1)
     assert 0 < ms < 1000
+
+
+# ================================================================================================ layer ops
+# conv1d.cu, gdn.cu, attention.cu, moe_route.cu, argmax.cu, elementwise.cu against f64 numpy transcriptions of
+# native/gdn.c, attention.c, moe.c on the same f32 inputs. Every bound is u = 2^-24 times a count of roundings (each
+# named below with its reason) times a magnitude the reference computes; the mistakes these tests exist for (a
+# wrong tap, head, mask, gate or tie) move results by a sizeable fraction of that magnitude, not by ulps.
+
+U = tol.GPU_SUM_U
+# SiLU / sigmoid as x / (1 + e^-x): CUDA's expf is within 2 ulp, which moves 1 + e^-x by at most 2u relative (the
+# sum of positives does not cancel); then the add and the division round: 4u; times u (swiglu), 5u. 6u leaves 1u.
+SILU_ROUNDINGS = 6
+# The conv: K FMAs in a chain (K u sum|w x|), then SiLU, whose slope is within [-0.1, 1.1]: the sum's error passes
+# with a factor <= 1.1, SiLU adds SILU_ROUNDINGS u of its value.
+CONV_SLOPE = 1.1
+# softplus(x) = log1p(e^x): expf 2 ulp (its error in log1p(y) is at most the same relative), log1pf 1 ulp, the add
+# x + dt_bias (done in f32 in both: the reference below rounds it too) and the product with ssm_a: 4u; 8u with margin.
+GATES_ROUNDINGS = 8
+# l2norm and the gated RMSNorm: as GPU_RMSNORM_REL (a sum of squares over <= 128-thread blocks: chain 8 for d = 128,
+# halved by the square root, 4 roundings for the scale, 2-3 products, SiLU's 4u): <= 15u; 2e-6 = 33u.
+GDN_NORM_REL = 2e-6
+# The delta rule per column c of S (spec §2.3): one step rounds S^T k (a chain of dk: <= dk u |S_c| since |k| = 1),
+# v - kv, beta *, decay * S (expf: 2 more), S + k delta (each <= u of |S_c|, and |k delta| <= 2 max|S_c|): per step
+# <= (dk + 8) u max|S_c|; 4 more for margin. The step is non-expansive on an error (decay <= 1, I - beta k k^T has
+# eigenvalues 1 and 1 - beta in [0, 1]), so after t steps the state is off by <= t (dk + GDN_STEP_EXTRA) u max|S_c|,
+# and o = S^T q adds its own chain of dk: |o err| <= |q| max|S_c| (t + 1)(dk + GDN_STEP_EXTRA) u (|.|: 2-norms).
+GDN_STEP_EXTRA = 12
+# Attention: a score s_p = scale q.k_p is off by <= (hd + 2) u scale sum|q k_p| (the dot product's chain, the scale);
+# a weight e^(s_p - m) / sum by twice the largest score error; the online softmax rescales and adds per key (2 per
+# key in the running sums, the same alpha on numerator and denominator), the merges add a few: chain 2 n_keys + 16;
+# ATTN_EXTRA u of max|v| covers expf's 2 ulp on each weight and the roundings of s - m; then the gate's sigmoid.
+ATTN_EXTRA = 32
+# MoE weights: each p is e / sum with e from expf (2 ulp; the reference's exp 1 more) and a different f32 / f64
+# denominator, which cancels in p_s / sum_s p_s up to the divisions; the k-term f32 sum and the last division round
+# in both: <= 2 (3 + 1) + 2 (k + 1) u; (2k + 16) u.
+MOE_W_EXTRA = 16
+
+
+def silu64(x):
+    x = np.asarray(x, np.float64)
+    return x / (1.0 + np.exp(-x))
+
+
+def sigmoid64(x):
+    return 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
+
+
+def conv1d_ref(x, w, state):
+    """native/gdn.c: y[t, c] = SiLU(sum_k w[c, k] xin[t + k, c]), xin = [state; x]; the new state (f64, and the
+    magnitude sum_k |w x|)."""
+    K = w.shape[1]
+    xin = np.concatenate([state, x]).astype(np.float64)
+    n = x.shape[0]
+    s = sum(w[:, k].astype(np.float64) * xin[k:k + n] for k in range(K))
+    mag = sum(np.abs(w[:, k].astype(np.float64) * xin[k:k + n]) for k in range(K))
+    return silu64(s), mag, xin[n:].astype(np.float32)
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_conv1d(kernels):
+    rng = np.random.default_rng(10)
+    for K, conv_dim, steps in ((4, 300, (1, 2, 150, 1)), (4, 8192, (1,)), (3, 130, (70, 1)), (8, 64, (5,))):
+        w = rng.standard_normal((conv_dim, K)).astype(np.float32)
+        state = rng.standard_normal((K - 1, conv_dim)).astype(np.float32)
+        with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(state) as bs:
+            for n in steps:       # one after another through the same state: n = 2 < K-1 shifts old state rows
+                x = rng.standard_normal((n, conv_dim)).astype(np.float32) * 2
+                ref, mag, state = conv1d_ref(x, w, state)
+                with gpu.Buffer.from_array(x) as bx, gpu.Buffer(x.nbytes) as by:
+                    kernels.conv1d_silu(bx, bw, bs, by, n, conv_dim, K)
+                    y = by.download(dtype=np.float32).reshape(n, conv_dim)
+                got_state = bs.download(dtype=np.float32).reshape(K - 1, conv_dim)
+                assert np.array_equal(got_state, state), f"conv state after {n} tokens (K={K})"
+                bound = CONV_SLOPE * K * U * mag + SILU_ROUNDINGS * U * np.abs(ref) + 1e-30
+                err = np.abs(y - ref)
+                assert (err <= bound).all(), f"conv1d K={K} n={n}: max err/bound {np.max(err / bound):.3g}"
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_conv1d_chunked_equals_stepwise(kernels):
+    """150 tokens at once (three grid.y runs) give bit for bit what 150 single-token calls give."""
+    rng = np.random.default_rng(11)
+    K, conv_dim, n = 4, 200, 150
+    w = rng.standard_normal((conv_dim, K)).astype(np.float32)
+    state = rng.standard_normal((K - 1, conv_dim)).astype(np.float32)
+    x = rng.standard_normal((n, conv_dim)).astype(np.float32)
+    with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(state) as s1, gpu.Buffer.from_array(state) as s2, \
+            gpu.Buffer.from_array(x) as bx, gpu.Buffer(x.nbytes) as by1, gpu.Buffer(x.nbytes) as by2:
+        kernels.conv1d_silu(bx, bw, s1, by1, n, conv_dim, K)
+        row = 4 * conv_dim
+        for t in range(n):
+            kernels.conv1d_silu(bx.ptr + t * row, bw, s2, by2.ptr + t * row, 1, conv_dim, K)
+        assert np.array_equal(by1.download(dtype=np.float32), by2.download(dtype=np.float32))
+        assert np.array_equal(s1.download(dtype=np.float32), s2.download(dtype=np.float32))
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_gdn_gates_and_norms(kernels):
+    rng = np.random.default_rng(12)
+    # gates: beta = sigmoid(b), g = softplus(a + dt_bias) * ssm_a, both branches of softplus (x > 20: x)
+    n, Hv = 37, 32
+    b = (rng.standard_normal((n, Hv)) * 4).astype(np.float32)
+    a = (rng.standard_normal((n, Hv)) * 8).astype(np.float32)
+    a[0, :4] = [25.0, -30.0, 19.5, 20.5]
+    dt = rng.standard_normal(Hv).astype(np.float32)
+    A = -np.exp(rng.standard_normal(Hv)).astype(np.float32)
+    x = (a + dt).astype(np.float32).astype(np.float64)                # the f32 add, as both sides do it
+    sp = np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+    g_ref, beta_ref = sp * A, sigmoid64(b)
+    with gpu.Buffer.from_array(b) as bb, gpu.Buffer.from_array(a) as ba, gpu.Buffer.from_array(dt) as bd, \
+            gpu.Buffer.from_array(A) as bA:
+        kernels.gdn_gates(bb, ba, bd, bA, n, Hv)
+        beta, g = bb.download(dtype=np.float32).reshape(n, Hv), ba.download(dtype=np.float32).reshape(n, Hv)
+    assert np.all(np.abs(beta - beta_ref) <= GATES_ROUNDINGS * U * beta_ref + 1e-30)
+    assert np.all(np.abs(g - g_ref) <= GATES_ROUNDINGS * U * np.abs(g_ref) + 1e-30), np.max(np.abs(g - g_ref))
+
+    # l2norm of the q and k heads of u (v untouched), q then * 1/sqrt(dk)
+    for n, Hk, Hv, dk, dv in ((5, 16, 32, 128, 128), (70000 // 4, 2, 2, 16, 32)):  # 2nd: n*2*Hk > 65535 rows
+        conv_dim = 2 * Hk * dk + Hv * dv
+        u = (rng.standard_normal((n, conv_dim)) * rng.uniform(0.01, 10, (n, 1))).astype(np.float32)
+        qscale = np.float32(1) / np.sqrt(np.float32(dk))
+        ud = u.astype(np.float64)
+        heads = ud[:, :2 * Hk * dk].reshape(n, 2 * Hk, dk)
+        ref = heads / np.sqrt((heads ** 2).sum(axis=2, keepdims=True) + 1e-6)
+        ref[:, :Hk] *= np.float64(qscale)
+        with gpu.Buffer.from_array(u) as bu:
+            kernels.gdn_l2norm_qk(bu, n, conv_dim, Hk, dk, 1e-6)
+            got = bu.download(dtype=np.float32).reshape(n, conv_dim)
+        assert np.array_equal(got[:, 2 * Hk * dk:], u[:, 2 * Hk * dk:]), "v must not change"
+        err = np.abs(got[:, :2 * Hk * dk].reshape(n, 2 * Hk, dk) - ref) / np.abs(ref)
+        assert err.max() <= GDN_NORM_REL, (n, Hk, dk, err.max())
+
+    # gated RMSNorm per head: RMSNorm(o) * w * SiLU(z), in place
+    for nrows, dv in ((37 * 32, 128), (5, 16)):
+        o = (rng.standard_normal((nrows, dv)) * rng.uniform(0.01, 10, (nrows, 1))).astype(np.float32)
+        z = (rng.standard_normal((nrows, dv)) * 3).astype(np.float32)
+        w = rng.uniform(0.5, 1.5, dv).astype(np.float32)
+        od = o.astype(np.float64)
+        ref = od / np.sqrt((od ** 2).mean(axis=1, keepdims=True) + 1e-6) * w * silu64(z)
+        with gpu.Buffer.from_array(o) as bo, gpu.Buffer.from_array(z) as bz, gpu.Buffer.from_array(w) as bw:
+            kernels.gdn_gated_rmsnorm(bo, bz, bw, bo, nrows, dv, 1e-6)
+            got = bo.download(dtype=np.float32).reshape(nrows, dv)
+        err = np.abs(got - ref) / np.maximum(np.abs(ref), 1e-300)
+        assert err.max() <= GDN_NORM_REL, (nrows, dv, err.max())
+
+
+def gdn_ref(u, g, beta, S0, Hk, Hv, dk, dv, tiled=True):
+    """gdn.c gdn_recurrent_head in f64 for all heads -> (o [n, Hv*dv], S [Hv, dk, dv], cmax [n, Hv, dv]: the largest
+    2-norm of each state column so far)."""
+    n = u.shape[0]
+    S = S0.astype(np.float64).copy()
+    o = np.zeros((n, Hv, dv))
+    cmax = np.zeros((n, Hv, dv))
+    kh = np.arange(Hv) % Hk if tiled else np.arange(Hv) // (Hv // Hk)
+    run = np.sqrt((S ** 2).sum(axis=1))
+    for t in range(n):
+        row = u[t].astype(np.float64)
+        q = row[:Hk * dk].reshape(Hk, dk)[kh]                       # [Hv, dk]
+        k = row[Hk * dk:2 * Hk * dk].reshape(Hk, dk)[kh]
+        v = row[2 * Hk * dk:].reshape(Hv, dv)
+        S *= np.exp(g[t].astype(np.float64))[:, None, None]
+        kv = np.einsum("hij,hi->hj", S, k)
+        delta = beta[t].astype(np.float64)[:, None] * (v - kv)
+        run = np.maximum(run, np.sqrt((S ** 2).sum(axis=1)))
+        S += k[:, :, None] * delta[:, None, :]
+        run = np.maximum(run, np.sqrt((S ** 2).sum(axis=1)))
+        cmax[t] = run
+        o[t] = np.einsum("hij,hi->hj", S, q)
+    return o.reshape(n, Hv * dv), S, cmax
+
+
+def gdn_inputs(rng, n, Hk, Hv, dk, dv):
+    """u with l2-normalised q (times 1/sqrt(dk)) and k heads (in f32, as the GPU's norm kernel leaves them), g < 0,
+    beta in (0, 1), a random start state."""
+    conv_dim = 2 * Hk * dk + Hv * dv
+    u = rng.standard_normal((n, conv_dim)).astype(np.float32)
+    qk = u[:, :2 * Hk * dk].reshape(n, 2 * Hk, dk)
+    qk /= np.sqrt((qk.astype(np.float64) ** 2).sum(axis=2, keepdims=True)).astype(np.float32)
+    qk[:, :Hk] *= np.float32(1) / np.sqrt(np.float32(dk))
+    u[:, :2 * Hk * dk] = qk.reshape(n, -1)
+    g = -rng.uniform(0.01, 2.0, (n, Hv)).astype(np.float32)
+    beta = rng.uniform(0.05, 1.0, (n, Hv)).astype(np.float32)
+    S0 = (rng.standard_normal((Hv, dk, dv)) * 0.5).astype(np.float32)
+    return u, g, beta, S0
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_gdn_recurrent(kernels):
+    rng = np.random.default_rng(13)
+    for n, Hk, Hv, dk, dv, tiled in ((20, 2, 4, 128, 128, True), (9, 2, 6, 16, 32, True), (7, 1, 3, 32, 16, True),
+                                     (6, 2, 4, 32, 40, False)):
+        u, g, beta, S0 = gdn_inputs(rng, n, Hk, Hv, dk, dv)
+        o_ref, S_ref, cmax = gdn_ref(u, g, beta, S0, Hk, Hv, dk, dv, tiled)
+        with gpu.Buffer.from_array(u) as bu, gpu.Buffer.from_array(g) as bg, gpu.Buffer.from_array(beta) as bb, \
+                gpu.Buffer.from_array(S0) as bS, gpu.Buffer(4 * n * Hv * dv) as bo:
+            kernels.gdn_recurrent(bu, bg, bb, bS, bo, n, Hk, Hv, dk, dv, tiled)
+            o = bo.download(dtype=np.float32).reshape(n, Hv, dv)
+            S = bS.download(dtype=np.float32).reshape(Hv, dk, dv)
+        qn = np.float64(1) / np.sqrt(dk)                               # |q| after the norm and the scale
+        steps = np.arange(1, n + 1)[:, None, None]
+        bound_o = qn * cmax * (steps + 1) * (dk + GDN_STEP_EXTRA) * U
+        err_o = np.abs(o - o_ref.reshape(n, Hv, dv))
+        what = f"gdn n={n} Hk={Hk} Hv={Hv} dk={dk} dv={dv} tiled={tiled}"
+        assert (err_o <= bound_o).all(), f"{what}: o max err/bound {np.max(err_o / bound_o):.3g}"
+        bound_S = (cmax[-1] * n * (dk + GDN_STEP_EXTRA) * U)[:, None, :]
+        err_S = np.abs(S - S_ref)
+        assert (err_S <= bound_S).all(), f"{what}: state max err/bound {np.max(err_S / bound_S):.3g}"
+        if (np.arange(Hv) % Hk != np.arange(Hv) // (Hv // Hk)).any():   # negative control: the other mapping
+            o_bad, _, _ = gdn_ref(u, g, beta, S0, Hk, Hv, dk, dv, not tiled)
+            assert (np.abs(o - o_bad.reshape(n, Hv, dv)) > bound_o).any()
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_gdn_split_equals_whole(kernels):
+    """The state carries over launches: 20 tokens at once == 13 then 7 (same arithmetic, bit for bit)."""
+    rng = np.random.default_rng(14)
+    n, Hk, Hv, dk, dv = 20, 2, 4, 128, 128
+    u, g, beta, S0 = gdn_inputs(rng, n, Hk, Hv, dk, dv)
+    conv_dim = 2 * Hk * dk + Hv * dv
+    with gpu.Buffer.from_array(u) as bu, gpu.Buffer.from_array(g) as bg, gpu.Buffer.from_array(beta) as bb, \
+            gpu.Buffer.from_array(S0) as s1, gpu.Buffer.from_array(S0) as s2, gpu.Buffer(4 * n * Hv * dv) as o1, \
+            gpu.Buffer(4 * n * Hv * dv) as o2:
+        kernels.gdn_recurrent(bu, bg, bb, s1, o1, n, Hk, Hv, dk, dv)
+        kernels.gdn_recurrent(bu, bg, bb, s2, o2, 13, Hk, Hv, dk, dv)
+        kernels.gdn_recurrent(bu.ptr + 13 * 4 * conv_dim, bg.ptr + 13 * 4 * Hv, bb.ptr + 13 * 4 * Hv, s2,
+                              o2.ptr + 13 * 4 * Hv * dv, 7, Hk, Hv, dk, dv)
+        assert np.array_equal(o1.download(dtype=np.float32), o2.download(dtype=np.float32))
+        assert np.array_equal(s1.download(dtype=np.float32), s2.download(dtype=np.float32))
+
+
+def attention_ref(qg, kc, vc, n, pos, n_head, n_kv, hd, scale):
+    """attention.c attn_rows in f64 for tokens at pos … pos+n-1 -> (o [n, n_head*hd], bound [n, n_head*hd]) with the
+    bound of the comment at ATTN_EXTRA."""
+    group = n_head // n_kv
+    o = np.zeros((n, n_head, hd))
+    bound = np.zeros((n, n_head, hd))
+    q_all = qg.reshape(n, n_head, 2, hd).astype(np.float64)
+    for t in range(n):
+        nk = pos + t + 1
+        for h in range(n_head):
+            q, gate = q_all[t, h, 0], q_all[t, h, 1]
+            K = kc[:nk].reshape(nk, n_kv, hd)[:, h // group].astype(np.float64)
+            V = vc[:nk].reshape(nk, n_kv, hd)[:, h // group].astype(np.float64)
+            s = K @ q * np.float64(scale)
+            w = np.exp(s - s.max())
+            w /= w.sum()
+            sig = sigmoid64(gate)
+            o[t, h] = (w @ V) * sig
+            ds = (hd + 2) * U * np.float64(scale) * (np.abs(K) @ np.abs(q)).max()
+            vabs = w @ np.abs(V)
+            bound[t, h] = sig * ((2 * ds + (2 * nk + 16 + ATTN_EXTRA) * U) * vabs
+                                 + ATTN_EXTRA * U * np.abs(V).max(axis=0)) + SILU_ROUNDINGS * U * np.abs(o[t, h])
+    return o.reshape(n, -1), bound.reshape(n, -1)
+
+
+ATTN_SHAPES = [(16, 2, 256), (4, 2, 32), (6, 6, 64)]   # (n_head, n_kv, hd): Qwen3.5-35B-A3B, tiny GQA, no GQA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_head,n_kv,hd", ATTN_SHAPES, ids=[f"h{a}kv{b}d{c}" for a, b, c in ATTN_SHAPES])
+@variant_params()
+def test_attention_decode(kernels, n_head, n_kv, hd):
+    rng = np.random.default_rng(15 + hd)
+    scale = np.float32(1) / np.sqrt(np.float32(hd))
+    for n_keys, n_split in ((1, None), (1000, None), (1000, 1), (37, 50)):   # 50 splits of 1 key: 13 stay empty
+        qg = (rng.standard_normal(n_head * 2 * hd) * 3).astype(np.float32)
+        kc = rng.standard_normal((n_keys, n_kv * hd)).astype(np.float32)
+        vc = rng.standard_normal((n_keys, n_kv * hd)).astype(np.float32)
+        ref, bound = attention_ref(qg, kc, vc, 1, n_keys - 1, n_head, n_kv, hd, scale)
+        ns = n_split or gpu.Kernels.attn_splits(n_keys)[0]
+        with gpu.Buffer.from_array(qg) as bq, gpu.Buffer.from_array(kc) as bk, gpu.Buffer.from_array(vc) as bv, \
+                gpu.Buffer(4 * n_head * hd) as bo, gpu.Buffer(gpu.Kernels.attn_partials_bytes(n_head, hd, ns)) as bp:
+            kernels.attention_decode(bq, bk, bv, bo, bp, n_keys, n_head, n_kv, hd, scale, n_split)
+            o = bo.download(dtype=np.float32)
+        err = np.abs(o - ref[0])
+        assert (err <= bound[0]).all(), f"decode n_keys={n_keys} splits={ns}: max err/bound {np.max(err / bound[0]):.3g}"
+        if n_kv < n_head and n_keys > 1:   # negative control: V of the other kv head is far outside the bound
+            bad = attention_ref(qg, kc, vc.reshape(n_keys, n_kv, hd)[:, ::-1].reshape(n_keys, -1).copy(), 1,
+                                n_keys - 1, n_head, n_kv, hd, scale)[0][0]
+            assert (np.abs(o - bad) > bound[0]).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_head,n_kv,hd", ATTN_SHAPES, ids=[f"h{a}kv{b}d{c}" for a, b, c in ATTN_SHAPES])
+@variant_params()
+def test_attention_prefill(kernels, n_head, n_kv, hd):
+    rng = np.random.default_rng(16 + hd)
+    scale = np.float32(1) / np.sqrt(np.float32(hd))
+    for n, pos in ((45, 20), (1, 0), (8, 0), (70, 3)):
+        qg = (rng.standard_normal((n, n_head * 2 * hd)) * 3).astype(np.float32)
+        kc = rng.standard_normal((pos + n, n_kv * hd)).astype(np.float32)
+        vc = rng.standard_normal((pos + n, n_kv * hd)).astype(np.float32)
+        ref, bound = attention_ref(qg, kc, vc, n, pos, n_head, n_kv, hd, scale)
+        with gpu.Buffer.from_array(qg) as bq, gpu.Buffer.from_array(kc) as bk, gpu.Buffer.from_array(vc) as bv, \
+                gpu.Buffer(4 * n * n_head * hd) as bo:
+            kernels.attention_prefill(bq, bk, bv, bo, n, pos, n_head, n_kv, hd, scale)
+            o = bo.download(dtype=np.float32).reshape(n, -1)
+        err = np.abs(o - ref)
+        assert (err <= bound).all(), f"prefill n={n} pos={pos}: max err/bound {np.max(err / bound):.3g}"
+        if n > 1:   # negative control: one future key let in (the mask off by one) is far outside the bound
+            bad, _ = attention_ref(qg[:1], kc, vc, 1, pos + 1, n_head, n_kv, hd, scale)
+            assert (np.abs(o[0] - bad[0]) > bound[0]).any()
+
+
+def moe_route_ref(logits, k, wsum_min=gpu.MOE_WSUM_MIN):
+    """moe.c: p = f32(e / sum) with e = expf(l - max) in f32 and the sum in f64; top-k by a stable sort (ties: the
+    lower index); w = p / max(f32 sum of the k, wsum_min)."""
+    l = logits.astype(np.float32)
+    e = np.exp(l - l.max(axis=1, keepdims=True))
+    p = (e / e.astype(np.float64).sum(axis=1, keepdims=True)).astype(np.float32)
+    ids = np.argsort(-p, axis=1, kind="stable")[:, :k]
+    ps = np.take_along_axis(p, ids, axis=1)
+    wsum = np.zeros(len(l), np.float32)
+    for s in range(k):
+        wsum = (wsum + ps[:, s]).astype(np.float32)
+    wsum = np.maximum(wsum, np.float32(wsum_min))
+    return ids.astype(np.int32), (ps / wsum[:, None]).astype(np.float32)
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_moe_route(kernels):
+    rng = np.random.default_rng(17)
+    def grid(x):   # logits on a 1/64 grid: distinct ones are >= 1.5 % apart in p (no near-ties), equal ones tie
+        return (np.round(x * 64) / 64).astype(np.float32)
+    cases = []
+    lg = grid(rng.standard_normal((37, 256)) * 2)
+    lg[0, [3, 100, 200]] = lg[0].max() + 1          # a three-way tie at the top: 3, 100, 200 in that order
+    lg[1, :] = 0.5                                    # all equal: 0 … k-1
+    lg[2, [7, 9]] = lg[2].max() + 0.5                 # tie at the top, then the rest by value
+    lg[2, 250] = lg[2, 7]
+    cases.append((lg, 8))
+    cases.append((grid(rng.standard_normal((3, 512)) * 3), 10))
+    cases.append((np.zeros((2, 20000), np.float32), 1))     # p = 1/20000 < wsum_min: the clamp, w = 0.819…
+    cases.append((grid(rng.standard_normal((70000, 8))), 2))   # > 65535 tokens: grid-stride
+    for logits, k in cases:
+        n_tok, n_expert = logits.shape
+        ids_ref, w_ref = moe_route_ref(logits, k)
+        with gpu.Buffer.from_array(logits) as bl, gpu.Buffer(4 * n_tok * k) as bi, gpu.Buffer(4 * n_tok * k) as bw:
+            kernels.moe_route(bl, bi, bw, n_tok, n_expert, k)
+            ids = bi.download(dtype=np.int32).reshape(n_tok, k)
+            w = bw.download(dtype=np.float32).reshape(n_tok, k)
+        bad = np.nonzero((ids != ids_ref).any(axis=1))[0]
+        assert bad.size == 0, f"{n_expert} experts top-{k}: token {bad[0]}: {ids[bad[0]]} vs {ids_ref[bad[0]]}"
+        err = np.abs(w.astype(np.float64) - w_ref)
+        assert (err <= (2 * k + MOE_W_EXTRA) * U * w_ref).all(), f"weights: max rel err {np.max(err / w_ref):.3g}"
+    assert moe_route_ref(np.zeros((1, 20000), np.float32), 1)[1][0, 0] > 0.8   # the clamp case clamps
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_argmax(kernels):
+    rng = np.random.default_rng(18)
+    n = 248320                                         # Qwen3.5's LM-head rows
+    x = rng.standard_normal((4, n)).astype(np.float32)
+    x[0, [5000, 200000]] = 10.0                        # a tie far apart (different blocks): the lower wins
+    x[1, [123456, 123457]] = 10.0                      # a tie in neighbouring threads
+    x[2, :] = -np.inf
+    x[2, n - 1] = -1e30                                # the only finite value, last
+    x[3, :] = 1.0                                      # all equal: 0
+    with gpu.Buffer.from_array(x) as bx, gpu.Buffer(4 * 4) as bo, \
+            gpu.Buffer(8 * 4 * gpu.ARGMAX_MAX_PARTS) as bp:
+        kernels.argmax(bx, bp, bo, n, n_rows=4)
+        got = bo.download(dtype=np.int32)
+        assert list(got) == list(np.argmax(x, axis=1)) == [5000, 123456, n - 1, 0]
+        for parts in (1, 7, gpu.ARGMAX_MAX_PARTS):     # the answer does not depend on the split
+            kernels.argmax(bx, bp, bo, n, n_rows=4, n_part=parts)
+            assert list(bo.download(dtype=np.int32)) == [5000, 123456, n - 1, 0]
+    y = rng.standard_normal(5).astype(np.float32)
+    with gpu.Buffer.from_array(y) as by, gpu.Buffer(4) as bo, gpu.Buffer(8) as bp:
+        kernels.argmax(by, bp, bo, 5)
+        assert bo.download(dtype=np.int32)[0] == np.argmax(y)
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_elementwise(kernels):
+    rng = np.random.default_rng(19)
+    n = 65535 * 256 + 77                               # more than one grid of blocks: grid-stride
+    g = (rng.standard_normal(n) * 6).astype(np.float32)
+    u = rng.standard_normal(n).astype(np.float32)
+    with gpu.Buffer.from_array(g) as bg, gpu.Buffer.from_array(u) as bu, gpu.Buffer(4 * n) as bo:
+        kernels.swiglu(bg, bu, bo, n)
+        got = bo.download(dtype=np.float32)
+        ref = silu64(g) * u
+        assert np.all(np.abs(got - ref) <= SILU_ROUNDINGS * U * np.abs(ref) + 1e-38)
+        kernels.add(bg, bu, bo, n)
+        assert np.array_equal(bo.download(dtype=np.float32), g + u)          # IEEE f32 add, as numpy
+        kernels.add(bg, bu, bg, n)                                           # in place
+        assert np.array_equal(bg.download(dtype=np.float32), g + u)
+        bo.upload(g)
+        kernels.add_scaled(bo, bu, 0.375, n)
+        ref = g.astype(np.float64) + 0.375 * u.astype(np.float64)
+        got = bo.download(dtype=np.float32)
+        assert np.all(np.abs(got - ref) <= 2 * U * (np.abs(g) + 0.375 * np.abs(u)))

@@ -1,0 +1,212 @@
+/* attention.cu — gated full attention over an f32 KV cache (spec §2.4): decode (split-K) and prefill.
+ *
+ * Reference: native/attention.c attn_rows. q, k already RMSNormed and RoPE'd; the cache holds every key so far:
+ *   qg: [n, n_head * 2 * hd] f32, per head q_h (hd) then gate_h (hd)   (attn_q's rows interleaved per head)
+ *   kc, vc: [n_ctx, n_kv * hd] f32;  query head h reads kv head h / (n_head / n_kv)
+ *   o_h = softmax(scale q_h K^T, causal) V * sigmoid(gate_h);  o: [n, n_head * hd]
+ *
+ *   attn_decode_partial_f32(qg, kc, vc, part, n_keys, n_head, n_kv, hd, scale, keys_per_split)
+ *     one query token over keys [0, n_keys); block (h, split) takes keys [split*kps, (split+1)*kps)
+ *     part: [n_head, n_split, hd + 2] f32: the split's unnormalised sum_p e^(s_p - m) v_p (hd), m, l = sum e^(s_p - m)
+ *     launch: block ATTN_THREADS (128) x 1 x 1, grid n_head x n_split x 1 (n_split = ceil(n_keys / kps) <= 65535)
+ *   attn_decode_merge_f32(part, qg, o, n_head, hd, n_split)
+ *     log-sum-exp merge: M = max m_s, o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, times sigmoid(gate)
+ *     launch: block ATTN_THREADS x 1 x 1, grid n_head x 1 x 1
+ *   attn_prefill_f32(qg, kc, vc, o, n, pos, n_head, n_kv, hd, scale)
+ *     n query tokens at positions pos … pos+n-1 (their keys already in the cache), token t sees keys 0 … pos+t
+ *     launch: block ATTN_PREFILL_THREADS (256) x 1 x 1, grid n_head x min(ceil(n / ATTN_QTILE), 65535) x 1
+ *     (query tiles grid-strided)
+ *   hd: a multiple of 32, <= ATTN_MAX_HD (256, Qwen3.5's head size).
+ *
+ * Decode: each warp takes every ATTN_WARPS-th key of the split; lane l holds q and the running
+ * output for dims l, l+32, … (coalesced rows of K and V); a warp sum gives the score; an online
+ * softmax (running max m, sum l) per warp; the block merges its warps, the merge kernel the
+ * splits. All partials are f32 (the issue insists: fp16 partials lose the small weights).
+ * Prefill: a block takes ATTN_QTILE queries of one head (one per warp; two per warp spill on
+ * Fermi's 63 registers) and walks the keys in tiles of ATTN_KTILE = 32 through shared memory:
+ * lane l scores key l of the tile against the warp's query (K rows padded to hd+1 floats:
+ * conflict-free), a warp max / sum updates the online softmax, the weights go through shared
+ * memory, then the V tile (in the same buffer) is accumulated into each lane's dims.
+ * Shared: 8 + 32.9 + 1 + 1 KB, under Fermi's 48.
+ * Masked (future) keys get ATTN_NEG_BIG, not -inf: e^(NEG_BIG - m) is 0 and m - m never makes a NaN.
+ * The reference sums the softmax denominator in f64 and normalises first; here the order of
+ * sums and roundings differs (bound: tests/test_gpu.py ATTN_EXTRA).
+ * Not here yet: one block per kv head for GQA (K and V are read once per query head; the other
+ * heads of the group hit L2), and fp16 / quantised KV caches.
+ * Tiers: all (fermi: warp sums and maxima in shared memory, plain loads).
+ * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k attn
+ */
+#include "compat.cuh"
+
+#define ATTN_THREADS 128
+#define ATTN_WARPS 4 /* ATTN_THREADS / LE_WARP */
+#define ATTN_MAX_HD 256
+#define ATTN_DIMS 8 /* ATTN_MAX_HD / LE_WARP: dims per lane */
+#define ATTN_PREFILL_THREADS 256 /* prefill: 8 warps, one query each */
+#define ATTN_QTILE 8             /* prefill: queries per block (= its warps) */
+#define ATTN_KTILE 32 /* prefill: keys per tile, one per lane */
+#define ATTN_NEG_BIG (-1e30f)
+
+__device__ __forceinline__ float attn_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+extern "C" __global__ void attn_decode_partial_f32(const float *LE_RESTRICT qg, const float *LE_RESTRICT kc,
+                                                   const float *LE_RESTRICT vc, float *LE_RESTRICT part, int n_keys,
+                                                   int n_head, int n_kv, int hd, float scale, int keys_per_split) {
+    LE_SCRATCH(scratch, ATTN_THREADS);
+    __shared__ float wm[ATTN_WARPS], wl[ATTN_WARPS];
+    __shared__ float wacc[ATTN_WARPS][ATTN_MAX_HD];
+    const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP;
+    const int h = blockIdx.x, split = blockIdx.y, n_split = gridDim.y;
+    const int kvh = h / (n_head / n_kv), nd = hd / LE_WARP;
+    const size_t kvw = (size_t)n_kv * hd;
+    const float *q = qg + (size_t)h * 2 * hd;
+    float qv[ATTN_DIMS], acc[ATTN_DIMS];
+#pragma unroll
+    for (int r = 0; r < ATTN_DIMS; r++) {
+        qv[r] = r < nd ? le_ldg(q + lane + LE_WARP * r) : 0.0f;
+        acc[r] = 0.0f;
+    }
+    float m = ATTN_NEG_BIG, l = 0.0f;
+    const int k0 = split * keys_per_split;
+    const int k1 = k0 + keys_per_split < n_keys ? k0 + keys_per_split : n_keys;
+    /* the loop bound is the block's: le_warp_sum synchronises the block on fermi */
+    for (int base = k0; base < k1; base += ATTN_WARPS) {
+        const int p = base + warp;
+        const bool valid = p < k1;
+        const float *kp = kc + (size_t)p * kvw + (size_t)kvh * hd;
+        float d = 0.0f;
+#pragma unroll
+        for (int r = 0; r < ATTN_DIMS; r++)
+            if (valid && r < nd) d += qv[r] * le_ldg(kp + lane + LE_WARP * r);
+        d = le_warp_sum(d, scratch);
+        if (valid) {
+            const float s = d * scale;
+            const float mn = fmaxf(m, s);
+            const float alpha = expf(m - mn), e = expf(s - mn);
+            const float *vp = vc + (size_t)p * kvw + (size_t)kvh * hd;
+            l = l * alpha + e;
+#pragma unroll
+            for (int r = 0; r < ATTN_DIMS; r++)
+                if (r < nd) acc[r] = acc[r] * alpha + e * le_ldg(vp + lane + LE_WARP * r);
+            m = mn;
+        }
+    }
+    /* merge the warps: M = max m_w; acc = sum_w e^(m_w - M) acc_w; l likewise */
+    if (lane == 0) {
+        wm[warp] = m;
+        wl[warp] = l;
+    }
+#pragma unroll
+    for (int r = 0; r < ATTN_DIMS; r++)
+        if (r < nd) wacc[warp][lane + LE_WARP * r] = acc[r];
+    __syncthreads();
+    float M = wm[0];
+    for (int w = 1; w < ATTN_WARPS; w++) M = fmaxf(M, wm[w]);
+    float *out = part + ((size_t)h * n_split + split) * (hd + 2);
+    for (int e = threadIdx.x; e < hd; e += ATTN_THREADS) {
+        float a = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; w++) a += wacc[w][e] * expf(wm[w] - M);
+        out[e] = a;
+    }
+    if (threadIdx.x == 0) {
+        float L = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; w++) L += wl[w] * expf(wm[w] - M);
+        out[hd] = M;
+        out[hd + 1] = L;
+    }
+}
+
+extern "C" __global__ void attn_decode_merge_f32(const float *LE_RESTRICT part, const float *LE_RESTRICT qg,
+                                                 float *LE_RESTRICT o, int n_head, int hd, int n_split) {
+    const int h = blockIdx.x;
+    const float *ph = part + (size_t)h * n_split * (hd + 2);
+    const float *gate = qg + (size_t)h * 2 * hd + hd;
+    float M = ATTN_NEG_BIG;
+    for (int s = 0; s < n_split; s++) M = fmaxf(M, le_ldg(ph + (size_t)s * (hd + 2) + hd));
+    float L = 0.0f;
+    for (int s = 0; s < n_split; s++) {
+        const float *ps = ph + (size_t)s * (hd + 2);
+        L += le_ldg(ps + hd + 1) * expf(le_ldg(ps + hd) - M);
+    }
+    for (int e = threadIdx.x; e < hd; e += ATTN_THREADS) {
+        float a = 0.0f;
+        for (int s = 0; s < n_split; s++) {
+            const float *ps = ph + (size_t)s * (hd + 2);
+            a += le_ldg(ps + e) * expf(le_ldg(ps + hd) - M);
+        }
+        o[(size_t)h * hd + e] = a / L * attn_sigmoid(le_ldg(gate + e));
+    }
+}
+
+/* rows k0 … k0+ATTN_KTILE-1 of a cache (row p at base + p * stride, hd floats) into tile; rows >= n_keys as 0.
+ * Warp w loads rows w, w + 8, …: no division per element. */
+__device__ __forceinline__ void attn_load_tile(const float *LE_RESTRICT base, size_t stride, int k0, int n_keys,
+                                               int hd, float (*tile)[ATTN_MAX_HD + 1]) {
+    const int lane = threadIdx.x % LE_WARP;
+    for (int kk = threadIdx.x / LE_WARP; kk < ATTN_KTILE; kk += ATTN_PREFILL_THREADS / LE_WARP) {
+        const float *row = base + (size_t)(k0 + kk) * stride;
+        const bool in = k0 + kk < n_keys;
+        for (int e = lane; e < hd; e += LE_WARP) tile[kk][e] = in ? le_ldg(row + e) : 0.0f;
+    }
+}
+
+extern "C" __global__ void attn_prefill_f32(const float *LE_RESTRICT qg, const float *LE_RESTRICT kc,
+                                            const float *LE_RESTRICT vc, float *LE_RESTRICT o, int n, int pos,
+                                            int n_head, int n_kv, int hd, float scale) {
+    __shared__ float qs[ATTN_QTILE][ATTN_MAX_HD];
+    __shared__ float kvs[ATTN_KTILE][ATTN_MAX_HD + 1]; /* +1: lane l reading row l is conflict-free */
+    __shared__ float ps[ATTN_QTILE][ATTN_KTILE];
+    LE_SCRATCH(scratch, ATTN_PREFILL_THREADS);
+    const int lane = threadIdx.x % LE_WARP, qi = threadIdx.x / LE_WARP; /* warp qi takes query q0 + qi */
+    const int h = blockIdx.x, kvh = h / (n_head / n_kv), nd = hd / LE_WARP;
+    const size_t kvw = (size_t)n_kv * hd, qw = (size_t)n_head * 2 * hd;
+    for (int q0 = blockIdx.y * ATTN_QTILE; q0 < n; q0 += gridDim.y * ATTN_QTILE) {
+        __syncthreads(); /* the previous tile is done with qs */
+        {
+            const int tq = q0 + qi < n ? q0 + qi : n - 1; /* rows past n repeat the last (never written) */
+            const float *q = qg + (size_t)tq * qw + (size_t)h * 2 * hd;
+            for (int e = lane; e < hd; e += LE_WARP) qs[qi][e] = le_ldg(q + e);
+        }
+        const int t = q0 + qi;
+        const int last = pos + (t < n ? t : n - 1); /* the last key this warp's query sees */
+        float m = ATTN_NEG_BIG, l = 0.0f, acc[ATTN_DIMS];
+#pragma unroll
+        for (int r = 0; r < ATTN_DIMS; r++) acc[r] = 0.0f;
+        const int n_keys = pos + (q0 + ATTN_QTILE < n ? q0 + ATTN_QTILE : n); /* keys of the tile's last query */
+        for (int k0 = 0; k0 < n_keys; k0 += ATTN_KTILE) {
+            __syncthreads(); /* qs loaded; the previous V tile consumed */
+            attn_load_tile(kc + (size_t)kvh * hd, kvw, k0, n_keys, hd, kvs);
+            __syncthreads();
+            /* lane = key k0 + lane of the tile */
+            float d = 0.0f;
+            for (int e = 0; e < hd; e++) d += qs[qi][e] * kvs[lane][e];
+            const bool valid = k0 + lane <= last;
+            const float s = valid ? d * scale : ATTN_NEG_BIG;
+            const float mn = fmaxf(m, le_warp_max(s, scratch));
+            const float alpha = expf(m - mn);
+            const float ex = valid ? expf(s - mn) : 0.0f;
+            l = l * alpha + le_warp_sum(ex, scratch);
+            m = mn;
+            ps[qi][lane] = ex;
+            __syncthreads(); /* scores done with the K tile; ps written */
+            attn_load_tile(vc + (size_t)kvh * hd, kvw, k0, n_keys, hd, kvs);
+            __syncthreads();
+            const int nk = n_keys - k0 < ATTN_KTILE ? n_keys - k0 : ATTN_KTILE;
+#pragma unroll
+            for (int r = 0; r < ATTN_DIMS; r++) acc[r] *= alpha;
+            for (int kk = 0; kk < nk; kk++) {
+                const float pk = ps[qi][kk];
+#pragma unroll
+                for (int r = 0; r < ATTN_DIMS; r++)
+                    if (r < nd) acc[r] += pk * kvs[kk][lane + LE_WARP * r];
+            }
+        }
+        if (t < n) {
+            const float *gate = qg + (size_t)t * qw + (size_t)h * 2 * hd + hd;
+            float *ot = o + ((size_t)t * n_head + h) * hd;
+#pragma unroll
+            for (int r = 0; r < ATTN_DIMS; r++)
+                if (r < nd) ot[lane + LE_WARP * r] = acc[r] / l * attn_sigmoid(le_ldg(gate + lane + LE_WARP * r));
+        }
+    }
+}
