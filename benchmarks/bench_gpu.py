@@ -11,10 +11,18 @@ Roofline: the device's peak memory bandwidth from cuDeviceGetAttribute (2 x memo
 a measured device-to-device copy (cuMemcpyDtoD of 1 GiB, read + write bytes). Legacy variants (fermi-sm35 …) are
 JIT-compiled for the card they run on: their numbers are the legacy code path on this card, not an old card's.
 GEMM: Y = X W^T with X [128 tokens, 4096] against a 4096 x 4096 matrix: GFLOP/s (2 flops per weight per token).
+Layer ops (--ops layer), Qwen3.5-35B-A3B shapes: decode attention over 32k cached tokens (16 query heads, 2 KV heads,
+head 256: bytes = K and V of the 32k tokens once, although each query head re-reads its KV head, from L2 at best),
+prefill attention (512 tokens: GFLOP/s, 4 flops per head dim per (query, key) pair), one GDN decode step (the f32
+state of 32 heads x 128 x 128 read and written; cycled over 64 layers' states so that it streams from HBM), the GDN
+recurrence over 512 tokens, conv1d, MoE routing, argmax over 248320 logits, SwiGLU over 16M elements. The ops of a
+few MB (one decode token's conv, routing, argmax, GDN step) take ~15-35 us here, the rate at which this harness
+issues launches through cffi, not the kernels' own time: read them as upper bounds.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -109,6 +117,62 @@ def bench(kernels: list[gpu.Kernels], mib: int, reps: int) -> list[dict]:
     return sorted(rows, key=lambda r: (order[r["variant"]], r["op"]))
 
 
+def bench_layer_ops(kernels: list[gpu.Kernels], reps: int) -> list[dict]:
+    """The layer ops of cuda8/ at Qwen3.5-35B-A3B shapes; rows as bench() (type = the shape)."""
+    rng = np.random.default_rng(3)
+    rows = []
+
+    def add(k, op, shape, ms, nbytes, flops=None):
+        rows.append({"variant": k.name, "op": op, "type": shape, "ms": ms, "bytes": nbytes}
+                    | ({"flops": flops} if flops else {}))
+
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)   # noqa: E731
+    nh, nkv, hd, n_ctx = 16, 2, 256, 32768
+    Hk, Hv, dk, dv, K = 16, 32, 128, 128, 4
+    conv_dim = 2 * Hk * dk + Hv * dv
+    n_states = 64
+    ns, _ = gpu.Kernels.attn_splits(n_ctx)
+    with contextlib.ExitStack() as stack:
+        def buf(a=None, nbytes=None):
+            b = gpu.Buffer.from_array(a) if a is not None else gpu.Buffer(nbytes)
+            return stack.enter_context(b)
+        kc, vc, qg = buf(f32(n_ctx, nkv * hd)), buf(f32(n_ctx, nkv * hd)), buf(f32(512, nh * 2 * hd))
+        o, part = buf(nbytes=4 * 512 * nh * hd), buf(nbytes=gpu.Kernels.attn_partials_bytes(nh, hd, ns))
+        S, u = buf(nbytes=4 * n_states * Hv * dk * dv), buf(f32(512, conv_dim))
+        g, beta = buf(-np.abs(f32(512, Hv))), buf(np.full((512, Hv), 0.5, np.float32))
+        cw, cst, cy = buf(f32(conv_dim, K)), buf(nbytes=4 * (K - 1) * conv_dim), buf(nbytes=4 * 512 * conv_dim)
+        logits, ids, wts = buf(f32(512, 256)), buf(nbytes=4 * 512 * 8), buf(nbytes=4 * 512 * 8)
+        lm, apart, amax = buf(f32(248320)), buf(nbytes=8 * gpu.ARGMAX_MAX_PARTS), buf(nbytes=4)
+        ea, eb = buf(f32(1 << 24)), buf(f32(1 << 24))
+        _native.gpu_memset8(S.ptr, 0, S.nbytes)
+        _native.gpu_memset8(cst.ptr, 0, cst.nbytes)
+        state_bytes = 4 * Hv * dk * dv
+        for k in kernels:
+            ms = time_ms(lambda: k.attention_decode(qg, kc, vc, o, part, n_ctx, nh, nkv, hd), reps)
+            add(k, "attn_decode", f"{n_ctx // 1024}k", ms, 2 * 4 * n_ctx * nkv * hd)
+            n = 512
+            ms = time_ms(lambda: k.attention_prefill(qg, kc, vc, o, n, 0, nh, nkv, hd), max(2, reps // 4))
+            add(k, "attn_prefill", f"{n}", ms, 4 * n * (2 * nh + 2 * nkv + nh) * hd,
+                4.0 * hd * nh * n * (n + 1) / 2)
+            it = iter(range(1 << 30))
+            ms = time_ms(lambda: k.gdn_recurrent(u, g, beta, S.ptr + (next(it) % n_states) * state_bytes, o, 1,
+                                                 Hk, Hv, dk, dv), reps)
+            add(k, "gdn_step", "1", ms, 2 * state_bytes)
+            ms = time_ms(lambda: k.gdn_recurrent(u, g, beta, S, o, n, Hk, Hv, dk, dv), max(2, reps // 4))
+            add(k, "gdn_recurrent", f"{n}", ms, 4 * n * (conv_dim + Hv * dv) + 2 * state_bytes,
+                4.0 * n * Hv * dk * dv)
+            for nt in (1, n):
+                ms = time_ms(lambda: k.conv1d_silu(u, cw, cst, cy, nt, conv_dim, K), reps)
+                add(k, "conv1d", f"{nt}", ms, 4 * (2 * nt + 2 * (K - 1) + K) * conv_dim)
+                ms = time_ms(lambda: k.moe_route(logits, ids, wts, nt, 256, 8), reps)
+                add(k, "moe_route", f"{nt}x256", ms, 4 * nt * 256)
+            ms = time_ms(lambda: k.argmax(lm, apart, amax, 248320), reps)
+            add(k, "argmax", "248320", ms, 4 * 248320)
+            ms = time_ms(lambda: k.swiglu(ea, eb, ea, 1 << 24), reps)
+            add(k, "swiglu", "16M", ms, 3 * 4 << 24)
+    return rows
+
+
 def report(rows: list[dict], peak: float | None, copy: float) -> list[str]:
     lines = [f"{'variant':<12} {'op':<14} {'type':<7} {'ms':>8} {'GB/s':>8} {'% peak':>7} {'% copy':>7} {'GFLOP/s':>8}"]
     for r in rows:
@@ -137,6 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--mib", type=int, default=512, help="weight MiB per GEMV (default 512)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", help="comma-separated, e.g. dp4a-sm90,fermi-sm35 (default: all that run here)")
+    p.add_argument("--ops", choices=("matmul", "layer", "all"), default="all",
+                   help="matmul: GEMV/GEMM per type; layer: attention, GDN, conv, routing, argmax, SwiGLU")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
     dev = gpu.init()
@@ -149,7 +215,8 @@ def main(argv=None) -> int:
             kernels.append(gpu.Kernels(tier, arch))
         except EngineError as e:
             print(f"{gpu.variant_name(tier, arch)}: skipped ({e})")
-    rows = bench(kernels, a.mib, a.reps)
+    rows = bench(kernels, a.mib, a.reps) if a.ops != "layer" else []
+    rows += bench_layer_ops(kernels, a.reps) if a.ops != "matmul" else []
     print("\n".join(report(rows, peak, copy)))
     if a.json:
         with open(a.json, "w") as f:
@@ -179,6 +246,20 @@ def test_bench_gemv(roofline, variant, record_property):
     rows = bench([k], 64, 5)
     lines = report(rows, *roofline)
     print("\n" + "\n".join(lines))
+    record_property("rows", json.dumps(rows))
+    assert all(r["ms"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("variant", ["fermi-sm35", "native"])
+def test_bench_layer_ops(roofline, variant, record_property):
+    arch = gpu.device_arch()
+    tier, va = ("dp4a", arch) if variant == "native" else ("fermi", 35)
+    try:
+        k = gpu.Kernels(tier, va)
+    except EngineError as e:
+        pytest.skip(str(e))
+    rows = bench_layer_ops([k], 3)
+    print("\n" + "\n".join(report(rows, *roofline)))
     record_property("rows", json.dumps(rows))
     assert all(r["ms"] > 0 for r in rows)
 
