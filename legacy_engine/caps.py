@@ -1,8 +1,9 @@
 """What this machine has, and what the engine chooses on it, as data.
 
 `machine_report()` gathers CPU features (CPUID masked by XGETBV), NUMA nodes (libnuma,
-dlopened) and GPUs (libcuda, dlopened) from the C core; `cpu_tiers()` names the integer
-SIMD tiers the CPU could run and why a tier is off. `legacy-engine info` prints these.
+dlopened) and GPUs (libcuda, dlopened) from the C core, and the transparent-huge-page
+setting from sysfs; `cpu_tiers()` names the integer SIMD tiers the CPU could run and why a
+tier is off. `legacy-engine info` prints these.
 """
 from __future__ import annotations
 
@@ -51,15 +52,84 @@ def kernel_report() -> dict:
                                                                                        "q8_1", "q8_K")}}
 
 
+THP_DIR = "/sys/kernel/mm/transparent_hugepage"
+
+
+def _sysfs_choice(path: str) -> str | None:
+    """The [bracketed] choice of a sysfs setting like 'always [madvise] never'; None if unreadable."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return None
+    for word in text.split():
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return text.strip() or None
+
+
+def thp_report() -> dict:
+    """{'enabled': 'always'|'madvise'|'never'|None, 'defrag': ...}; None: a kernel without THP."""
+    return {"enabled": _sysfs_choice(f"{THP_DIR}/enabled"), "defrag": _sysfs_choice(f"{THP_DIR}/defrag")}
+
+
+def thp_backed_bytes(buf) -> int:
+    """Bytes of the mappings overlapping buf that huge pages back now (/proc/self/smaps:
+    AnonHugePages + FilePmdMapped + ShmemPmdMapped of each overlapping mapping; 0 if unreadable)."""
+    import numpy as np
+
+    a = np.asarray(buf)
+    start = a.__array_interface__["data"][0]
+    end = start + a.nbytes
+    total, inside = 0, False
+    try:
+        with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):  # a mapping's first line: lo-hi perms ...
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo < end and start < hi
+                elif inside and head in ("AnonHugePages:", "FilePmdMapped:", "ShmemPmdMapped:"):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return 0
+    return total
+
+
+def numa_report() -> dict:
+    """libnuma's view (available, nodes, reason) plus the memory nodes and each node's CPUs."""
+    numa = _native.numa_info()
+    numa["node_cpus"] = {}
+    if numa["available"]:
+        try:
+            numa["node_cpus"] = {n: _native.numa_cpus_of_node(n) for n in _native.numa_nodes()}
+        except UnavailableError as e:  # libnuma loads but the kernel refuses: say so, do not fail `info`
+            numa["reason"] = str(e)
+    return numa
+
+
 def machine_report() -> dict:
     cpu = _native.cpu_info()
     return {
         "cpu": cpu,
         "cpu_tiers": cpu_tiers(cpu),
         "kernels": kernel_report(),
-        "numa": _native.numa_info(),
+        "numa": numa_report(),
+        "thp": thp_report(),
         "gpu": _native.gpu_info(),
     }
+
+
+def _cpu_ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, i = [], 0
+    while i < len(cpus):
+        j = i
+        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
+            j += 1
+        out.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
+        i = j + 1
+    return ",".join(out) or "none"
 
 
 def format_machine_report(rep: dict) -> list[str]:
@@ -82,10 +152,23 @@ def format_machine_report(rep: dict) -> list[str]:
         by_tier.setdefault(tier or "none (dequantise + f32)", []).append(name)
     lines.append("  integer dot products (W4A8 ...): " + "; ".join(f"{t}: {' '.join(n)}" for t, n in by_tier.items()))
     if numa["available"]:
-        lines.append(f"NUMA     {numa['nodes']} node(s) (libnuma)"
-                     + ("; interleave is a no-op with one node" if numa["nodes"] == 1 else ""))
+        cpus = "; ".join(f"node {n}: CPUs {_cpu_ranges(c)}" for n, c in numa.get("node_cpus", {}).items())
+        lines.append(f"NUMA     {numa['nodes']} node(s) (libnuma)" + (f"; {cpus}" if cpus else ""))
+        if numa["nodes"] == 1:
+            lines.append("  one node: --numa interleave|node:0 is a no-op here (every page is on node 0 anyway)")
+        else:
+            lines.append("  --numa interleave spreads weight pages over the nodes; --numa node:N binds them to one")
     else:
-        lines.append(f"NUMA     off: {numa['reason']}; treated as 1 node")
+        lines.append(f"NUMA     off: {numa['reason']}; treated as 1 node (--numa needs libnuma)")
+    thp = rep.get("thp", {})
+    if thp.get("enabled") is None:
+        lines.append("THP      off: this kernel has no transparent huge pages")
+    else:
+        meaning = {"always": "large anonymous mappings get 2 MiB pages",
+                   "madvise": "ranges that ask get 2 MiB pages (the engine asks for its weights)",
+                   "never": "weights use 4 KiB pages; to allow: echo madvise > " + THP_DIR + "/enabled"}
+        lines.append(f"THP      {thp['enabled']}: {meaning.get(thp['enabled'], '?')}; defrag {thp['defrag']}")
+        lines.append("  a file map (the default) rarely gets huge pages; --no-mmap memory does")
     if gpu["available"]:
         v = gpu["driver_version"]
         lines.append(f"GPU      CUDA driver {v // 1000}.{v % 1000 // 10}, {gpu['device_count']} device(s)")

@@ -132,7 +132,7 @@ def _generate(path: str, args, messages_or_text, chat: bool) -> int:
 
     params = _sampling(args)
     params.validate()
-    eng = Engine(path, n_threads=args.threads, n_ctx=args.ctx)
+    eng = Engine(path, n_threads=args.threads, n_ctx=args.ctx, mmap=args.mmap, numa=args.numa)
     sess = eng.session()
     prompt = eng.chat_prompt(messages_or_text, enable_thinking=not args.no_think) if chat else messages_or_text
     res = sess.generate(prompt, max_tokens=args.n_predict, params=params, stop=args.stop,
@@ -156,7 +156,7 @@ def cmd_chat(args) -> int:
 
     params = _sampling(args)
     params.validate()
-    eng = Engine(args.model, n_threads=args.threads, n_ctx=args.ctx)
+    eng = Engine(args.model, n_threads=args.threads, n_ctx=args.ctx, mmap=args.mmap, numa=args.numa)
     messages = []
     if args.prompt:
         messages.append({"role": "system", "content": args.prompt})
@@ -208,9 +208,33 @@ def _positive_int(v: str) -> int:
     return n
 
 
+def _numa_arg(v: str) -> str:
+    from .model import parse_numa
+
+    try:
+        parse_numa(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return v
+
+
+def load_flags(s) -> None:
+    """--no-mmap and --numa, for every command that loads a model (run, demo, serve, bench ...);
+    pass them on as Engine/Model(mmap=args.mmap, numa=args.numa)."""
+    s.add_argument("--no-mmap", dest="mmap", action="store_false",
+                   help="read the weights into anonymous memory (huge pages, own RAM) instead of memory-mapping "
+                        "the file (default: mapped, shared through the page cache)")
+    s.add_argument("--numa", type=_numa_arg, default="off", metavar="interleave|node:N|off",
+                   help="NUMA placement of the weight pages: interleave over all nodes, all on node N, or off "
+                        "(default: the kernel's first touch). Needs libnuma; a no-op on one node (see `info`). "
+                        "With the file map, pages already in the page cache stay where they are: use --no-mmap "
+                        "to place every page")
+
+
 def _gen_flags(s, n_predict: int = 128) -> None:
     s.add_argument("-n", "--n-predict", type=int, default=n_predict, help=f"tokens to generate (default {n_predict})")
     s.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
+    load_flags(s)
     s.add_argument("-c", "--ctx", type=_positive_int, default=4096, help="context length in tokens (default 4096)")
     s.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")

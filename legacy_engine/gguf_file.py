@@ -9,6 +9,9 @@ the type tables (GGMLQuantizationType, GGML_QUANT_SIZES, GGUFValueType) and is t
 oracle the tests compare this reader with. Any violation is a FormatError naming the
 key or tensor and what was expected.
 
+Where the tensor data lives (GGUFFile.load_data): the file's memory map (default), or
+anonymous memory filled by reading the file (--no-mmap), with a NUMA policy if asked for.
+
 Layout (GGUF v2/v3, little-endian; spec §3.1):
   u32 magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
   n_kv   × (string key, u32 value_type, value)
@@ -32,6 +35,9 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_KEY_LEN = 65535            # llama.cpp rejects longer keys as well
 MAX_ELEMENTS = 1 << 50         # far above any model; guards arithmetic on hostile dims
+READ_CHUNK = 64 << 20          # --no-mmap reads the data section in pieces of this many bytes
+PROGRESS_MIN_BYTES = 1 << 30   # --no-mmap shows a progress bar (on a terminal) from this size up
+PAGE_SAMPLE = 2 << 20          # page placement is sampled once per 2 MiB (one huge page)
 
 # byte size of each scalar value type
 _SCALAR_SIZE = {
@@ -264,7 +270,8 @@ class GGUFFile:
     """A validated, memory-mapped GGUF file.
 
     metadata: dict key -> Python value (str, int, float, bool, list);
-    tensors: dict name -> TensorInfo; data(name) -> numpy view into the map.
+    tensors: dict name -> TensorInfo; data(name) -> numpy view of a tensor's bytes, in the
+    memory map, or in anonymous memory after load_data(mmap=False).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -273,11 +280,92 @@ class GGUFFile:
         self.tensors: dict[str, TensorInfo] = {t.name: t for t in infos}
         self.file_size = os.path.getsize(self.path)
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if infos else np.zeros(0, np.uint8)
+        self._base = 0  # file offset of self._map[0]
 
     def data(self, name: str) -> np.ndarray:
-        """Raw bytes of a tensor, uint8[n_bytes], a read-only view into the memory map (no copy)."""
+        """Raw bytes of a tensor, uint8[n_bytes], a read-only view (no copy)."""
         t = self.tensors[name]
-        return self._map[t.offset:t.offset + t.n_bytes]
+        return self._map[t.offset - self._base:t.offset - self._base + t.n_bytes]
+
+    def load_data(self, mmap: bool = True, numa: str = "off", node: int = -1, progress: bool | None = None) -> dict:
+        """Puts the tensor data where the C core will read it; returns what the kernel did.
+
+        Call it before handing out data() views: views taken earlier keep pointing into the map.
+
+        mmap=True: the file's read-only memory map (np.memmap): pages come from the page cache,
+          shared with other processes and kept between runs. MADV_WILLNEED starts reading the file
+          now; MADV_HUGEPAGE is asked for, and on a file map the kernel usually accepts it without
+          effect (huge pages back anonymous memory and tmpfs, and the page cache of a few filesystems
+          only): 'huge_bytes' says what is really backed by huge pages.
+        mmap=False: anonymous memory (2 MiB aligned, MADV_HUGEPAGE), filled by reading the data
+          section (a progress bar from 1 GiB up on a terminal; progress=True/False forces it). The
+          weights then cost RAM of their own and do not survive the process.
+        numa: 'off' (the kernel's default: a page goes to the node of the CPU that first touches it),
+          'interleave' (pages round-robin over every memory node), or 'node' (all on `node`).
+          A page is placed when it is first allocated, so the policy comes before any touch:
+          - anonymous memory: mbind on the buffer before the read fills it; every page follows it.
+          - file map: page-cache pages ignore the map's mbind policy; the kernel places them by the
+            policy of the thread that reads them in. So the loading thread's policy is set while the
+            whole map is faulted in (the file is read now, not on first use), then put back. Pages
+            already in the page cache (an earlier run, another process) stay where they are: drop the
+            cache (`echo 1 > /proc/sys/vm/drop_caches`) or use mmap=False to place them for sure.
+          With one node every policy is a no-op (all pages are on node 0 anyway).
+          UnavailableError without libnuma or for a node the machine does not have.
+        Returns {'mmap', 'numa', 'bytes', 'hugepage', 'hugepage_errno', 'willneed', 'huge_bytes',
+        'page_nodes': {node: pages sampled every 2 MiB} or None when numa is off, 'absent_pages'}.
+        """
+        from . import _native
+
+        size = self.file_size - self.data_start
+        report = {"mmap": mmap, "numa": numa if numa != "node" else f"node:{node}", "bytes": max(size, 0),
+                  "hugepage": False, "hugepage_errno": 0, "willneed": False, "huge_bytes": 0,
+                  "page_nodes": None, "absent_pages": 0}
+        if not self.tensors or size <= 0:
+            return report
+        if mmap:
+            data = self._map[self.data_start:]  # the tensor data; the header was read already
+            advice = _native.mem_advise(data, hugepage=True, willneed=True)
+            report.update(hugepage=bool(advice["hugepage"]), hugepage_errno=advice["hugepage_errno"],
+                          willneed=bool(advice["willneed"]))
+            if numa != "off":
+                with _native.numa_thread_policy_set(numa, node):
+                    _native.mem_prefault(data)
+        else:
+            mem = _native.mem_alloc(size)  # MADV_HUGEPAGE asked for before any page exists
+            report.update(hugepage=mem.hugepage, hugepage_errno=mem.hugepage_errno)
+            if numa != "off":
+                _native.mem_set_numa(mem.array, numa, node)  # before the read touches a page
+            self._read_into(mem.array, progress)
+            mem.array.flags.writeable = False
+            self._map, self._base = mem.array, self.data_start  # the array owns the memory
+            data = mem.array
+        if numa != "off":
+            where = _native.mem_page_nodes(data, stride=PAGE_SAMPLE)
+            report.update(page_nodes=where["nodes"], absent_pages=where["absent"])
+        from .caps import thp_backed_bytes
+        report["huge_bytes"] = thp_backed_bytes(data)
+        return report
+
+    def _read_into(self, out: np.ndarray, progress: bool | None) -> None:
+        """Reads the data section [data_start, file_size) into out (uint8[file_size - data_start])."""
+        from tqdm import tqdm
+
+        n = out.size
+        # progress None: a bar for big files when stderr is a terminal (tqdm's disable=None); True/False: forced
+        disable = (not progress) if progress is not None else (None if n >= PROGRESS_MIN_BYTES else True)
+        view = memoryview(out)
+        with open(self.path, "rb", buffering=0) as f, \
+                tqdm(total=n, unit="B", unit_scale=True, unit_divisor=1024, desc="reading weights",
+                     disable=disable, leave=False) as bar:
+            f.seek(self.data_start)
+            pos = 0
+            while pos < n:
+                got = f.readinto(view[pos:pos + READ_CHUNK])
+                if not got:
+                    raise FormatError(f"{self.path}: the file shrank while reading it: {self.data_start + pos} "
+                                      f"bytes of {self.file_size}")
+                pos += got
+                bar.update(got)
 
     def value_type(self, key: str) -> GGUFValueType:
         """The GGUF value type of a key (the element type for arrays)."""

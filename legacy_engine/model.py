@@ -2,7 +2,8 @@
 
 `Model(path)` validates the file (gguf_model.ModelFile), hands every weight to the C
 core as a pointer into the map (no copy), and creates sequence states. `forward` runs
-tokens through the model and returns logits.
+tokens through the model and returns logits. `Model(path, mmap=False)` reads the weights
+into anonymous memory instead, and `numa=` places their pages (GGUFFile.load_data).
 """
 from __future__ import annotations
 
@@ -34,6 +35,19 @@ GLOBAL_SLOTS = {"token_embd.weight": "LE_W_TOKEN_EMBD", "output_norm.weight": "L
 DEFAULT_CTX = 4096
 
 
+def parse_numa(value: str | None) -> tuple[str, int]:
+    """--numa's value -> (mode, node): 'off' | None -> ('off', -1), 'interleave' -> ('interleave', -1),
+    'node:N' -> ('node', N). ValueError for anything else."""
+    v = "off" if value is None else str(value).strip().lower()
+    if v in ("off", "interleave"):
+        return v, -1
+    if v.startswith("node:"):
+        n = v[5:]
+        if n.isdigit():
+            return "node", int(n)
+    raise ValueError(f"numa={value!r}: expected 'interleave', 'node:N' (N a node number, e.g. node:0) or 'off'")
+
+
 def default_threads() -> int:
     """One thread per available core (hyper-threads are not worth it for these kernels)."""
     try:
@@ -43,14 +57,23 @@ def default_threads() -> int:
 
 
 class Model:
-    def __init__(self, path: str | os.PathLike, n_threads: int | None = None, _faults: dict | None = None):
-        """_faults (tests only): inject known bugs for negative controls, e.g.
+    def __init__(self, path: str | os.PathLike, n_threads: int | None = None, mmap: bool = True,
+                 numa: str = "off", _faults: dict | None = None):
+        """mmap: weights in the file's memory map (True) or read into anonymous memory (False).
+        numa: 'off', 'interleave' (weight pages over every NUMA node) or 'node:N' (all on node N);
+        ValueError for another value, UnavailableError without libnuma or for a node this machine
+        lacks. `load_report` says what the kernel did (huge pages, where the pages are).
+        _faults (tests only): inject known bugs for negative controls, e.g.
         {"rope_interleaved": True, "no_topk_renorm": True, "gdn_grouped": True}."""
+        numa_mode, numa_node = parse_numa(numa)
         self.file = ModelFile.open(path)
         hp = self.hparams = self.file.hparams
         if hp.arch == "qwen3next":
             raise UnavailableError("the forward pass for qwen3next (fused ssm_in/ssm_ba) is not implemented; "
                                    "qwen35 and qwen35moe files run")
+        # before any weight view is taken: the views point into wherever the data now lives,
+        # and keep it alive as long as the C model holds them (NativeModel.keep)
+        self.load_report = self.file.gguf.load_data(mmap=mmap, numa=numa_mode, node=numa_node)
         self.n_threads = n_threads or default_threads()
         c = dict(n_layer=hp.n_layer, n_embd=hp.n_embd, n_vocab=hp.n_vocab, n_head=hp.n_head,
                  n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, n_rot=hp.n_rot, rope_theta=hp.rope_theta,
