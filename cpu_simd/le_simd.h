@@ -64,6 +64,45 @@ void quantize_row_q8_0_avx2(const float *x, void *y, int64_t n);
 void quantize_row_q8_1_avx2(const float *x, void *y, int64_t n);
 void quantize_row_q8_K_avx2(const float *x, void *y, int64_t n);
 
+/* ---- f32 kernels of the decode step (native/f32_ref.c, cpu_simd/f32_<isa>.c) ----------
+ * gdn_step: one Gated DeltaNet v-head, one token; S [dk, dv] f32 updated in place:
+ *   S <- decay S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q   (dv <= LE_GDN_MAX_DV)
+ * dot: sum a[i] b[i] (the f32 matmul path: router, shared-expert gate, attention scores). */
+#define LE_GDN_MAX_DV 1024
+typedef void (*le_gdn_step_fn)(float *S, const float *q, const float *k, const float *v, float decay, float beta,
+                               int dk, int dv, float *o);
+typedef float (*le_dot_f32_fn)(const float *a, const float *b, int64_t n);
+typedef struct {
+    le_gdn_step_fn gdn_step;
+    le_dot_f32_fn dot;
+} le_f32_kernels;
+
+/* 8 independent partial sums in a fixed order (gcc vectorises it without -ffast-math). */
+static inline float le_dot_f32_plain(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+void le_gdn_step_ref(float *S, const float *q, const float *k, const float *v, float decay, float beta, int dk,
+                     int dv, float *o);
+float le_dot_f32_ref(const float *a, const float *b, int64_t n);
+void le_gdn_step_avx2(float *S, const float *q, const float *k, const float *v, float decay, float beta, int dk,
+                      int dv, float *o);
+float le_dot_f32_avx2(const float *a, const float *b, int64_t n);
+void le_gdn_step_avx512(float *S, const float *q, const float *k, const float *v, float decay, float beta, int dk,
+                        int dv, float *o);
+float le_dot_f32_avx512(const float *a, const float *b, int64_t n);
+
+/* [LE_ISA_*]; NULL members fall back to the next lower tier */
+extern const le_f32_kernels le_f32_table[LE_ISA_COUNT];
+/* The selected tier's f32 kernels (native/dispatch.c); never NULL. */
+const le_f32_kernels *le_get_f32_kernels(void);
+
 /* [LE_ISA_*][ggml type id] */
 extern const le_vec_dot_fn le_vec_dot_table[LE_ISA_COUNT][LE_TYPE_COUNT];
 /* Activation quantisers per ISA for the vec_dot types (Q8_0, Q8_1, Q8_K); NULL: fall back. */

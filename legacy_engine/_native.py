@@ -139,6 +139,11 @@ def weight_slot(name: str) -> int:
     return getattr(lib, name)
 
 
+# le_model_profile's phases, in the C core's order (native/le_ops.h LE_PROF_*)
+PROFILE_PHASES = ("embed_norm", "gdn_proj", "gdn_core", "gdn_out", "attn_proj", "attn_core", "attn_out",
+                  "moe_router", "ffn_gate_up", "ffn_act", "ffn_down", "ffn_combine", "lm_head")
+
+
 class NativeModel:
     """Owns an le_model; weights point into buffers the caller keeps alive (`self.keep`)."""
 
@@ -171,6 +176,26 @@ class NativeModel:
     def set_int8(self, on: bool) -> None:
         """True: quantised weights use the integer kernels (W4A8 ...); False: dequantise + f32."""
         check(lib.le_model_set_int8(self.ptr, int(on)), "le_model_set_int8")
+
+    def pin_threads(self, cpus: list[int]) -> None:
+        """Worker i (1..n-1) -> cpus[i % len(cpus)]; thread 0 (the caller) stays unpinned."""
+        arr = ffi.new("int[]", [int(c) for c in cpus])
+        check(lib.le_model_pin_threads(self.ptr, arr, len(cpus)), "le_model_pin_threads")
+
+    def pinned_cpus(self, n_threads: int) -> list[int]:
+        return [lib.le_model_pinned_cpu(self.ptr, i) for i in range(n_threads)]
+
+    def set_profile(self, on: bool) -> None:
+        """On: le_forward accumulates wall time per phase (reset by turning it on)."""
+        check(lib.le_model_set_profile(self.ptr, int(on)), "le_model_set_profile")
+
+    def profile(self) -> dict[str, float]:
+        """Seconds per phase since set_profile(True) (PROFILE_PHASES order)."""
+        out = ffi.new("double[]", len(PROFILE_PHASES))
+        n = lib.le_model_profile(self.ptr, out, len(PROFILE_PHASES))
+        if n != len(PROFILE_PHASES):
+            raise NativeError(n, f"the C core reports {n} profile phases, this module knows {len(PROFILE_PHASES)}")
+        return {name: out[i] for i, name in enumerate(PROFILE_PHASES)}
 
 
 class NativeState:
@@ -285,6 +310,36 @@ def kernel_isa(qtype: int) -> str | None:
     """The tier whose kernel serves `qtype`'s dot product now; None if it has none."""
     i = lib.le_kernel_isa(int(qtype))
     return ISA_NAMES[i] if i >= 0 else None
+
+
+def f32_isa() -> str:
+    """The tier serving the f32 kernels of the decode step (GDN step, f32 dot)."""
+    return ISA_NAMES[lib.le_f32_isa()]
+
+
+def gdn_step(S: np.ndarray, q, k, v, decay: float, beta: float) -> np.ndarray:
+    """One Gated DeltaNet head, one token, by the selected tier's kernel. S: float32[dk, dv], updated in
+    place (must be C-contiguous float32); returns o: float32[dv]."""
+    if S.dtype != np.float32 or not S.flags.c_contiguous or S.ndim != 2:
+        raise ValueError("S must be a C-contiguous float32[dk, dv] array")
+    dk, dv = S.shape
+    q, k = (np.ascontiguousarray(a, dtype=np.float32).reshape(dk) for a in (q, k))
+    v = np.ascontiguousarray(v, dtype=np.float32).reshape(dv)
+    o = np.empty(dv, np.float32)
+    fp = lambda a: ffi.from_buffer("float[]", a)  # noqa: E731
+    check(lib.le_gdn_step(fp(S), fp(q), fp(k), fp(v), float(decay), float(beta), dk, dv, fp(o)), "le_gdn_step")
+    return o
+
+
+def dot_f32(a, b) -> float:
+    """The selected tier's f32 dot product."""
+    a = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
+    b = np.ascontiguousarray(b, dtype=np.float32).reshape(-1)
+    if a.size != b.size:
+        raise ValueError(f"lengths differ: {a.size} vs {b.size}")
+    out = ffi.new("float *")
+    check(lib.le_dot_f32_k(ffi.from_buffer("float[]", a), ffi.from_buffer("float[]", b), a.size, out), "le_dot_f32_k")
+    return out[0]
 
 
 def _row_bytes(t: dict, n: int) -> int:

@@ -13,6 +13,7 @@
 
 #include "le_internal.h"
 #include "le_ops.h"
+#include "le_simd.h"
 
 typedef struct {
     const le_model *m;
@@ -27,6 +28,7 @@ static void attn_rows(void *ctx, int64_t i0, int64_t i1, int thread) {
     const le_hparams *hp = &jb->m->hp;
     int hd = hp->head_dim, nh = hp->n_head, kvw = hp->n_head_kv * hd, group = nh / hp->n_head_kv;
     float scale = 1.0f / sqrtf((float)hd);
+    le_dot_f32_fn dot = le_get_f32_kernels()->dot;
     int n_keys_max = jb->pos + jb->n;
     float *sc = malloc((size_t)n_keys_max * sizeof(float));
     if (!sc) {
@@ -39,7 +41,7 @@ static void attn_rows(void *ctx, int64_t i0, int64_t i1, int thread) {
         int n_keys = jb->pos + t + 1; /* causal: keys at positions 0..pos+t */
         float mx = -INFINITY;
         for (int p = 0; p < n_keys; p++) {
-            sc[p] = le_dot_f32(q, jb->kc + (size_t)p * kvw + kvh * hd, hd) * scale;
+            sc[p] = dot(q, jb->kc + (size_t)p * kvw + kvh * hd, hd) * scale;
             if (sc[p] > mx) mx = sc[p];
         }
         double sum = 0.0;
@@ -71,10 +73,11 @@ int le_attention_layer(const le_model *m, const le_weight *w, const float *x, in
     if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "attention scratch for %d tokens", n);
     float *qg = buf, *o = qg + (size_t)n * qw;
     float *kn = kc + (size_t)pos * kvw, *vn = vc + (size_t)pos * kvw; /* this batch's cache rows */
-    if ((rc = le_matmul(m->pool, m->int8, &w[LE_W_Q], 0, x, n, E, qg, qw)) ||
-        (rc = le_matmul(m->pool, m->int8, &w[LE_W_K], 0, x, n, E, kn, kvw)) ||
-        (rc = le_matmul(m->pool, m->int8, &w[LE_W_V], 0, x, n, E, vn, kvw)))
-        goto done;
+    double tp = le_prof_start(m);
+    le_mm proj[3] = {{&w[LE_W_Q], 0, x, n, E, qg, qw, NULL}, {&w[LE_W_K], 0, x, n, E, kn, kvw, NULL},
+                     {&w[LE_W_V], 0, x, n, E, vn, kvw, NULL}};
+    if ((rc = le_matmul_batch(m->pool, m->int8, proj, 3))) goto done;
+    le_prof(m, &tp, LE_PROF_ATTN_PROJ);
     const float *qn = (const float *)w[LE_W_Q_NORM].data, *knw = (const float *)w[LE_W_K_NORM].data;
     for (int t = 0; t < n; t++) {
         float *qt = qg + (size_t)t * qw, *kt = kn + (size_t)t * kvw;
@@ -91,7 +94,9 @@ int le_attention_layer(const le_model *m, const le_weight *w, const float *x, in
         rc = LE_FAIL(LE_ERR_NO_MEMORY, "attention scores");
         goto done;
     }
+    le_prof(m, &tp, LE_PROF_ATTN_CORE);
     rc = le_matmul(m->pool, m->int8, &w[LE_W_O], 0, o, n, nh * hd, out, E);
+    le_prof(m, &tp, LE_PROF_ATTN_OUT);
 done:
     free(buf);
     return rc;

@@ -166,6 +166,8 @@ static le_vec_dot_fn g_vec_dot[LE_TYPE_COUNT];
 static signed char g_vec_dot_isa[LE_TYPE_COUNT];
 static le_quantize_row_fn g_act[LE_TYPE_COUNT];
 static int g_isa = LE_ISA_REF;
+static le_f32_kernels g_f32;
+static int g_f32_isa = LE_ISA_REF;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -201,6 +203,12 @@ static void select_isa(int isa) {
                 break;
             }
     }
+    for (int i = isa; i >= 0; i--)
+        if (le_f32_table[i].gdn_step) {
+            g_f32 = le_f32_table[i];
+            g_f32_isa = i;
+            break;
+        }
     g_isa = isa;
 }
 
@@ -267,5 +275,30 @@ int le_quantize_act(int act_type, const float *src, void *dst, int64_t n) {
     le_quantize_row_fn f = le_get_act_quantizer(act_type);
     if (f == NULL) return LE_FAIL(LE_ERR_UNSUPPORTED, "le_quantize_act: %s is not an activation type", t->name);
     f(src, dst, n);
+    return LE_OK;
+}
+
+const le_f32_kernels *le_get_f32_kernels(void) {
+    pthread_once(&g_once, init_once);
+    return &g_f32;
+}
+
+int le_f32_isa(void) {
+    pthread_once(&g_once, init_once);
+    return g_f32_isa;
+}
+
+int le_gdn_step(float *S, const float *q, const float *k, const float *v, float decay, float beta, int dk, int dv,
+                float *o) {
+    if (!S || !q || !k || !v || !o) return LE_FAIL(LE_ERR_INVALID_ARG, "le_gdn_step: NULL argument");
+    if (dk < 1 || dv < 1 || dv > LE_GDN_MAX_DV)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_gdn_step: dk = %d, dv = %d (dv <= %d)", dk, dv, LE_GDN_MAX_DV);
+    le_get_f32_kernels()->gdn_step(S, q, k, v, decay, beta, dk, dv, o);
+    return LE_OK;
+}
+
+int le_dot_f32_k(const float *a, const float *b, int64_t n, float *out) {
+    if (!a || !b || !out || n < 0) return LE_FAIL(LE_ERR_INVALID_ARG, "le_dot_f32_k: bad argument");
+    *out = le_get_f32_kernels()->dot(a, b, n);
     return LE_OK;
 }

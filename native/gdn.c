@@ -18,6 +18,7 @@
 
 #include "le_internal.h"
 #include "le_ops.h"
+#include "le_simd.h"
 
 #define GDN_CHUNK 64
 #define L2NORM_EPS 1e-6f /* transformers' l2norm eps */
@@ -36,40 +37,22 @@ static int k_head_of(const le_hparams *hp, int j) {
     return hp->gdn_tiled ? j % hp->ssm_n_group : j / (hp->ssm_dt_rank / hp->ssm_n_group);
 }
 
-/* The recurrent step for tokens [0, n) of v-head j. */
+/* The recurrent step for tokens [0, n) of v-head j: the selected tier's gdn_step kernel
+ * (native/f32_ref.c is its reference). */
 static void gdn_recurrent_head(const gdn_job *jb, int j) {
     const le_hparams *hp = &jb->m->hp;
     int dk = hp->ssm_d_state, dv = hp->ssm_d_inner / hp->ssm_dt_rank, Hv = hp->ssm_dt_rank;
     int kh = k_head_of(hp, j);
     int conv_dim = 2 * hp->ssm_n_group * dk + hp->ssm_d_inner;
     float *S = jb->ssm + (int64_t)j * dk * dv;
-    float delta[1024];
+    le_gdn_step_fn step = le_get_f32_kernels()->gdn_step;
     for (int t = 0; t < jb->n; t++) {
         const float *row = jb->u + (int64_t)t * conv_dim;
         const float *q = row + kh * dk;
         const float *k = row + hp->ssm_n_group * dk + kh * dk;
         const float *v = row + 2 * hp->ssm_n_group * dk + j * dv;
-        float decay = expf(jb->g[t * Hv + j]), beta = jb->beta[t * Hv + j];
-        /* S <- decay S;  kv = S^T k */
-        for (int c = 0; c < dv; c++) delta[c] = 0.0f;
-        for (int i = 0; i < dk; i++) {
-            float *Si = S + (int64_t)i * dv;
-            for (int c = 0; c < dv; c++) {
-                Si[c] *= decay;
-                delta[c] += Si[c] * k[i];
-            }
-        }
-        for (int c = 0; c < dv; c++) delta[c] = beta * (v[c] - delta[c]);
-        /* S += k delta^T;  o = S^T q */
-        float *o = jb->o + (int64_t)t * hp->ssm_d_inner + j * dv;
-        for (int c = 0; c < dv; c++) o[c] = 0.0f;
-        for (int i = 0; i < dk; i++) {
-            float *Si = S + (int64_t)i * dv;
-            for (int c = 0; c < dv; c++) {
-                Si[c] += k[i] * delta[c];
-                o[c] += Si[c] * q[i];
-            }
-        }
+        step(S, q, k, v, expf(jb->g[t * Hv + j]), jb->beta[t * Hv + j], dk, dv,
+             jb->o + (int64_t)t * hp->ssm_d_inner + j * dv);
     }
 }
 
@@ -184,7 +167,7 @@ int le_gdn_layer(const le_model *m, const le_weight *w, const float *x, int n, f
     int E = hp->n_embd, Hk = hp->ssm_n_group, Hv = hp->ssm_dt_rank, dk = hp->ssm_d_state;
     int dinner = hp->ssm_d_inner, dv = dinner / Hv, K = hp->ssm_conv_kernel;
     int conv_dim = 2 * Hk * dk + dinner;
-    if (dv > 1024) return LE_FAIL(LE_ERR_UNSUPPORTED, "value head size %d > 1024", dv);
+    if (dv > LE_GDN_MAX_DV) return LE_FAIL(LE_ERR_UNSUPPORTED, "value head size %d > %d", dv, LE_GDN_MAX_DV);
     int rc = LE_OK;
     /* scratch: xin [(K-1)+n, conv_dim], u [n, conv_dim], z [n, dinner], b, a [n, Hv], o [n, dinner] */
     size_t floats = (size_t)(K - 1 + n) * conv_dim + (size_t)n * conv_dim + 2 * (size_t)n * dinner + 2 * (size_t)n * Hv;
@@ -193,14 +176,14 @@ int le_gdn_layer(const le_model *m, const le_weight *w, const float *x, int n, f
     float *xin = buf, *u = xin + (size_t)(K - 1 + n) * conv_dim, *z = u + (size_t)n * conv_dim;
     float *b = z + (size_t)n * dinner, *a = b + (size_t)n * Hv, *o = a + (size_t)n * Hv;
 
-    /* projections; qkv lands after the K-1 rows of conv state */
+    /* projections (one parallel job); qkv lands after the K-1 rows of conv state */
     memcpy(xin, conv, (size_t)(K - 1) * conv_dim * sizeof(float));
     float *qkv = xin + (size_t)(K - 1) * conv_dim;
-    if ((rc = le_matmul(m->pool, m->int8, &w[LE_W_GDN_QKV], 0, x, n, E, qkv, conv_dim)) ||
-        (rc = le_matmul(m->pool, m->int8, &w[LE_W_GDN_GATE], 0, x, n, E, z, dinner)) ||
-        (rc = le_matmul(m->pool, m->int8, &w[LE_W_SSM_BETA], 0, x, n, E, b, Hv)) ||
-        (rc = le_matmul(m->pool, m->int8, &w[LE_W_SSM_ALPHA], 0, x, n, E, a, Hv)))
-        goto done;
+    double tp = le_prof_start(m);
+    le_mm proj[4] = {{&w[LE_W_GDN_QKV], 0, x, n, E, qkv, conv_dim, NULL}, {&w[LE_W_GDN_GATE], 0, x, n, E, z, dinner, NULL},
+                     {&w[LE_W_SSM_BETA], 0, x, n, E, b, Hv, NULL}, {&w[LE_W_SSM_ALPHA], 0, x, n, E, a, Hv, NULL}};
+    if ((rc = le_matmul_batch(m->pool, m->int8, proj, 4))) goto done;
+    le_prof(m, &tp, LE_PROF_GDN_PROJ);
 
     /* beta = sigmoid(b);  g = softplus(a + dt_bias) * ssm_a  (ssm_a = -exp(A_log) < 0) */
     const float *dt = (const float *)w[LE_W_SSM_DT].data, *A = (const float *)w[LE_W_SSM_A].data;
@@ -229,7 +212,7 @@ int le_gdn_layer(const le_model *m, const le_weight *w, const float *x, int n, f
         for (int i = 0; i < Hk * dk; i++) row[i] *= qscale;
     }
 
-    gdn_job jb = {m, u, b, a, ssm, o, n, chunked, 0};
+    gdn_job jb = {m, u, b, a, ssm, o, n, chunked && n > 1, 0}; /* one token: the recurrent step */
     le_parallel_for(m->pool, Hv, 1, gdn_heads, &jb);
     if (jb.failed) {
         rc = LE_FAIL(LE_ERR_NO_MEMORY, "gdn chunk scratch");
@@ -245,7 +228,9 @@ int le_gdn_layer(const le_model *m, const le_weight *w, const float *x, int n, f
             le_rmsnorm(oh, nw, dv, hp->rms_eps, oh);
             for (int c = 0; c < dv; c++) oh[c] *= le_silu(zh[c]);
         }
+    le_prof(m, &tp, LE_PROF_GDN_CORE);
     rc = le_matmul(m->pool, m->int8, &w[LE_W_SSM_OUT], 0, o, n, dinner, out, E);
+    le_prof(m, &tp, LE_PROF_GDN_OUT);
 done:
     free(buf);
     return rc;

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "le_dispatch.h"
+#include "le_simd.h"
 #include "le_model.h"
 #include "le_threads.h"
 
@@ -20,6 +21,14 @@ typedef struct {
     int64_t ne0, ne1, ne2, nb1, nb2;
 } le_weight;
 
+/* Where the time of a forward pass goes (le_model_profile): wall time on the calling thread
+ * per phase, parallel jobs included. */
+enum {
+    LE_PROF_EMBED_NORM, LE_PROF_GDN_PROJ, LE_PROF_GDN_CORE, LE_PROF_GDN_OUT, LE_PROF_ATTN_PROJ,
+    LE_PROF_ATTN_CORE, LE_PROF_ATTN_OUT, LE_PROF_MOE_ROUTER, LE_PROF_FFN_GATE_UP, LE_PROF_FFN_ACT,
+    LE_PROF_FFN_DOWN, LE_PROF_FFN_COMBINE, LE_PROF_HEAD, LE_PROF_COUNT
+};
+
 struct le_model {
     le_hparams hp;
     le_pool *pool;
@@ -28,7 +37,19 @@ struct le_model {
     int n_gdn, n_attn;
     int *state_index;              /* layer -> index among GDN layers or among attention layers */
     int int8;                      /* 1: quantised weights use the integer dot products (W4A8 ...) */
+    int profile;                   /* 1: accumulate phase times into prof */
+    double *prof;                  /* [LE_PROF_COUNT] seconds */
 };
+
+/* Profiling marks: t holds the time of the previous mark; the span since goes to `phase`. */
+double le_now(void);
+static inline void le_prof(const le_model *m, double *t, int phase) {
+    if (!m->profile) return;
+    double now = le_now();
+    m->prof[phase] += now - *t;
+    *t = now;
+}
+static inline double le_prof_start(const le_model *m) { return m->profile ? le_now() : 0.0; }
 
 struct le_state {
     const le_model *m;
@@ -47,20 +68,27 @@ struct le_state {
  * Otherwise each weight row is dequantised once and dotted in f32 with every token. */
 int le_matmul(le_pool *pool, int int8, const le_weight *w, int64_t expert, const float *x, int64_t n_tok,
               int64_t ldx, float *y, int64_t ldy);
+/* One product of a batch: y[t, o] = sum_i W_e[o, i] * x[t, i], t < n_tok (0: skipped), o < W.ne1.
+ * With w_up set it is a SwiGLU pair (gate W, up W_up, same shape): y[t, o] = SiLU((W x)[o]) * (W_up x)[o],
+ * both rows computed by the same task, so the activation needs no pass of its own. */
+typedef struct {
+    const le_weight *w;
+    int64_t expert;
+    const float *x;
+    int64_t n_tok, ldx;
+    float *y;
+    int64_t ldy;
+    const le_weight *w_up;
+} le_mm;
+/* Runs independent products as one parallel job over their concatenated output rows;
+ * inputs shared by several products (same x, n_tok, ldx, activation type) are quantised once. */
+int le_matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm);
 /* One row of a weight as f32 (embedding lookup). out: [W.ne0] */
 void le_weight_row(const le_weight *w, int64_t row, float *out);
 
-/* Dot product with 8 independent partial sums: gcc vectorises it without -ffast-math.
- * The summation order is fixed, so results do not depend on the batch or thread split. */
-static inline float le_dot_f32(const float *a, const float *b, int64_t n) {
-    float acc[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
-    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
+/* The plain f32 dot product (fixed summation order; le_simd.h). Hot decode paths use the
+ * selected tier's le_get_f32_kernels()->dot instead. */
+static inline float le_dot_f32(const float *a, const float *b, int64_t n) { return le_dot_f32_plain(a, b, n); }
 
 /* ---- norm.c ------------------------------------------------------------------------ */
 /* out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]  (w NULL: no weight). In-place allowed. */

@@ -17,6 +17,10 @@ typedef struct le_pool le_pool;
 int le_pool_create(int n_threads, le_pool **out);
 void le_pool_free(le_pool *p);
 int le_pool_threads(const le_pool *p);
+/* Pins worker i (1..n_threads-1) to cpus[i % n_cpus]; the caller's thread is not pinned. */
+int le_pool_pin(le_pool *p, const int *cpus, int n_cpus);
+/* The CPU a thread of the pool is pinned to, or -1. */
+int le_pool_pinned_cpu(const le_pool *p, int thread);
 void le_parallel_for(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *ctx);
 
 #endif

@@ -1,89 +1,171 @@
-/* matmul.c — y = W x for any weight type: dequantise a row, dot it with every token.
+/* matmul.c — y = W x for any weight type, one product or a batch of them as one parallel job.
  *
- * Reference path (fp32 activations): each task takes a range of output rows; a row is
- * dequantised once into a per-task buffer (or read in place when the weight is f32)
- * and dotted with all n_tok inputs, so a prefill batch reads the weights once.
- * The integer SIMD GEMV kernels (W4A8) of cpu_simd/ will plug in beside this through
- * the capability table; this stays their oracle.
- * Test: tests/test_model.py (oracle comparisons exercise every weight type). */
+ * Integer path (W4A8 …, the default where the weight type has an integer dot product):
+ * each distinct input is quantised once to the weight type's activation type (Q8_0 /
+ * Q8_1 / Q8_K) and every output row goes through the selected tier's vec_dot.
+ * Reference path (fp32 activations; int8 off or F32/F16/BF16 weights): each weight row is
+ * dequantised once into a per-task buffer (or read in place when f32) and dotted with
+ * every token, so a prefill batch reads the weights once.
+ *
+ * A batch (le_matmul_batch) is what makes decode fast on many cores: the products of one
+ * step that do not depend on each other (the 4 GDN input projections; q, k, v; the gate and
+ * up matrices of all routed experts and the shared expert; then all their down matrices)
+ * run as ONE job over their concatenated output rows, so a token costs a few jobs per
+ * layer instead of one per matrix, and no thread idles while a small matrix finishes.
+ * Test: tests/test_model.py, tests/test_quantized.py (every weight type, every CPU tier). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "le_internal.h"
 #include "le_ops.h"
+#include "le_simd.h"
 
 typedef struct {
-    const le_weight *w;
-    const uint8_t *base; /* the expert's first row */
-    const float *x;
-    int64_t n_tok, ldx, ldy;
-    float *y;
+    const le_mm *mm;
+    int n_mm;
+    const int64_t *first;        /* [n_mm + 1]: first global row of each product */
+    le_vec_dot_fn *vec_dot;      /* [n_mm]: NULL = reference path */
+    const uint8_t **xq;          /* [n_mm]: quantised activations of the integer path */
+    const int64_t *act_row_bytes;
     int failed;
-    /* integer path */
-    le_vec_dot_fn vec_dot;
-    const uint8_t *xq;   /* [n_tok, act_row_bytes] activations in the vec_dot type */
-    int64_t act_row_bytes;
-} matmul_job;
+} batch_job;
 
-static void matmul_rows_int8(void *ctx, int64_t r0, int64_t r1, int thread) {
-    matmul_job *j = ctx;
+static void rows_int8(const le_mm *mm, le_vec_dot_fn vd, const uint8_t *xq, int64_t rb, int64_t r0, int64_t r1) {
+    const le_weight *w = mm->w;
+    const uint8_t *base = w->data + mm->expert * w->nb2;
+    if (mm->w_up) { /* SwiGLU pair: both rows share the input (same activation type, checked by the caller) */
+        const uint8_t *base_up = mm->w_up->data + mm->expert * mm->w_up->nb2;
+        le_vec_dot_fn vd_up = le_get_vec_dot(mm->w_up->type);
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t t = 0; t < mm->n_tok; t++) {
+                float g, u;
+                vd(w->ne0, &g, base + r * w->nb1, xq + t * rb);
+                vd_up(w->ne0, &u, base_up + r * mm->w_up->nb1, xq + t * rb);
+                mm->y[t * mm->ldy + r] = le_silu(g) * u;
+            }
+        return;
+    }
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = j->base + r * j->w->nb1;
-        for (int64_t t = 0; t < j->n_tok; t++) j->vec_dot(j->w->ne0, &j->y[t * j->ldy + r], row, j->xq + t * j->act_row_bytes);
+        const uint8_t *row = base + r * w->nb1;
+        for (int64_t t = 0; t < mm->n_tok; t++) vd(w->ne0, &mm->y[t * mm->ldy + r], row, xq + t * rb);
     }
 }
 
-static void matmul_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
-    matmul_job *j = ctx;
-    const le_weight *w = j->w;
-    int64_t ne0 = w->ne0;
-    float *buf = NULL;
-    if (w->type != LE_TYPE_F32) {
-        buf = malloc((size_t)ne0 * sizeof(float));
-        if (!buf) {
-            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
-            return;
-        }
-    }
+/* A row of w as f32: in place when w is f32, else dequantised into buf. */
+static const float *row_f32(const le_weight *w, int64_t expert, int64_t r, float *buf) {
+    const uint8_t *row = w->data + expert * w->nb2 + r * w->nb1;
+    if (w->type == LE_TYPE_F32) return (const float *)row;
+    w->tr->dequantize_row(row, buf, w->ne0);
+    return buf;
+}
+
+static int rows_f32(const le_mm *mm, int64_t r0, int64_t r1) {
+    int64_t ne0 = mm->w->ne0;
+    float *buf = malloc(2 * (size_t)ne0 * sizeof(float));
+    if (!buf) return 0;
+    le_dot_f32_fn dot = le_get_f32_kernels()->dot;
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = j->base + r * w->nb1;
-        const float *wr;
-        if (buf) {
-            w->tr->dequantize_row(row, buf, ne0);
-            wr = buf;
-        } else {
-            wr = (const float *)row;
+        const float *wr = row_f32(mm->w, mm->expert, r, buf);
+        const float *ur = mm->w_up ? row_f32(mm->w_up, mm->expert, r, buf + ne0) : NULL;
+        for (int64_t t = 0; t < mm->n_tok; t++) {
+            const float *x = mm->x + t * mm->ldx;
+            float g = dot(wr, x, ne0);
+            mm->y[t * mm->ldy + r] = ur ? le_silu(g) * dot(ur, x, ne0) : g;
         }
-        for (int64_t t = 0; t < j->n_tok; t++) j->y[t * j->ldy + r] = le_dot_f32(wr, j->x + t * j->ldx, ne0);
     }
     free(buf);
+    return 1;
+}
+
+/* Global rows [g0, g1) may span several products. */
+static void batch_rows(void *ctx, int64_t g0, int64_t g1, int thread) {
+    batch_job *j = ctx;
+    int lo = 0, hi = j->n_mm - 1; /* the product holding g0: last i with first[i] <= g0 */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (j->first[mid] <= g0) lo = mid;
+        else hi = mid - 1;
+    }
+    for (int i = lo; i < j->n_mm && j->first[i] < g1; i++) {
+        int64_t r0 = (g0 > j->first[i] ? g0 : j->first[i]) - j->first[i];
+        int64_t r1 = (g1 < j->first[i + 1] ? g1 : j->first[i + 1]) - j->first[i];
+        if (r0 >= r1) continue;
+        if (j->vec_dot[i])
+            rows_int8(&j->mm[i], j->vec_dot[i], j->xq[i], j->act_row_bytes[i], r0, r1);
+        else if (!rows_f32(&j->mm[i], r0, r1))
+            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+    }
+}
+
+static le_vec_dot_fn int_kernel(int int8, const le_weight *w) {
+    if (!int8 || w->type == LE_TYPE_F32 || w->type == LE_TYPE_F16 || w->type == LE_TYPE_BF16) return NULL;
+    return le_get_vec_dot(w->type);
+}
+
+int le_matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm) {
+    if (n_mm <= 0) return LE_OK;
+    /* per product: kernel, first row, activations (quantised once per distinct input) */
+    size_t meta = (size_t)n_mm * (sizeof(le_vec_dot_fn) + sizeof(uint8_t *) + 2 * sizeof(int64_t) + sizeof(int)) +
+                  sizeof(int64_t);
+    uint8_t *mem = malloc(meta);
+    if (!mem) return LE_FAIL(LE_ERR_NO_MEMORY, "matmul batch of %d", n_mm);
+    le_vec_dot_fn *vd = (le_vec_dot_fn *)mem;
+    const uint8_t **xq = (const uint8_t **)(vd + n_mm);
+    int64_t *first = (int64_t *)(xq + n_mm), *rb = first + n_mm + 1;
+    int *owner = (int *)(rb + n_mm); /* i: product i allocated xq[i]; -1: shares an earlier one */
+    int rc = LE_OK;
+    first[0] = 0;
+    for (int i = 0; i < n_mm; i++) {
+        const le_weight *w = mm[i].w, *wu = mm[i].w_up;
+        if (wu && (wu->ne0 != w->ne0 || wu->ne1 != w->ne1)) {
+            rc = LE_FAIL(LE_ERR_INVALID_ARG, "SwiGLU pair: gate [%lld, %lld] and up [%lld, %lld] differ",
+                         (long long)w->ne0, (long long)w->ne1, (long long)wu->ne0, (long long)wu->ne1);
+            n_mm = i; /* free what was allocated so far */
+            goto done;
+        }
+        first[i + 1] = first[i] + (mm[i].n_tok > 0 ? w->ne1 : 0);
+        vd[i] = mm[i].n_tok > 0 ? int_kernel(int8, w) : NULL;
+        /* a pair runs on the integer path only if both halves do, on one activation type */
+        if (vd[i] && wu && (!int_kernel(int8, wu) || wu->tr->vec_dot_type != w->tr->vec_dot_type)) vd[i] = NULL;
+        xq[i] = NULL;
+        owner[i] = -1;
+        rb[i] = 0;
+        if (!vd[i]) continue;
+        int at = w->tr->vec_dot_type;
+        const le_type_traits_t *att = le_get_type_traits(at);
+        rb[i] = w->ne0 / att->block_size * att->type_size;
+        for (int p = 0; p < i && !xq[i]; p++)
+            if (vd[p] && mm[p].x == mm[i].x && mm[p].n_tok == mm[i].n_tok && mm[p].ldx == mm[i].ldx &&
+                mm[p].w->ne0 == w->ne0 && mm[p].w->tr->vec_dot_type == at)
+                xq[i] = xq[p];
+        if (xq[i]) continue;
+        uint8_t *q = malloc((size_t)(rb[i] * mm[i].n_tok));
+        if (!q) {
+            rc = LE_FAIL(LE_ERR_NO_MEMORY, "quantised activations (%lld bytes)", (long long)(rb[i] * mm[i].n_tok));
+            goto done;
+        }
+        le_quantize_row_fn quant = le_get_act_quantizer(at);
+        for (int64_t t = 0; t < mm[i].n_tok; t++) quant(mm[i].x + t * mm[i].ldx, q + t * rb[i], w->ne0);
+        xq[i] = q;
+        owner[i] = i;
+    }
+    batch_job j = {mm, n_mm, first, vd, xq, rb, 0};
+    int64_t total = first[n_mm];
+    /* grain: enough rows per task to amortise claiming it, few enough to balance */
+    int64_t grain = total / (8 * le_pool_threads(pool)) + 1;
+    le_parallel_for(pool, total, grain, batch_rows, &j);
+    if (j.failed) rc = LE_FAIL(LE_ERR_NO_MEMORY, "matmul row buffer");
+done:
+    for (int i = 0; i < n_mm; i++)
+        if (owner[i] == i) free((void *)xq[i]);
+    free(mem);
+    return rc;
 }
 
 int le_matmul(le_pool *pool, int int8, const le_weight *w, int64_t expert, const float *x, int64_t n_tok,
               int64_t ldx, float *y, int64_t ldy) {
-    matmul_job j = {w, w->data + expert * w->nb2, x, n_tok, ldx, ldy, y, 0, NULL, NULL, 0};
-    /* grain: enough rows per task to amortise the dispatch, few enough to balance */
-    int64_t grain = w->ne1 / (8 * le_pool_threads(pool)) + 1;
-    le_vec_dot_fn vd = int8 && w->type != LE_TYPE_F32 && w->type != LE_TYPE_F16 && w->type != LE_TYPE_BF16
-                           ? le_get_vec_dot(w->type) : NULL;
-    if (vd) {
-        /* quantise every activation row once to the weight type's activation type */
-        const le_type_traits_t *at = le_get_type_traits(w->tr->vec_dot_type);
-        le_quantize_row_fn q = le_get_act_quantizer(w->tr->vec_dot_type);
-        int64_t rb = w->ne0 / at->block_size * at->type_size;
-        uint8_t *xq = malloc((size_t)(rb * n_tok));
-        if (!xq) return LE_FAIL(LE_ERR_NO_MEMORY, "quantised activations (%lld bytes)", (long long)(rb * n_tok));
-        for (int64_t t = 0; t < n_tok; t++) q(x + t * ldx, xq + t * rb, w->ne0);
-        j.vec_dot = vd;
-        j.xq = xq;
-        j.act_row_bytes = rb;
-        le_parallel_for(pool, w->ne1, grain, matmul_rows_int8, &j);
-        free(xq);
-        return LE_OK;
-    }
-    le_parallel_for(pool, w->ne1, grain, matmul_rows, &j);
-    if (j.failed) return LE_FAIL(LE_ERR_NO_MEMORY, "matmul row buffer (%lld floats)", (long long)w->ne0);
-    return LE_OK;
+    le_mm mm = {w, expert, x, n_tok, ldx, y, ldy, NULL};
+    return le_matmul_batch(pool, int8, &mm, 1);
 }
 
 void le_weight_row(const le_weight *w, int64_t row, float *out) {

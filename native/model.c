@@ -7,6 +7,7 @@
  * GGUF norm weights already hold (1 + w). Test: tests/test_model.py. */
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "le_internal.h"
 #include "le_ops.h"
@@ -87,7 +88,8 @@ int le_model_create(const le_hparams *hp, int n_threads, le_model **out) {
     m->int8 = 1;
     m->layer = calloc((size_t)hp->n_layer, sizeof *m->layer);
     m->state_index = calloc((size_t)hp->n_layer, sizeof(int));
-    if (!m->layer || !m->state_index) {
+    m->prof = calloc(LE_PROF_COUNT, sizeof(double));
+    if (!m->layer || !m->state_index || !m->prof) {
         le_model_free(m);
         return LE_FAIL(LE_ERR_NO_MEMORY, "model layers");
     }
@@ -106,8 +108,35 @@ void le_model_free(le_model *m) {
     le_pool_free(m->pool);
     free(m->layer);
     free(m->state_index);
+    free(m->prof);
     free(m);
 }
+
+double le_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int le_model_set_profile(le_model *m, int on) {
+    if (!m) return LE_FAIL(LE_ERR_INVALID_ARG, "NULL model");
+    m->profile = on != 0;
+    if (on) memset(m->prof, 0, LE_PROF_COUNT * sizeof(double));
+    return LE_OK;
+}
+
+int le_model_profile(const le_model *m, double *seconds, int n) {
+    if (!m || !seconds) return LE_FAIL(LE_ERR_INVALID_ARG, "NULL model or output");
+    for (int i = 0; i < n && i < LE_PROF_COUNT; i++) seconds[i] = m->prof[i];
+    return LE_PROF_COUNT;
+}
+
+int le_model_pin_threads(le_model *m, const int *cpus, int n_cpus) {
+    if (!m) return LE_FAIL(LE_ERR_INVALID_ARG, "NULL model");
+    return le_pool_pin(m->pool, cpus, n_cpus);
+}
+
+int le_model_pinned_cpu(const le_model *m, int thread) { return m ? le_pool_pinned_cpu(m->pool, thread) : -1; }
 
 int le_model_set_weight(le_model *m, int layer, int slot, const void *data, int type, int64_t ne0, int64_t ne1,
                         int64_t ne2, int64_t nb2) {
@@ -175,6 +204,7 @@ int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *lo
     if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "activations for %d tokens", n);
     float *x = buf, *h = x + (size_t)n * E, *y = h + (size_t)n * E;
     int rc = LE_OK;
+    double tp = le_prof_start(m);
     for (int t = 0; t < n; t++) le_weight_row(&m->global[LE_W_TOKEN_EMBD], tokens[t], x + (size_t)t * E);
 
     for (int l = 0; l < hp->n_layer && !rc; l++) {
@@ -182,15 +212,19 @@ int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *lo
         int si = m->state_index[l];
         for (int t = 0; t < n; t++)
             le_rmsnorm(x + (size_t)t * E, (const float *)w[LE_W_ATTN_NORM].data, E, hp->rms_eps, h + (size_t)t * E);
+        le_prof(m, &tp, LE_PROF_EMBED_NORM);
         if (hp->recurrent[l])
             rc = le_gdn_layer(m, w, h, n, s->conv + si * s->conv_floats, s->ssm + si * s->ssm_floats, chunked, y);
         else
             rc = le_attention_layer(m, w, h, n, s->pos, s->k + si * s->kv_floats, s->v + si * s->kv_floats, y);
         if (rc) break;
+        tp = le_prof_start(m);
         for (size_t i = 0; i < (size_t)n * E; i++) x[i] += y[i];
         for (int t = 0; t < n; t++)
             le_rmsnorm(x + (size_t)t * E, (const float *)w[LE_W_POST_NORM].data, E, hp->rms_eps, h + (size_t)t * E);
+        le_prof(m, &tp, LE_PROF_EMBED_NORM);
         if ((rc = le_ffn_layer(m, w, h, n, y))) break;
+        tp = le_prof_start(m);
         for (size_t i = 0; i < (size_t)n * E; i++) x[i] += y[i];
     }
     if (!rc) {
@@ -201,7 +235,9 @@ int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *lo
                 le_rmsnorm(x + (size_t)t * E, (const float *)m->global[LE_W_OUTPUT_NORM].data, E, hp->rms_eps,
                            h + (size_t)(t - first) * E);
             const le_weight *head = m->global[LE_W_OUTPUT].data ? &m->global[LE_W_OUTPUT] : &m->global[LE_W_TOKEN_EMBD];
+            le_prof(m, &tp, LE_PROF_EMBED_NORM);
             rc = le_matmul(m->pool, m->int8, head, 0, h, n_out, E, logits, hp->n_vocab);
+            le_prof(m, &tp, LE_PROF_HEAD);
         }
     }
     free(buf);

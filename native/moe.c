@@ -4,8 +4,16 @@
  *   MoE:    p = softmax(W_router x) over all experts (f32); top-k; w = p_topk / sum p_topk
  *           out = sum_e w_e down_e(SiLU(gate_e x) * up_e x)
  *               + sigmoid(w_shexp_gate . x) * down_s(SiLU(gate_s x) * up_s x)
- * Prefill groups the batch's tokens by expert so each expert's weights are read once.
- * Ties in top-k go to the lower expert index. Test: tests/test_model.py. */
+ * The batch's tokens are grouped by expert so each expert's weights are read once. A MoE
+ * layer is three parallel jobs, whatever the batch:
+ *   A  router logits + the shared expert's gate/up pair (it does not depend on the routing)
+ *   B  gate/up pairs of every expert the batch routes to (SiLU(g) * u written directly)
+ *   C  down + combine: each task owns a range of output rows and, for those rows, runs the
+ *      down matrices of every used expert and of the shared expert over their tokens and
+ *      accumulates the weighted sums straight into `out` (no per-expert output buffers,
+ *      no serial combine; every element sums its experts in ascending order, then the
+ *      shared expert, whatever the thread split).
+ * Ties in top-k go to the lower expert index. Test: tests/test_model.py, tests/test_quantized.py. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,39 +24,136 @@
 /* Minimum of the top-k weight sum before renormalising (llama.cpp clamps the same way). */
 #define MOE_WSUM_MIN 6.103515625e-5f
 
-/* out[n, E] = W_down(SiLU(W_gate x) * W_up x) for one (expert) matrix set; act: [n, ff] x2 scratch */
-static int swiglu(const le_model *m, const le_weight *wg, const le_weight *wu, const le_weight *wd, int64_t e,
-                  const float *x, int n, float *act, float *out) {
+static int dense(const le_model *m, const le_weight *w, const float *x, int n, float *out) {
     int E = m->hp.n_embd;
-    int64_t ff = wg->ne1;
-    float *up = act + (size_t)n * ff;
-    int rc;
-    if ((rc = le_matmul(m->pool, m->int8, wg, e, x, n, E, act, ff)) || (rc = le_matmul(m->pool, m->int8, wu, e, x, n, E, up, ff)))
-        return rc;
-    for (size_t i = 0; i < (size_t)n * ff; i++) act[i] = le_silu(act[i]) * up[i];
-    return le_matmul(m->pool, m->int8, wd, e, act, n, ff, out, E);
+    int64_t ff = m->hp.n_ff;
+    float *act = malloc((size_t)n * ff * sizeof(float));
+    if (!act) return LE_FAIL(LE_ERR_NO_MEMORY, "ffn scratch for %d tokens", n);
+    double tp = le_prof_start(m);
+    le_mm gu = {&w[LE_W_FFN_GATE], 0, x, n, E, act, ff, &w[LE_W_FFN_UP]};
+    int rc = le_matmul_batch(m->pool, m->int8, &gu, 1);
+    le_prof(m, &tp, LE_PROF_FFN_GATE_UP);
+    if (!rc) {
+        rc = le_matmul(m->pool, m->int8, &w[LE_W_FFN_DOWN], 0, act, n, ff, out, E);
+        le_prof(m, &tp, LE_PROF_FFN_DOWN);
+    }
+    free(act);
+    return rc;
+}
+
+/* Job C. Activation rows: [0, nk) routed (expert e owns [start[e], start[e] + count[e])), then
+ * [nk, nk + n) the shared expert's, one per token. */
+typedef struct {
+    const le_weight *wd, *wds;       /* routed down [ff_exp -> E] x n_expert, shared down (or NULL) */
+    const int *used, *start, *count; /* used experts in ascending order, their row ranges */
+    int n_used, n, nk, E;
+    const int *tok_of;               /* [nk] token of each routed row */
+    const float *wrow;               /* [nk] routing weight of each routed row */
+    const float *sgate;              /* [n] shared-expert gate */
+    /* integer path: activations quantised (row bytes rb, rbs); f32 path: act rows (ff, ffs floats) */
+    le_vec_dot_fn vd, vds;
+    const uint8_t *aq, *aqs;
+    int64_t rb, rbs;
+    const float *act, *acts;
+    float *out;                      /* [n, E] */
+    int failed;
+} down_job;
+
+static void down_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
+    down_job *j = ctx;
+    const le_weight *wd = j->wd, *wds = j->wds;
+    le_dot_f32_fn dot = le_get_f32_kernels()->dot;
+    int64_t ne0_max = wds && wds->ne0 > wd->ne0 ? wds->ne0 : wd->ne0;
+    float *buf = NULL; /* a dequantised row for the f32 path */
+    if ((!j->vd || (wds && !j->vds)) && !(buf = malloc((size_t)ne0_max * sizeof(float)))) {
+        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int t = 0; t < j->n; t++) memset(j->out + (size_t)t * j->E + r0, 0, (size_t)(r1 - r0) * sizeof(float));
+    for (int u = 0; u < j->n_used; u++) {
+        int e = j->used[u];
+        const uint8_t *base = wd->data + (int64_t)e * wd->nb2;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = base + r * wd->nb1;
+            const float *rf = (const float *)row;
+            if (!j->vd && wd->type != LE_TYPE_F32) {
+                wd->tr->dequantize_row(row, buf, wd->ne0);
+                rf = buf;
+            }
+            for (int i = j->start[e]; i < j->start[e] + j->count[e]; i++) {
+                float s;
+                if (j->vd) j->vd(wd->ne0, &s, row, j->aq + (int64_t)i * j->rb);
+                else s = dot(rf, j->act + (int64_t)i * wd->ne0, wd->ne0);
+                j->out[(size_t)j->tok_of[i] * j->E + r] += j->wrow[i] * s;
+            }
+        }
+    }
+    if (wds)
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = wds->data + r * wds->nb1;
+            const float *rf = (const float *)row;
+            if (!j->vds && wds->type != LE_TYPE_F32) {
+                wds->tr->dequantize_row(row, buf, wds->ne0);
+                rf = buf;
+            }
+            for (int t = 0; t < j->n; t++) {
+                float s;
+                if (j->vds) j->vds(wds->ne0, &s, row, j->aqs + (int64_t)t * j->rbs);
+                else s = dot(rf, j->acts + (int64_t)t * wds->ne0, wds->ne0);
+                j->out[(size_t)t * j->E + r] += j->sgate[t] * s;
+            }
+        }
+    free(buf);
+}
+
+/* The integer kernel for w's rows and the act rows quantised for it (NULL kernel: f32 path). */
+static int quantize_rows(int int8, const le_weight *w, const float *act, int64_t rows, le_vec_dot_fn *vd,
+                         uint8_t **aq, int64_t *rb) {
+    *vd = NULL;
+    *aq = NULL;
+    *rb = 0;
+    if (!int8 || w->type == LE_TYPE_F32 || w->type == LE_TYPE_F16 || w->type == LE_TYPE_BF16 ||
+        !(*vd = le_get_vec_dot(w->type)))
+        return LE_OK;
+    const le_type_traits_t *at = le_get_type_traits(w->tr->vec_dot_type);
+    le_quantize_row_fn q = le_get_act_quantizer(w->tr->vec_dot_type);
+    *rb = w->ne0 / at->block_size * at->type_size;
+    if (!(*aq = malloc((size_t)(*rb * rows > 0 ? *rb * rows : 1))))
+        return LE_FAIL(LE_ERR_NO_MEMORY, "quantised activations (%lld rows)", (long long)rows);
+    for (int64_t i = 0; i < rows; i++) q(act + i * w->ne0, *aq + i * *rb, w->ne0);
+    return LE_OK;
 }
 
 static int moe(const le_model *m, const le_weight *w, const float *x, int n, float *out) {
     const le_hparams *hp = &m->hp;
-    int E = hp->n_embd, ne = hp->n_expert, k = hp->n_expert_used;
-    int64_t ff = hp->n_ff_exp > hp->n_ff_shexp ? hp->n_ff_exp : hp->n_ff_shexp;
+    int E = hp->n_embd, ne = hp->n_expert, k = hp->n_expert_used, shared = hp->n_ff_shexp > 0;
+    int64_t fe = hp->n_ff_exp, fs = hp->n_ff_shexp;
+    int nk = n * k;
     int rc = LE_OK;
-    /* scratch: logits [n, ne], sel [n, k] ids + weights, gathered x [n, E], act [n, 2 ff], y [n, E],
-     * per-expert token lists [ne][n] */
-    size_t floats = (size_t)n * ne + (size_t)n * k + 2 * (size_t)n * E + 2 * (size_t)n * ff + (size_t)n * E;
+    /* scratch (f32): logits [n, ne], wsel [n, k], sgate [n], xg [nk, E], act [nk, fe] + [n, fs];
+     * ints: sel [nk], tok_of [nk], count [ne], start [ne], used [ne]; products: 1 per used expert + 2 */
+    size_t floats = (size_t)n * ne + (size_t)nk + n + (size_t)nk * E + (size_t)nk * fe + (size_t)n * fs;
     float *buf = malloc(floats * sizeof(float));
-    int *ids = malloc(((size_t)n * k + (size_t)ne * n + ne) * sizeof(int));
-    if (!buf || !ids) {
-        free(buf);
-        free(ids);
-        return LE_FAIL(LE_ERR_NO_MEMORY, "moe scratch for %d tokens", n);
+    int *ibuf = malloc(((size_t)2 * nk + 3 * (size_t)ne) * sizeof(int));
+    le_mm *mm = malloc(((size_t)ne + 2) * sizeof(le_mm));
+    uint8_t *aq = NULL, *aqs = NULL;
+    if (!buf || !ibuf || !mm) {
+        rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe scratch for %d tokens", n);
+        goto done;
     }
-    float *logits = buf, *wsel = logits + (size_t)n * ne, *xg = wsel + (size_t)n * k;
-    float *act = xg + (size_t)n * E, *y = act + 2 * (size_t)n * ff, *acc = y + (size_t)n * E;
-    int *sel = ids, *tok_of = sel + (size_t)n * k, *count = tok_of + (size_t)ne * n;
+    float *logits = buf, *wsel = logits + (size_t)n * ne, *sgate = wsel + nk, *xg = sgate + n;
+    float *act = xg + (size_t)nk * E, *acts = act + (size_t)nk * fe;
+    int *sel = ibuf, *tok_of = sel + nk, *count = tok_of + nk, *start = count + ne, *used = start + ne;
+    double tp = le_prof_start(m);
 
-    if ((rc = le_matmul(m->pool, m->int8, &w[LE_W_GATE_INP], 0, x, n, E, logits, ne))) goto done;
+    /* A: router logits and the shared expert's gate/up pair */
+    int n_mm = 0;
+    mm[n_mm++] = (le_mm){&w[LE_W_GATE_INP], 0, x, n, E, logits, ne, NULL};
+    if (shared) mm[n_mm++] = (le_mm){&w[LE_W_GATE_SHEXP], 0, x, n, E, acts, fs, &w[LE_W_UP_SHEXP]};
+    if ((rc = le_matmul_batch(m->pool, m->int8, mm, n_mm))) goto done;
+    le_prof(m, &tp, LE_PROF_MOE_ROUTER);
+
+    /* routing: softmax, top-k (ties to the lower index), renormalise */
     memset(count, 0, (size_t)ne * sizeof(int));
     for (int t = 0; t < n; t++) {
         float *l = logits + (size_t)t * ne;
@@ -60,7 +165,6 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
             sum += l[e];
         }
         for (int e = 0; e < ne; e++) l[e] = (float)(l[e] / sum);
-        /* top-k by selection: k is small (8) */
         float wsum = 0.0f;
         for (int s = 0; s < k; s++) {
             int best = -1;
@@ -72,52 +176,63 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
             sel[t * k + s] = best;
             wsel[t * k + s] = l[best];
             wsum += l[best];
+            count[best]++;
         }
         if (wsum < MOE_WSUM_MIN) wsum = MOE_WSUM_MIN;
         if (hp->faults & LE_FAULT_NO_TOPK_RENORM) wsum = 1.0f;
-        for (int s = 0; s < k; s++) {
-            wsel[t * k + s] /= wsum;
-            int e = sel[t * k + s];
-            tok_of[(size_t)e * n + count[e]++] = t * k + s; /* remember token and slot */
-        }
+        for (int s = 0; s < k; s++) wsel[t * k + s] /= wsum;
     }
-    memset(acc, 0, (size_t)n * E * sizeof(float));
-    for (int e = 0; e < ne; e++) {
-        int c = count[e];
-        if (!c) continue;
-        for (int i = 0; i < c; i++)
-            memcpy(xg + (size_t)i * E, x + (size_t)(tok_of[(size_t)e * n + i] / k) * E, (size_t)E * sizeof(float));
-        if ((rc = swiglu(m, &w[LE_W_GATE_EXPS], &w[LE_W_UP_EXPS], &w[LE_W_DOWN_EXPS], e, xg, c, act, y))) goto done;
-        for (int i = 0; i < c; i++) {
-            int ts = tok_of[(size_t)e * n + i];
-            float wt = wsel[ts];
-            float *dst = acc + (size_t)(ts / k) * E;
-            const float *src = y + (size_t)i * E;
-            for (int d = 0; d < E; d++) dst[d] += wt * src[d];
-        }
-    }
-    if (hp->n_ff_shexp) {
-        if ((rc = swiglu(m, &w[LE_W_GATE_SHEXP], &w[LE_W_UP_SHEXP], &w[LE_W_DOWN_SHEXP], 0, x, n, act, y))) goto done;
+    if (shared) {
         const float *sg = (const float *)w[LE_W_GATE_INP_SHEXP].data; /* [E] */
-        for (int t = 0; t < n; t++) {
-            float d = 0.0f;
-            for (int i = 0; i < E; i++) d += sg[i] * x[(size_t)t * E + i];
-            float gate = le_sigmoid(d);
-            for (int i = 0; i < E; i++) acc[(size_t)t * E + i] += gate * y[(size_t)t * E + i];
-        }
+        for (int t = 0; t < n; t++) sgate[t] = le_sigmoid(le_dot_f32(sg, x + (size_t)t * E, E));
     }
-    memcpy(out, acc, (size_t)n * E * sizeof(float));
+    /* group token-slots by expert: expert e owns rows [start[e], start[e] + count[e]) of xg and act */
+    int n_used = 0;
+    for (int e = 0, r = 0; e < ne; e++) {
+        start[e] = r;
+        r += count[e];
+        if (count[e]) used[n_used++] = e;
+        count[e] = 0;
+    }
+    float *wrow = logits; /* the logits are spent (n * ne >= nk): wrow[row] = routing weight of that row */
+    for (int ts = 0; ts < nk; ts++) {
+        int e = sel[ts], r = start[e] + count[e]++;
+        tok_of[r] = ts / k;
+        wrow[r] = wsel[ts];
+        memcpy(xg + (size_t)r * E, x + (size_t)(ts / k) * E, (size_t)E * sizeof(float));
+    }
+    le_prof(m, &tp, LE_PROF_MOE_ROUTER);
+
+    /* B: gate/up pairs of every used expert */
+    n_mm = 0;
+    for (int u = 0; u < n_used; u++) {
+        int e = used[u];
+        mm[n_mm++] = (le_mm){&w[LE_W_GATE_EXPS], e, xg + (size_t)start[e] * E, count[e], E,
+                             act + (size_t)start[e] * fe, fe, &w[LE_W_UP_EXPS]};
+    }
+    if ((rc = le_matmul_batch(m->pool, m->int8, mm, n_mm))) goto done;
+    le_prof(m, &tp, LE_PROF_FFN_GATE_UP);
+
+    /* C: down + combine */
+    down_job dj = {&w[LE_W_DOWN_EXPS], shared ? &w[LE_W_DOWN_SHEXP] : NULL, used, start, count, n_used, n, nk, E,
+                   tok_of, wrow, sgate, NULL, NULL, NULL, NULL, 0, 0, act, acts, out, 0};
+    if ((rc = quantize_rows(m->int8, dj.wd, act, nk, &dj.vd, &aq, &dj.rb))) goto done;
+    if (shared && (rc = quantize_rows(m->int8, dj.wds, acts, n, &dj.vds, &aqs, &dj.rbs))) goto done;
+    dj.aq = aq;
+    dj.aqs = aqs;
+    le_prof(m, &tp, LE_PROF_FFN_ACT);
+    le_parallel_for(m->pool, E, E / (8 * le_pool_threads(m->pool)) + 1, down_rows, &dj);
+    if (dj.failed) rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe down row buffer");
+    le_prof(m, &tp, LE_PROF_FFN_DOWN);
 done:
     free(buf);
-    free(ids);
+    free(ibuf);
+    free(mm);
+    free(aq);
+    free(aqs);
     return rc;
 }
 
 int le_ffn_layer(const le_model *m, const le_weight *w, const float *x, int n, float *out) {
-    if (m->hp.n_expert) return moe(m, w, x, n, out);
-    float *act = malloc(2 * (size_t)n * m->hp.n_ff * sizeof(float));
-    if (!act) return LE_FAIL(LE_ERR_NO_MEMORY, "ffn scratch for %d tokens", n);
-    int rc = swiglu(m, &w[LE_W_FFN_GATE], &w[LE_W_FFN_UP], &w[LE_W_FFN_DOWN], 0, x, n, act, out);
-    free(act);
-    return rc;
+    return m->hp.n_expert ? moe(m, w, x, n, out) : dense(m, w, x, n, out);
 }

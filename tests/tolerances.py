@@ -115,3 +115,16 @@ GPU_RMSNORM_REL = 2e-6
 GPU_Q8_1_SUM_REL = 2.0**-11
 GPU_Q8_1_SUM_ABS = 2.0**-25
 GPU_Q8_1_SUM_CHAIN = 5
+
+# ---- f32 kernels of the decode step (tests/test_f32_kernels.py), every tier against f64 math.
+# GDN step (one head): delta_c = beta (v_c - sum_i decay S_ic k_i) is a chain of dk f32 additions, so its error is
+# at most (dk + 4) u Md_c with Md_c = |beta| (|v_c| + sum_i |decay S_ic k_i|) (Higham, u = 2^-24, 4 roundings to
+# form it); S'_ic = decay S_ic + k_i delta_c adds 3 roundings of decay |S_ic| and |k_i| times delta's error; o_c is
+# another chain of dk terms over S' (or, in the SIMD tiers, decay S^T q + (k.q) delta: two chains of dk). Hence per
+# element |err| <= GDN_STEP_CHAIN * (dk + GDN_STEP_EXTRA) * u * M with M the sum of absolute terms of that element
+# (S': decay |S_ic| + |k_i| Md_c; o: sum_i |q_i| M(S'_ic) + |k.q| Md_c). A kernel that drops, repeats or swaps a
+# row or column moves an element by about M / dk, more than 100x the bound at dk <= 256.
+GDN_STEP_CHAIN = 2
+GDN_STEP_EXTRA = 8
+# f32 dot product: a chain of at most n additions per lane plus the lane reduction: (n + 8) u sum |a_i b_i|.
+DOT_F32_EXTRA = 8

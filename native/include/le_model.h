@@ -74,6 +74,17 @@ int le_model_set_weight(le_model *m, int layer, int slot, const void *data, int 
  * compute in f32 (the faithful reference path). */
 int le_model_set_int8(le_model *m, int on);
 
+/* Phase timing of le_forward (0 off, the default; 1 on; on resets the counters).
+ * le_model_profile copies up to n accumulated seconds per phase, in the order
+ * embed+norms, gdn_proj, gdn_core, gdn_out, attn_proj, attn_core, attn_out, moe_router,
+ * ffn_gate_up, ffn_act, ffn_down, ffn_combine, lm_head; returns the number of phases. */
+int le_model_set_profile(le_model *m, int on);
+int le_model_profile(const le_model *m, double *seconds, int n);
+/* Pins the worker threads: worker i (1..n_threads-1) to cpus[i % n_cpus]; the calling
+ * thread (thread 0) is not pinned. le_model_pinned_cpu: the CPU of thread i or -1. */
+int le_model_pin_threads(le_model *m, const int *cpus, int n_cpus);
+int le_model_pinned_cpu(const le_model *m, int thread);
+
 /* Checks that every weight the hyperparameters need is set. */
 int le_model_finalize(le_model *m);
 

@@ -60,6 +60,15 @@ int le_vec_dot(int type, int64_t n, const void *x, const void *y, float *out);
 /* Quantises activations to an activation type (Q8_0/Q8_1/Q8_K) with the selected tier's kernel. */
 int le_quantize_act(int act_type, const float *src, void *dst, int64_t n);
 
+/* The f32 kernels of the decode step (Gated DeltaNet recurrent step, f32 dot product),
+ * chosen with the same tier (ref and ssse3: the scalar reference); le_f32_isa: the tier
+ * serving them. le_gdn_step: one head, one token; S [dk, dv] f32 updated in place:
+ * S <- decay S; delta = beta (v - S^T k); S <- S + k delta^T; o = S^T q. */
+int le_f32_isa(void);
+int le_gdn_step(float *S, const float *q, const float *k, const float *v, float decay, float beta, int dk, int dv,
+                float *o);
+int le_dot_f32_k(const float *a, const float *b, int64_t n, float *out);
+
 /* IEEE half <-> float, round to nearest even (numpy's conversion). */
 float le_fp16_to_fp32(uint16_t h);
 uint16_t le_fp32_to_fp16(float f);

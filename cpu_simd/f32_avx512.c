@@ -1,0 +1,79 @@
+/* f32_avx512.c — the f32 kernels of the decode step (le_simd.h), AVX-512F.
+ *
+ * gdn_step (one Gated DeltaNet v-head, one token). Written with S' = decay S + k delta^T:
+ *   kv = S^T k, sq = S^T q            (pass 1: reads S)
+ *   delta = beta (v - decay kv)
+ *   o = S'^T q = decay sq + (k . q) delta
+ *   S <- decay S + k delta^T          (pass 2: reads and writes S)
+ * which is the reference's arithmetic reordered (one write pass instead of two). Columns
+ * of S are independent, so the work goes in blocks of 64 columns (4 zmm): a block of a
+ * 128 x 128 state is 32 KiB and stays in L1 between the two passes. dv not a multiple of
+ * 16 goes to the AVX2 kernel. dot: 4 FMA accumulators of 16 lanes.
+ * Oracle: native/f32_ref.c. Test: python -m pytest tests/test_f32_kernels.py -k avx512 */
+#pragma GCC target("avx512f,avx2,fma")
+
+#include <immintrin.h>
+
+#include "le_simd.h"
+
+float le_dot_f32_avx512(const float *a, const float *b, int64_t n) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(),
+           acc3 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+        acc2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 32), _mm512_loadu_ps(b + i + 32), acc2);
+        acc3 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 48), _mm512_loadu_ps(b + i + 48), acc3);
+    }
+    for (; i + 16 <= n; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3)));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* one block of W (8, 16, 24 or 32) columns starting at c0 */
+#define GDN_BLOCK(W)                                                                                   \
+    static void block##W(float *S, const float *q, const float *k, const float *v, float decay,        \
+                         float beta, float kq, int dk, int dv, int c0, float *o) {                     \
+        enum { NV = W / 16 };                                                                           \
+        __m512 kv[NV], sq[NV], d[NV];                                                                  \
+        for (int b = 0; b < NV; b++) kv[b] = sq[b] = _mm512_setzero_ps();                              \
+        for (int i = 0; i < dk; i++) {                                                                 \
+            const float *Si = S + (int64_t)i * dv + c0;                                                \
+            __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);                               \
+            for (int b = 0; b < NV; b++) {                                                             \
+                __m512 s = _mm512_loadu_ps(Si + 16 * b);                                                \
+                kv[b] = _mm512_fmadd_ps(s, ki, kv[b]);                                                 \
+                sq[b] = _mm512_fmadd_ps(s, qi, sq[b]);                                                 \
+            }                                                                                          \
+        }                                                                                              \
+        __m512 vdecay = _mm512_set1_ps(decay), vbeta = _mm512_set1_ps(beta), vkq = _mm512_set1_ps(kq);  \
+        for (int b = 0; b < NV; b++) {                                                                 \
+            __m512 vv = _mm512_loadu_ps(v + c0 + 16 * b);                                               \
+            d[b] = _mm512_mul_ps(vbeta, _mm512_fnmadd_ps(vdecay, kv[b], vv));                          \
+            _mm512_storeu_ps(o + c0 + 16 * b, _mm512_fmadd_ps(vkq, d[b], _mm512_mul_ps(vdecay, sq[b])));\
+        }                                                                                              \
+        for (int i = 0; i < dk; i++) {                                                                 \
+            float *Si = S + (int64_t)i * dv + c0;                                                      \
+            __m512 ki = _mm512_set1_ps(k[i]);                                                          \
+            for (int b = 0; b < NV; b++) {                                                             \
+                __m512 s = _mm512_mul_ps(_mm512_loadu_ps(Si + 16 * b), vdecay);                         \
+                _mm512_storeu_ps(Si + 16 * b, _mm512_fmadd_ps(ki, d[b], s));                            \
+            }                                                                                          \
+        }                                                                                              \
+    }
+GDN_BLOCK(16)
+GDN_BLOCK(64)
+
+void le_gdn_step_avx512(float *S, const float *q, const float *k, const float *v, float decay, float beta, int dk,
+                      int dv, float *o) {
+    if (dv % 16) {
+        le_gdn_step_avx2(S, q, k, v, decay, beta, dk, dv, o);
+        return;
+    }
+    float kq = le_dot_f32_avx512(k, q, dk);
+    int c = 0;
+    for (; c + 64 <= dv; c += 64) block64(S, q, k, v, decay, beta, kq, dk, dv, c, o);
+    for (; c < dv; c += 16) block16(S, q, k, v, decay, beta, kq, dk, dv, c, o);
+}

@@ -1,0 +1,32 @@
+/* f32_ref.c — scalar references of the f32 kernels of the decode step (le_simd.h
+ * "f32 kernels"): the Gated DeltaNet recurrent step of one head and the f32 dot product.
+ * These are the oracle of cpu_simd/f32_<isa>.c and the kernels of the ref and ssse3 tiers.
+ *
+ * gdn_step, one v-head, one token (spec §2.3), S: [dk, dv] row-major f32, in place:
+ *   S <- decay S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q
+ * Test: tests/test_f32_kernels.py. */
+#include "le_simd.h"
+
+void le_gdn_step_ref(float *S, const float *q, const float *k, const float *v, float decay, float beta, int dk,
+                     int dv, float *o) {
+    float delta[LE_GDN_MAX_DV];
+    for (int c = 0; c < dv; c++) delta[c] = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        float *Si = S + (int64_t)i * dv;
+        for (int c = 0; c < dv; c++) {
+            Si[c] *= decay;
+            delta[c] += Si[c] * k[i];
+        }
+    }
+    for (int c = 0; c < dv; c++) delta[c] = beta * (v[c] - delta[c]);
+    for (int c = 0; c < dv; c++) o[c] = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        float *Si = S + (int64_t)i * dv;
+        for (int c = 0; c < dv; c++) {
+            Si[c] += k[i] * delta[c];
+            o[c] += Si[c] * q[i];
+        }
+    }
+}
+
+float le_dot_f32_ref(const float *a, const float *b, int64_t n) { return le_dot_f32_plain(a, b, n); }
