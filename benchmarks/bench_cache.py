@@ -20,5 +20,6 @@ def test_cache_ttft(benchmark, tmp_path_factory):
     benchmark.extra_info.update({k: v for k, v in res.items() if not isinstance(v, dict)})
     benchmark.extra_info.update(r)
     assert all(v for k, v in r.items() if k.endswith("_equal"))
-    assert r["repeat_reused"] == 896 and r["follow_reused"] == 896 and r["shared_reused"] == 896
+    # an exact repeat restores the end-of-prompt entry (all 947); the others the largest snapshot of the grid (896)
+    assert r["repeat_reused"] == 947 and r["follow_reused"] == 896 and r["shared_reused"] == 896
 

@@ -8,9 +8,9 @@ Files: `make-model --preset tiny-moe` / `tiny-dense` (real structure and the rea
 tied embeddings: the LM head dominates the bytes per token). prefill = one chunked forward of PP tokens from an
 empty state; decode = TG single-token steps from an empty state. extra_info (benchmarks/README.md): tokens,
 weight bytes read per token / per run, FLOPs, tok/s, GB/s and, when benchmarks are enabled, % of the read
-bandwidth measured by benchmarks/bandwidth.py. Bytes: decode reads the top-k experts + everything else + LM head
-per token (compare_llamacpp.weight_footprint); a prefill batch reads each weight row once, counted as the whole
-file (every expert: an upper bound, ≈ exact for 64 tokens × top-4 of 16 experts).
+bandwidth measured by benchmarks/bandwidth.py's probe. Bytes: decode reads the top-k experts + everything else +
+LM head per token (legacy_engine.bench.weight_footprint); a prefill batch reads each weight row once, counted as the
+whole file (every expert: an upper bound, ≈ exact for 64 tokens × top-4 of 16 experts).
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from compare_llamacpp import seeded_tokens, weight_footprint
-
+from legacy_engine.bench import read_bandwidth, seeded_tokens, weight_footprint
 from legacy_engine.gguf_model import ModelFile
 from legacy_engine.make_model import make_model
 from legacy_engine.model import Model
@@ -50,7 +49,6 @@ def bandwidth(request):
     opt = request.config.getoption
     if opt("benchmark_disable", default=False) and not opt("benchmark_enable", default=False):
         return None
-    from bandwidth import read_bandwidth
     return read_bandwidth(len(os.sched_getaffinity(0)), size_mib=512, reps=3)
 
 

@@ -1,6 +1,28 @@
 """`legacy-engine bench`: measurements the issues ask for, run from one command.
 
+    legacy-engine bench decode MODEL.gguf [--threads N[,N...]] [--pp 64] [--tg 32] [--reps 3] [--json]
+                                          [--isa all|ref,ssse3,...] [--llama auto|off|PATH] [--bandwidth GBPS|auto]
     legacy-engine bench cache MODEL.gguf [--lengths 947 4096] [--threads N] [--disk DIR] [--json]
+
+bench decode — prefill and decode speed, ours per CPU tier next to llama.cpp, against the bandwidth roofline.
+
+One table; rows: legacy_engine with each ISA tier forced (_native.set_isa before the model loads, restored after;
+`f32` = integer kernels off, dequantise + f32 dot products) and llama.cpp (llama-cpp-python 0.3.36 when importable,
+or the llama-bench binary --llama names), per thread count. Same file, same threads.
+  pp N      one batched (chunked) forward of N seeded tokens from an empty state, last logits: tok/s = N / time
+  tg N      N single-token steps from an empty state (recurrent GDN path, KV cache growing): tok/s = N / time
+  ratio     tok/s over llama.cpp's at the same threads
+  bytes/tok weights read per decoded token: every tensor of the layers that run, expert tensors (ffn_*_exps) at
+            n_expert_used/n_expert of their bytes (the routed top-k), token_embd one row unless it is the LM head
+            (tied); recurrent state and KV are not counted (weight_footprint)
+  roofline  read bandwidth / bytes per token: the decode tok/s if weights streamed at the measured bandwidth
+  % roof    tg tok/s / roofline tok/s
+Each measurement: one untimed warm-up of the same work (page cache, thread pool), then --reps runs; the median
+counts, the runs' range is kept (JSON; in the table when reps > 1). llama-cpp-python runs `Llama(model,
+n_threads=T, n_threads_batch=T, n_batch=512)`, prefill = one `eval` of N tokens, decode = N `eval`s of one token
+(what llama-bench's pp/tg measure, plus ~0.1 ms of Python per call); llama-bench runs `-p N -n N -r R -t T -ngl 0
+-o json` (its own warm-up) and the median of its samples counts. --bandwidth auto measures the read bandwidth
+with `read_bandwidth` at each thread count (numpy reductions over 1 GiB: no C code of ours involved).
 
 bench cache — the prefix cache (legacy_engine/cache.py): time to first token with and without reused prefixes.
 
@@ -22,14 +44,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .cache import PrefixCache, Sizes, model_fingerprint
-from .generate import Engine
+from .errors import UnavailableError
+from .gguf_model import ModelFile
 
 SHARED = 900
 APPEND = 50
@@ -49,6 +76,8 @@ def bench_cache(model_path: str, lengths=(947, 4096), n_threads: int | None = No
                 page: int = 64, disk_dir: str | None = None, log=None) -> dict:
     """Runs the measurements of the module docstring; returns {"model", "threads", "L<n>": {...}, ...}.
     Times in seconds, sizes in bytes."""
+    from .cache import PrefixCache, Sizes, model_fingerprint
+    from .generate import Engine
     n_ctx = max(lengths) + APPEND + page
     eng = Engine(model_path, n_threads=n_threads, n_ctx=n_ctx)
     fp = model_fingerprint(eng.model)
@@ -101,9 +130,353 @@ def bench_cache(model_path: str, lengths=(947, 4096), n_threads: int | None = No
     return out
 
 
+# ------------------------------------------------------------------------------------------------ bench decode
+# Also used by benchmarks/compare_llamacpp.py (a thin wrapper), bench_e2e.py, bench_gemv.py and bandwidth.py.
+
+@dataclass
+class Footprint:
+    """Weight bytes and elements of a model file, and what one decoded token has to read."""
+    file_bytes: int = 0            # all tensor data
+    decode_bytes: int = 0          # weights read per decoded token (top-k experts only)
+    decode_params: int = 0         # weight elements used per token (for FLOPs), LM head included
+    head_params: int = 0           # LM head elements
+    parts: dict = field(default_factory=dict)   # decode_bytes split: experts, lm_head, other (attention, GDN, ...)
+
+
+def _layer(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("blk.") else None
+
+
+def weight_footprint(mf: ModelFile) -> Footprint:
+    """Bytes per decoded token from the GGUF's tensor sizes (the module docstring's `bytes/tok`)."""
+    hp, tensors = mf.hparams, mf.tensors
+    fp = Footprint(parts={"experts": 0, "lm_head": 0, "other": 0})
+    tied = "output.weight" not in tensors
+    for t in tensors.values():
+        fp.file_bytes += t.n_bytes
+        layer = _layer(t.name)
+        if layer is not None and layer >= hp.n_layer:          # MTP block: not run
+            continue
+        n_bytes, n_el = t.n_bytes, t.n_elements
+        if t.name == "output.weight" or (tied and t.name == "token_embd.weight"):
+            part, fp.head_params = "lm_head", n_el
+        elif t.name == "token_embd.weight":                    # one row looked up
+            n_bytes, n_el, part = n_bytes // t.ne[1], 0, "other"
+        elif "_exps." in t.name:                                # [E, out, in]: top-k of E experts
+            n_bytes = n_bytes * hp.n_expert_used // hp.n_expert
+            n_el = n_el * hp.n_expert_used // hp.n_expert
+            part = "experts"
+        else:
+            part = "other"
+        fp.decode_bytes += n_bytes
+        fp.decode_params += n_el if len(t.ne) >= 2 and t.ne[1] > 1 else 0     # matmul weights only
+        fp.parts[part] += n_bytes
+    return fp
+
+
+def seeded_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
+    # ordinary token ids (below the specials at the top of the Qwen vocabulary)
+    return np.random.default_rng(seed).integers(0, max(1, n_vocab - 512), n).tolist()
+
+
+# name -> reduction over a uint64 / float32 view of the same bytes (SIMD inner loops that release the GIL)
+READ_KERNELS = {
+    "u64-add": lambda b: np.add.reduce(b.view(np.uint64)),
+    "f32-max": lambda b: b.view(np.float32).max(),
+}
+
+
+def read_bandwidth(n_threads: int, size_mib: int = 1024, reps: int = 5, kernel: str = "u64-add",
+                   buf: np.ndarray | None = None) -> float:
+    """Best GB/s (1e9 bytes/s) of reading `size_mib` MiB with `n_threads` Python threads, each reducing its own
+    contiguous slice once per pass (benchmarks/bandwidth.py is its command line)."""
+    if buf is None:
+        buf = np.ones(size_mib << 17, dtype=np.float64)        # MiB / 8 bytes; ones: touched, not a zero page
+    slices = np.array_split(buf.view(np.uint8), n_threads)
+    cut = [len(s) // 64 * 64 for s in slices]                  # 64-byte multiples keep the 8-byte views valid
+    slices = [s[:c] for s, c in zip(slices, cut)]
+    nbytes = sum(cut)
+    f = READ_KERNELS[kernel]
+    with ThreadPoolExecutor(n_threads) as ex:
+        list(ex.map(f, slices))                                   # warm-up: page-in, thread start
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            list(ex.map(f, slices))
+            best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def machine_bandwidth(n_threads: int, size_mib: int = 1024, reps: int = 5) -> float:
+    """The best of every read kernel at n_threads threads, GB/s: the roofline's denominator."""
+    buf = np.ones(size_mib << 17, dtype=np.float64)
+    return max(read_bandwidth(n_threads, reps=reps, kernel=k, buf=buf) for k in READ_KERNELS)
+
+
+def _times(run, reps: int) -> list[float]:
+    """Seconds of `reps` runs after one untimed warm-up."""
+    run()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _result(engine: str, threads: int, load: float, pp: int, tg: int, t_pp: list[float],
+            t_tg: list[float]) -> dict:
+    """tok/s from the median time; the runs' range kept to show the noise."""
+    r = dict(engine=engine, threads=threads, load_s=load, pp_runs_s=t_pp, tg_runs_s=t_tg)
+    for k, n, ts in (("pp", pp, t_pp), ("tg", tg, t_tg)):
+        r[f"{k}_s"] = statistics.median(ts) if ts else float("nan")
+        r[f"{k}_tok_s"] = n / r[f"{k}_s"] if ts else float("nan")
+        r[f"{k}_tok_s_range"] = (n / max(ts), n / min(ts)) if ts else None
+    return r
+
+
+def file_kernels(mf: ModelFile) -> dict[str, str]:
+    """{weight type: tier whose integer kernel serves it now ("f32" where none does)} over the file's types."""
+    from . import _native
+    types = sorted({(t.type_name, t.type) for t in mf.tensors.values()} - {("F32", 0), ("F16", 1), ("BF16", 30)})
+    return {name: _native.kernel_isa(t) or "f32" for name, t in types}
+
+
+def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[int], isa: str | None = None) -> dict:
+    """Our pp/tg with tier `isa` forced (set before the model loads, the previous tier restored after); "f32":
+    integer kernels off (dequantise + f32 dot products: the reference path); None: the tier in effect."""
+    from . import _native
+    from .model import Model
+    prev = _native.get_isa()
+    try:
+        if isa not in (None, "f32"):
+            _native.set_isa(isa)
+        t0 = time.perf_counter()
+        model = Model(path, n_threads=threads)
+        load = time.perf_counter() - t0
+        if isa == "f32":
+            model.native.set_int8(False)
+        kernels = {k: "f32" for k in file_kernels(model.file)} if isa == "f32" else file_kernels(model.file)
+        state = model.new_state(max(pp, tg) + 8)
+
+        def prefill():
+            state.reset()
+            model.forward(state, ids[:pp], all_logits=False, chunked=True)
+
+        def decode():
+            state.reset()
+            for tok in ids[:tg]:
+                model.forward(state, [tok], all_logits=False)
+
+        t_pp = _times(prefill, reps) if pp else []
+        t_tg = _times(decode, reps) if tg else []
+    finally:
+        _native.set_isa(prev)
+    r = _result(f"legacy_engine {isa or prev}", threads, load, pp, tg, t_pp, t_tg)
+    r["isa"], r["kernels"] = isa or prev, kernels
+    return r
+
+
+def bench_llama(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[int]) -> dict:
+    """llama.cpp through llama-cpp-python, the same work as bench_ours."""
+    from llama_cpp import Llama
+    t0 = time.perf_counter()
+    llm = Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=max(pp, tg) + 8, n_batch=512, n_ubatch=512,
+                logits_all=False, verbose=False)
+    load = time.perf_counter() - t0
+
+    def prefill():
+        llm.reset()                                             # n_tokens = 0: eval drops the cache from there
+        llm.eval(ids[:pp])
+
+    def decode():
+        llm.reset()
+        for tok in ids[:tg]:
+            llm.eval([tok])
+
+    try:
+        t_pp = _times(prefill, reps) if pp else []
+        t_tg = _times(decode, reps) if tg else []
+    finally:
+        llm.close()
+    return _result("llama.cpp", threads, load, pp, tg, t_pp, t_tg)
+
+
+def bench_llama_bench(binary: str, path: str, threads: int, pp: int, tg: int, reps: int) -> dict:
+    """llama.cpp's own llama-bench binary (`-o json`); the median of its per-run samples counts."""
+    cmd = [binary, "-m", str(path), "-t", str(threads), "-p", str(pp), "-n", str(tg), "-r", str(reps),
+           "-ngl", "0", "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace")
+    if out.returncode != 0:
+        raise UnavailableError(f"{' '.join(cmd)} exited {out.returncode}: {out.stderr.strip()[-500:]}")
+    t_pp: list[float] = []
+    t_tg: list[float] = []
+    for test in json.loads(out.stdout):
+        ns = test.get("samples_ns") or [test["avg_ns"]]
+        if test.get("n_prompt", 0) > 0 and test.get("n_gen", 0) == 0:
+            t_pp = [x / 1e9 for x in ns]
+        elif test.get("n_gen", 0) > 0 and test.get("n_prompt", 0) == 0:
+            t_tg = [x / 1e9 for x in ns]
+    return _result("llama.cpp (llama-bench)", threads, float("nan"), pp, tg, t_pp, t_tg)
+
+
+def add_roofline(r: dict, fp: Footprint, pp: int, bandwidth: float | None) -> dict:
+    """decode GB/s, roofline tok/s (bandwidth / bytes per token), % of it; prefill GFLOP/s (2 x active weights per
+    token, LM head once; attention and GDN state FLOPs left out)."""
+    r["bytes_per_token"] = fp.decode_bytes
+    r["decode_GBps"] = fp.decode_bytes * r["tg_tok_s"] / 1e9
+    r["bandwidth_GBps"] = bandwidth
+    r["roofline_tok_s"] = bandwidth * 1e9 / fp.decode_bytes if bandwidth else None
+    r["pct_of_roofline"] = 100 * r["tg_tok_s"] / r["roofline_tok_s"] if bandwidth else None
+    flops = 2 * ((fp.decode_params - fp.head_params) * pp + fp.head_params)
+    r["pp_GFLOPs"] = flops / r["pp_s"] / 1e9 if pp else float("nan")
+    return r
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _rate(r: dict, k: str) -> str:
+    """median tok/s, with the runs' range when there were several"""
+    if r[f"{k}_tok_s_range"] is None:
+        return "-"
+    lo, hi = r[f"{k}_tok_s_range"]
+    return f"{r[f'{k}_tok_s']:.2f}" + (f" ({lo:.2f}–{hi:.2f})" if len(r[f"{k}_runs_s"]) > 1 else "")
+
+
+def decode_table(res: dict) -> str:
+    """The markdown table of bench_decode's result: one row per (threads, engine)."""
+    pp, tg = res["pp"], res["tg"]
+    cols = ["engine", "threads", f"pp{pp} tok/s", f"tg{tg} tok/s", "pp ratio", "tg ratio", "bytes/tok",
+            "roofline tok/s", "% roofline"]
+    rows = []
+    for r in res["results"]:
+        theirs = next((x for x in res["results"] if x["engine"].startswith("llama.cpp")
+                       and x["threads"] == r["threads"]), None)
+        ratio = [f"{r[f'{k}_tok_s'] / theirs[f'{k}_tok_s']:.2f}" if theirs and theirs[f"{k}_tok_s"] > 0 else "-"
+                 for k in ("pp", "tg")]
+        roof = [f"{r['roofline_tok_s']:.1f} @ {r['bandwidth_GBps']:.1f} GB/s", f"{r['pct_of_roofline']:.1f} %"] \
+            if r["roofline_tok_s"] else ["-", "-"]
+        rows.append([r["engine"], str(r["threads"]), _rate(r, "pp"), _rate(r, "tg"), *ratio,
+                     _gib(r["bytes_per_token"]), *roof])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(c) + " |" for c in rows]
+    return "\n".join(lines)
+
+
+def parse_isas(spec: str) -> list[str]:
+    """"all" -> every tier this CPU runs; "none" -> []; else a comma list of tiers, "f32" and "all", each checked."""
+    from . import _native
+    isas: list[str] = []
+    for i in (s.strip() for s in spec.split(",")):
+        if i in ("", "none"):
+            continue
+        if i == "all":
+            isas += [n for n in _native.ISA_NAMES if _native.isa_supported(n) and n not in isas]
+            continue
+        if i != "f32" and i not in _native.ISA_NAMES:
+            raise ValueError(f"--isa: unknown tier {i!r}; choose from all, none, f32, {', '.join(_native.ISA_NAMES)}")
+        if i != "f32" and not _native.isa_supported(i):
+            raise UnavailableError(f"--isa: this CPU cannot run {i} kernels; it runs "
+                                   f"{', '.join(n for n in _native.ISA_NAMES if _native.isa_supported(n))}")
+        isas += [i] if i not in isas else []
+    return isas
+
+
+def bench_decode(model_path: str, threads=(None,), pp: int = 64, tg: int = 32, reps: int = 3, isas=None,
+                 llama: str = "auto", bandwidth: float | str | None = "auto", seed: int = 0, log=None) -> dict:
+    """Runs the module docstring's `bench decode`; returns {"model", "footprint", "results": [row dicts], ...}.
+    threads: thread counts (None: all cores). isas: tiers to force, "f32" for integer kernels off (None: every tier
+    this CPU runs). llama: "auto" (llama-cpp-python if importable), "off", or the path of a llama-bench binary.
+    bandwidth: GB/s, "auto" (measured per thread count) or None (no roofline)."""
+    from .model import default_threads
+    isas = parse_isas("all") if isas is None else list(isas)
+    log = log or (lambda s: None)
+    mf = ModelFile.open(model_path)
+    hp, fp = mf.hparams, weight_footprint(mf)
+    ids = seeded_tokens(max(pp, tg), hp.n_vocab, seed)
+    out = dict(model=str(model_path), arch=hp.arch, n_layer=hp.n_layer, n_embd=hp.n_embd, n_expert=hp.n_expert,
+               n_expert_used=hp.n_expert_used, bytes_by_type={k: v[1] for k, v in mf.bytes_by_type().items()},
+               footprint=asdict(fp), pp=pp, tg=tg, reps=reps, seed=seed, isas=list(isas), notes=[], results=[])
+    del mf
+    use_llama = None
+    if llama == "auto":
+        try:
+            import llama_cpp  # noqa: F401
+            use_llama = "python"
+        except ImportError:
+            out["notes"].append("llama.cpp: llama-cpp-python is not importable; --llama PATH runs a llama-bench")
+    elif llama != "off":
+        binary = shutil.which(llama) or llama
+        if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
+            raise UnavailableError(f"--llama {llama}: not an executable llama-bench; give its path, auto or off")
+        use_llama = binary
+    out["load_avg_before"] = os.getloadavg()[0]
+    for n in [t or default_threads() for t in threads]:
+        bw = machine_bandwidth(n) if bandwidth == "auto" else bandwidth
+        out.setdefault("bandwidth_GBps", {})[n] = bw
+        log(f"threads {n}: read bandwidth {bw:.1f} GB/s" if bw else f"threads {n}")
+        rows = []
+        for isa in isas:
+            rows.append(bench_ours(model_path, n, pp, tg, reps, ids, isa))
+            log(f"  {rows[-1]['engine']}: pp {rows[-1]['pp_tok_s']:.2f} tok/s, tg {rows[-1]['tg_tok_s']:.2f} tok/s")
+        if use_llama == "python":
+            rows.append(bench_llama(model_path, n, pp, tg, reps, ids))
+        elif use_llama:
+            rows.append(bench_llama_bench(use_llama, model_path, n, pp, tg, reps))
+        if use_llama:
+            log(f"  {rows[-1]['engine']}: pp {rows[-1]['pp_tok_s']:.2f} tok/s, tg {rows[-1]['tg_tok_s']:.2f} tok/s")
+        out["results"] += [add_roofline(r, fp, pp, bw) for r in rows]
+    out["load_avg_after"] = os.getloadavg()[0]
+    return out
+
+
+def print_decode(res: dict) -> None:
+    """The header lines (file, bytes per token, kernels per tier, load) and decode_table."""
+    fp = res["footprint"]
+    mix = ", ".join(f"{k} {_gib(v)}" for k, v in res["bytes_by_type"].items())
+    print(f"{res['model']}: {res['arch']}, {res['n_layer']} layers, n_embd {res['n_embd']}"
+          + (f", {res['n_expert']} experts top-{res['n_expert_used']}" if res["n_expert"] else "") + f"; {mix}")
+    print(f"weights read per decoded token: {_gib(fp['decode_bytes'])} of {_gib(fp['file_bytes'])} "
+          f"(experts {_gib(fp['parts']['experts'])}, LM head {_gib(fp['parts']['lm_head'])}, "
+          f"other {_gib(fp['parts']['other'])}); {fp['decode_params'] / 1e9:.3f} G active weights")
+    seen = set()
+    for r in res["results"]:
+        if "kernels" in r and r["isa"] not in seen:
+            seen.add(r["isa"])
+            print(f"kernels with {r['isa']}: " + ", ".join(f"{k} {v}" for k, v in r["kernels"].items()))
+    print(f"pp {res['pp']}, tg {res['tg']}: median of {res['reps']} after one warm-up; load average "
+          f"{res['load_avg_before']:.2f} before, {res['load_avg_after']:.2f} after (other work on these cores "
+          f"skews the numbers)")
+    for note in res["notes"]:
+        print(note)
+    print()
+    print(decode_table(res))
+
+
 def main(argv=None) -> int:
     top = argparse.ArgumentParser(prog="legacy-engine bench", description=__doc__.split("\n\n")[0])
     sub = top.add_subparsers(dest="what", required=True, metavar="WHAT")
+    dp = sub.add_parser("decode", help="prefill/decode tok/s per CPU tier next to llama.cpp, %% of the roofline",
+                        description=__doc__[__doc__.index("bench decode —"):__doc__.index("bench cache —")],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    dp.add_argument("model", help="a Qwen3.5/3.6 GGUF file")
+    dp.add_argument("--threads", default=None, metavar="N[,N...]",
+                    help="CPU threads for both engines; several (--threads 2,1) give one block of rows each "
+                         "(all cores)")
+    dp.add_argument("--pp", type=int, default=64, help="prompt tokens of the prefill test, 0 skips it (64)")
+    dp.add_argument("--tg", type=int, default=32, help="decoded tokens of the decode test, 0 skips it (32)")
+    dp.add_argument("--reps", type=int, default=3, help="timed runs after one warm-up; the median counts (3)")
+    dp.add_argument("--isa", default="all", metavar="all|none|TIER,...",
+                    help="CPU tiers to force (ref, ssse3, avx2, avx512vnni; f32 = integer kernels off); all: every "
+                         "tier this CPU runs (all)")
+    dp.add_argument("--llama", default="auto", metavar="auto|off|PATH",
+                    help="llama.cpp beside ours: auto = llama-cpp-python if importable; PATH = a llama-bench binary")
+    dp.add_argument("--bandwidth", default="auto", metavar="GBPS|auto",
+                    help="read bandwidth for the roofline; auto measures it at each thread count (auto)")
+    dp.add_argument("--seed", type=int, default=0, help="seed of the random token ids (0)")
+    dp.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     ap = sub.add_parser("cache", help="time to first token with the prefix cache (cold, repeat, follow-up, shared)")
     ap.add_argument("model", help="a Qwen3.5/3.6 GGUF file")
     ap.add_argument("--lengths", type=int, nargs="+", default=[947, 4096], help="prompt lengths (947 4096)")
@@ -112,6 +485,8 @@ def main(argv=None) -> int:
     ap.add_argument("--disk", metavar="DIR", default=None, help="also measure the disk tier in a temp dir under DIR")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = top.parse_args(argv)
+    if args.what == "decode":
+        return _main_decode(args, top)
     res = bench_cache(args.model, args.lengths, args.threads, args.grid, disk_dir=args.disk,
                       log=lambda s: print(s, file=sys.stderr, flush=True))
     if args.json:
@@ -136,4 +511,26 @@ def main(argv=None) -> int:
             bad = [k for k, v in r.items() if k.endswith("_equal") and not v]
             if bad:
                 print(f"  NOT bit-identical: {bad}")
+    return 0
+
+
+def _main_decode(args, parser) -> int:
+    try:
+        threads = [int(t) for t in args.threads.split(",")] if args.threads else [None]
+    except ValueError:
+        parser.error(f"decode: --threads takes N or N,N,..., not {args.threads!r}")
+    if args.pp < 0 or args.tg < 0 or args.reps < 1 or any(t is not None and t < 1 for t in threads):
+        parser.error("decode: --pp/--tg must be >= 0, --reps and --threads >= 1")
+    bw = args.bandwidth
+    if bw not in ("auto", None):
+        try:
+            bw = float(bw)
+        except ValueError:
+            parser.error(f"decode: --bandwidth takes GB/s or auto, not {bw!r}")
+    res = bench_decode(args.model, threads, args.pp, args.tg, args.reps, parse_isas(args.isa), args.llama, bw,
+                       args.seed, log=lambda s: print(s, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print_decode(res)
     return 0

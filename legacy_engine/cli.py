@@ -7,7 +7,7 @@
   legacy-engine convert HF_DIR OUT.gguf Hugging Face Qwen3.5/3.6 checkpoint to GGUF (see convert -h)
   legacy-engine tokenize MODEL TEXT     token ids as the model's own tokenizer gives them
   legacy-engine serve MODEL             OpenAI-compatible HTTP server (see serve -h)
-  legacy-engine bench cache MODEL        benchmarks (see bench -h)
+  legacy-engine bench decode|cache MODEL  benchmarks: tok/s per CPU tier vs llama.cpp; prefix cache (bench -h)
   legacy-engine build-kernels …         compile cuda8/ to PTX for every GPU tier (see build-kernels -h)
 
 Errors the user can fix (a bad file, a missing feature) print one line and exit 1; bad flags exit 2.
@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("make-model", help="write a random-weight GGUF (make-model -h for flags)", add_help=False)
     sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF (convert -h for flags)",
                    add_help=False)
-    sub.add_parser("bench", help="benchmarks: bench cache MODEL … (bench -h for the list)", add_help=False)
+    sub.add_parser("bench", help="benchmarks: bench decode MODEL, bench cache MODEL (bench -h for the list)",
+                   add_help=False)
     sub.add_parser("build-kernels", help="build cuda8/ PTX for every GPU tier (build-kernels -h for flags)",
                    add_help=False)
     return p

@@ -675,3 +675,73 @@ def test_transformers_regenerates_committed_reference(kind, hf, our_gguf, measur
         measured[kind, "reference", f"HF/{n}", "HF-vs-stored-HF"] = d
         print(f"\n{kind} {n} tokens: transformers now vs committed max |Δ| = {d:.3g}")
         assert d <= tol.LOGIT_ABS_F32
+
+
+# ------------------------------------------------------------------------------------------------ bench decode
+# `legacy-engine bench decode` (legacy_engine/bench.py) on a 4-layer tiny MoE Q4_K_M file: the table prints, one
+# row per tier forced, and every number is positive; a stand-in llama-bench binary checks the llama.cpp row.
+
+@pytest.fixture(scope="module")
+def bench_file(tmp_path_factory):
+    from legacy_engine.make_model import make_model
+    return make_model("tiny-moe", str(tmp_path_factory.mktemp("bench") / "tiny-moe-4.q4_k_m.gguf"), layers=4,
+                      quant="q4_k_m", progress=False)
+
+
+def _table(out: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The markdown table in `out`: its header cells, and each row's cells by engine."""
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in out.splitlines() if ln.startswith("| ")]
+    return rows[0], {r[0]: r for r in rows[1:]}
+
+
+def test_bench_decode_prints_the_table(bench_file, capsys):
+    from legacy_engine import _native
+    from legacy_engine.cli import main
+    prev = _native.get_isa()
+    assert main(["bench", "decode", bench_file, "--threads", "1", "--pp", "8", "--tg", "2", "--reps", "1",
+                 "--isa", "all,f32", "--llama", "off", "--bandwidth", "10"]) == 0
+    assert _native.get_isa() == prev                     # the forced tiers are undone
+    out = capsys.readouterr().out
+    header, rows = _table(out)
+    assert header == ["engine", "threads", "pp8 tok/s", "tg2 tok/s", "pp ratio", "tg ratio", "bytes/tok",
+                                  "roofline tok/s", "% roofline"]
+    tiers = [i for i in _native.ISA_NAMES if _native.isa_supported(i)] + ["f32"]
+    assert list(rows) == [f"legacy_engine {t}" for t in tiers]
+    for t in tiers:
+        assert f"kernels with {t}: Q4_K {t}, Q6_K {t}" in out
+    for engine, c in rows.items():
+        assert c[1] == "1" and float(c[2]) > 0 and float(c[3]) > 0 and c[4] == c[5] == "-", (engine, c)
+        assert c[6].endswith("MiB") and float(c[6].split()[0]) > 0
+        roof = float(c[7].split()[0])
+        assert c[7].endswith("@ 10.0 GB/s") and roof > 0
+        assert float(c[8].split()[0]) == pytest.approx(100 * float(c[3]) / roof, rel=0.02)
+
+
+def test_bench_decode_llama_bench_row_and_bytes_per_token(bench_file, tmp_path):
+    """--llama PATH runs a llama-bench binary (`-o json`), the median of its samples counts; bytes per token are
+    every weight of the run but the unrouted experts' share and all but one token_embd row (here tied: LM head)."""
+    import json
+    import stat
+    import sys
+
+    from legacy_engine.bench import bench_decode, decode_table
+    from legacy_engine.gguf_model import ModelFile
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\nassert '-o' in sys.argv and '-t' in sys.argv\n"
+                    "print(json.dumps([dict(n_prompt=8, n_gen=0, avg_ns=2e8, samples_ns=[1e8, 3e8, 2e8]),\n"
+                    "                  dict(n_prompt=0, n_gen=2, avg_ns=1e8, samples_ns=[1e8, 1e8, 4e8])]))\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    res = bench_decode(bench_file, [1], pp=8, tg=2, reps=1, isas=["ref"], llama=str(fake), bandwidth=None)
+    ours, theirs = res["results"]
+    assert theirs["engine"] == "llama.cpp (llama-bench)"
+    assert theirs["pp_tok_s"] == pytest.approx(8 / 0.2) and theirs["tg_tok_s"] == pytest.approx(2 / 0.1)
+    assert ours["kernels"] == {"Q4_K": "ref", "Q6_K": "ref"} and ours["pp_tok_s"] > 0 and ours["tg_tok_s"] > 0
+    row = next(ln for ln in decode_table(res).splitlines() if ln.startswith("| legacy_engine ref"))
+    assert f"| {ours['tg_tok_s'] / 20:.2f} |" in row and row.endswith("| - | - |")    # tg ratio; no roofline
+    json.dumps(res)
+    mf = ModelFile.open(bench_file)
+    hp, ts = mf.hparams, mf.tensors.values()
+    exps = sum(t.n_bytes for t in ts if "_exps." in t.name)
+    assert "output.weight" not in mf.tensors
+    routed = exps * hp.n_expert_used // hp.n_expert
+    assert res["footprint"]["decode_bytes"] == sum(t.n_bytes for t in ts) - exps + routed
