@@ -313,7 +313,7 @@ def test_default_tier_is_the_best_supported():
     assert out.stdout.strip() == best
 
 
-@pytest.mark.parametrize("isa", ("ref", "ssse3"))
+@pytest.mark.parametrize("isa", _native.ISA_NAMES)
 def test_force_isa_env(isa):
     if not _native.isa_supported(isa):
         pytest.skip(f"this CPU cannot run {isa}")
@@ -334,6 +334,21 @@ def test_every_type_has_a_kernel_at_every_tier(restore_isa):
             k = _native.kernel_isa(t)
             assert k is not None and _native.ISA_NAMES.index(k) <= _native.ISA_NAMES.index(isa)
         assert _native.kernel_isa(T.F32) is None
+
+
+@pytest.mark.parametrize("isa", _native.ISA_NAMES)
+def test_forced_tier_serves_types_with_its_own_kernels(isa, restore_isa):
+    """set_isa(isa) puts isa's own kernels in front of at least one type (all of them today) and no kernel of a
+    higher tier: a switch that did nothing would leave the default tier's, so the tests parametrised by tier
+    (here and test_quantized.py's end-to-end ones) can fail instead of testing one tier under several names."""
+    use_isa(isa)
+    served = {name(t): _native.kernel_isa(t) for t in TYPES}
+    order = _native.ISA_NAMES.index
+    assert any(k == isa for k in served.values()), served
+    assert all(k is not None and order(k) <= order(isa) for k in served.values()), served
+    for other in (i for i in _native.ISA_NAMES if i != isa and _native.isa_supported(i)):
+        _native.set_isa(other)                          # every other tier serves some type differently
+        assert {name(t): _native.kernel_isa(t) for t in TYPES} != served, (isa, other)
 
 
 def test_unsupported_isa_raises(restore_isa):
