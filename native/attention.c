@@ -84,8 +84,7 @@ int le_attention_layer(const le_model *m, const le_weight *w, const float *x, in
         for (int h = 0; h < nh; h++) le_rmsnorm(qt + h * 2 * hd, qn, hd, hp->rms_eps, qt + h * 2 * hd);
         for (int h = 0; h < nkv; h++) le_rmsnorm(kt + h * hd, knw, hd, hp->rms_eps, kt + h * hd);
         /* rotate q heads (stride 2*hd: the gate half is skipped) and k heads */
-        for (int h = 0; h < nh; h++)
-            le_rope_neox(qt + h * 2 * hd, 1, hd, hp->n_rot, hp->rope_sections, hp->rope_theta, pos + t, hp->faults);
+        le_rope_neox(qt, nh, 2 * hd, hp->n_rot, hp->rope_sections, hp->rope_theta, pos + t, hp->faults);
         le_rope_neox(kt, nkv, hd, hp->n_rot, hp->rope_sections, hp->rope_theta, pos + t, hp->faults);
     }
     attn_job jb = {m, qg, kc, vc, o, n, pos, 0};

@@ -30,6 +30,8 @@ typedef struct {
     const float *g;     /* [n, H_v] log decay (<= 0) */
     float *ssm;         /* [H_v, d_k, d_v] */
     float *o;           /* [n, d_inner] */
+    const float *z;     /* [n, d_inner] output gate (pre-SiLU) */
+    const float *norm_w; /* [d_v] ssm_norm */
     int n, chunked, failed;
 } gdn_job;
 
@@ -70,8 +72,17 @@ static int gdn_chunked_head(const gdn_job *jb, int j) {
     if (!scratch) return 0;
     float *G = scratch, *A = G + C, *U = A + C * C, *W = U + C * dv, *Vp = W + C * dk, *tmp = Vp + C * dv;
 
+    le_gdn_step_fn step = le_get_f32_kernels()->gdn_step;
     for (int c0 = 0; c0 < jb->n; c0 += C) {
         int L = jb->n - c0 < C ? jb->n - c0 : C;
+        if (L == 1) { /* a chunk of one token is the recurrent step: so a one-token call (decode) and
+                       * the last chunk of a longer call that ends on the same token agree bit for bit */
+            const float *row = jb->u + (int64_t)c0 * conv_dim;
+            step(S, row + kh * dk, row + hp->ssm_n_group * dk + kh * dk, row + 2 * hp->ssm_n_group * dk + j * dv,
+                 expf(jb->g[(int64_t)c0 * Hv + j]), jb->beta[(int64_t)c0 * Hv + j], dk, dv,
+                 jb->o + (int64_t)c0 * hp->ssm_d_inner + j * dv);
+            continue;
+        }
 #define Q_(i) (jb->u + (int64_t)(c0 + (i)) * conv_dim + kh * dk)
 #define K_(i) (jb->u + (int64_t)(c0 + (i)) * conv_dim + hp->ssm_n_group * dk + kh * dk)
 #define V_(i) (jb->u + (int64_t)(c0 + (i)) * conv_dim + 2 * hp->ssm_n_group * dk + j * dv)
@@ -150,14 +161,70 @@ static int gdn_chunked_head(const gdn_job *jb, int j) {
     return 1;
 }
 
+/* The heads job: the recurrence of v-head j (recurrent or chunked form) over all tokens,
+ * then its gated RMSNorm: o = RMSNorm(o) * ssm_norm * SiLU(z). */
 static void gdn_heads(void *ctx, int64_t h0, int64_t h1, int thread) {
     gdn_job *jb = ctx;
+    const le_hparams *hp = &jb->m->hp;
+    int dv = hp->ssm_d_inner / hp->ssm_dt_rank;
     for (int64_t j = h0; j < h1; j++) {
         if (jb->chunked) {
             if (!gdn_chunked_head(jb, (int)j)) __atomic_store_n(&jb->failed, 1, __ATOMIC_RELAXED);
         } else {
             gdn_recurrent_head(jb, (int)j);
         }
+        for (int t = 0; t < jb->n; t++) {
+            float *oh = jb->o + (size_t)t * hp->ssm_d_inner + j * dv;
+            const float *zh = jb->z + (size_t)t * hp->ssm_d_inner + j * dv;
+            le_rmsnorm(oh, jb->norm_w, dv, hp->rms_eps, oh);
+            for (int c = 0; c < dv; c++) oh[c] *= le_silu(zh[c]);
+        }
+    }
+}
+
+/* The prep job, one item per channel group: the q head and k head groups (d_k channels each)
+ * and the v head groups (d_v channels, plus that head's beta and g):
+ *   u[t, c] = SiLU(sum_k w[c, k] xin[t + k, c])   (tap K-1 is the current token)
+ *   q, k groups: l2norm; q also * 1/sqrt(d_k);  new conv state: the last K-1 raw inputs */
+typedef struct {
+    const le_model *m;
+    const float *xin;    /* [(K-1) + n, conv_dim]: the conv state rows, then this batch's qkv */
+    const float *cw;     /* [conv_dim, K] */
+    float *u, *conv;     /* [n, conv_dim]; [K-1, conv_dim] */
+    float *b, *a;        /* [n, H_v]: in: projections; out: beta, g */
+    const float *dt, *A; /* [H_v] */
+    int n;
+} prep_job;
+
+static void gdn_prep(void *ctx, int64_t g0, int64_t g1, int thread) {
+    prep_job *jb = ctx;
+    const le_hparams *hp = &jb->m->hp;
+    int Hk = hp->ssm_n_group, Hv = hp->ssm_dt_rank, dk = hp->ssm_d_state, dv = hp->ssm_d_inner / Hv;
+    int K = hp->ssm_conv_kernel, conv_dim = 2 * Hk * dk + hp->ssm_d_inner;
+    float qscale = 1.0f / sqrtf((float)dk);
+    for (int64_t gi = g0; gi < g1; gi++) {
+        int v_head = gi >= 2 * Hk ? (int)gi - 2 * Hk : -1;
+        int c0 = v_head < 0 ? (int)gi * dk : 2 * Hk * dk + v_head * dv, width = v_head < 0 ? dk : dv;
+        for (int t = 0; t < jb->n; t++) {
+            float *ut = jb->u + (size_t)t * conv_dim;
+            for (int c = c0; c < c0 + width; c++) {
+                float s = 0.0f;
+                for (int k = 0; k < K; k++) s += jb->cw[c * K + k] * jb->xin[(size_t)(t + k) * conv_dim + c];
+                ut[c] = le_silu(s);
+            }
+            if (v_head < 0) {
+                le_l2norm(ut + c0, dk, L2NORM_EPS);
+                if (gi < Hk)
+                    for (int c = c0; c < c0 + dk; c++) ut[c] *= qscale;
+            } else { /* beta = sigmoid(b);  g = softplus(a + dt_bias) * ssm_a  (ssm_a = -exp(A_log) < 0) */
+                float *b = jb->b + t * Hv + v_head, *a = jb->a + t * Hv + v_head;
+                *b = le_sigmoid(*b);
+                *a = le_softplus(*a + jb->dt[v_head]) * jb->A[v_head];
+            }
+        }
+        for (int k = 0; k < K - 1; k++)
+            memcpy(jb->conv + (size_t)k * conv_dim + c0, jb->xin + (size_t)(jb->n + k) * conv_dim + c0,
+                   (size_t)width * sizeof(float));
     }
 }
 
@@ -185,49 +252,17 @@ int le_gdn_layer(const le_model *m, const le_weight *w, const float *x, int n, f
     if ((rc = le_matmul_batch(m->pool, m->int8, proj, 4))) goto done;
     le_prof(m, &tp, LE_PROF_GDN_PROJ);
 
-    /* beta = sigmoid(b);  g = softplus(a + dt_bias) * ssm_a  (ssm_a = -exp(A_log) < 0) */
-    const float *dt = (const float *)w[LE_W_SSM_DT].data, *A = (const float *)w[LE_W_SSM_A].data;
-    for (int t = 0; t < n; t++)
-        for (int h = 0; h < Hv; h++) {
-            b[t * Hv + h] = le_sigmoid(b[t * Hv + h]);
-            a[t * Hv + h] = le_softplus(a[t * Hv + h] + dt[h]) * A[h];
-        }
-
-    /* causal depthwise conv + SiLU: u[t, c] = SiLU(sum_k w[c, k] xin[t + k, c]); tap K-1 is the current token */
-    const float *cw = (const float *)w[LE_W_SSM_CONV].data; /* [conv_dim, K] */
-    for (int t = 0; t < n; t++)
-        for (int c = 0; c < conv_dim; c++) {
-            float s = 0.0f;
-            for (int k = 0; k < K; k++) s += cw[c * K + k] * xin[(size_t)(t + k) * conv_dim + c];
-            u[(size_t)t * conv_dim + c] = le_silu(s);
-        }
-    /* new conv state: the last K-1 raw inputs */
-    memmove(conv, xin + (size_t)n * conv_dim, (size_t)(K - 1) * conv_dim * sizeof(float));
-
-    /* l2norm q and k per head; scale q by 1/sqrt(d_k) */
-    float qscale = 1.0f / sqrtf((float)dk);
-    for (int t = 0; t < n; t++) {
-        float *row = u + (size_t)t * conv_dim;
-        for (int h = 0; h < 2 * Hk; h++) le_l2norm(row + h * dk, dk, L2NORM_EPS);
-        for (int i = 0; i < Hk * dk; i++) row[i] *= qscale;
-    }
-
-    gdn_job jb = {m, u, b, a, ssm, o, n, chunked && n > 1, 0}; /* one token: the recurrent step */
-    le_parallel_for(m->pool, Hv, 1, gdn_heads, &jb);
+    /* conv + SiLU + l2norm per channel group, beta and g; then the heads */
+    int n_groups = 2 * Hk + Hv, T = le_pool_threads(m->pool);
+    prep_job pj = {m, xin, (const float *)w[LE_W_SSM_CONV].data, u, conv, b, a,
+                   (const float *)w[LE_W_SSM_DT].data, (const float *)w[LE_W_SSM_A].data, n};
+    le_parallel_for(m->pool, n_groups, n_groups / (2 * T) + 1, gdn_prep, &pj);
+    gdn_job jb = {m, u, b, a, ssm, o, z, (const float *)w[LE_W_SSM_NORM].data, n, chunked && n > 1, 0};
+    le_parallel_for(m->pool, Hv, Hv / (2 * T) + 1, gdn_heads, &jb); /* one token: the recurrent step */
     if (jb.failed) {
         rc = LE_FAIL(LE_ERR_NO_MEMORY, "gdn chunk scratch");
         goto done;
     }
-
-    /* gated RMSNorm per v-head: o = RMSNorm(o) * ssm_norm * SiLU(z) */
-    const float *nw = (const float *)w[LE_W_SSM_NORM].data;
-    for (int t = 0; t < n; t++)
-        for (int h = 0; h < Hv; h++) {
-            float *oh = o + (size_t)t * dinner + h * dv;
-            const float *zh = z + (size_t)t * dinner + h * dv;
-            le_rmsnorm(oh, nw, dv, hp->rms_eps, oh);
-            for (int c = 0; c < dv; c++) oh[c] *= le_silu(zh[c]);
-        }
     le_prof(m, &tp, LE_PROF_GDN_CORE);
     rc = le_matmul(m->pool, m->int8, &w[LE_W_SSM_OUT], 0, o, n, dinner, out, E);
     le_prof(m, &tp, LE_PROF_GDN_OUT);

@@ -102,8 +102,9 @@ static inline float le_softplus(float x) { return x > 20.0f ? x : __builtin_log1
 /* ---- rope.c ------------------------------------------------------------------------
  * NeoX rotation of the first n_rot dims of each head (pairs (i, i + n_rot/2)) at text
  * position pos; IMRoPE sections pick each frequency slot's position component as ggml
- * does (text tokens: t = h = w = pos, e = 0). x: [n_heads, head_dim] */
-void le_rope_neox(float *x, int n_heads, int head_dim, int n_rot, const int sections[4], float theta, int pos,
+ * does (text tokens: t = h = w = pos, e = 0). x: n_heads heads, head_stride floats apart
+ * (the q heads of [q | gate] rows: 2 * head_dim); each angle is computed once for all heads. */
+void le_rope_neox(float *x, int n_heads, int head_stride, int n_rot, const int sections[4], float theta, int pos,
                   int faults);
 
 /* ---- gdn.c -------------------------------------------------------------------------

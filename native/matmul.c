@@ -151,8 +151,9 @@ int le_matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm) {
     }
     batch_job j = {mm, n_mm, first, vd, xq, rb, 0};
     int64_t total = first[n_mm];
-    /* grain: enough rows per task to amortise claiming it, few enough to balance */
-    int64_t grain = total / (8 * le_pool_threads(pool)) + 1;
+    /* grain: 4 tasks per thread: few enough that claiming them (one contended atomic each)
+     * stays cheap, enough that a thread that started late or runs slow can be covered */
+    int64_t grain = total / (4 * le_pool_threads(pool)) + 1;
     le_parallel_for(pool, total, grain, batch_rows, &j);
     if (j.failed) rc = LE_FAIL(LE_ERR_NO_MEMORY, "matmul row buffer");
 done:

@@ -165,18 +165,24 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
             sum += l[e];
         }
         for (int e = 0; e < ne; e++) l[e] = (float)(l[e] / sum);
+        /* top-k by insertion into a list kept in descending order; a later expert must be strictly
+         * larger to pass an earlier one, so ties go to the lower index */
+        int *top = sel + t * k;
+        int kept = 0;
+        for (int e = 0; e < ne; e++) {
+            if (kept == k && !(l[e] > l[top[k - 1]])) continue;
+            int p = kept < k ? kept++ : k - 1;
+            while (p > 0 && l[e] > l[top[p - 1]]) {
+                top[p] = top[p - 1];
+                p--;
+            }
+            top[p] = e;
+        }
         float wsum = 0.0f;
         for (int s = 0; s < k; s++) {
-            int best = -1;
-            for (int e = 0; e < ne; e++) {
-                int taken = 0;
-                for (int r = 0; r < s; r++) taken |= sel[t * k + r] == e;
-                if (!taken && (best < 0 || l[e] > l[best])) best = e;
-            }
-            sel[t * k + s] = best;
-            wsel[t * k + s] = l[best];
-            wsum += l[best];
-            count[best]++;
+            wsel[t * k + s] = l[top[s]];
+            wsum += l[top[s]];
+            count[top[s]]++;
         }
         if (wsum < MOE_WSUM_MIN) wsum = MOE_WSUM_MIN;
         if (hp->faults & LE_FAULT_NO_TOPK_RENORM) wsum = 1.0f;
@@ -186,7 +192,8 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
         const float *sg = (const float *)w[LE_W_GATE_INP_SHEXP].data; /* [E] */
         for (int t = 0; t < n; t++) sgate[t] = le_sigmoid(le_dot_f32(sg, x + (size_t)t * E, E));
     }
-    /* group token-slots by expert: expert e owns rows [start[e], start[e] + count[e]) of xg and act */
+    /* group token-slots by expert: expert e owns rows [start[e], start[e] + count[e]) of xg and act
+     * (one token: every expert reads x itself, nothing is gathered) */
     int n_used = 0;
     for (int e = 0, r = 0; e < ne; e++) {
         start[e] = r;
@@ -199,7 +206,7 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
         int e = sel[ts], r = start[e] + count[e]++;
         tok_of[r] = ts / k;
         wrow[r] = wsel[ts];
-        memcpy(xg + (size_t)r * E, x + (size_t)(ts / k) * E, (size_t)E * sizeof(float));
+        if (n > 1) memcpy(xg + (size_t)r * E, x + (size_t)(ts / k) * E, (size_t)E * sizeof(float));
     }
     le_prof(m, &tp, LE_PROF_MOE_ROUTER);
 
@@ -207,7 +214,7 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
     n_mm = 0;
     for (int u = 0; u < n_used; u++) {
         int e = used[u];
-        mm[n_mm++] = (le_mm){&w[LE_W_GATE_EXPS], e, xg + (size_t)start[e] * E, count[e], E,
+        mm[n_mm++] = (le_mm){&w[LE_W_GATE_EXPS], e, n > 1 ? xg + (size_t)start[e] * E : x, count[e], E,
                              act + (size_t)start[e] * fe, fe, &w[LE_W_UP_EXPS]};
     }
     if ((rc = le_matmul_batch(m->pool, m->int8, mm, n_mm))) goto done;

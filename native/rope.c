@@ -9,7 +9,7 @@
 
 #include "le_ops.h"
 
-void le_rope_neox(float *x, int n_heads, int head_dim, int n_rot, const int sections[4], float theta, int pos,
+void le_rope_neox(float *x, int n_heads, int head_stride, int n_rot, const int sections[4], float theta, int pos,
                   int faults) {
     int half = n_rot / 2;
     /* pair (a, b) of slot i: NeoX (i, i + half); the injected fault uses GPT-J's (2i, 2i + 1) */
@@ -28,7 +28,7 @@ void le_rope_neox(float *x, int n_heads, int head_dim, int n_rot, const int sect
         double ang = (double)p * inv_freq;
         float c = (float)cos(ang), s = (float)sin(ang);
         for (int h = 0; h < n_heads; h++) {
-            float *v = x + (int64_t)h * head_dim;
+            float *v = x + (int64_t)h * head_stride;
             int ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
             float a = v[ia], b = v[ib];
             v[ia] = a * c - b * s;
