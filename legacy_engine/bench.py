@@ -242,9 +242,12 @@ def file_kernels(mf: ModelFile) -> dict[str, str]:
     return {name: _native.kernel_isa(t) or "f32" for name, t in types}
 
 
-def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[int], isa: str | None = None) -> dict:
+def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[int], isa: str | None = None,
+               load_opts: dict | None = None) -> dict:
     """Our pp/tg with tier `isa` forced (set before the model loads, the previous tier restored after); "f32":
-    integer kernels off (dequantise + f32 dot products: the reference path); None: the tier in effect."""
+    integer kernels off (dequantise + f32 dot products: the reference path); None: the tier in effect.
+    load_opts: Model's mmap / numa / pin. After the timed runs, one more decode run with the C core's phase
+    timer on gives `profile_ms`: milliseconds per decoded token per phase (le_model_profile)."""
     from . import _native
     from .model import Model
     prev = _native.get_isa()
@@ -252,7 +255,7 @@ def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[i
         if isa not in (None, "f32"):
             _native.set_isa(isa)
         t0 = time.perf_counter()
-        model = Model(path, n_threads=threads)
+        model = Model(path, n_threads=threads, **(load_opts or {}))
         load = time.perf_counter() - t0
         if isa == "f32":
             model.native.set_int8(False)
@@ -270,10 +273,17 @@ def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[i
 
         t_pp = _times(prefill, reps) if pp else []
         t_tg = _times(decode, reps) if tg else []
+        profile = {}
+        if tg:
+            model.native.set_profile(True)
+            decode()
+            profile = {k: 1e3 * v / tg for k, v in model.native.profile().items()}
+            model.native.set_profile(False)
+        pinned = sum(c >= 0 for c in model.pinned)
     finally:
         _native.set_isa(prev)
     r = _result(f"legacy_engine {isa or prev}", threads, load, pp, tg, t_pp, t_tg)
-    r["isa"], r["kernels"] = isa or prev, kernels
+    r["isa"], r["kernels"], r["profile_ms"], r["pinned_threads"] = isa or prev, kernels, profile, pinned
     return r
 
 
@@ -385,7 +395,8 @@ def parse_isas(spec: str) -> list[str]:
 
 
 def bench_decode(model_path: str, threads=(None,), pp: int = 64, tg: int = 32, reps: int = 3, isas=None,
-                 llama: str = "auto", bandwidth: float | str | None = "auto", seed: int = 0, log=None) -> dict:
+                 llama: str = "auto", bandwidth: float | str | None = "auto", seed: int = 0, log=None,
+                 load_opts: dict | None = None) -> dict:
     """Runs the module docstring's `bench decode`; returns {"model", "footprint", "results": [row dicts], ...}.
     threads: thread counts (None: all cores). isas: tiers to force, "f32" for integer kernels off (None: every tier
     this CPU runs). llama: "auto" (llama-cpp-python if importable), "off", or the path of a llama-bench binary.
@@ -419,7 +430,7 @@ def bench_decode(model_path: str, threads=(None,), pp: int = 64, tg: int = 32, r
         log(f"threads {n}: read bandwidth {bw:.1f} GB/s" if bw else f"threads {n}")
         rows = []
         for isa in isas:
-            rows.append(bench_ours(model_path, n, pp, tg, reps, ids, isa))
+            rows.append(bench_ours(model_path, n, pp, tg, reps, ids, isa, load_opts))
             log(f"  {rows[-1]['engine']}: pp {rows[-1]['pp_tok_s']:.2f} tok/s, tg {rows[-1]['tg_tok_s']:.2f} tok/s")
         if use_llama == "python":
             rows.append(bench_llama(model_path, n, pp, tg, reps, ids))
@@ -432,8 +443,9 @@ def bench_decode(model_path: str, threads=(None,), pp: int = 64, tg: int = 32, r
     return out
 
 
-def print_decode(res: dict) -> None:
-    """The header lines (file, bytes per token, kernels per tier, load) and decode_table."""
+def print_decode(res: dict, profile: bool = False) -> None:
+    """The header lines (file, bytes per token, kernels per tier, load), decode_table, and with profile=True
+    the phase profile of each of our rows (where the decode time goes)."""
     fp = res["footprint"]
     mix = ", ".join(f"{k} {_gib(v)}" for k, v in res["bytes_by_type"].items())
     print(f"{res['model']}: {res['arch']}, {res['n_layer']} layers, n_embd {res['n_embd']}"
@@ -453,9 +465,18 @@ def print_decode(res: dict) -> None:
         print(note)
     print()
     print(decode_table(res))
+    if profile:
+        for r in res["results"]:
+            if r.get("profile_ms"):
+                total = sum(r["profile_ms"].values())
+                parts = sorted(r["profile_ms"].items(), key=lambda kv: -kv[1])
+                print(f"\nwhere a decoded token's time goes, {r['engine']}, {r['threads']} threads "
+                      f"({r['pinned_threads']} pinned), {total:.2f} ms/token in the C core:")
+                print("  " + ", ".join(f"{k} {v:.2f} ms ({100 * v / total:.0f}%)" for k, v in parts if v >= 0.005))
 
 
 def main(argv=None) -> int:
+    from .cli import load_flags  # --no-mmap, --numa, --no-pin (cli imports this module lazily)
     top = argparse.ArgumentParser(prog="legacy-engine bench", description=__doc__.split("\n\n")[0])
     sub = top.add_subparsers(dest="what", required=True, metavar="WHAT")
     dp = sub.add_parser("decode", help="prefill/decode tok/s per CPU tier next to llama.cpp, %% of the roofline",
@@ -477,6 +498,9 @@ def main(argv=None) -> int:
                     help="read bandwidth for the roofline; auto measures it at each thread count (auto)")
     dp.add_argument("--seed", type=int, default=0, help="seed of the random token ids (0)")
     dp.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
+    dp.add_argument("--profile", action="store_true",
+                    help="also print where a decoded token's time goes, per phase (always in --json)")
+    load_flags(dp)
     ap = sub.add_parser("cache", help="time to first token with the prefix cache (cold, repeat, follow-up, shared)")
     ap.add_argument("model", help="a Qwen3.5/3.6 GGUF file")
     ap.add_argument("--lengths", type=int, nargs="+", default=[947, 4096], help="prompt lengths (947 4096)")
@@ -528,9 +552,10 @@ def _main_decode(args, parser) -> int:
         except ValueError:
             parser.error(f"decode: --bandwidth takes GB/s or auto, not {bw!r}")
     res = bench_decode(args.model, threads, args.pp, args.tg, args.reps, parse_isas(args.isa), args.llama, bw,
-                       args.seed, log=lambda s: print(s, file=sys.stderr, flush=True))
+                       args.seed, log=lambda s: print(s, file=sys.stderr, flush=True),
+                       load_opts=dict(mmap=args.mmap, numa=args.numa, pin=args.pin))
     if args.json:
         print(json.dumps(res, indent=1))
     else:
-        print_decode(res)
+        print_decode(res, profile=args.profile)
     return 0

@@ -132,7 +132,7 @@ def _generate(path: str, args, messages_or_text, chat: bool) -> int:
 
     params = _sampling(args)
     params.validate()
-    eng = Engine(path, n_threads=args.threads, n_ctx=args.ctx, mmap=args.mmap, numa=args.numa)
+    eng = Engine(path, n_threads=args.threads, n_ctx=args.ctx, mmap=args.mmap, numa=args.numa, pin=args.pin)
     sess = eng.session()
     prompt = eng.chat_prompt(messages_or_text, enable_thinking=not args.no_think) if chat else messages_or_text
     res = sess.generate(prompt, max_tokens=args.n_predict, params=params, stop=args.stop,
@@ -156,7 +156,7 @@ def cmd_chat(args) -> int:
 
     params = _sampling(args)
     params.validate()
-    eng = Engine(args.model, n_threads=args.threads, n_ctx=args.ctx, mmap=args.mmap, numa=args.numa)
+    eng = Engine(args.model, n_threads=args.threads, n_ctx=args.ctx, mmap=args.mmap, numa=args.numa, pin=args.pin)
     messages = []
     if args.prompt:
         messages.append({"role": "system", "content": args.prompt})
@@ -219,8 +219,11 @@ def _numa_arg(v: str) -> str:
 
 
 def load_flags(s) -> None:
-    """--no-mmap and --numa, for every command that loads a model (run, demo, serve, bench ...);
-    pass them on as Engine/Model(mmap=args.mmap, numa=args.numa)."""
+    """--no-mmap, --numa and --no-pin, for every command that loads a model (run, demo, serve, bench ...);
+    pass them on as Engine/Model(mmap=args.mmap, numa=args.numa, pin=args.pin)."""
+    s.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave the worker threads unpinned (default: worker i pinned to the i-th physical core, "
+                        "spread over NUMA nodes; the calling thread is never pinned)")
     s.add_argument("--no-mmap", dest="mmap", action="store_false",
                    help="read the weights into anonymous memory (huge pages, own RAM) instead of memory-mapping "
                         "the file (default: mapped, shared through the page cache)")

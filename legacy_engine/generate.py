@@ -51,10 +51,10 @@ class Engine:
     """A model and its tokenizer. `Engine(path).session()` starts a conversation."""
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_ctx: int = DEFAULT_CTX,
-                 mmap: bool = True, numa: str = "off"):
-        """mmap, numa: where the weights live (Model's arguments of the same names)."""
+                 mmap: bool = True, numa: str = "off", pin: bool = True):
+        """mmap, numa: where the weights live; pin: worker threads pinned (Model's arguments of the same names)."""
         t0 = time.perf_counter()
-        self.model = Model(path, n_threads, mmap=mmap, numa=numa)
+        self.model = Model(path, n_threads, mmap=mmap, numa=numa, pin=pin)
         meta = self.model.file.metadata
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.chat_template = meta.get("tokenizer.chat_template")

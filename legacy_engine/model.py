@@ -48,21 +48,72 @@ def parse_numa(value: str | None) -> tuple[str, int]:
     raise ValueError(f"numa={value!r}: expected 'interleave', 'node:N' (N a node number, e.g. node:0) or 'off'")
 
 
-def default_threads() -> int:
-    """One thread per available core (hyper-threads are not worth it for these kernels)."""
+def _cpu_topology(cpu: int) -> tuple[int, int]:
+    """(package, core) of a logical CPU from sysfs; (0, cpu) where sysfs does not say."""
+    base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        with open(base + "physical_package_id") as f:
+            package = int(f.read())
+        with open(base + "core_id") as f:
+            return package, int(f.read())
+    except (OSError, ValueError):
+        return 0, cpu
+
+
+def physical_cpus() -> list[int]:
+    """One logical CPU per physical core of those this process may run on (the first hyper-thread of each
+    core), in CPU order: the default thread placement."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
-        return max(1, os.cpu_count() or 1)
+        return list(range(os.cpu_count() or 1))
+    seen, out = set(), []
+    for cpu in allowed:
+        key = _cpu_topology(cpu)
+        if key not in seen:
+            seen.add(key)
+            out.append(cpu)
+    return out
+
+
+def default_threads() -> int:
+    """One thread per physical core available: the kernels are bound by memory bandwidth, and a second
+    hyper-thread on a core only competes for the same load ports."""
+    return max(1, len(physical_cpus()))
+
+
+def pin_order(n_threads: int) -> list[int] | None:
+    """The CPUs the pool's threads are pinned to (thread i -> element i): physical cores first, dealt over
+    the NUMA nodes round-robin when there are several (so each node's memory gets its share of readers),
+    then the remaining hyper-threads. None when there are more threads than allowed CPUs (pinning would
+    stack threads on a CPU; the scheduler does better then)."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return None
+    if n_threads > len(allowed):
+        return None
+    phys = physical_cpus()
+    order = phys
+    try:
+        if _native.numa_info()["nodes"] > 1:
+            spread = [c for c in _native.numa_spread_cpus() if c in set(phys)]
+            order = spread + [c for c in phys if c not in set(spread)]
+    except Exception:  # libnuma absent or unreadable topology: CPU order
+        order = phys
+    return order + [c for c in allowed if c not in set(order)]
 
 
 class Model:
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, mmap: bool = True,
-                 numa: str = "off", _faults: dict | None = None):
-        """mmap: weights in the file's memory map (True) or read into anonymous memory (False).
+                 numa: str = "off", pin: bool = True, _faults: dict | None = None):
+        """n_threads: default one per physical core (default_threads).
+        mmap: weights in the file's memory map (True) or read into anonymous memory (False).
         numa: 'off', 'interleave' (weight pages over every NUMA node) or 'node:N' (all on node N);
         ValueError for another value, UnavailableError without libnuma or for a node this machine
         lacks. `load_report` says what the kernel did (huge pages, where the pages are).
+        pin: pin worker thread i to pin_order()[i] (the calling thread, thread 0, stays free: it is the
+        application's); `pinned` lists the CPU of each thread (-1: not pinned).
         _faults (tests only): inject known bugs for negative controls, e.g.
         {"rope_interleaved": True, "no_topk_renorm": True, "gdn_grouped": True}."""
         numa_mode, numa_node = parse_numa(numa)
@@ -84,6 +135,10 @@ class Model:
         self.native = _native.NativeModel(c, list(hp.recurrent), hp.rope_sections, self.n_threads)
         self._set_weights()
         self.native.finalize()
+        order = pin_order(self.n_threads) if pin else None
+        if order and self.n_threads > 1:
+            self.native.pin_threads(order)
+        self.pinned = self.native.pinned_cpus(self.n_threads)
 
     def _set(self, layer: int, slot: str, name: str, rows: tuple[int, int] | None = None, nb2: int = 0,
              ne1: int | None = None) -> None:

@@ -1025,7 +1025,7 @@ def build_server(args):
 
     defaults = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     defaults.validate()
-    engine = Engine(args.model, n_threads=args.threads, n_ctx=args.ctx, mmap=args.mmap, numa=args.numa)
+    engine = Engine(args.model, n_threads=args.threads, n_ctx=args.ctx, mmap=args.mmap, numa=args.numa, pin=args.pin)
     cache = None
     if args.cache_ram > 0 or args.cache_dir:
         from .cache import PrefixCache, model_fingerprint
