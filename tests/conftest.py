@@ -131,3 +131,19 @@ def llama_cpp_convert(llama_cpp_src, tmp_path_factory):
             raise AssertionError(f"llama.cpp's converter failed ({r.returncode}):\n{r.stderr[-3000:]}")
         return Path(out)
     return convert
+
+
+# ---- CPU kernel tiers (test_quantized.py, test_f32_kernels.py)
+@pytest.fixture
+def forced_isa(request):
+    """Tier `request.param` (parametrize indirect) forced for one test, skipping when this CPU cannot run it; the
+    previous tier restored after."""
+    from legacy_engine import _native
+
+    isa = request.param
+    if not _native.isa_supported(isa):
+        pytest.skip(f"this CPU cannot run {isa} kernels (CPUID/XGETBV); run on a host that has it")
+    prev = _native.get_isa()
+    _native.set_isa(isa)
+    yield isa
+    _native.set_isa(prev)

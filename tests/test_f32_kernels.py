@@ -15,15 +15,7 @@ U = 2.0**-24
 SHAPES = [(128, 128), (16, 16), (32, 64), (64, 24), (256, 8), (8, 1000)]  # (dk, dv): real, tiny, odd tails
 
 
-@pytest.fixture(params=_native.ISA_NAMES)
-def tier(request):
-    name = request.param
-    if not _native.isa_supported(name):
-        pytest.skip(f"this CPU cannot run the {name} tier")
-    before = _native.get_isa()
-    _native.set_isa(name)
-    yield name
-    _native.set_isa(before)
+tiers = pytest.mark.parametrize("forced_isa", _native.ISA_NAMES, indirect=True)
 
 
 def gdn_f64(S, q, k, v, decay, beta):
@@ -53,16 +45,17 @@ def bound(dk, M):
     return tol.GDN_STEP_CHAIN * (dk + tol.GDN_STEP_EXTRA) * U * M
 
 
+@tiers
 @pytest.mark.parametrize("dk,dv", SHAPES)
-def test_gdn_step_matches_f64(tier, dk, dv):
+def test_gdn_step_matches_f64(forced_isa, dk, dv):
     rng = np.random.default_rng([dk, dv, 7])
     for _ in range(3):
         S, q, k, v, decay, beta = random_case(rng, dk, dv)
         S2_ref, o_ref, M_S, M_o = gdn_f64(S, q, k, v, decay, beta)
         S_run = S.copy()
         o = _native.gdn_step(S_run, q, k, v, decay, beta)
-        assert np.all(np.abs(S_run - S2_ref) <= bound(dk, M_S)), f"{tier}: state off by {np.abs(S_run - S2_ref).max()}"
-        assert np.all(np.abs(o - o_ref) <= bound(dk, M_o)), f"{tier}: output off by {np.abs(o - o_ref).max()}"
+        assert np.all(np.abs(S_run - S2_ref) <= bound(dk, M_S)), f"{forced_isa}: state off by {np.abs(S_run - S2_ref).max()}"
+        assert np.all(np.abs(o - o_ref) <= bound(dk, M_o)), f"{forced_isa}: output off by {np.abs(o - o_ref).max()}"
 
 
 def test_gdn_step_bound_catches_a_lost_row_and_column():
@@ -94,8 +87,9 @@ def test_gdn_step_tiers_serve_it():
         _native.set_isa(before)
 
 
+@tiers
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 63, 64, 65, 2048, 4099])
-def test_dot_f32_matches_f64(tier, n):
+def test_dot_f32_matches_f64(forced_isa, n):
     rng = np.random.default_rng(n)
     a, b = rng.standard_normal((2, n)).astype(np.float32)
     ref = float(a.astype(np.float64) @ b.astype(np.float64))

@@ -194,19 +194,6 @@ def gguf_file(checkpoint, tmp_path_factory, request):
     return get
 
 
-@pytest.fixture
-def forced_isa(request):
-    """Tier `request.param` (parametrize indirect) forced for one test, skipping when this CPU cannot run it; the
-    previous tier restored after."""
-    isa = request.param
-    if not _native.isa_supported(isa):
-        pytest.skip(f"this CPU cannot run {isa} kernels (CPUID/XGETBV); run on a host that has it")
-    prev = _native.get_isa()
-    _native.set_isa(isa)
-    yield isa
-    _native.set_isa(prev)
-
-
 @pytest.fixture(scope="module")
 def reference(checkpoint, gguf_file):
     """reference(kind, variant, what) -> transformers' logits float32[N_TOKENS, n_vocab] on the file's weights."""
