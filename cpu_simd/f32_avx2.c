@@ -12,16 +12,8 @@
  * Oracle: native/f32_ref.c. Test: python -m pytest tests/test_f32_kernels.py -k avx2 */
 #pragma GCC target("avx2,fma")
 
-#include <immintrin.h>
-
 #include "le_simd.h"
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "simd_x86.h"
 
 float le_dot_f32_avx2(const float *a, const float *b, int64_t n) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
@@ -34,7 +26,7 @@ float le_dot_f32_avx2(const float *a, const float *b, int64_t n) {
         acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), acc3);
     }
     for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    float s = hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+    float s = le_hsum_ps_256(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }

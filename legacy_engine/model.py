@@ -97,11 +97,11 @@ def pin_order(n_threads: int) -> list[int] | None:
     order = phys
     try:
         if _native.numa_info()["nodes"] > 1:
-            spread = [c for c in _native.numa_spread_cpus() if c in set(phys)]
-            order = spread + [c for c in phys if c not in set(spread)]
+            spread = [c for c in _native.numa_spread_cpus() if c in phys]
+            order = spread + [c for c in phys if c not in spread]
     except Exception:  # libnuma absent or unreadable topology: CPU order
         order = phys
-    return order + [c for c in allowed if c not in set(order)]
+    return order + [c for c in allowed if c not in order]
 
 
 class Model:

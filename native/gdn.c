@@ -39,23 +39,22 @@ static int k_head_of(const le_hparams *hp, int j) {
     return hp->gdn_tiled ? j % hp->ssm_n_group : j / (hp->ssm_dt_rank / hp->ssm_n_group);
 }
 
-/* The recurrent step for tokens [0, n) of v-head j: the selected tier's gdn_step kernel
- * (native/f32_ref.c is its reference). */
-static void gdn_recurrent_head(const gdn_job *jb, int j) {
+/* The recurrent step of v-head j for token t: the selected tier's gdn_step kernel (native/f32_ref.c is
+ * its reference). */
+static void gdn_step_token(const gdn_job *jb, int j, int t, le_gdn_step_fn step) {
     const le_hparams *hp = &jb->m->hp;
-    int dk = hp->ssm_d_state, dv = hp->ssm_d_inner / hp->ssm_dt_rank, Hv = hp->ssm_dt_rank;
+    int dk = hp->ssm_d_state, dv = hp->ssm_d_inner / hp->ssm_dt_rank, Hv = hp->ssm_dt_rank, Hk = hp->ssm_n_group;
     int kh = k_head_of(hp, j);
-    int conv_dim = 2 * hp->ssm_n_group * dk + hp->ssm_d_inner;
-    float *S = jb->ssm + (int64_t)j * dk * dv;
+    const float *row = jb->u + (int64_t)t * (2 * Hk * dk + hp->ssm_d_inner);
+    step(jb->ssm + (int64_t)j * dk * dv, row + kh * dk, row + Hk * dk + kh * dk, row + 2 * Hk * dk + j * dv,
+         expf(jb->g[(int64_t)t * Hv + j]), jb->beta[(int64_t)t * Hv + j], dk, dv,
+         jb->o + (int64_t)t * hp->ssm_d_inner + j * dv);
+}
+
+/* The recurrent step for tokens [0, n) of v-head j. */
+static void gdn_recurrent_head(const gdn_job *jb, int j) {
     le_gdn_step_fn step = le_get_f32_kernels()->gdn_step;
-    for (int t = 0; t < jb->n; t++) {
-        const float *row = jb->u + (int64_t)t * conv_dim;
-        const float *q = row + kh * dk;
-        const float *k = row + hp->ssm_n_group * dk + kh * dk;
-        const float *v = row + 2 * hp->ssm_n_group * dk + j * dv;
-        step(S, q, k, v, expf(jb->g[t * Hv + j]), jb->beta[t * Hv + j], dk, dv,
-             jb->o + (int64_t)t * hp->ssm_d_inner + j * dv);
-    }
+    for (int t = 0; t < jb->n; t++) gdn_step_token(jb, j, t, step);
 }
 
 /* The chunked form for tokens [0, n) of v-head j (spec §2.3, chunk C = 64). */
@@ -77,10 +76,7 @@ static int gdn_chunked_head(const gdn_job *jb, int j) {
         int L = jb->n - c0 < C ? jb->n - c0 : C;
         if (L == 1) { /* a chunk of one token is the recurrent step: so a one-token call (decode) and
                        * the last chunk of a longer call that ends on the same token agree bit for bit */
-            const float *row = jb->u + (int64_t)c0 * conv_dim;
-            step(S, row + kh * dk, row + hp->ssm_n_group * dk + kh * dk, row + 2 * hp->ssm_n_group * dk + j * dv,
-                 expf(jb->g[(int64_t)c0 * Hv + j]), jb->beta[(int64_t)c0 * Hv + j], dk, dv,
-                 jb->o + (int64_t)c0 * hp->ssm_d_inner + j * dv);
+            gdn_step_token(jb, j, c0, step);
             continue;
         }
 #define Q_(i) (jb->u + (int64_t)(c0 + (i)) * conv_dim + kh * dk)

@@ -83,6 +83,14 @@ typedef struct {
 /* Runs independent products as one parallel job over their concatenated output rows;
  * inputs shared by several products (same x, n_tok, ldx, activation type) are quantised once. */
 int le_matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm);
+/* The selected tier's integer dot product for w's rows; NULL when w runs on the f32 path (int8 off,
+ * F32/F16/BF16 weights, or no kernel for the type). */
+le_vec_dot_fn le_int_kernel(int int8, const le_weight *w);
+/* Bytes of one activation row quantised for w (w.ne0 values in w's vec_dot type). */
+int64_t le_act_row_bytes(const le_weight *w);
+/* rows activation rows of w.ne0 floats (ldx apart) quantised for w's integer kernel into *out (malloc'ed,
+ * le_act_row_bytes(w) per row; the caller frees it). */
+int le_quantize_acts(const le_weight *w, const float *x, int64_t rows, int64_t ldx, uint8_t **out);
 /* One row of a weight as f32 (embedding lookup). out: [W.ne0] */
 void le_weight_row(const le_weight *w, int64_t row, float *out);
 

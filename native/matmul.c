@@ -97,9 +97,23 @@ static void batch_rows(void *ctx, int64_t g0, int64_t g1, int thread) {
     }
 }
 
-static le_vec_dot_fn int_kernel(int int8, const le_weight *w) {
+le_vec_dot_fn le_int_kernel(int int8, const le_weight *w) {
     if (!int8 || w->type == LE_TYPE_F32 || w->type == LE_TYPE_F16 || w->type == LE_TYPE_BF16) return NULL;
     return le_get_vec_dot(w->type);
+}
+
+int64_t le_act_row_bytes(const le_weight *w) {
+    const le_type_traits_t *at = le_get_type_traits(w->tr->vec_dot_type);
+    return w->ne0 / at->block_size * at->type_size;
+}
+
+int le_quantize_acts(const le_weight *w, const float *x, int64_t rows, int64_t ldx, uint8_t **out) {
+    int64_t rb = le_act_row_bytes(w);
+    *out = malloc((size_t)(rb * rows > 0 ? rb * rows : 1));
+    if (!*out) return LE_FAIL(LE_ERR_NO_MEMORY, "quantised activations (%lld bytes)", (long long)(rb * rows));
+    le_quantize_row_fn quant = le_get_act_quantizer(w->tr->vec_dot_type);
+    for (int64_t t = 0; t < rows; t++) quant(x + t * ldx, *out + t * rb, w->ne0);
+    return LE_OK;
 }
 
 int le_matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm) {
@@ -124,28 +138,21 @@ int le_matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm) {
             goto done;
         }
         first[i + 1] = first[i] + (mm[i].n_tok > 0 ? w->ne1 : 0);
-        vd[i] = mm[i].n_tok > 0 ? int_kernel(int8, w) : NULL;
+        vd[i] = mm[i].n_tok > 0 ? le_int_kernel(int8, w) : NULL;
         /* a pair runs on the integer path only if both halves do, on one activation type */
-        if (vd[i] && wu && (!int_kernel(int8, wu) || wu->tr->vec_dot_type != w->tr->vec_dot_type)) vd[i] = NULL;
+        if (vd[i] && wu && (!le_int_kernel(int8, wu) || wu->tr->vec_dot_type != w->tr->vec_dot_type)) vd[i] = NULL;
         xq[i] = NULL;
         owner[i] = -1;
         rb[i] = 0;
         if (!vd[i]) continue;
-        int at = w->tr->vec_dot_type;
-        const le_type_traits_t *att = le_get_type_traits(at);
-        rb[i] = w->ne0 / att->block_size * att->type_size;
+        rb[i] = le_act_row_bytes(w);
         for (int p = 0; p < i && !xq[i]; p++)
             if (vd[p] && mm[p].x == mm[i].x && mm[p].n_tok == mm[i].n_tok && mm[p].ldx == mm[i].ldx &&
-                mm[p].w->ne0 == w->ne0 && mm[p].w->tr->vec_dot_type == at)
+                mm[p].w->ne0 == w->ne0 && mm[p].w->tr->vec_dot_type == w->tr->vec_dot_type)
                 xq[i] = xq[p];
         if (xq[i]) continue;
-        uint8_t *q = malloc((size_t)(rb[i] * mm[i].n_tok));
-        if (!q) {
-            rc = LE_FAIL(LE_ERR_NO_MEMORY, "quantised activations (%lld bytes)", (long long)(rb[i] * mm[i].n_tok));
-            goto done;
-        }
-        le_quantize_row_fn quant = le_get_act_quantizer(at);
-        for (int64_t t = 0; t < mm[i].n_tok; t++) quant(mm[i].x + t * mm[i].ldx, q + t * rb[i], w->ne0);
+        uint8_t *q;
+        if ((rc = le_quantize_acts(w, mm[i].x, mm[i].n_tok, mm[i].ldx, &q))) goto done;
         xq[i] = q;
         owner[i] = i;
     }

@@ -106,24 +106,6 @@ static void down_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
     free(buf);
 }
 
-/* The integer kernel for w's rows and the act rows quantised for it (NULL kernel: f32 path). */
-static int quantize_rows(int int8, const le_weight *w, const float *act, int64_t rows, le_vec_dot_fn *vd,
-                         uint8_t **aq, int64_t *rb) {
-    *vd = NULL;
-    *aq = NULL;
-    *rb = 0;
-    if (!int8 || w->type == LE_TYPE_F32 || w->type == LE_TYPE_F16 || w->type == LE_TYPE_BF16 ||
-        !(*vd = le_get_vec_dot(w->type)))
-        return LE_OK;
-    const le_type_traits_t *at = le_get_type_traits(w->tr->vec_dot_type);
-    le_quantize_row_fn q = le_get_act_quantizer(w->tr->vec_dot_type);
-    *rb = w->ne0 / at->block_size * at->type_size;
-    if (!(*aq = malloc((size_t)(*rb * rows > 0 ? *rb * rows : 1))))
-        return LE_FAIL(LE_ERR_NO_MEMORY, "quantised activations (%lld rows)", (long long)rows);
-    for (int64_t i = 0; i < rows; i++) q(act + i * w->ne0, *aq + i * *rb, w->ne0);
-    return LE_OK;
-}
-
 static int moe(const le_model *m, const le_weight *w, const float *x, int n, float *out) {
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd, ne = hp->n_expert, k = hp->n_expert_used, shared = hp->n_ff_shexp > 0;
@@ -223,8 +205,15 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
     /* C: down + combine */
     down_job dj = {&w[LE_W_DOWN_EXPS], shared ? &w[LE_W_DOWN_SHEXP] : NULL, used, start, count, n_used, n, nk, E,
                    tok_of, wrow, sgate, NULL, NULL, NULL, NULL, 0, 0, act, acts, out, 0};
-    if ((rc = quantize_rows(m->int8, dj.wd, act, nk, &dj.vd, &aq, &dj.rb))) goto done;
-    if (shared && (rc = quantize_rows(m->int8, dj.wds, acts, n, &dj.vds, &aqs, &dj.rbs))) goto done;
+    /* the down inputs quantised for their integer kernels (none: the f32 path) */
+    if ((dj.vd = le_int_kernel(m->int8, dj.wd))) {
+        dj.rb = le_act_row_bytes(dj.wd);
+        if ((rc = le_quantize_acts(dj.wd, act, nk, fe, &aq))) goto done;
+    }
+    if (shared && (dj.vds = le_int_kernel(m->int8, dj.wds))) {
+        dj.rbs = le_act_row_bytes(dj.wds);
+        if ((rc = le_quantize_acts(dj.wds, acts, n, fs, &aqs))) goto done;
+    }
     dj.aq = aq;
     dj.aqs = aqs;
     le_prof(m, &tp, LE_PROF_FFN_ACT);
