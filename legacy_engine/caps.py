@@ -47,7 +47,7 @@ def kernel_report() -> dict:
             names[_native.type_traits(qtype)["name"]] = qtype
         except UnavailableError:  # ids the engine does not handle
             continue
-    return {"isa": _native.get_isa(),
+    return {"isa": _native.get_isa(), "f32_kernels": _native.f32_isa(),
             "vec_dot": {n: _native.kernel_isa(q) for n, q in names.items() if n not in ("f32", "f16", "bf16",
                                                                                        "q8_1", "q8_K")}}
 
@@ -151,6 +151,8 @@ def format_machine_report(rep: dict) -> list[str]:
     for name, tier in k["vec_dot"].items():
         by_tier.setdefault(tier or "none (dequantise + f32)", []).append(name)
     lines.append("  integer dot products (W4A8 ...): " + "; ".join(f"{t}: {' '.join(n)}" for t, n in by_tier.items()))
+    lines.append(f"  f32 decode kernels (GDN step, f32 dot): {k['f32_kernels']}"
+                 + (" (the scalar reference: this tier has none of its own)" if k["f32_kernels"] == "ref" else ""))
     if numa["available"]:
         cpus = "; ".join(f"node {n}: CPUs {_cpu_ranges(c)}" for n, c in numa.get("node_cpus", {}).items())
         lines.append(f"NUMA     {numa['nodes']} node(s) (libnuma)" + (f"; {cpus}" if cpus else ""))
