@@ -1,7 +1,7 @@
 /* gemm_f32.cu — prefill GEMM with f32 activations: Y = X W^T for several tokens, W quantised.
  *
- *   gemm_f32_<type>(W, X, Y, nrows, ncols, ntok)   type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
- *     W: [nrows, ncols] rows of quant blocks (as gemv_f32.cu), X: [ntok, ncols] f32,
+ *   gemm_f32_<type>(W, X, Y, nrows, ncols, ntok)   type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs f32
+ *     W: [nrows, ncols] rows of quant blocks (as gemv_f32.cu) or f32 (4-aligned), X: [ntok, ncols] f32,
  *     Y: [ntok, nrows] f32 (Y[t, r] = sum_k W[r, k] X[t, k])
  *     launch: block GEMM_THREADS (256) x 1 x 1,
  *             grid min(ceil(nrows/32), 65535) x ceil(ntok/32) x 1   (ntok <= 32 * 65535)
@@ -21,6 +21,26 @@
 #define GEMM_TT 32 /* tokens per tile */
 #define GEMM_TPT (GEMM_TT / (GEMM_THREADS / GEMM_TR)) /* tokens per thread: 4 */
 
+/* f32 weights: a row of 4-byte "blocks" of one element (only the tile loader differs). */
+struct le_t_f32w {
+    enum { BLOCK = 32, BYTES = 128 };
+};
+
+/* Sub-block s of a weight row into column `tid` of the tile. */
+template <class T>
+__device__ __forceinline__ void gemm_load(T, const uint8_t *row, int s, float (*Ws)[GEMM_TR + 1], int tid) {
+    le_q32 b;
+    T::decode(row, s, b);
+#pragma unroll
+    for (int j = 0; j < 32; j++) Ws[j][tid] = b.d[j / 16] * le_byte(b.q[j / 4], j % 4) - b.m;
+}
+
+__device__ __forceinline__ void gemm_load(le_t_f32w, const uint8_t *row, int s, float (*Ws)[GEMM_TR + 1], int tid) {
+    const float *r = (const float *)row + 32 * s;
+#pragma unroll
+    for (int j = 0; j < 32; j++) Ws[j][tid] = le_ldg(r + j);
+}
+
 template <class T>
 __device__ __forceinline__ void gemm_f32(const uint8_t *LE_RESTRICT W, const float *LE_RESTRICT X,
                                          float *LE_RESTRICT Y, int nrows, int ncols, int ntok,
@@ -38,10 +58,7 @@ __device__ __forceinline__ void gemm_f32(const uint8_t *LE_RESTRICT W, const flo
             if (tid < GEMM_TR) {
                 const int row = r0 + tid;
                 if (row < nrows) {
-                    le_q32 b;
-                    T::decode(W + (size_t)row * row_bytes, s, b);
-#pragma unroll
-                    for (int j = 0; j < 32; j++) Ws[j][tid] = b.d[j / 16] * le_byte(b.q[j / 4], j % 4) - b.m;
+                    gemm_load(T(), W + (size_t)row * row_bytes, s, Ws, tid);
                 } else {
 #pragma unroll
                     for (int j = 0; j < 32; j++) Ws[j][tid] = 0.0f;
@@ -81,3 +98,4 @@ LE_GEMM_F32(gemm_f32_q4_K, le_t_q4_K)
 LE_GEMM_F32(gemm_f32_q5_K, le_t_q5_K)
 LE_GEMM_F32(gemm_f32_q6_K, le_t_q6_K)
 LE_GEMM_F32(gemm_f32_iq4_xs, le_t_iq4_xs)
+LE_GEMM_F32(gemm_f32_f32, le_t_f32w)

@@ -4,6 +4,9 @@
  *     W: [nrows, ncols] rows of quant blocks (as gemv_f32.cu), xq: [ncols/32] block_q8_1 in the
  *     GPU layout of quantize_q8_1.cu (d, s = sum of x), y: [nrows] f32
  *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(nrows/4), 65535) x 1 x 1
+ *   gemv_dp4a_<type>_ids(W, xq, y, nrows, ncols, ids, expert_bytes, x_group, x_stride)
+ *     the MoE form (as gemv_f32.cu's): grid.y = pairs p; expert ids[p], activation blocks
+ *     xq + (p / x_group) * x_stride (x_stride in Q8_1 blocks), output y + p * nrows
  * Per 32-element sub-block s (weights decoded by quants.cuh to y = d[h]*q - m) against Q8_1
  * block s (values d8*q8):
  *     d8 * (d[0] * sum_{j<16} q*q8 + d[1] * sum_{j>=16} q*q8) - m * s8
@@ -63,3 +66,20 @@ LE_GEMV_DP4A(gemv_dp4a_q4_K, le_t_q4_K)
 LE_GEMV_DP4A(gemv_dp4a_q5_K, le_t_q5_K)
 LE_GEMV_DP4A(gemv_dp4a_q6_K, le_t_q6_K)
 LE_GEMV_DP4A(gemv_dp4a_iq4_xs, le_t_iq4_xs)
+
+#define LE_GEMV_DP4A_IDS(name, T)                                                                         \
+    extern "C" __global__ void name(const uint8_t *W, const block_q8_1 *xq, float *y, int nrows,          \
+                                    int ncols, const int *ids, long long expert_bytes, int x_group,       \
+                                    int x_stride) {                                                       \
+        LE_SCRATCH(scratch, GEMV_THREADS);                                                                \
+        const int p = blockIdx.y;                                                                         \
+        gemv_dp4a<T>(W + (size_t)ids[p] * expert_bytes, xq + (size_t)(p / x_group) * x_stride,            \
+                     y + (size_t)p * nrows, nrows, ncols, scratch);                                       \
+    }
+
+LE_GEMV_DP4A_IDS(gemv_dp4a_q4_0_ids, le_t_q4_0)
+LE_GEMV_DP4A_IDS(gemv_dp4a_q8_0_ids, le_t_q8_0)
+LE_GEMV_DP4A_IDS(gemv_dp4a_q4_K_ids, le_t_q4_K)
+LE_GEMV_DP4A_IDS(gemv_dp4a_q5_K_ids, le_t_q5_K)
+LE_GEMV_DP4A_IDS(gemv_dp4a_q6_K_ids, le_t_q6_K)
+LE_GEMV_DP4A_IDS(gemv_dp4a_iq4_xs_ids, le_t_iq4_xs)

@@ -1,9 +1,14 @@
 /* gemv_f32.cu — decode GEMV with f32 activations: y = W x, W quantised, dequantised on the fly.
  *
- *   gemv_f32_<type>(W, x, y, nrows, ncols)      type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
- *     W: [nrows, ncols] rows of quant blocks (row r at W + r * ncols/BLOCK*BYTES; W 4-byte aligned)
+ *   gemv_f32_<type>(W, x, y, nrows, ncols)      type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs f32
+ *     W: [nrows, ncols] rows of quant blocks (row r at W + r * ncols/BLOCK*BYTES; W 4-byte aligned),
+ *        or f32 rows (16-byte aligned, ncols % 4 == 0)
  *     x: [ncols] f32 (16-byte aligned), y: [nrows] f32; ncols a multiple of the block size
  *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(nrows/4), 65535) x 1 x 1
+ *   gemv_f32_<type>_ids(W, x, y, nrows, ncols, ids, expert_bytes, x_group, x_stride)
+ *     the MoE form: grid.y = number of (token, slot) pairs p; pair p multiplies expert ids[p]
+ *     (W + ids[p] * expert_bytes) with x + (p / x_group) * x_stride into y + p * nrows
+ *     (gate/up: x_group = k, the token's input; down: x_group = 1, the pair's own activation)
  * One warp per row (rows grid-strided); lane l takes the 4-element words l, l+32, … of the row
  * (quants.cuh word() decodes one to the reference's exact weights), so that a warp reads 128
  * consecutive elements of x and the matching weight bytes per step (coalesced), multiplies in
@@ -51,9 +56,60 @@ __device__ __forceinline__ void gemv_f32(const uint8_t *LE_RESTRICT W, const flo
         gemv_f32<T>(W, x, y, nrows, ncols, scratch);                                                      \
     }
 
+#define LE_GEMV_F32_IDS(name, T)                                                                          \
+    extern "C" __global__ void name(const uint8_t *W, const float *x, float *y, int nrows, int ncols,     \
+                                    const int *ids, long long expert_bytes, int x_group, int x_stride) {  \
+        LE_SCRATCH(scratch, GEMV_THREADS);                                                                \
+        const int p = blockIdx.y;                                                                         \
+        gemv_f32<T>(W + (size_t)ids[p] * expert_bytes, x + (size_t)(p / x_group) * x_stride,              \
+                    y + (size_t)p * nrows, nrows, ncols, scratch);                                        \
+    }
+
 LE_GEMV_F32(gemv_f32_q4_0, le_t_q4_0)
 LE_GEMV_F32(gemv_f32_q8_0, le_t_q8_0)
 LE_GEMV_F32(gemv_f32_q4_K, le_t_q4_K)
 LE_GEMV_F32(gemv_f32_q5_K, le_t_q5_K)
 LE_GEMV_F32(gemv_f32_q6_K, le_t_q6_K)
 LE_GEMV_F32(gemv_f32_iq4_xs, le_t_iq4_xs)
+LE_GEMV_F32_IDS(gemv_f32_q4_0_ids, le_t_q4_0)
+LE_GEMV_F32_IDS(gemv_f32_q8_0_ids, le_t_q8_0)
+LE_GEMV_F32_IDS(gemv_f32_q4_K_ids, le_t_q4_K)
+LE_GEMV_F32_IDS(gemv_f32_q5_K_ids, le_t_q5_K)
+LE_GEMV_F32_IDS(gemv_f32_q6_K_ids, le_t_q6_K)
+LE_GEMV_F32_IDS(gemv_f32_iq4_xs_ids, le_t_iq4_xs)
+
+/* f32 weights (the oracle's f32 files; small f32 tensors of quantised files): lane l takes the
+ * float4 words l, l+32, … of the row, as the quantised path takes its 4-element words. */
+__device__ __forceinline__ void gemv_f32w(const float *LE_RESTRICT W, const float *LE_RESTRICT x,
+                                          float *LE_RESTRICT y, int nrows, int ncols, float *scratch) {
+    const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP;
+    for (int base = blockIdx.x * GEMV_WARPS; base < nrows; base += gridDim.x * GEMV_WARPS) {
+        const int row = base + warp;
+        float acc = 0.0f;
+        if (row < nrows) {
+            const float4 *w = (const float4 *)(W + (size_t)row * ncols);
+            for (int i = lane; i < ncols / 4; i += LE_WARP) {
+                const float4 ww = le_ldg(w + i), xx = le_ldg((const float4 *)x + i);
+                acc += ww.x * xx.x;
+                acc += ww.y * xx.y;
+                acc += ww.z * xx.z;
+                acc += ww.w * xx.w;
+            }
+        }
+        acc = le_warp_sum(acc, scratch);
+        if (lane == 0 && row < nrows) y[row] = acc;
+    }
+}
+
+extern "C" __global__ void gemv_f32_f32(const float *W, const float *x, float *y, int nrows, int ncols) {
+    LE_SCRATCH(scratch, GEMV_THREADS);
+    gemv_f32w(W, x, y, nrows, ncols, scratch);
+}
+
+extern "C" __global__ void gemv_f32_f32_ids(const float *W, const float *x, float *y, int nrows, int ncols,
+                                            const int *ids, long long expert_bytes, int x_group, int x_stride) {
+    LE_SCRATCH(scratch, GEMV_THREADS);
+    const int p = blockIdx.y;
+    gemv_f32w((const float *)((const uint8_t *)W + (size_t)ids[p] * expert_bytes),
+              x + (size_t)(p / x_group) * x_stride, y + (size_t)p * nrows, nrows, ncols, scratch);
+}

@@ -132,7 +132,9 @@ def _generate(path: str, args, messages_or_text, chat: bool) -> int:
 
     params = _sampling(args)
     params.validate()
-    eng = Engine(path, n_threads=args.threads, n_ctx=args.ctx, mmap=args.mmap, numa=args.numa, pin=args.pin)
+    eng = Engine(path, **engine_kwargs(args))
+    if eng.gpu is not None:
+        print(eng.gpu.describe(), file=sys.stderr)
     sess = eng.session()
     prompt = eng.chat_prompt(messages_or_text, enable_thinking=not args.no_think) if chat else messages_or_text
     res = sess.generate(prompt, max_tokens=args.n_predict, params=params, stop=args.stop,
@@ -156,7 +158,7 @@ def cmd_chat(args) -> int:
 
     params = _sampling(args)
     params.validate()
-    eng = Engine(args.model, n_threads=args.threads, n_ctx=args.ctx, mmap=args.mmap, numa=args.numa, pin=args.pin)
+    eng = Engine(args.model, **engine_kwargs(args))
     messages = []
     if args.prompt:
         messages.append({"role": "system", "content": args.prompt})
@@ -234,10 +236,35 @@ def load_flags(s) -> None:
                         "to place every page")
 
 
+def gpu_flags(s) -> None:
+    """--gpu, --gpu-tier, --gpu-f32: for the commands that generate (run, chat, demo, serve)."""
+    s.add_argument("--gpu", action="store_true",
+                   help="GPU-resident mode: the whole model in VRAM, prefill and decode on the GPU (needs an NVIDIA "
+                        "driver; kernels built on first use, see `legacy-engine build-kernels`)")
+    s.add_argument("--gpu-tier", choices=("fermi", "kepler", "dp4a"), default=None,
+                   help="with --gpu: force a kernel tier (default: the GPU's own; a lower tier runs on any newer GPU)")
+    s.add_argument("--gpu-f32", dest="gpu_int8", action="store_const", const=False, default=None,
+                   help="with --gpu: f32 decode GEMVs instead of the int8 DP4A ones (default: DP4A on the dp4a tier)")
+
+
+def engine_kwargs(args) -> dict:
+    """The Engine arguments of load_flags (and -t/--threads, -c/--ctx where the command has them)."""
+    kw = dict(mmap=args.mmap, numa=args.numa, pin=args.pin, gpu=getattr(args, "gpu", False),
+              gpu_tier=getattr(args, "gpu_tier", None), gpu_int8=getattr(args, "gpu_int8", None))
+    if (kw["gpu_tier"] or kw["gpu_int8"] is not None) and not kw["gpu"]:
+        raise SystemExit("error: --gpu-tier and --gpu-f32 need --gpu")
+    if getattr(args, "threads", None) is not None:
+        kw["n_threads"] = args.threads
+    if getattr(args, "ctx", None) is not None:
+        kw["n_ctx"] = args.ctx
+    return kw
+
+
 def _gen_flags(s, n_predict: int = 128) -> None:
     s.add_argument("-n", "--n-predict", type=int, default=n_predict, help=f"tokens to generate (default {n_predict})")
     s.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
     load_flags(s)
+    gpu_flags(s)
     s.add_argument("-c", "--ctx", type=_positive_int, default=4096, help="context length in tokens (default 4096)")
     s.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")

@@ -41,7 +41,7 @@ CUDA_DIR = ROOT / "cuda8"
 INCLUDE_DIR = ROOT / "native" / "include"
 
 SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "conv1d", "gdn", "attention",
-           "moe_route", "argmax", "elementwise")
+           "moe_route", "argmax", "elementwise", "rope", "get_rows", "moe_combine")
 HEADERS = ("compat.cuh", "quants.cuh")          # in cuda8/
 SHARED_HEADERS = ("le_blocks.h",)               # in native/include/
 
@@ -54,6 +54,7 @@ LEGACY_VARIANTS = (("fermi", 35), ("kepler", 35), ("dp4a", 61), ("dp4a", 70))
 # ggml type id -> kernel suffix (cuda8/quants.cuh le_t_*), elements per block, bytes per block
 GPU_TYPES = {2: ("q4_0", 32, 18), 8: ("q8_0", 32, 34), 12: ("q4_K", 256, 144), 13: ("q5_K", 256, 176),
              14: ("q6_K", 256, 210), 23: ("iq4_xs", 256, 136)}
+F32 = 0   # f32 weights: gemv_f32_f32 / gemm_f32_f32 / get_rows_f32 (no int8 path)
 Q8_1_BYTES = 36
 
 GEMV_THREADS, GEMV_ROWS = 128, 4
@@ -69,6 +70,10 @@ MOE_THREADS, MOE_MAX_K = 256, 32
 MOE_WSUM_MIN = 6.103515625e-5                            # native/moe.c MOE_WSUM_MIN (llama.cpp's clamp)
 ARGMAX_THREADS, ARGMAX_MAX_PARTS = 256, 256
 EW_THREADS = 256
+ROPE_THREADS, ROPE_MAX_HD = 128, 512
+GET_ROWS_THREADS = 128
+MOE_COMBINE_THREADS = 256
+MAX_PAIRS = 65535  # (token, expert) pairs of one MoE GEMV launch: grid.y
 
 
 class KernelBuildError(RuntimeError, EngineError):
@@ -759,6 +764,13 @@ class Kernels:
             [("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", n)], stream=stream)
 
     def _weights(self, qtype: int, W, nrows: int, ncols: int, what: str) -> str:
+        if qtype == F32:
+            if ncols <= 0 or ncols % 32:
+                raise ValueError(f"{what}: ncols = {ncols} of f32 weights is not a positive multiple of 32")
+            if _ptr(W) % 16:
+                raise ValueError(f"{what}: f32 weights must be 16-byte aligned")
+            _need(W, 4 * nrows * ncols, f"{what} W")
+            return "f32"
         if qtype not in GPU_TYPES:
             raise UnavailableError(f"{what}: no GPU kernel for ggml type {qtype}; GPU types: "
                                    + ", ".join(v[0] for v in GPU_TYPES.values()))
@@ -781,8 +793,35 @@ class Kernels:
             (self._grid(-(-nrows // GEMV_ROWS)), 1, 1), (GEMV_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols)], stream=stream)
 
+    def gemv_ids(self, qtype: int, W, x, y, nrows: int, ncols: int, ids, n_pairs: int, expert_bytes: int,
+                 x_group: int, x_stride: int, int8: bool = False, n_experts: int | None = None,
+                 stream: Stream | None = None) -> None:
+        """The MoE GEMV: for pair p < n_pairs, y[p, :nrows] = W_e x_p with e = ids[p] (int32, device), W_e at
+        W + e * expert_bytes ([nrows, ncols] each), x_p = x + (p // x_group) * x_stride (floats; with int8:
+        block_q8_1 of quantize_q8_1, x_stride in blocks). The ids are not read back: the caller makes them
+        (moe_route) < n_experts."""
+        what = "gemv_dp4a_ids" if int8 else "gemv_f32_ids"
+        suffix = self._weights(qtype, W, nrows, ncols, what)
+        if int8 and qtype == F32:
+            raise ValueError(f"{what}: f32 weights have no int8 path")
+        if not 0 < n_pairs <= MAX_PAIRS or x_group <= 0 or x_stride < 0:
+            raise ValueError(f"{what}: n_pairs = {n_pairs} (1…{MAX_PAIRS}), x_group = {x_group}, x_stride = {x_stride}")
+        if not int8 and (x_stride % 4 or _ptr(x) % 16):
+            raise ValueError(f"{what}: x and x_stride must keep rows 16-byte aligned")
+        if n_experts is not None:
+            _need(W, n_experts * expert_bytes, f"{what} W")
+        _need(ids, 4 * n_pairs, f"{what} ids")
+        _need(y, 4 * nrows * n_pairs, f"{what} y")
+        mod = "gemv_dp4a" if int8 else "gemv_f32"
+        self.modules[mod].kernel(f"{mod}_{suffix}_ids").launch(
+            (self._grid(-(-nrows // GEMV_ROWS)), n_pairs, 1), (GEMV_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols), ("ptr", _ptr(ids)),
+             ("i64", int(expert_bytes)), ("i32", x_group), ("i32", x_stride)], stream=stream)
+
     def gemv_dp4a(self, qtype: int, W, xq, y, nrows: int, ncols: int, stream: Stream | None = None) -> None:
         """y[nrows] = W[nrows, ncols] xq, xq: [ncols/32] block_q8_1 from quantize_q8_1."""
+        if qtype == F32:
+            raise ValueError("gemv_dp4a: f32 weights have no int8 path (use gemv_f32)")
         suffix = self._weights(qtype, W, nrows, ncols, "gemv_dp4a")
         _need(xq, ncols // 32 * Q8_1_BYTES, "gemv_dp4a xq")
         _need(y, 4 * nrows, "gemv_dp4a y")
@@ -996,6 +1035,47 @@ class Kernels:
             _need(b, 4 * n, f"{kernel} {what}")
         self.modules["elementwise"].kernel(kernel).launch(
             (self._grid(-(-n // EW_THREADS)), 1, 1), (EW_THREADS, 1, 1), args + [("i32", n)], stream=stream)
+
+    def get_rows(self, qtype: int, W, ids, y, n: int, ncols: int, stream: Stream | None = None) -> None:
+        """y[n, ncols] f32 = rows ids[:n] (int32, device; the caller checks them) of W [*, ncols], dequantised."""
+        suffix = self._weights(qtype, W, 1, ncols, "get_rows")
+        if n <= 0:
+            raise ValueError(f"get_rows: n = {n}")
+        _need(ids, 4 * n, "get_rows ids")
+        _need(y, 4 * n * ncols, "get_rows y")
+        self.modules["get_rows"].kernel(f"get_rows_{suffix}").launch(
+            (self._grid(n), 1, 1), (GET_ROWS_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(ids)), ("ptr", _ptr(y)), ("i32", n), ("i32", ncols)], stream=stream)
+
+    def qk_norm_rope(self, x, w, cs, n: int, n_heads: int, head_stride: int, row_stride: int, hd: int, n_rot: int,
+                     eps: float, stream: Stream | None = None) -> None:
+        """In place: head h of token t (x + t*row_stride + h*head_stride floats, hd of them) <- RMSNorm * w, then
+        the NeoX rotation of its first n_rot dims by cs [n, n_rot/2] (cos, sin) pairs (rope_table rows)."""
+        if not 0 < hd <= ROPE_MAX_HD or n_rot % 2 or not 0 <= n_rot <= hd or n <= 0 or n_heads <= 0:
+            raise ValueError(f"qk_norm_rope: hd = {hd} (1…{ROPE_MAX_HD}), n_rot = {n_rot}, n = {n}, n_heads = {n_heads}")
+        _need(x, 4 * ((n - 1) * row_stride + (n_heads - 1) * head_stride + hd), "qk_norm_rope x")
+        _need(w, 4 * hd, "qk_norm_rope w")
+        _need(cs, 4 * n * n_rot, "qk_norm_rope cs")
+        self.modules["rope"].kernel("qk_norm_rope_f32").launch(
+            (self._grid(n * n_heads), 1, 1), (ROPE_THREADS, 1, 1),
+            [("ptr", _ptr(x)), ("ptr", _ptr(w)), ("ptr", _ptr(cs)), ("i32", n), ("i32", n_heads),
+             ("i32", head_stride), ("i32", row_stride), ("i32", hd), ("i32", n_rot // 2), ("f32", eps)],
+            stream=stream)
+
+    def moe_combine(self, y, w, sh, shgate, out, n: int, k: int, E: int, stream: Stream | None = None) -> None:
+        """out[n, E] = sum_s w[t, s] y[t*k + s] + sigmoid(shgate[t]) sh[t] (sh None: no shared expert)."""
+        if n <= 0 or k <= 0 or E <= 0:
+            raise ValueError(f"moe_combine: n = {n}, k = {k}, E = {E}")
+        _need(y, 4 * n * k * E, "moe_combine y")
+        _need(w, 4 * n * k, "moe_combine w")
+        _need(out, 4 * n * E, "moe_combine out")
+        if sh is not None:
+            _need(sh, 4 * n * E, "moe_combine sh")
+            _need(shgate, 4 * n, "moe_combine shgate")
+        self.modules["moe_combine"].kernel("moe_combine_f32").launch(
+            (self._grid(-(-n * E // MOE_COMBINE_THREADS)), 1, 1), (MOE_COMBINE_THREADS, 1, 1),
+            [("ptr", _ptr(y)), ("ptr", _ptr(w)), ("ptr", _ptr(sh)), ("ptr", _ptr(shgate)), ("ptr", _ptr(out)),
+             ("i32", n), ("i32", k), ("i32", E)], stream=stream)
 
     def swiglu(self, g, u, out, n: int, stream: Stream | None = None) -> None:
         """out[n] = SiLU(g) * u (out may be g or u)."""

@@ -117,6 +117,7 @@ class Model:
         _faults (tests only): inject known bugs for negative controls, e.g.
         {"rope_interleaved": True, "no_topk_renorm": True, "gdn_grouped": True}."""
         numa_mode, numa_node = parse_numa(numa)
+        self.faults = dict(_faults or {})   # the GPU engine (gpu_model.py) injects the same ones
         self.file = ModelFile.open(path)
         hp = self.hparams = self.file.hparams
         if hp.arch == "qwen3next":

@@ -991,8 +991,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("-c", "--ctx", type=_positive, default=4096,
                    help="context length in tokens: prompt + generated (default 4096)")
     s.add_argument("-t", "--threads", type=_positive, default=None, help="CPU threads (default: all cores)")
-    from .cli import load_flags
-    load_flags(s)  # --no-mmap, --numa
+    from .cli import gpu_flags, load_flags
+    load_flags(s)
+    gpu_flags(s)  # --no-mmap, --numa
     s.add_argument("--max-body", type=_size, default=4 << 20, metavar="BYTES",
                    help="largest request body; larger ones get 413 (default 4M)")
     s.add_argument("--max-queue", type=_positive, default=256, metavar="N",
@@ -1025,7 +1026,8 @@ def build_server(args):
 
     defaults = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     defaults.validate()
-    engine = Engine(args.model, n_threads=args.threads, n_ctx=args.ctx, mmap=args.mmap, numa=args.numa, pin=args.pin)
+    from .cli import engine_kwargs
+    engine = Engine(args.model, **engine_kwargs(args))
     cache = None
     if args.cache_ram > 0 or args.cache_dir:
         from .cache import PrefixCache, model_fingerprint

@@ -119,13 +119,20 @@ ENTRIES = {"rmsnorm": {"rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1"},
            "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
            "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32"},
            "moe_route": {"moe_route_f32"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
-           "elementwise": {"swiglu_f32", "add_f32", "add_scaled_f32"}}
+           "elementwise": {"swiglu_f32", "add_f32", "add_scaled_f32"}, "rope": {"qk_norm_rope_f32"},
+           "moe_combine": {"moe_combine_f32"}}
 
 
 def expected_entries(name: str) -> set[str]:
-    per_type = {"gemv_f32": "gemv_f32_", "gemv_dp4a": "gemv_dp4a_", "gemm_f32": "gemm_f32_"}
-    if name in per_type:
-        out = {per_type[name] + tname(t) for t in TYPES}
+    """The entry points of a source: per weight type (f32 weights too, except the int8 GEMV), the MoE `_ids`
+    forms of the GEMVs."""
+    suffixes = [tname(t) for t in TYPES]
+    if name in ("gemv_f32", "gemv_dp4a"):
+        if name == "gemv_f32":
+            suffixes.append("f32")
+        out = {f"{name}_{s}" for s in suffixes} | {f"{name}_{s}_ids" for s in suffixes}
+    elif name in ("gemm_f32", "get_rows"):
+        out = {f"{name}_{s}" for s in suffixes + ["f32"]}
     else:
         out = ENTRIES[name]
     return {e.encode() for e in out} | {b"le_tier_probe"}
@@ -135,7 +142,7 @@ def expected_entries(name: str) -> set[str]:
 def test_every_source_is_known():
     """SOURCES lists every cuda8/*.cu (so the build, lint, ptxas and probe tests cover it) and each has its entries."""
     assert {p.stem for p in gpu.CUDA_DIR.glob("*.cu")} == set(gpu.SOURCES)
-    assert set(gpu.SOURCES) - {"gemv_f32", "gemv_dp4a", "gemm_f32"} == set(ENTRIES)
+    assert set(gpu.SOURCES) - {"gemv_f32", "gemv_dp4a", "gemm_f32", "get_rows"} == set(ENTRIES)
 
 
 # launch constants of gpu.py that must equal the #defines of a cuda8 source
@@ -144,7 +151,9 @@ LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
                     "attention": ("ATTN_THREADS", "ATTN_WARPS", "ATTN_PREFILL_THREADS", "ATTN_QTILE", "ATTN_MAX_HD"),
                     "moe_route": ("MOE_THREADS", "MOE_MAX_K"), "argmax": ("ARGMAX_THREADS", "ARGMAX_MAX_PARTS"),
                     "elementwise": ("EW_THREADS",), "rmsnorm": ("RMSNORM_THREADS",),
-                    "gemv_f32": ("GEMV_THREADS",), "gemm_f32": ("GEMM_THREADS",)}
+                    "gemv_f32": ("GEMV_THREADS",), "gemm_f32": ("GEMM_THREADS",),
+                    "rope": ("ROPE_THREADS", "ROPE_MAX_HD"), "get_rows": ("GET_ROWS_THREADS",),
+                    "moe_combine": ("MOE_COMBINE_THREADS",)}
 
 
 @pytest.mark.cpu

@@ -1,0 +1,542 @@
+"""GPU-resident mode: the whole model in VRAM, prefill and decode on the GPU (cuda8/ kernels).
+
+`GpuModel(model)` uploads the weights of a loaded `Model` (its GGUF file's tensors, as they are stored)
+and runs the same forward pass as native/model.c, op for op, with the kernels of one tier:
+
+  x = token_embd[tokens]                         get_rows
+  per layer:  h = RMSNorm(x) * attn_norm         rmsnorm
+              GDN:  qkv, z, beta, alpha = W h    matmuls; conv1d_silu; gdn_l2norm_qk; gdn_gates;
+                                                 gdn_recurrent (state in VRAM); gdn_gated_rmsnorm; W_out
+              attention: q|gate, k, v = W h      matmuls (k, v straight into the KV cache rows);
+                                                 qk_norm_rope; attention_decode / _prefill; W_o
+              x += y;  h = RMSNorm(x) * post_norm
+              FFN: dense SwiGLU, or MoE          router matmul; moe_route; gemv_ids gate/up; swiglu;
+                                                 gemv_ids down; shared expert; moe_combine
+              x += y
+  logits = W_out RMSNorm(x) * output_norm        rmsnorm; matmul (downloaded)
+
+Matmuls: one token (decode) -> GEMV; with int8 (default on the dp4a tier) the activations are
+quantised to Q8_1 once per input and the quantised weights run gemv_dp4a (W4A8/W8A8), f32 weights
+gemv_f32_f32; several tokens (prefill) -> gemm_f32 (dequantise into shared memory, f32 accumulate).
+MoE experts run as (token, expert) GEMVs indexed on the GPU by the router's ids (no host round trip).
+
+`GpuState` holds a sequence's GDN conv/SSM states and KV cache in VRAM, with the byte layouts of the CPU
+state (NativeState.save_recurrent / read_kv), so `to_cpu` / `from_cpu` hand a sequence between the
+engines at any position, and the snapshot cache (cache.py) works on it unchanged.
+
+Types without a GPU kernel (e.g. Q5_0, Q2_K, F16) are dequantised to f32 at upload and listed in
+`converted` (`legacy-engine run --gpu` prints them): more VRAM, same values, never silent.
+Not here yet: chunked GDN prefill (the recurrence runs token by token), DP4A GEMM for prefill,
+grouped expert GEMM, CUDA graphs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import gpu
+from .errors import EngineError, UnavailableError
+
+PREFILL_CHUNK = 512      # tokens per pass: bounds the scratch (and n*k MoE pairs <= gpu.MAX_PAIRS)
+
+
+def default_tier(arch: int) -> str:
+    """The fastest tier a GPU of compute capability arch (x10) runs natively."""
+    if arch >= gpu.TIERS["dp4a"][1]:
+        return "dp4a"
+    return "kepler" if arch >= gpu.TIERS["kepler"][1] else "fermi"
+
+
+def rope_table(hp, n_ctx: int) -> np.ndarray:
+    """[n_ctx, n_rot/2, 2] f32 (cos, sin) of every position and frequency slot, as native/rope.c computes
+    them: inv_freq = theta^(-2i/n_rot) and the angle in f64, IMRoPE's position per slot (text tokens:
+    t = h = w = pos, e = 0), then cos/sin rounded to f32."""
+    half = hp.n_rot // 2
+    i = np.arange(half)
+    inv_freq = np.power(np.float64(np.float32(hp.rope_theta)), -2.0 * i / hp.n_rot)
+    s = hp.rope_sections
+    if sum(s) > 0:
+        sec = i % 3
+        covered = ((sec == 0) & (i < 3 * s[0])) | ((sec == 1) & (i < 3 * s[1])) | ((sec == 2) & (i < 3 * s[2]))
+    else:
+        covered = np.ones(half, dtype=bool)
+    pos = np.arange(n_ctx, dtype=np.float64)[:, None]
+    ang = np.where(covered[None, :], pos, 0.0) * inv_freq[None, :]
+    return np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(np.float32)
+
+
+class _W:
+    """A weight in VRAM: ptr (device address of expert 0 / the row range), ggml type (gpu.F32 for f32),
+    rows, cols, bytes from one expert to the next (3-D tensors)."""
+    __slots__ = ("ptr", "qtype", "nrows", "ncols", "expert_bytes")
+
+    def __init__(self, ptr: int, qtype: int, nrows: int, ncols: int, expert_bytes: int = 0):
+        self.ptr, self.qtype, self.nrows, self.ncols, self.expert_bytes = ptr, qtype, nrows, ncols, expert_bytes
+
+
+class GpuModel:
+    def __init__(self, model, tier: str | None = None, arch: int | None = None, int8: bool | None = None,
+                 toolchain: str = "auto", progress=None):
+        """model: a loaded Model (its file's tensors are uploaded; the CPU model stays usable).
+        tier: 'fermi' | 'kepler' | 'dp4a' (default: the GPU's own, default_tier); arch: the PTX target
+        (compute capability x10, default the GPU's: 35, 61 or 70 run the legacy PTX on a newer card);
+        int8: DP4A decode GEMVs on Q8_1 activations (default: on for the dp4a tier)."""
+        hp = self.hparams = model.hparams
+        if hp.arch == "qwen3next":
+            raise UnavailableError("the GPU forward pass runs qwen35 and qwen35moe files (not qwen3next)")
+        dev = gpu.init()
+        self.device = dev
+        dev_arch = gpu.device_arch()
+        self.tier = tier or default_tier(dev_arch)
+        self.k = gpu.Kernels(self.tier, dev_arch if arch is None else arch, toolchain)
+        self.int8 = (self.tier == "dp4a") if int8 is None else bool(int8)
+        self.model = model
+        self.file = model.file
+        self._faults = model_faults(model)
+        self.converted: list[str] = []     # "name (TYPE)" of tensors dequantised to f32 at upload
+        self._bufs: dict[str, gpu.Buffer] = {}
+        self.vram_bytes = 0
+        self._upload_all(progress)
+        self._scratch: dict[str, gpu.Buffer] = {}
+        self._scratch_n = 0
+        self._rope_n = 0
+        self._rope: gpu.Buffer | None = None
+
+    # ------------------------------------------------------------------ weights
+
+    def _upload(self, name: str) -> tuple[int, int]:
+        """Uploads tensor `name` once -> (device address, ggml type as stored on the GPU)."""
+        if name in self._bufs:
+            b = self._bufs[name]
+            return b.ptr, b.qtype
+        t = self.file.tensors[name]
+        data = self.file.gguf.data(name)
+        qtype = t.type
+        if qtype != gpu.F32 and qtype not in gpu.GPU_TYPES:
+            from . import _native
+            n_el = int(np.prod(t.ne))
+            data = _native.dequantize_row(qtype, data, n_el)
+            self.converted.append(f"{name} ({_native.type_traits(qtype)['name']})")
+            qtype = gpu.F32
+        b = gpu.Buffer.from_array(np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8), name)
+        b.qtype = qtype
+        self._bufs[name] = b
+        self.vram_bytes += b.nbytes
+        return b.ptr, qtype
+
+    def _w(self, name: str, rows: tuple[int, int] | None = None, expert_rows: tuple[int, int] | None = None) -> _W:
+        """The weight `name` ([ne1, ne0] or [ne2, ne1, ne0]); rows: a row range of a fused 2-D tensor;
+        expert_rows: a row range inside every expert of a fused 3-D tensor."""
+        t = self.file.tensors[name]
+        ptr, qtype = self._upload(name)
+        ne = list(t.ne) + [1, 1]
+        ncols, nrows, n_exp = ne[0], ne[1], ne[2]
+        if qtype == gpu.F32:
+            row_bytes = 4 * ncols
+        else:
+            _, bs, ts = gpu.GPU_TYPES[qtype]
+            row_bytes = ncols // bs * ts
+        expert_bytes = row_bytes * nrows
+        for r in (rows, expert_rows):
+            if r is not None:
+                ptr += r[0] * row_bytes
+                nrows = r[1] - r[0]
+        return _W(ptr, qtype, nrows, ncols, expert_bytes if n_exp > 1 or expert_rows else 0)
+
+    def _f32(self, name: str) -> int:
+        ptr, qtype = self._upload(name)
+        if qtype != gpu.F32:
+            raise EngineError(f"{name}: expected an f32 tensor")
+        return ptr
+
+    def _upload_all(self, progress) -> None:
+        hp, T = self.hparams, self.file.tensors
+        names = [n for n in T if n.startswith("blk.") or n in ("token_embd.weight", "output_norm.weight",
+                                                                "output.weight")]
+        it = progress(names) if progress else names
+        for n in it:
+            self._upload(n)
+        self.embd = self._w("token_embd.weight")
+        self.out_norm = self._f32("output_norm.weight")
+        self.head = self._w("output.weight") if "output.weight" in T else self.embd
+        self.layers = []
+        for i in range(hp.n_layer):
+            p = f"blk.{i}."
+            L = {"attn_norm": self._f32(p + "attn_norm.weight"), "post_norm": self._f32(p + "post_attention_norm.weight")}
+            if hp.recurrent[i]:
+                L.update(qkv=self._w(p + "attn_qkv.weight"), z=self._w(p + "attn_gate.weight"),
+                         beta=self._w(p + "ssm_beta.weight"), alpha=self._w(p + "ssm_alpha.weight"),
+                         conv=self._f32(p + "ssm_conv1d.weight"), dt=self._f32(p + "ssm_dt.bias"),
+                         a=self._f32(p + "ssm_a"), ssm_norm=self._f32(p + "ssm_norm.weight"),
+                         out=self._w(p + "ssm_out.weight"))
+            else:
+                if p + "attn_qkv.weight" in T:
+                    q, kv = 2 * hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+                    L.update(q=self._w(p + "attn_qkv.weight", rows=(0, q)),
+                             k=self._w(p + "attn_qkv.weight", rows=(q, q + kv)),
+                             v=self._w(p + "attn_qkv.weight", rows=(q + kv, q + 2 * kv)))
+                else:
+                    L.update(q=self._w(p + "attn_q.weight"), k=self._w(p + "attn_k.weight"),
+                             v=self._w(p + "attn_v.weight"))
+                L.update(o=self._w(p + "attn_output.weight"), q_norm=self._f32(p + "attn_q_norm.weight"),
+                         k_norm=self._f32(p + "attn_k_norm.weight"))
+            if hp.n_expert:
+                L["router"] = self._w(p + "ffn_gate_inp.weight")
+                if p + "ffn_gate_up_exps.weight" in T:
+                    ff = hp.n_ff_exp
+                    L["gate_exps"] = self._w(p + "ffn_gate_up_exps.weight", expert_rows=(0, ff))
+                    L["up_exps"] = self._w(p + "ffn_gate_up_exps.weight", expert_rows=(ff, 2 * ff))
+                else:
+                    L["gate_exps"] = self._w(p + "ffn_gate_exps.weight")
+                    L["up_exps"] = self._w(p + "ffn_up_exps.weight")
+                L["down_exps"] = self._w(p + "ffn_down_exps.weight")
+                if hp.n_ff_shexp:
+                    L.update(sh_gate_inp=self._w(p + "ffn_gate_inp_shexp.weight"),
+                             sh_gate=self._w(p + "ffn_gate_shexp.weight"), sh_up=self._w(p + "ffn_up_shexp.weight"),
+                             sh_down=self._w(p + "ffn_down_shexp.weight"))
+            else:
+                L.update(gate=self._w(p + "ffn_gate.weight"), up=self._w(p + "ffn_up.weight"),
+                         down=self._w(p + "ffn_down.weight"))
+            self.layers.append(L)
+        # the shared-expert gate is an [E] vector: one output row
+        for L in self.layers:
+            if "sh_gate_inp" in L:
+                w = L["sh_gate_inp"]
+                w.nrows, w.ncols = 1, self.hparams.n_embd
+
+    # ------------------------------------------------------------------ scratch
+
+    def _buf(self, name: str, nbytes: int) -> gpu.Buffer:
+        b = self._scratch.get(name)
+        if b is None or b.nbytes < nbytes:
+            if b is not None:
+                b.free()
+            b = self._scratch[name] = gpu.Buffer(max(nbytes, 256), f"scratch {name}")
+        return b
+
+    def _rope_cs(self, n_ctx: int) -> gpu.Buffer:
+        if self._rope is None or self._rope_n < n_ctx:
+            if self._rope is not None:
+                self._rope.free()
+            self._rope = gpu.Buffer.from_array(rope_table(self.hparams, n_ctx), "rope table")
+            self._rope_n = n_ctx
+        return self._rope
+
+    # ------------------------------------------------------------------ ops
+
+    def _mm(self, w: _W, x: int, y: int, n: int, xq: int | None = None) -> None:
+        """y[n, w.nrows] = x[n, w.ncols] W^T. xq: x already quantised to Q8_1 (one token, int8 path)."""
+        k = self.k
+        if n > 1:
+            k.gemm_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols, n)
+        elif self.int8 and w.qtype != gpu.F32:
+            if xq is None:
+                xq = self._buf("xq", w.ncols // 32 * gpu.Q8_1_BYTES).ptr
+                k.quantize_q8_1(x, xq, w.ncols)
+            k.gemv_dp4a(w.qtype, w.ptr, xq, y, w.nrows, w.ncols)
+        else:
+            k.gemv_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols)
+
+    def _quantized(self, x: int, ncols: int, n: int, name: str = "xq") -> int | None:
+        """Q8_1 of x[ncols] for the int8 GEMVs of one token, else None."""
+        if n > 1 or not self.int8:
+            return None
+        xq = self._buf(name, ncols // 32 * gpu.Q8_1_BYTES).ptr
+        self.k.quantize_q8_1(x, xq, ncols)
+        return xq
+
+    def _gdn(self, L: dict, h: int, n: int, st: "GpuState", si: int, y: int) -> None:
+        hp, k = self.hparams, self.k
+        E, Hk, Hv, dk = hp.n_embd, hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state
+        dv = hp.ssm_d_inner // Hv
+        conv_dim = 2 * Hk * dk + hp.ssm_d_inner
+        qkv = self._buf("qkv", 4 * n * conv_dim).ptr
+        u = self._buf("u", 4 * n * conv_dim).ptr
+        z = self._buf("z", 4 * n * hp.ssm_d_inner).ptr
+        o = self._buf("o", 4 * n * hp.ssm_d_inner).ptr
+        beta = self._buf("beta", 4 * n * Hv).ptr
+        g = self._buf("g", 4 * n * Hv).ptr
+        hq = self._quantized(h, E, n)
+        self._mm(L["qkv"], h, qkv, n, hq)
+        self._mm(L["z"], h, z, n, hq)
+        self._mm(L["beta"], h, beta, n, hq)
+        self._mm(L["alpha"], h, g, n, hq)
+        k.conv1d_silu(qkv, L["conv"], st.conv_ptr(si), u, n, conv_dim, hp.ssm_conv_kernel)
+        k.gdn_l2norm_qk(u, n, conv_dim, Hk, dk)
+        k.gdn_gates(beta, g, L["dt"], L["a"], n, Hv)
+        k.gdn_recurrent(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, tiled=not self._faults.get("gdn_grouped"))
+        k.gdn_gated_rmsnorm(o, z, L["ssm_norm"], o, n * Hv, dv, hp.rms_eps)
+        self._mm(L["out"], o, y, n)
+
+    def _attention(self, L: dict, h: int, n: int, st: "GpuState", si: int, y: int) -> None:
+        hp, k = self.hparams, self.k
+        E, hd, nh, nkv = hp.n_embd, hp.head_dim, hp.n_head, hp.n_head_kv
+        qw, kvw, pos = nh * 2 * hd, nkv * hd, st.pos
+        qg = self._buf("qg", 4 * n * qw).ptr
+        o = self._buf("ao", 4 * n * nh * hd).ptr
+        kc, vc = st.k_ptr(si), st.v_ptr(si)
+        kn, vn = kc + 4 * pos * kvw, vc + 4 * pos * kvw   # this batch's cache rows
+        hq = self._quantized(h, E, n)
+        self._mm(L["q"], h, qg, n, hq)
+        self._mm(L["k"], h, kn, n, hq)
+        self._mm(L["v"], h, vn, n, hq)
+        cs = self._rope_cs(st.n_ctx).ptr + 4 * pos * hp.n_rot   # rows pos.. of [n_ctx, n_rot/2, 2]
+        k.qk_norm_rope(qg, L["q_norm"], cs, n, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps)
+        k.qk_norm_rope(kn, L["k_norm"], cs, n, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps)
+        if n == 1:
+            n_split, _ = k.attn_splits(pos + 1)
+            part = self._buf("attn_part", k.attn_partials_bytes(nh, hd, n_split)).ptr
+            k.attention_decode(qg, kc, vc, o, part, pos + 1, nh, nkv, hd, n_split=n_split)
+        else:
+            k.attention_prefill(qg, kc, vc, o, n, pos, nh, nkv, hd)
+        self._mm(L["o"], o, y, n)
+
+    def _ffn(self, L: dict, h: int, n: int, y: int) -> None:
+        hp, k = self.hparams, self.k
+        E = hp.n_embd
+        hq = self._quantized(h, E, n)
+        if not hp.n_expert:
+            ff = hp.n_ff
+            g = self._buf("ffg", 4 * n * ff).ptr
+            u = self._buf("ffu", 4 * n * ff).ptr
+            self._mm(L["gate"], h, g, n, hq)
+            self._mm(L["up"], h, u, n, hq)
+            k.swiglu(g, u, g, n * ff)
+            self._mm(L["down"], g, y, n)
+            return
+        ne, kk, ff = hp.n_expert, hp.n_expert_used, hp.n_ff_exp
+        pairs = n * kk
+        logits = self._buf("router", 4 * n * ne).ptr
+        ids = self._buf("ids", 4 * pairs).ptr
+        wts = self._buf("wts", 4 * pairs).ptr
+        g = self._buf("eg", 4 * pairs * ff).ptr
+        u = self._buf("eu", 4 * pairs * ff).ptr
+        yd = self._buf("ed", 4 * pairs * E).ptr
+        self._mm(L["router"], h, logits, n, hq)
+        k.moe_route(logits, ids, wts, n, ne, kk)
+        int8 = self.int8 and L["gate_exps"].qtype != gpu.F32
+        x, xs = (hq, E // 32) if int8 else (h, E)
+        if int8 and hq is None:   # several tokens: quantise every token's row
+            x = self._buf("xq_tok", n * E // 32 * gpu.Q8_1_BYTES).ptr
+            k.quantize_q8_1(h, x, n * E)
+        for wname, out in (("gate_exps", g), ("up_exps", u)):
+            w = L[wname]
+            k.gemv_ids(w.qtype, w.ptr, x, out, w.nrows, w.ncols, ids, pairs, w.expert_bytes, kk, xs, int8=int8)
+        k.swiglu(g, u, g, pairs * ff)
+        w = L["down_exps"]
+        int8d = self.int8 and w.qtype != gpu.F32
+        xd, xds = g, ff
+        if int8d:
+            xd = self._buf("xq_down", pairs * ff // 32 * gpu.Q8_1_BYTES).ptr
+            k.quantize_q8_1(g, xd, pairs * ff)
+            xds = ff // 32
+        k.gemv_ids(w.qtype, w.ptr, xd, yd, w.nrows, w.ncols, ids, pairs, w.expert_bytes, 1, xds, int8=int8d)
+        sh = shg = None
+        if hp.n_ff_shexp:
+            fs = hp.n_ff_shexp
+            sg = self._buf("sg", 4 * n * fs).ptr
+            su = self._buf("su", 4 * n * fs).ptr
+            sh = self._buf("sh", 4 * n * E).ptr
+            shg = self._buf("shg", 4 * n).ptr
+            self._mm(L["sh_gate"], h, sg, n, hq)
+            self._mm(L["sh_up"], h, su, n, hq)
+            k.swiglu(sg, su, sg, n * fs)
+            self._mm(L["sh_down"], sg, sh, n)
+            self._mm(L["sh_gate_inp"], h, shg, n, hq)
+        k.moe_combine(yd, wts, sh, shg, y, n, kk, E)
+
+    # ------------------------------------------------------------------ forward
+
+    def new_state(self, n_ctx: int | None = None) -> "GpuState":
+        from .model import DEFAULT_CTX
+        return GpuState(self, n_ctx or DEFAULT_CTX)
+
+    def forward(self, state: "GpuState", tokens, all_logits: bool = False, chunked: bool = True,
+                want_logits: bool = True) -> np.ndarray | None:
+        """tokens: int[n] at positions state.pos.. -> logits float32[n or 1, n_vocab] (as Model.forward;
+        `chunked` is accepted for the interface: the GPU runs the GDN recurrence token by token)."""
+        hp = self.hparams
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError("tokens: a non-empty 1-D sequence of ids")
+        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= hp.n_vocab:
+            raise ValueError(f"token ids must be integers in [0, {hp.n_vocab})")
+        if not isinstance(state, GpuState) or state.gm is not self:
+            raise ValueError("state belongs to another model (make it with this GpuModel's new_state)")
+        if state.pos + ids.size > state.n_ctx:
+            raise ValueError(f"{ids.size} tokens at position {state.pos} exceed the context of {state.n_ctx}")
+        ids = ids.astype(np.int32)
+        outs = []
+        for c0 in range(0, ids.size, PREFILL_CHUNK):
+            part = ids[c0:c0 + PREFILL_CHUNK]
+            last = c0 + PREFILL_CHUNK >= ids.size
+            out = self._forward_chunk(state, part, all_logits if want_logits else False,
+                                      want_logits and (all_logits or last))
+            if out is not None:
+                outs.append(out)
+        if not want_logits:
+            return None
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _forward_chunk(self, st: "GpuState", ids: np.ndarray, all_logits: bool, want: bool) -> np.ndarray | None:
+        hp, k = self.hparams, self.k
+        n, E = ids.size, hp.n_embd
+        idb = self._buf("tokens", 4 * n)
+        idb.upload(ids)
+        x = self._buf("x", 4 * n * E).ptr
+        h = self._buf("h", 4 * n * E).ptr
+        y = self._buf("y", 4 * n * E).ptr
+        k.get_rows(self.embd.qtype, self.embd.ptr, idb.ptr, x, n, E)
+        for i, L in enumerate(self.layers):
+            si = st.index[i]
+            k.rmsnorm(x, L["attn_norm"], h, E, n, hp.rms_eps)
+            if hp.recurrent[i]:
+                self._gdn(L, h, n, st, si, y)
+            else:
+                self._attention(L, h, n, st, si, y)
+            k.add(x, y, x, n * E)
+            k.rmsnorm(x, L["post_norm"], h, E, n, hp.rms_eps)
+            self._ffn(L, h, n, y)
+            k.add(x, y, x, n * E)
+        st._pos += n
+        if not want:
+            gpu.synchronize()
+            return None
+        first = 0 if all_logits else n - 1
+        n_out = n - first
+        k.rmsnorm(x + 4 * first * E, self.out_norm, h, E, n_out, hp.rms_eps)
+        logits = self._buf("logits", 4 * n_out * hp.n_vocab)
+        self._mm(self.head, h, logits.ptr, n_out)
+        return logits.download(dtype=np.float32, count=n_out * hp.n_vocab).reshape(n_out, hp.n_vocab)
+
+    def describe(self) -> str:
+        conv = f"; dequantised to f32 at upload: {len(self.converted)} tensors" if self.converted else ""
+        return (f"GPU {self.device['name']} ({self.k.name} kernels, {'int8 DP4A' if self.int8 else 'f32'} decode "
+                f"GEMVs), weights {self.vram_bytes / 2**30:.2f} GiB in VRAM{conv}")
+
+
+def model_faults(model) -> dict:
+    """The negative-control faults the CPU model was made with (tests only); those the GPU path knows:
+    gdn_grouped (v-head j reads k-head j / (H_v/H_k) instead of j % H_k)."""
+    faults = dict(model.faults)
+    unknown = set(faults) - {"gdn_grouped"}
+    if unknown:
+        raise ValueError(f"the GPU forward pass cannot inject {sorted(unknown)}")
+    return faults
+
+
+class GpuState:
+    """One sequence's state in VRAM: conv [n_gdn, K-1, conv_dim], SSM [n_gdn, H_v, d_k, d_v], K and V
+    [n_attn, n_ctx, n_kv*hd], all f32 (the CPU state's layouts), and the position."""
+
+    def __init__(self, gm: GpuModel, n_ctx: int):
+        hp = gm.hparams
+        if n_ctx < 1:
+            raise ValueError(f"n_ctx = {n_ctx}")
+        self.gm, self.n_ctx, self._pos = gm, int(n_ctx), 0
+        self.index, n_gdn, n_attn = [], 0, 0
+        for r in hp.recurrent:
+            self.index.append(n_gdn if r else n_attn)
+            n_gdn, n_attn = n_gdn + bool(r), n_attn + (not r)
+        self.n_gdn, self.n_attn = n_gdn, n_attn
+        conv_dim = 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_d_inner
+        self.conv_floats = (hp.ssm_conv_kernel - 1) * conv_dim
+        self.ssm_floats = hp.ssm_d_inner * hp.ssm_d_state
+        self.kvw = hp.n_head_kv * hp.head_dim
+        self.conv = gpu.Buffer(4 * max(1, n_gdn * self.conv_floats), "GDN conv states")
+        self.ssm = gpu.Buffer(4 * max(1, n_gdn * self.ssm_floats), "GDN SSM states")
+        self.k = gpu.Buffer(4 * max(1, n_attn * self.n_ctx * self.kvw), "K cache")
+        self.v = gpu.Buffer(4 * max(1, n_attn * self.n_ctx * self.kvw), "V cache")
+        gm._rope_cs(self.n_ctx)
+        self.reset()
+
+    @property
+    def pos(self) -> int:
+        return self._pos
+
+    def reset(self) -> None:
+        from . import _native
+        _native.gpu_memset8(self.conv.ptr, 0, self.conv.nbytes)
+        _native.gpu_memset8(self.ssm.ptr, 0, self.ssm.nbytes)
+        self._pos = 0
+
+    def conv_ptr(self, i: int) -> int:
+        return self.conv.ptr + 4 * i * self.conv_floats
+
+    def ssm_ptr(self, i: int) -> int:
+        return self.ssm.ptr + 4 * i * self.ssm_floats
+
+    def k_ptr(self, i: int) -> int:
+        return self.k.ptr + 4 * i * self.n_ctx * self.kvw
+
+    def v_ptr(self, i: int) -> int:
+        return self.v.ptr + 4 * i * self.n_ctx * self.kvw
+
+    # the NativeState interface of the snapshot cache (same byte layouts)
+    def save_recurrent(self) -> bytes:
+        """conv + SSM states of every GDN layer (all conv, then all SSM; f32 bytes)."""
+        gpu.synchronize()
+        nc, ns = 4 * self.n_gdn * self.conv_floats, 4 * self.n_gdn * self.ssm_floats
+        out = np.empty(nc + ns, dtype=np.uint8)
+        if nc:
+            self.conv.download(out[:nc])
+        if ns:
+            self.ssm.download(out[nc:])
+        return out.tobytes()
+
+    def restore_recurrent(self, data: bytes, pos: int) -> None:
+        nc, ns = 4 * self.n_gdn * self.conv_floats, 4 * self.n_gdn * self.ssm_floats
+        if len(data) != nc + ns:
+            raise ValueError(f"recurrent state of {len(data)} bytes, this model's is {nc + ns}")
+        if not 0 <= pos <= self.n_ctx:
+            raise ValueError(f"position {pos} outside the context of {self.n_ctx}")
+        mv = memoryview(data).cast("B")
+        if nc:
+            self.conv.upload(mv[:nc])
+        if ns:
+            self.ssm.upload(mv[nc:])
+        self._pos = int(pos)
+
+    def _kv_rows(self, start: int, n: int) -> None:
+        if start < 0 or n < 0 or start + n > self.n_ctx:
+            raise ValueError(f"KV rows [{start}, {start + n}) outside the context of {self.n_ctx}")
+
+    def read_kv(self, start: int, n: int) -> bytes:
+        """KV rows [start, start+n) of every attention layer: [n_attn][K, V][n][row] f32 bytes."""
+        from . import _native
+        self._kv_rows(start, n)
+        gpu.synchronize()
+        rb = 4 * n * self.kvw
+        out = np.empty(2 * self.n_attn * rb, dtype=np.uint8)
+        for a in range(self.n_attn):
+            for j, base in enumerate((self.k_ptr(a), self.v_ptr(a))):
+                if rb:
+                    _native.gpu_copy_dtoh(out[(2 * a + j) * rb:(2 * a + j + 1) * rb], base + 4 * start * self.kvw, rb)
+        return out.tobytes()
+
+    def write_kv(self, start: int, n: int, data: bytes) -> None:
+        from . import _native
+        self._kv_rows(start, n)
+        rb = 4 * n * self.kvw
+        if len(data) != 2 * self.n_attn * rb:
+            raise ValueError(f"KV data of {len(data)} bytes for {n} rows, expected {2 * self.n_attn * rb}")
+        mv = memoryview(data).cast("B")
+        for a in range(self.n_attn):
+            for j, base in enumerate((self.k_ptr(a), self.v_ptr(a))):
+                if rb:
+                    _native.gpu_copy_htod(base + 4 * start * self.kvw, mv[(2 * a + j) * rb:(2 * a + j + 1) * rb], rb)
+
+    def copy_from(self, other: "GpuState") -> None:
+        self.restore_recurrent(other.save_recurrent(), other.pos)
+        self.write_kv(0, other.pos, other.read_kv(0, other.pos))
+
+    # the handoff between engines
+    def to_cpu(self, cpu_state) -> None:
+        """Makes a CPU NativeState (of the same model) hold this sequence: prefill here, decode there."""
+        cpu_state.restore_recurrent(self.save_recurrent(), self.pos)
+        cpu_state.write_kv(0, self.pos, self.read_kv(0, self.pos))
+
+    def from_cpu(self, cpu_state) -> None:
+        """Takes over a CPU NativeState's sequence."""
+        pos = cpu_state.pos
+        self.restore_recurrent(cpu_state.save_recurrent(), pos)
+        self.write_kv(0, pos, cpu_state.read_kv(0, pos))

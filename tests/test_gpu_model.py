@@ -1,0 +1,320 @@
+"""The GPU-resident forward pass (legacy_engine/gpu_model.py) and the kernels it added (cuda8/rope.cu,
+get_rows.cu, moe_combine.cu, the f32-weight and MoE `_ids` forms of the GEMV/GEMM files).
+
+On a GPU (marker gpu), for every tier variant (as tests/test_gpu.py: fermi and kepler from compute_35 PTX, dp4a
+from compute_61 and compute_70, and each tier on the card's own arch):
+  - each new kernel against numpy / the C reference (exact where the math is exact);
+  - the tiny f32 models (tests/fixtures/tiny_models.py: dense, dense_tied, moe, moe_hv_eq_hk), GPU prefill of the
+    200-token sequence against the committed transformers logits (LOGIT_ABS_F32, the CPU engine's own bar) and
+    against the CPU engine, then decode token by token on the GPU against the CPU engine's decode;
+  - the handoff: prefill on the GPU, state moved to the CPU, decode there == decode on the GPU (and back);
+  - a quantised file (Q4_K_M of the wide tiny MoE, with Q5_0/Q8_0 fallbacks dequantised at upload): the int8
+    (DP4A) decode's KL to the CPU engine's f32 path stays at the CPU integer path's level.
+GPU machine: LE_PTX_DIR=DIR LE_GPU_STRICT=1 python -m pytest tests/test_gpu_model.py -m gpu
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import tolerances as tol
+from fixtures.make_reference import FULL_ROWS, compare, load_reference, sequence, tiny_gguf
+from legacy_engine import gpu
+from legacy_engine.model import Model
+from test_gpu import (GPU_OK, GPU_WHY, NATIVE_ARCH, STRICT, TYPES, VARIANTS, VIDS, assert_close_sum, dequant,  # noqa: F401
+                      gpu_device, kernels, random_weights, tname, variant_params)
+
+pytestmark = pytest.mark.gpu
+N_CTX = 256
+
+
+# ================================================================================================ the new kernels
+
+@pytest.mark.parametrize("qtype", TYPES + [gpu.F32], ids=[tname(t) for t in TYPES] + ["f32"])
+@variant_params()
+def test_get_rows(kernels, qtype):
+    """The embedding rows, dequantised bit for bit as the C reference does."""
+    rng = np.random.default_rng(300 + qtype)
+    nrows, ncols = 50, 512
+    if qtype == gpu.F32:
+        w = rng.standard_normal(nrows * ncols).astype(np.float32)
+        W = w.reshape(nrows, ncols)
+    else:
+        w = random_weights(rng, qtype, nrows, ncols)
+        W = dequant(qtype, w, nrows, ncols)[0].astype(np.float32)
+    ids = rng.integers(0, nrows, 9).astype(np.int32)
+    with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(ids) as bi, gpu.Buffer(4 * 9 * ncols) as by:
+        kernels.get_rows(qtype, bw, bi, by, 9, ncols)
+        y = by.download(dtype=np.float32).reshape(9, ncols)
+    np.testing.assert_array_equal(y, W[ids])
+
+
+@variant_params()
+def test_gemv_gemm_f32_weights(kernels):
+    """f32 weights (the tiny oracle files): GEMV and GEMM against f64."""
+    rng = np.random.default_rng(7)
+    nrows, ncols, ntok = 67, 1024, 37
+    W = rng.standard_normal((nrows, ncols)).astype(np.float32)
+    X = rng.standard_normal((ntok, ncols)).astype(np.float32)
+    ref = X.astype(np.float64) @ W.T.astype(np.float64)
+    mag = np.abs(X.astype(np.float64)) @ np.abs(W.T.astype(np.float64))
+    with gpu.Buffer.from_array(W) as bw, gpu.Buffer.from_array(X) as bx, gpu.Buffer(4 * nrows * ntok) as by:
+        kernels.gemv_f32(gpu.F32, bw, bx, by, nrows, ncols)
+        y = by.download(dtype=np.float32, count=nrows)
+        assert_close_sum(y, ref[0], mag[0], math.ceil(ncols / 4 / 32) * 4 + 5, "gemv_f32_f32")
+        kernels.gemm_f32(gpu.F32, bw, bx, by, nrows, ncols, ntok)
+        Y = by.download(dtype=np.float32).reshape(ntok, nrows)
+        assert_close_sum(Y, ref, mag, ncols, "gemm_f32_f32")
+    with pytest.raises(ValueError, match="int8"):
+        kernels.gemv_dp4a(gpu.F32, 0, 0, 0, nrows, ncols)
+
+
+@pytest.mark.parametrize("qtype", [2, 12, 14, gpu.F32], ids=["q4_0", "q4_K", "q6_K", "f32"])
+@pytest.mark.parametrize("int8", [False, True], ids=["f32x", "int8"])
+@variant_params()
+def test_gemv_ids(kernels, qtype, int8):
+    """The MoE GEMV: pair p = expert ids[p] times input p // x_group gives exactly what the plain GEMV gives for
+    that expert and input (same code, other addresses)."""
+    if int8 and qtype == gpu.F32:
+        pytest.skip("f32 weights have no int8 path")
+    rng = np.random.default_rng(400 + qtype)
+    n_exp, nrows, ncols, n_tok, k = 6, 40, 512, 3, 2
+    if qtype == gpu.F32:
+        w = rng.standard_normal(n_exp * nrows * ncols).astype(np.float32)
+        eb = 4 * nrows * ncols
+    else:
+        w = random_weights(rng, qtype, n_exp * nrows, ncols)
+        eb = nrows * ncols // gpu.GPU_TYPES[qtype][1] * gpu.GPU_TYPES[qtype][2]
+    x = rng.standard_normal((n_tok, ncols)).astype(np.float32)
+    ids = np.array([[5, 0], [2, 5], [1, 3]], dtype=np.int32)
+    qb = ncols // 32 * gpu.Q8_1_BYTES
+    with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(x) as bx, gpu.Buffer.from_array(ids) as bi, \
+            gpu.Buffer(n_tok * qb) as bq, gpu.Buffer(4 * n_tok * k * nrows) as by, gpu.Buffer(4 * nrows) as b1:
+        if int8:
+            kernels.quantize_q8_1(bx, bq, n_tok * ncols)
+            kernels.gemv_ids(qtype, bw, bq, by, nrows, ncols, bi, n_tok * k, eb, k, ncols // 32, int8=True,
+                             n_experts=n_exp)
+        else:
+            kernels.gemv_ids(qtype, bw, bx, by, nrows, ncols, bi, n_tok * k, eb, k, ncols, n_experts=n_exp)
+        got = by.download(dtype=np.float32).reshape(n_tok * k, nrows)
+        for p in range(n_tok * k):
+            e, t = int(ids.flat[p]), p // k
+            if int8:
+                kernels.gemv_dp4a(qtype, bw.ptr + e * eb, bq.ptr + t * qb, b1, nrows, ncols)
+            else:
+                kernels.gemv_f32(qtype, bw.ptr + e * eb, bx.ptr + 4 * t * ncols, b1, nrows, ncols)
+            np.testing.assert_array_equal(got[p], b1.download(dtype=np.float32), err_msg=f"pair {p}")
+
+
+def qk_norm_rope_ref(x, w, cs, n_heads, head_stride, row_stride, hd, eps):
+    """native/attention.c's per-head le_rmsnorm then rope.c's rotation, in f64 from the f32 inputs."""
+    out = x.astype(np.float64).copy()
+    half = cs.shape[1]
+    for t in range(cs.shape[0]):
+        for h in range(n_heads):
+            o = t * row_stride + h * head_stride
+            v = out[o:o + hd]
+            v = v / np.sqrt((v * v).mean() + eps) * w
+            c, s = cs[t, :, 0].astype(np.float64), cs[t, :, 1].astype(np.float64)
+            a, b = v[:half].copy(), v[half:2 * half].copy()
+            v[:half], v[half:2 * half] = a * c - b * s, a * s + b * c
+            out[o:o + hd] = v
+    return out
+
+
+@variant_params()
+def test_qk_norm_rope(kernels):
+    """q heads (stride 2*hd, the gate halves untouched) and k heads, partial rotary (n_rot = hd/4), IMRoPE table."""
+    from types import SimpleNamespace
+    from legacy_engine.gpu_model import rope_table
+    rng = np.random.default_rng(11)
+    n, nh, hd, n_rot, eps = 5, 3, 256, 64, 1e-6
+    hp = SimpleNamespace(n_rot=n_rot, rope_theta=1e7, rope_sections=(11, 11, 10, 0))
+    cs = rope_table(hp, 40)[30:30 + n]                 # positions 30..34
+    w = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)
+    for head_stride, row_stride in ((2 * hd, nh * 2 * hd), (hd, nh * hd)):
+        x = rng.standard_normal(n * row_stride).astype(np.float32)
+        ref = qk_norm_rope_ref(x, w.astype(np.float64), cs, nh, head_stride, row_stride, hd, eps)
+        with gpu.Buffer.from_array(x) as bx, gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(cs) as bc:
+            kernels.qk_norm_rope(bx, bw, bc, n, nh, head_stride, row_stride, hd, n_rot, eps)
+            y = bx.download(dtype=np.float32)
+        # the norm's f32 sum and scale (GPU_RMSNORM_REL), then one rotation: two products and a sum
+        np.testing.assert_allclose(y, ref, rtol=4 * tol.GPU_RMSNORM_REL, atol=4 * tol.GPU_RMSNORM_REL * np.abs(ref).max())
+        if head_stride == 2 * hd:                       # gate halves untouched
+            g = x.reshape(n, nh, 2, hd)[:, :, 1]
+            np.testing.assert_array_equal(y.reshape(n, nh, 2, hd)[:, :, 1], g)
+
+
+@variant_params()
+def test_moe_combine(kernels):
+    rng = np.random.default_rng(12)
+    n, k, E = 3, 4, 160
+    y = rng.standard_normal((n * k, E)).astype(np.float32)
+    w = rng.uniform(0, 1, (n, k)).astype(np.float32)
+    sh = rng.standard_normal((n, E)).astype(np.float32)
+    sg = rng.standard_normal(n).astype(np.float32)
+    y64 = y.astype(np.float64).reshape(n, k, E)
+    base = (w.astype(np.float64)[:, :, None] * y64).sum(axis=1)
+    gate = 1 / (1 + np.exp(-sg.astype(np.float64)))
+    mag = (np.abs(w.astype(np.float64))[:, :, None] * np.abs(y64)).sum(axis=1) + np.abs(sh)
+    with gpu.Buffer.from_array(y) as by, gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(sh) as bs, \
+            gpu.Buffer.from_array(sg) as bg, gpu.Buffer(4 * n * E) as bo:
+        kernels.moe_combine(by, bw, None, None, bo, n, k, E)
+        assert_close_sum(bo.download(dtype=np.float32).reshape(n, E), base, mag, k + 2, "moe_combine")
+        kernels.moe_combine(by, bw, bs, bg, bo, n, k, E)
+        ref = base + gate[:, None] * sh
+        assert_close_sum(bo.download(dtype=np.float32).reshape(n, E), ref, mag, k + 8, "moe_combine shared")
+
+
+# ================================================================================================ whole models
+
+KINDS = ("dense", "dense_tied", "moe", "moe_hv_eq_hk")
+
+
+@pytest.fixture(scope="session")
+def tiny_file(tmp_path_factory):
+    made, root = {}, tmp_path_factory.mktemp("gpu_tiny")
+
+    def get(kind: str):
+        if kind not in made:
+            made[kind] = tiny_gguf(kind, root / f"{kind}.f32.gguf")
+        return made[kind]
+    return get
+
+
+@pytest.fixture(scope="session")
+def cpu_model(tiny_file):
+    made = {}
+
+    def get(kind: str) -> Model:
+        if kind not in made:
+            made[kind] = Model(tiny_file(kind), n_threads=2, pin=False)
+        return made[kind]
+    return get
+
+
+_GPU_MODELS: dict = {}
+
+
+def gpu_model(cpu: Model, kind: str, tier: str, arch: int):
+    from legacy_engine.gpu_model import GpuModel
+    key = (kind, tier, arch)
+    if key not in _GPU_MODELS:
+        if arch > NATIVE_ARCH:
+            pytest.skip(f"compute_{arch} PTX does not run on sm_{NATIVE_ARCH}")
+        try:
+            _GPU_MODELS[key] = GpuModel(cpu, tier=tier, arch=arch)
+        except gpu.UnavailableError as e:   # a variant that cannot be built here
+            _GPU_MODELS[key] = e
+    g = _GPU_MODELS[key]
+    if isinstance(g, Exception):
+        (pytest.fail if STRICT else pytest.skip)(f"{gpu.variant_name(tier, arch)}: {g}")
+    return g
+
+
+def cpu_logits(model: Model, ids, decode_from: int) -> np.ndarray:
+    st = model.new_state(N_CTX)
+    out = [model.forward(st, ids[:decode_from], all_logits=True)]
+    out += [model.forward(st, ids[i:i + 1], all_logits=True, chunked=False) for i in range(decode_from, len(ids))]
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VIDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiny_model_matches_reference_and_cpu(kind, variant, gpu_device, tiny_file, cpu_model):
+    """200 tokens: prefill of 120 in one call on the GPU (all logits), then 80 decode steps; against transformers'
+    committed logits with the f32 bar (LOGIT_ABS_F32) and against the CPU engine over every position."""
+    tier, arch = variant
+    cpu = cpu_model(kind)
+    gm = gpu_model(cpu, kind, tier, arch)
+    n = 200
+    ids = sequence(n, cpu.hparams.n_vocab)
+    st = gm.new_state(N_CTX)
+    got = [gm.forward(st, ids[:120], all_logits=True)]
+    got += [gm.forward(st, ids[i:i + 1], all_logits=True) for i in range(120, n)]
+    got = np.concatenate(got)
+    assert got.shape == (n, cpu.hparams.n_vocab) and st.pos == n
+    d_ref = compare(load_reference(kind), got, n)
+    ours = cpu_logits(cpu, ids, 120)
+    d_cpu = float(np.abs(got.astype(np.float64) - ours).max())
+    print(f"\n{kind} {gpu.variant_name(tier, arch)}: max|Δ| vs transformers {d_ref:.2e}, vs CPU engine {d_cpu:.2e}")
+    assert d_ref <= tol.LOGIT_ABS_F32, f"vs transformers: {d_ref}"
+    assert d_cpu <= tol.LOGIT_ABS_F32, f"vs the CPU engine: {d_cpu}"
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_fault_is_caught(kind, gpu_device, tiny_file):
+    """Negative control: the GDN v-heads grouped instead of tiled (a real bug class) fails the f32 bar on the GPU."""
+    cpu = Model(tiny_file(kind), n_threads=2, pin=False, _faults={"gdn_grouped": True})
+    from legacy_engine.gpu_model import GpuModel
+    gm = GpuModel(cpu, int8=False)
+    ids = sequence(32, cpu.hparams.n_vocab)
+    got = gm.forward(gm.new_state(64), ids, all_logits=True)
+    assert compare(load_reference(kind), got, 32) > 10 * tol.LOGIT_ABS_F32
+
+
+@pytest.mark.parametrize("kind", ["dense_tied", "moe"])
+def test_handoff_gpu_cpu(kind, gpu_device, tiny_file, cpu_model):
+    """Prefill on the GPU, decode on the CPU gives the CPU engine's logits (and the reverse); the state bytes the
+    two engines hold after the same prefix agree within the f32 bar."""
+    from legacy_engine.gpu_model import GpuModel
+    cpu = cpu_model(kind)
+    gm = GpuModel(cpu, int8=False)
+    ids = sequence(200, cpu.hparams.n_vocab)
+    ref = cpu_logits(cpu, ids, 100)
+    # GPU prefill -> CPU decode
+    gst, cst = gm.new_state(N_CTX), cpu.new_state(N_CTX)
+    gm.forward(gst, ids[:100])
+    gst.to_cpu(cst)
+    assert cst.pos == 100
+    dec = np.concatenate([cpu.forward(cst, ids[i:i + 1], all_logits=True, chunked=False) for i in range(100, 200)])
+    assert np.abs(dec - ref[100:]).max() <= tol.LOGIT_ABS_F32
+    # CPU prefill -> GPU decode
+    cst2, gst2 = cpu.new_state(N_CTX), gm.new_state(N_CTX)
+    cpu.forward(cst2, ids[:100])
+    gst2.from_cpu(cst2)
+    dec2 = np.concatenate([gm.forward(gst2, ids[i:i + 1], all_logits=True) for i in range(100, 200)])
+    assert np.abs(dec2 - ref[100:]).max() <= tol.LOGIT_ABS_F32
+    # the recurrent state and KV rows themselves
+    a = np.frombuffer(gst.save_recurrent(), np.float32)
+    cst3 = cpu.new_state(N_CTX)
+    cpu.forward(cst3, ids[:100])
+    b = np.frombuffer(cst3.save_recurrent(), np.float32)
+    assert np.abs(a - b).max() <= tol.LOGIT_ABS_F32 * max(1.0, np.abs(b).max())
+
+
+def test_bad_input_is_refused_and_state_kept(gpu_device, tiny_file, cpu_model):
+    from legacy_engine.gpu_model import GpuModel
+    cpu = cpu_model("dense")
+    gm = GpuModel(cpu, int8=False)
+    st = gm.new_state(16)
+    gm.forward(st, [1, 2, 3])
+    for bad in ([], [cpu.hparams.n_vocab], [-1], list(range(14))):
+        with pytest.raises(ValueError):
+            gm.forward(st, bad)
+    assert st.pos == 3
+    with pytest.raises(ValueError, match="another model"):
+        gm.forward(cpu.new_state(16), [1])
+
+
+def test_session_and_snapshot_cache_on_gpu(gpu_device, tiny_file, cpu_model):
+    """The Engine with gpu=True (what `run --gpu` uses): greedy tokens equal the CPU engine's."""
+    from legacy_engine.generate import Engine
+    from legacy_engine.sampling import SamplingParams
+    path = tiny_file("moe")
+    cpu_e = Engine(path, n_threads=2, n_ctx=128, pin=False)
+    gpu_e = Engine(path, n_threads=2, n_ctx=128, pin=False, gpu=True, gpu_int8=False)
+    ids = [int(t) for t in sequence(32, cpu_e.model.hparams.n_vocab)]
+    outs = []
+    for e in (cpu_e, gpu_e):
+        s = e.session()
+        logits = s.prefill(ids)
+        toks = []
+        for _ in range(16):
+            t = int(np.argmax(logits))
+            toks.append(t)
+            logits = s.prefill([t])
+        outs.append(toks)
+    assert outs[0] == outs[1]
