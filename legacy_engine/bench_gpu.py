@@ -1,0 +1,186 @@
+"""`legacy-engine bench gpu`: the GPU-resident engine (gpu_model.py) per kernel tier, next to llama.cpp's CUDA build.
+
+    legacy-engine bench gpu MODEL.gguf [--pp 512,2048] [--tg 64] [--reps 3] [--variants all|TIER-smARCH,...]
+                                       [--llama PATH] [--json]
+
+Rows: legacy_engine with each tier variant (fermi-sm35, kepler-sm35: compute_35 PTX; dp4a-sm61, dp4a-sm70: the
+Pascal/Volta PTX; and every tier built for the card's own arch), DP4A decode GEMVs on the dp4a tier (int8) and f32
+GEMVs below it; llama.cpp = a llama-bench binary built with CUDA (`-ngl 99`, all layers on the GPU). Same file.
+  pp N      one forward of N seeded tokens from an empty state (chunks of 512), last logits: tok/s = N / time
+  tg N      N single-token steps after a 16-token prefill, logits downloaded each step: tok/s = N / time
+  bytes/tok weights read per decoded token (bench.weight_footprint: experts at top-k/n_expert of their bytes)
+  % HBM     tg tok/s * bytes/tok / the device-to-device copy bandwidth measured here (read + write counted)
+Each measurement: one untimed warm-up, then --reps runs; the median counts.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+from . import gpu
+from .bench import seeded_tokens, weight_footprint
+from .errors import UnavailableError
+
+WARM_PREFILL = 16
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Device-to-device copy bandwidth in bytes/s, read + write counted (the HBM figure to compare with)."""
+    from . import _native
+    a, b = gpu.Buffer(nbytes, "bw src"), gpu.Buffer(nbytes, "bw dst")
+    try:
+        e0, e1 = gpu.Event(), gpu.Event()
+        _native.gpu_copy_dtod(b.ptr, a.ptr, nbytes)
+        best = float("inf")
+        for _ in range(reps):
+            e0.record()
+            _native.gpu_copy_dtod(b.ptr, a.ptr, nbytes)
+            e1.record()
+            best = min(best, e0.elapsed_ms(e1) / 1e3)
+        return 2 * nbytes / best
+    finally:
+        a.free()
+        b.free()
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()                                    # warm-up
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: int) -> dict:
+    from .gpu_model import GpuModel
+    tier, arch = variant
+    gm = GpuModel(model, tier=tier, arch=arch)
+    n_vocab = model.hparams.n_vocab
+    ids = seeded_tokens(max(list(pps) + [tg + WARM_PREFILL]), n_vocab)
+    st = gm.new_state(n_ctx)
+    row = {"engine": f"legacy_engine {gm.k.name}" + (" int8" if gm.int8 else ""), "variant": gm.k.name,
+           "int8": gm.int8, "pp": {}, "vram_gib": gm.vram_bytes / 2**30}
+
+    for pp in pps:
+        def prefill(pp=pp):
+            st.reset()
+            gm.forward(st, ids[:pp])
+        row["pp"][pp] = pp / _median_time(prefill, reps)
+
+    def decode():
+        st.reset()
+        gm.forward(st, ids[:WARM_PREFILL], want_logits=False)
+        t0 = time.perf_counter()
+        for t in ids[WARM_PREFILL:WARM_PREFILL + tg]:
+            gm.forward(st, [t])
+        return time.perf_counter() - t0
+    decode()
+    row["tg"] = tg / statistics.median(decode() for _ in range(reps))
+    for b in list(gm._bufs.values()) + list(gm._scratch.values()):
+        b.free()
+    return row
+
+
+def bench_llama(binary: str, path: str, pps, tg: int, reps: int) -> dict:
+    cmd = [binary, "-m", str(path), "-ngl", "99", "-p", ",".join(str(p) for p in pps), "-n", str(tg), "-r", str(reps),
+           "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace")
+    if out.returncode != 0:
+        raise UnavailableError(f"{' '.join(cmd)} exited {out.returncode}: {out.stderr.strip()[-500:]}")
+    row = {"engine": "llama.cpp CUDA (llama-bench -ngl 99)", "pp": {}, "tg": float("nan")}
+    for test in json.loads(out.stdout):
+        if test.get("n_gen", 0) == 0:
+            row["pp"][int(test["n_prompt"])] = float(test["avg_ts"])
+        else:
+            row["tg"] = float(test["avg_ts"])
+        row["build"] = test.get("build_commit", "")
+        row["backend"] = test.get("backends", "")
+    return row
+
+
+def bench_gpu(path: str, pps=(512, 2048), tg: int = 64, reps: int = 3, variants=None, llama: str | None = None,
+              log=None) -> dict:
+    from .model import Model
+    from .gguf_model import ModelFile
+    log = log or (lambda s: None)
+    dev = gpu.init()
+    arch = gpu.device_arch()
+    if variants is None:
+        variants = [v for v in gpu.LEGACY_VARIANTS] + [(t, arch) for t in gpu.TIERS]
+    fp = weight_footprint(ModelFile.open(path))
+    res = {"model": str(path), "device": dev["name"], "arch": arch, "bytes_per_token": fp.decode_bytes,
+           "copy_bandwidth": copy_bandwidth(), "rows": [], "pp": list(pps), "tg": tg}
+    model = Model(path, pin=False)
+    n_ctx = max(list(pps) + [tg + WARM_PREFILL]) + 8
+    for v in variants:
+        log(f"legacy_engine {gpu.variant_name(*v)} …")
+        try:
+            res["rows"].append(bench_ours(model, v, pps, tg, reps, n_ctx))
+        except Exception as e:      # a variant that cannot be built or run here: its row says why
+            res["rows"].append({"engine": f"legacy_engine {gpu.variant_name(*v)}", "error": str(e)[:300]})
+    if llama:
+        log("llama.cpp …")
+        try:
+            res["rows"].append(bench_llama(llama, path, pps, tg, reps))
+        except UnavailableError as e:
+            res["rows"].append({"engine": "llama.cpp", "error": str(e)})
+    ref = next((r for r in res["rows"] if r["engine"].startswith("llama.cpp") and "error" not in r), None)
+    for r in res["rows"]:
+        if "error" in r:
+            continue
+        r["hbm_pct"] = 100 * r["tg"] * fp.decode_bytes / res["copy_bandwidth"]
+        if ref:
+            r["tg_ratio"] = r["tg"] / ref["tg"]
+            r["pp_ratio"] = {p: r["pp"].get(p, float("nan")) / ref["pp"][p] for p in ref["pp"]}
+    return res
+
+
+def print_gpu(res: dict) -> None:
+    pps = res["pp"]
+    print(f"{res['model']} on {res['device']} (sm_{res['arch']}): {res['bytes_per_token'] / 2**20:.1f} MiB read per "
+          f"decoded token, device copy bandwidth {res['copy_bandwidth'] / 1e9:.0f} GB/s")
+    head = f"{'engine':<40}" + "".join(f"{'pp' + str(p):>10}" for p in pps) + f"{'tg' + str(res['tg']):>9}"
+    head += f"{'tg ratio':>9}{'% HBM':>7}"
+    print(head)
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['engine']:<40} error: {r['error']}")
+            continue
+        line = f"{r['engine']:<40}" + "".join(f"{r['pp'].get(p, float('nan')):>10.1f}" for p in pps)
+        line += f"{r['tg']:>9.1f}{r.get('tg_ratio', float('nan')):>9.2f}{r['hbm_pct']:>6.1f}%"
+        print(line)
+
+
+def main(args) -> int:
+    pps = [int(p) for p in str(args.pp).split(",") if p]
+    variants = None
+    if args.variants != "all":
+        variants = []
+        for v in args.variants.split(","):
+            tier, _, sm = v.partition("-sm")
+            variants.append((tier, int(sm)))
+    res = bench_gpu(args.model, pps, args.tg, args.reps, variants, args.llama,
+                    log=lambda s: print(s, flush=True, file=__import__("sys").stderr))
+    if args.json:
+        print(json.dumps(res, indent=1, default=float))
+    else:
+        print_gpu(res)
+    return 0
+
+
+def add_parser(sub) -> None:
+    gp = sub.add_parser("gpu", help="GPU-resident prefill/decode tok/s per kernel tier next to llama.cpp's CUDA build",
+                        description=__doc__)
+    gp.add_argument("model", help="a Qwen3.5/3.6 GGUF file that fits the VRAM")
+    gp.add_argument("--pp", default="512,2048", help="prompt lengths, comma-separated (512,2048)")
+    gp.add_argument("--tg", type=int, default=64, help="decoded tokens (64)")
+    gp.add_argument("--reps", type=int, default=3, help="timed runs after one warm-up; the median counts (3)")
+    gp.add_argument("--variants", default="all", help="all, or TIER-smARCH,... e.g. dp4a-sm90,fermi-sm35 (all)")
+    gp.add_argument("--llama", default=None, metavar="PATH", help="a llama-bench binary built with CUDA (none)")
+    gp.add_argument("--json", action="store_true", help="print JSON instead of the table")
