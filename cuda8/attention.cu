@@ -9,6 +9,12 @@
  *     one query token over keys [0, n_keys); block (h, split) takes keys [split*kps, (split+1)*kps)
  *     part: [n_head, n_split, hd + 2] f32: the split's unnormalised sum_p e^(s_p - m) v_p (hd), m, l = sum e^(s_p - m)
  *     launch: block ATTN_THREADS (128) x 1 x 1, grid n_head x n_split x 1 (n_split = ceil(n_keys / kps) <= 65535)
+ *     pos_dev: NULL, or a device int holding the token's position: then n_keys = *pos_dev + 1 and the keys are
+ *     split evenly over the grid's n_split (a decode step replayed with fixed arguments, gpu_model.DecodePlan);
+ *     splits left empty hand the merge m = NEG_BIG, l = 0, which weigh nothing
+ *   attn_kv_store_f32(k, v, kc, vc, pos_dev, kvw)
+ *     copies this token's k and v rows [kvw] into row *pos_dev of the caches
+ *     launch: block ATTN_THREADS x 1 x 1, grid ceil(kvw / ATTN_THREADS) x 1 x 1
  *   attn_decode_merge_f32(part, qg, o, n_head, hd, n_split)
  *     log-sum-exp merge: M = max m_s, o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, times sigmoid(gate)
  *     launch: block ATTN_THREADS x 1 x 1, grid n_head x 1 x 1
@@ -51,7 +57,8 @@ __device__ __forceinline__ float attn_sigmoid(float x) { return 1.0f / (1.0f + e
 
 extern "C" __global__ void attn_decode_partial_f32(const float *LE_RESTRICT qg, const float *LE_RESTRICT kc,
                                                    const float *LE_RESTRICT vc, float *LE_RESTRICT part, int n_keys,
-                                                   int n_head, int n_kv, int hd, float scale, int keys_per_split) {
+                                                   int n_head, int n_kv, int hd, float scale, int keys_per_split,
+                                                   const int *LE_RESTRICT pos_dev) {
     LE_SCRATCH(scratch, ATTN_THREADS);
     __shared__ float wm[ATTN_WARPS], wl[ATTN_WARPS];
     __shared__ float wacc[ATTN_WARPS][ATTN_MAX_HD];
@@ -67,6 +74,10 @@ extern "C" __global__ void attn_decode_partial_f32(const float *LE_RESTRICT qg, 
         acc[r] = 0.0f;
     }
     float m = ATTN_NEG_BIG, l = 0.0f;
+    if (pos_dev) { /* the position lives on the device (a replayed decode step): keys [0, pos], split evenly */
+        n_keys = *pos_dev + 1;
+        keys_per_split = ((n_keys + n_split - 1) / n_split + ATTN_WARPS - 1) / ATTN_WARPS * ATTN_WARPS;
+    }
     const int k0 = split * keys_per_split;
     const int k1 = k0 + keys_per_split < n_keys ? k0 + keys_per_split : n_keys;
     /* the loop bound is the block's: le_warp_sum synchronises the block on fermi */
@@ -208,5 +219,14 @@ extern "C" __global__ void attn_prefill_f32(const float *LE_RESTRICT qg, const f
             for (int r = 0; r < ATTN_DIMS; r++)
                 if (r < nd) ot[lane + LE_WARP * r] = acc[r] / l * attn_sigmoid(le_ldg(gate + lane + LE_WARP * r));
         }
+    }
+}
+
+extern "C" __global__ void attn_kv_store_f32(const float *LE_RESTRICT k, const float *LE_RESTRICT v, float *kc, float *vc,
+                                             const int *LE_RESTRICT pos_dev, int kvw) {
+    const size_t row = (size_t)*pos_dev * kvw;
+    for (int i = blockIdx.x * ATTN_THREADS + threadIdx.x; i < kvw; i += gridDim.x * ATTN_THREADS) {
+        kc[row + i] = k[i];
+        vc[row + i] = v[i];
     }
 }

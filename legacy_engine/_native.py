@@ -499,9 +499,13 @@ def gpu_host_free(ptr) -> None:
     _gpu_check(lib.le_gpu_host_free(ptr), "le_gpu_host_free")
 
 
-def gpu_stream_create():
+def gpu_stream_create(ordered: bool = False):
+    """ordered: the stream waits for earlier default-stream work and the default stream waits for it."""
     p = ffi.new("le_gpu_stream **")
-    _gpu_check(lib.le_gpu_stream_create(p), "le_gpu_stream_create")
+    if ordered:
+        _gpu_check(lib.le_gpu_stream_create_ordered(p), "le_gpu_stream_create_ordered")
+    else:
+        _gpu_check(lib.le_gpu_stream_create(p), "le_gpu_stream_create")
     return p[0]
 
 
@@ -578,6 +582,50 @@ def gpu_launch(kernel, grid, block, args, shared_bytes: int = 0, stream=None) ->
     bx, by, bz = block
     _gpu_check(lib.le_gpu_launch(kernel, gx, gy, gz, bx, by, bz, int(shared_bytes), _stream(stream), params),
                "le_gpu_launch")
+
+
+def gpu_launch_args(args):
+    """Kernel parameters prepared once for gpu_replay: [(kind, value)] -> (params, keep); `keep` owns the storage
+    `params` points into and must live as long as the launch may be replayed."""
+    keep = [ffi.new(_ARG_CTYPES[kind], value) for kind, value in args]
+    params = ffi.new("void *[]", [ffi.cast("void *", k) for k in keep]) if keep else ffi.NULL
+    return params, keep
+
+
+def gpu_replay(launches, stream=None) -> None:
+    """launches: [(kernel, grid, block, shared_bytes, stream, params)] with params from gpu_launch_args, launched in
+    order (a decode step recorded once: legacy_engine.gpu.LaunchPlan); `stream` given: all of them on it."""
+    launch = lib.le_gpu_launch
+    for kernel, (gx, gy, gz), (bx, by, bz), shared, s, params in launches:
+        rc = launch(kernel, gx, gy, gz, bx, by, bz, shared, _stream(s if stream is None else stream), params)
+        if rc:
+            _gpu_check(rc, "le_gpu_launch (replayed plan)")
+
+
+def gpu_graphs_available() -> bool:
+    return bool(lib.le_gpu_graphs_available())
+
+
+def gpu_capture(launches, stream):
+    """The launches (gpu_replay's form) captured on `stream` (not the default one) as an instantiated CUDA graph;
+    nothing runs. On an error the capture is abandoned and the error raised."""
+    _gpu_check(lib.le_gpu_capture_begin(stream), "le_gpu_capture_begin")
+    try:
+        gpu_replay(launches, stream)
+    except BaseException:
+        lib.le_gpu_capture_end(stream, ffi.NULL)
+        raise
+    p = ffi.new("le_gpu_graph **")
+    _gpu_check(lib.le_gpu_capture_end(stream, p), "le_gpu_capture_end")
+    return p[0]
+
+
+def gpu_graph_launch(graph, stream) -> None:
+    _gpu_check(lib.le_gpu_graph_launch(graph, stream), "le_gpu_graph_launch")
+
+
+def gpu_graph_destroy(graph) -> None:
+    _gpu_check(lib.le_gpu_graph_destroy(graph), "le_gpu_graph_destroy")
 
 
 # ---- memory and NUMA ------------------------------------------------------------------

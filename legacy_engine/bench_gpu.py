@@ -57,15 +57,15 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: int) -> dict:
+def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: int, graphs: bool | None = None) -> dict:
     from .gpu_model import GpuModel
     tier, arch = variant
-    gm = GpuModel(model, tier=tier, arch=arch)
+    gm = GpuModel(model, tier=tier, arch=arch, graphs=graphs)
     n_vocab = model.hparams.n_vocab
     ids = seeded_tokens(max(list(pps) + [tg + WARM_PREFILL]), n_vocab)
     st = gm.new_state(n_ctx)
-    row = {"engine": f"legacy_engine {gm.k.name}" + (" int8" if gm.int8 else ""), "variant": gm.k.name,
-           "int8": gm.int8, "pp": {}, "vram_gib": gm.vram_bytes / 2**30}
+    row = {"engine": f"legacy_engine {gm.k.name}" + (" int8" if gm.int8 else "") + (" graph" if gm.graphs else ""),
+           "variant": gm.k.name, "int8": gm.int8, "graphs": gm.graphs, "pp": {}, "vram_gib": gm.vram_bytes / 2**30}
 
     for pp in pps:
         def prefill(pp=pp):
@@ -82,8 +82,8 @@ def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: 
         return time.perf_counter() - t0
     decode()
     row["tg"] = tg / statistics.median(decode() for _ in range(reps))
-    for b in list(gm._bufs.values()) + list(gm._scratch.values()):
-        b.free()
+    row["launches_per_token"] = len(st._plan) if st._plan is not None else None
+    gm.close()
     return row
 
 
@@ -118,10 +118,13 @@ def bench_gpu(path: str, pps=(512, 2048), tg: int = 64, reps: int = 3, variants=
            "copy_bandwidth": copy_bandwidth(), "rows": [], "pp": list(pps), "tg": tg}
     model = Model(path, pin=False)
     n_ctx = max(list(pps) + [tg + WARM_PREFILL]) + 8
-    for v in variants:
-        log(f"legacy_engine {gpu.variant_name(*v)} …")
+    runs = [(v, None) for v in variants]
+    if ("dp4a", arch) in variants and gpu.graphs_available():
+        runs.append((("dp4a", arch), False))      # the same without CUDA graphs: what the graph saves
+    for v, graphs in runs:
+        log(f"legacy_engine {gpu.variant_name(*v)}{' no graphs' if graphs is False else ''} …")
         try:
-            res["rows"].append(bench_ours(model, v, pps, tg, reps, n_ctx))
+            res["rows"].append(bench_ours(model, v, pps, tg, reps, n_ctx, graphs))
         except Exception as e:      # a variant that cannot be built or run here: its row says why
             res["rows"].append({"engine": f"legacy_engine {gpu.variant_name(*v)}", "error": str(e)[:300]})
     if llama:

@@ -237,7 +237,7 @@ def load_flags(s) -> None:
 
 
 def gpu_flags(s) -> None:
-    """--gpu, --gpu-tier, --gpu-f32: for the commands that generate (run, chat, demo, serve)."""
+    """--gpu, --gpu-tier, --gpu-f32, --no-cuda-graphs: for the commands that generate (run, chat, demo, serve)."""
     s.add_argument("--gpu", action="store_true",
                    help="GPU-resident mode: the whole model in VRAM, prefill and decode on the GPU (needs an NVIDIA "
                         "driver; kernels built on first use, see `legacy-engine build-kernels`)")
@@ -245,14 +245,18 @@ def gpu_flags(s) -> None:
                    help="with --gpu: force a kernel tier (default: the GPU's own; a lower tier runs on any newer GPU)")
     s.add_argument("--gpu-f32", dest="gpu_int8", action="store_const", const=False, default=None,
                    help="with --gpu: f32 decode GEMVs instead of the int8 DP4A ones (default: DP4A on the dp4a tier)")
+    s.add_argument("--no-cuda-graphs", dest="gpu_graphs", action="store_const", const=False, default=None,
+                   help="with --gpu: replay decode steps launch by launch instead of as one CUDA graph (default: "
+                        "graphs where the driver has them, 11.4+, except on the fermi tier)")
 
 
 def engine_kwargs(args) -> dict:
     """The Engine arguments of load_flags (and -t/--threads, -c/--ctx where the command has them)."""
     kw = dict(mmap=args.mmap, numa=args.numa, pin=args.pin, gpu=getattr(args, "gpu", False),
-              gpu_tier=getattr(args, "gpu_tier", None), gpu_int8=getattr(args, "gpu_int8", None))
-    if (kw["gpu_tier"] or kw["gpu_int8"] is not None) and not kw["gpu"]:
-        raise SystemExit("error: --gpu-tier and --gpu-f32 need --gpu")
+              gpu_tier=getattr(args, "gpu_tier", None), gpu_int8=getattr(args, "gpu_int8", None),
+              gpu_graphs=getattr(args, "gpu_graphs", None))
+    if (kw["gpu_tier"] or kw["gpu_int8"] is not None or kw["gpu_graphs"] is not None) and not kw["gpu"]:
+        raise SystemExit("error: --gpu-tier, --gpu-f32 and --no-cuda-graphs need --gpu")
     if getattr(args, "threads", None) is not None:
         kw["n_threads"] = args.threads
     if getattr(args, "ctx", None) is not None:

@@ -41,6 +41,7 @@ OUTTYPES = {
     "f16": ("F16", "MOSTLY_F16"),
     "bf16": ("BF16", "MOSTLY_BF16"),
     "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),    # gguf-py's reference quantiser (llama-quantize's Q4_0 without imatrix)
 }
 
 # llama.cpp identifies BPE pre-tokenizers by hashing the ids of this text (conversion/base.py get_vocab_base_pre).
@@ -621,7 +622,8 @@ def convert(hf_dir, out_path, outtype: str = "f16", progress: bool = True) -> Pa
               F32/F16/BF16) and tokenizer.json (+ tokenizer_config.json for special tokens and chat template).
     out_path: the .gguf to write; written to `out_path.tmp` first and renamed when complete.
     outtype:  type of the large matrices: "f32", "f16" (default: lossless for BF16 checkpoints' range in
-              practice, and what pre-Ampere GPUs compute in), "bf16" (lossless for BF16 checkpoints) or "q8_0".
+              practice, and what pre-Ampere GPUs compute in), "bf16" (lossless for BF16 checkpoints), "q8_0" or
+              "q4_0" (gguf-py's quantisers; for K-quant mixes run llama-quantize on an f16 file).
               Norms, 1-D tensors, ssm_conv1d, ssm_a, ssm_dt and the routers stay F32 whatever is asked.
     progress: show a tqdm progress bar (bytes written).
     Returns out_path. Raises FormatError for a missing config/tensor/tokenizer or an unsupported model_type.
@@ -671,7 +673,7 @@ def convert(hf_dir, out_path, outtype: str = "f16", progress: bool = True) -> Pa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """legacy-engine convert HF_DIR OUT.gguf [--outtype f32|f16|bf16|q8_0] [--no-progress]"""
+    """legacy-engine convert HF_DIR OUT.gguf [--outtype f32|f16|bf16|q8_0|q4_0] [--no-progress]"""
     ap = argparse.ArgumentParser(prog="legacy-engine convert",
                                  description="Convert a Hugging Face Qwen3.5/3.6 text checkpoint to GGUF "
                                              "(same layout as llama.cpp's convert_hf_to_gguf.py --no-mtp).")

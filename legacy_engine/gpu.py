@@ -610,9 +610,12 @@ class PinnedBuffer:
 
 
 class Stream:
-    def __init__(self):
+    """ordered=False: independent of the default stream (cudaStreamNonBlocking); True: ordered with it both ways
+    (work launched on the default stream before runs first, work launched there after waits)."""
+
+    def __init__(self, ordered: bool = False):
         _ensure_open()
-        self.handle = _native().gpu_stream_create()
+        self.handle = _native().gpu_stream_create(ordered)
 
     def synchronize(self) -> None:
         _native().gpu_stream_synchronize(self.handle)
@@ -691,9 +694,83 @@ class Kernel:
         return _native().gpu_kernel_info(self.handle)
 
     def launch(self, grid, block, args, shared_bytes: int = 0, stream: Stream | None = None) -> None:
-        """grid/block: (x, y, z); args: [(kind, value)], kind in ptr/i32/u32/i64/f32 (Buffer -> its ptr)."""
+        """grid/block: (x, y, z); args: [(kind, value)], kind in ptr/i32/u32/i64/f32 (Buffer -> its ptr).
+        Inside `record()` the launch is also appended to the recording."""
         args = [(k, v.ptr if isinstance(v, Buffer) else v) for k, v in args]
-        _native().gpu_launch(self.handle, grid, block, args, shared_bytes, None if stream is None else stream.handle)
+        sh = None if stream is None else stream.handle
+        if _RECORDING is not None:
+            _RECORDING.append((self.handle, tuple(grid), tuple(block), args, shared_bytes, sh))
+        _native().gpu_launch(self.handle, grid, block, args, shared_bytes, sh)
+
+
+_RECORDING: list | None = None
+
+
+class record:
+    """`with gpu.record() as launches:` every kernel launched inside runs as usual and is appended to `launches`
+    (for LaunchPlan). Not reentrant."""
+
+    def __enter__(self) -> list:
+        global _RECORDING
+        if _RECORDING is not None:
+            raise RuntimeError("gpu.record() is already active")
+        _RECORDING = []
+        return _RECORDING
+
+    def __exit__(self, *exc):
+        global _RECORDING
+        _RECORDING = None
+
+
+def graphs_available() -> bool:
+    """The driver exports the CUDA graph entry points (11.4+)."""
+    _ensure_open()
+    return _native().gpu_graphs_available()
+
+
+class LaunchPlan:
+    """A recorded sequence of launches with their arguments prepared once; replay() launches them again in order
+    (~1 µs of Python per launch instead of ~30). Valid while every buffer it names is alive and where it was.
+
+    graph=True: the launches are also captured once as a CUDA graph on a stream ordered with the default stream,
+    and replay() is one cuGraphLaunch (no per-kernel host cost; the order with default-stream copies before and
+    after is kept). Every recorded launch must have been on the default stream."""
+
+    def __init__(self, launches: list, graph: bool = False):
+        n = _native()
+        self._launches = []
+        self._keep = []
+        self._graph = self._stream = None
+        for handle, grid, block, args, shared, stream in launches:
+            params, keep = n.gpu_launch_args(args)
+            self._keep.append((params, keep))
+            self._launches.append((handle, grid, block, shared, stream, params))
+        if graph:
+            if any(stream is not None for *_, stream, _p in self._launches):
+                raise ValueError("LaunchPlan(graph=True): a recorded launch is on a non-default stream")
+            self._stream = Stream(ordered=True)
+            self._graph = n.gpu_capture(self._launches, self._stream.handle)
+
+    def __len__(self) -> int:
+        return len(self._launches)
+
+    @property
+    def graph(self) -> bool:
+        return self._graph is not None
+
+    def replay(self) -> None:
+        if self._graph is not None:
+            _native().gpu_graph_launch(self._graph, self._stream.handle)
+        else:
+            _native().gpu_replay(self._launches)
+
+    def __del__(self):
+        try:
+            if self._graph is not None:
+                _native().gpu_graph_destroy(self._graph)
+                self._graph = None
+        except Exception:
+            pass
 
 
 def synchronize() -> None:
@@ -945,11 +1022,13 @@ class Kernels:
         return 4 * n_head * n_split * (hd + 2)
 
     def attention_decode(self, qg, kc, vc, o, part, n_keys: int, n_head: int, n_kv: int, hd: int,
-                         scale: float | None = None, n_split: int | None = None,
+                         scale: float | None = None, n_split: int | None = None, pos_dev=None,
                          stream: Stream | None = None) -> None:
         """One query token: qg [n_head * 2 * hd] (q_h then gate_h per head), kc/vc [>= n_keys, n_kv * hd],
         o [n_head * hd] = softmax(scale q K^T) V * sigmoid(gate), split-K over n_split blocks per head
-        (default attn_splits) with f32 partials in `part` (attn_partials_bytes) merged by log-sum-exp."""
+        (default attn_splits) with f32 partials in `part` (attn_partials_bytes) merged by log-sum-exp.
+        pos_dev: a device int32 p; the kernel then takes n_keys = p + 1 from it (n_keys here is only the
+        bound the buffers are checked against) and splits the keys evenly over n_split."""
         self._attn_shape(n_head, n_kv, hd, "attention_decode")
         if n_keys <= 0:
             raise ValueError(f"attention_decode: n_keys = {n_keys}")
@@ -969,7 +1048,8 @@ class Kernels:
         mod.kernel("attn_decode_partial_f32").launch(
             (n_head, n_split, 1), (ATTN_THREADS, 1, 1),
             [("ptr", _ptr(qg)), ("ptr", _ptr(kc)), ("ptr", _ptr(vc)), ("ptr", _ptr(part)), ("i32", n_keys),
-             ("i32", n_head), ("i32", n_kv), ("i32", hd), ("f32", scale), ("i32", kps)], stream=stream)
+             ("i32", n_head), ("i32", n_kv), ("i32", hd), ("f32", scale), ("i32", kps), ("ptr", _ptr(pos_dev))],
+            stream=stream)
         mod.kernel("attn_decode_merge_f32").launch(
             (n_head, 1, 1), (ATTN_THREADS, 1, 1),
             [("ptr", _ptr(part)), ("ptr", _ptr(qg)), ("ptr", _ptr(o)), ("i32", n_head), ("i32", hd),
@@ -1048,9 +1128,10 @@ class Kernels:
             [("ptr", _ptr(W)), ("ptr", _ptr(ids)), ("ptr", _ptr(y)), ("i32", n), ("i32", ncols)], stream=stream)
 
     def qk_norm_rope(self, x, w, cs, n: int, n_heads: int, head_stride: int, row_stride: int, hd: int, n_rot: int,
-                     eps: float, stream: Stream | None = None) -> None:
+                     eps: float, pos_dev=None, stream: Stream | None = None) -> None:
         """In place: head h of token t (x + t*row_stride + h*head_stride floats, hd of them) <- RMSNorm * w, then
-        the NeoX rotation of its first n_rot dims by cs [n, n_rot/2] (cos, sin) pairs (rope_table rows)."""
+        the NeoX rotation of its first n_rot dims by cs [n, n_rot/2] (cos, sin) pairs (rope_table rows).
+        pos_dev: a device int32 p; token t then reads row p + t of cs (cs: the whole table)."""
         if not 0 < hd <= ROPE_MAX_HD or n_rot % 2 or not 0 <= n_rot <= hd or n <= 0 or n_heads <= 0:
             raise ValueError(f"qk_norm_rope: hd = {hd} (1…{ROPE_MAX_HD}), n_rot = {n_rot}, n = {n}, n_heads = {n_heads}")
         _need(x, 4 * ((n - 1) * row_stride + (n_heads - 1) * head_stride + hd), "qk_norm_rope x")
@@ -1059,8 +1140,17 @@ class Kernels:
         self.modules["rope"].kernel("qk_norm_rope_f32").launch(
             (self._grid(n * n_heads), 1, 1), (ROPE_THREADS, 1, 1),
             [("ptr", _ptr(x)), ("ptr", _ptr(w)), ("ptr", _ptr(cs)), ("i32", n), ("i32", n_heads),
-             ("i32", head_stride), ("i32", row_stride), ("i32", hd), ("i32", n_rot // 2), ("f32", eps)],
-            stream=stream)
+             ("i32", head_stride), ("i32", row_stride), ("i32", hd), ("i32", n_rot // 2), ("f32", eps),
+             ("ptr", _ptr(pos_dev))], stream=stream)
+
+    def kv_store(self, k, v, kc, vc, pos_dev, kvw: int, stream: Stream | None = None) -> None:
+        """Row *pos_dev of kc, vc [n_ctx, kvw] <- k, v [kvw] (the caller keeps *pos_dev < n_ctx)."""
+        _need(k, 4 * kvw, "kv_store k")
+        _need(v, 4 * kvw, "kv_store v")
+        self.modules["attention"].kernel("attn_kv_store_f32").launch(
+            (-(-kvw // ATTN_THREADS), 1, 1), (ATTN_THREADS, 1, 1),
+            [("ptr", _ptr(k)), ("ptr", _ptr(v)), ("ptr", _ptr(kc)), ("ptr", _ptr(vc)), ("ptr", _ptr(pos_dev)),
+             ("i32", kvw)], stream=stream)
 
     def moe_combine(self, y, w, sh, shgate, out, n: int, k: int, E: int, stream: Stream | None = None) -> None:
         """out[n, E] = sum_s w[t, s] y[t*k + s] + sigmoid(shgate[t]) sh[t] (sh None: no shared expert)."""

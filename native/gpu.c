@@ -30,6 +30,8 @@ typedef void *CUmodule;
 typedef void *CUfunction;
 typedef void *CUstream;
 typedef void *CUevent;
+typedef void *CUgraph;
+typedef void *CUgraphExec;
 typedef unsigned long long CUdeviceptr;
 enum { CU_ATTR_MULTIPROCESSOR_COUNT = 16, CU_ATTR_CC_MAJOR = 75, CU_ATTR_CC_MINOR = 76 };
 enum { CUDA_ERROR_OUT_OF_MEMORY = 2 };
@@ -37,7 +39,8 @@ enum { CU_JIT_INFO_LOG_BUFFER = 3, CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES = 4, CU_JIT
        CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 6, CU_JIT_LOG_VERBOSE = 12 };
 enum { CU_FUNC_MAX_THREADS = 0, CU_FUNC_SHARED = 1, CU_FUNC_LOCAL = 3, CU_FUNC_REGS = 4, CU_FUNC_PTX = 5,
        CU_FUNC_BINARY = 6 };
-enum { CU_STREAM_NON_BLOCKING = 1, CU_EVENT_DEFAULT = 0 };
+enum { CU_STREAM_DEFAULT = 0, CU_STREAM_NON_BLOCKING = 1, CU_EVENT_DEFAULT = 0 };
+enum { CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1 };
 
 #define JIT_LOG_BYTES 8192 /* per log; the JIT truncates beyond it */
 
@@ -84,6 +87,13 @@ static struct {
     CUresult (*cuFuncGetAttribute)(int *, int, CUfunction);
     CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                CUstream, void **, void **);
+    /* CUDA graphs (driver >= 10.0; 11.4 for cuGraphInstantiateWithFlags): optional, NULL when absent */
+    CUresult (*cuStreamBeginCapture)(CUstream, int);
+    CUresult (*cuStreamEndCapture)(CUstream, CUgraph *);
+    CUresult (*cuGraphInstantiateWithFlags)(CUgraphExec *, CUgraph, unsigned long long);
+    CUresult (*cuGraphLaunch)(CUgraphExec, CUstream);
+    CUresult (*cuGraphExecDestroy)(CUgraphExec);
+    CUresult (*cuGraphDestroy)(CUgraph);
     const char *missing; /* the first compute entry point the driver lacks, NULL if none */
 } cu;
 
@@ -164,6 +174,13 @@ static int load_driver(void) {
     LOAD(cuModuleGetFunction, "cuModuleGetFunction", NULL);
     LOAD(cuFuncGetAttribute, "cuFuncGetAttribute", NULL);
     LOAD(cuLaunchKernel, "cuLaunchKernel", NULL);
+    /* optional: graphs. cuda.h maps cuStreamBeginCapture to _v2 since 10.1 (the capture mode argument). */
+    *(void **)&cu.cuStreamBeginCapture = sym(h, "cuStreamBeginCapture_v2", NULL);
+    *(void **)&cu.cuStreamEndCapture = sym(h, "cuStreamEndCapture", NULL);
+    *(void **)&cu.cuGraphInstantiateWithFlags = sym(h, "cuGraphInstantiateWithFlags", NULL);
+    *(void **)&cu.cuGraphLaunch = sym(h, "cuGraphLaunch", NULL);
+    *(void **)&cu.cuGraphExecDestroy = sym(h, "cuGraphExecDestroy", NULL);
+    *(void **)&cu.cuGraphDestroy = sym(h, "cuGraphDestroy", NULL);
     CUresult rc = cu.cuInit(0);
     if (rc != 0) {
         snprintf(cu.reason, sizeof cu.reason, "cuInit failed with CUresult %d", rc);
@@ -551,6 +568,15 @@ int le_gpu_stream_create(le_gpu_stream **out) {
     return LE_OK;
 }
 
+int le_gpu_stream_create_ordered(le_gpu_stream **out) {
+    if (!out) return LE_FAIL(LE_ERR_INVALID_ARG, "le_gpu_stream_create_ordered: out is NULL");
+    READY("le_gpu_stream_create_ordered");
+    CUstream s = NULL;
+    CU_CHECK(cu.cuStreamCreate(&s, CU_STREAM_DEFAULT));
+    *out = (le_gpu_stream *)s;
+    return LE_OK;
+}
+
 int le_gpu_stream_destroy(le_gpu_stream *stream) {
     if (!stream) return LE_OK;
     READY("le_gpu_stream_destroy");
@@ -734,5 +760,58 @@ int le_gpu_launch(const le_gpu_kernel *kernel, unsigned grid_x, unsigned grid_y,
     if (rc != 0)
         CU_FAIL(rc, "cuLaunchKernel(%s, grid %ux%ux%u, block %ux%ux%u, shared %u bytes)", kernel->name, grid_x,
                 grid_y, grid_z, block_x, block_y, block_z, shared_bytes);
+    return LE_OK;
+}
+
+/* ---- CUDA graphs ------------------------------------------------------------------------ */
+
+int le_gpu_graphs_available(void) {
+    return load_driver() && cu.cuStreamBeginCapture && cu.cuStreamEndCapture && cu.cuGraphInstantiateWithFlags &&
+           cu.cuGraphLaunch && cu.cuGraphExecDestroy && cu.cuGraphDestroy;
+}
+
+#define GRAPHS(fn)                                                                                    \
+    do {                                                                                              \
+        READY(fn);                                                                                    \
+        if (!le_gpu_graphs_available())                                                               \
+            return LE_FAIL(LE_ERR_UNSUPPORTED, fn ": the driver has no CUDA graphs (needs CUDA 11.4+)"); \
+    } while (0)
+
+int le_gpu_capture_begin(le_gpu_stream *stream) {
+    if (!stream) return LE_FAIL(LE_ERR_INVALID_ARG, "le_gpu_capture_begin: the default stream cannot be captured");
+    GRAPHS("le_gpu_capture_begin");
+    CU_CHECK(cu.cuStreamBeginCapture((CUstream)stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL));
+    return LE_OK;
+}
+
+int le_gpu_capture_end(le_gpu_stream *stream, le_gpu_graph **out) {
+    if (!stream) return LE_FAIL(LE_ERR_INVALID_ARG, "le_gpu_capture_end: stream is NULL");
+    GRAPHS("le_gpu_capture_end");
+    CUgraph graph = NULL;
+    CUgraphExec exec = NULL;
+    CU_CHECK(cu.cuStreamEndCapture((CUstream)stream, &graph));  /* always ends the capture, even on error */
+    if (!out) {                                                  /* abandon the capture */
+        if (graph) cu.cuGraphDestroy(graph);
+        return LE_OK;
+    }
+    CUresult rc = cu.cuGraphInstantiateWithFlags(&exec, graph, 0);
+    cu.cuGraphDestroy(graph);
+    if (rc != 0) CU_FAIL(rc, "%s", "cuGraphInstantiateWithFlags");
+    *out = (le_gpu_graph *)exec;
+    return LE_OK;
+}
+
+int le_gpu_graph_launch(le_gpu_graph *graph, le_gpu_stream *stream) {
+    if (!graph) return LE_FAIL(LE_ERR_INVALID_ARG, "le_gpu_graph_launch: graph is NULL");
+    GRAPHS("le_gpu_graph_launch");
+    snprintf(tl_last_kernel, sizeof tl_last_kernel, "%s", "(a CUDA graph)");
+    CU_CHECK(cu.cuGraphLaunch((CUgraphExec)graph, (CUstream)stream));
+    return LE_OK;
+}
+
+int le_gpu_graph_destroy(le_gpu_graph *graph) {
+    if (!graph) return LE_OK;
+    GRAPHS("le_gpu_graph_destroy");
+    CU_CHECK(cu.cuGraphExecDestroy((CUgraphExec)graph));
     return LE_OK;
 }

@@ -117,7 +117,7 @@ def _entries(ptx: bytes) -> set[bytes]:
 ENTRIES = {"rmsnorm": {"rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1"},
            "conv1d": {"conv1d_silu_f32", "conv1d_state_f32"},
            "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
-           "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32"},
+           "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32", "attn_kv_store_f32"},
            "moe_route": {"moe_route_f32"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
            "elementwise": {"swiglu_f32", "add_f32", "add_scaled_f32"}, "rope": {"qk_norm_rope_f32"},
            "moe_combine": {"moe_combine_f32"}}
@@ -694,6 +694,35 @@ def test_events_time_a_kernel(gpu_device):
         ms = e0.elapsed_ms(e1)
     assert 0 < ms < 1000
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["replay", "graph"])
+def test_launch_plan_replays_in_order(gpu_device, graph):
+    """A recorded chain of dependent adds (x <- x + d, 40 times) replayed from a LaunchPlan, launch by launch or as
+    one CUDA graph, runs every launch once and in order, after an upload on the default stream and before a
+    download there: exact in f32 (small integers)."""
+    if graph and not gpu.graphs_available():
+        pytest.skip("the driver has no CUDA graphs")
+    try:
+        k = gpu.Kernels("kepler", NATIVE_ARCH)
+    except UnavailableError as e:
+        pytest.skip(str(e))
+    n, steps = 4096, 40
+    d = np.arange(n, dtype=np.float32) % 7
+    with gpu.Buffer.from_array(np.zeros(n, np.float32)) as bx, gpu.Buffer.from_array(d) as bd:
+        with gpu.record() as launches:
+            for _ in range(steps):
+                k.add(bx, bd, bx, n)
+        assert len(launches) == steps
+        plan = gpu.LaunchPlan(launches, graph=graph)
+        assert plan.graph == graph and len(plan) == steps
+        for rep in range(3):
+            x0 = np.full(n, rep, np.float32)
+            bx.upload(x0)
+            plan.replay()
+            got = bx.download(dtype=np.float32, count=n)
+            np.testing.assert_array_equal(got, x0 + steps * d)
 
 # ================================================================================================ layer ops
 # conv1d.cu, gdn.cu, attention.cu, moe_route.cu, argmax.cu, elementwise.cu against f64 numpy transcriptions of

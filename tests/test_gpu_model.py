@@ -15,6 +15,7 @@ GPU machine: LE_PTX_DIR=DIR LE_GPU_STRICT=1 python -m pytest tests/test_gpu_mode
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -244,6 +245,68 @@ def test_tiny_model_matches_reference_and_cpu(kind, variant, gpu_device, tiny_fi
     assert d_cpu <= tol.LOGIT_ABS_F32, f"vs the CPU engine: {d_cpu}"
 
 
+QUANT_TYPES = ("q8_0", "q4_0")     # what convert writes (gguf-py's quantisers); K-quants: per kernel in test_gpu.py
+QUANT_PREFILL, QUANT_DECODE = 32, 96
+
+
+@pytest.fixture(scope="session")
+def quant_file(tmp_path_factory):
+    """The tame tiny checkpoint `kind` (oracle.md pitfall 7) converted with every matrix in `quant` (gguf-py's
+    quantiser)."""
+    import tempfile
+    from fixtures.make_reference import build_checkpoint
+    from legacy_engine.convert import convert
+    made, root = {}, tmp_path_factory.mktemp("gpu_quant")
+
+    def get(kind: str, quant: str):
+        if (kind, quant) not in made:
+            with tempfile.TemporaryDirectory() as d:
+                hf = build_checkpoint(kind, Path(d) / kind, tame=True)
+                made[kind, quant] = convert(hf, root / f"{kind}.{quant}.gguf", quant, progress=False)
+        return made[kind, quant]
+    return get
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VIDS)
+@pytest.mark.parametrize("quant", QUANT_TYPES)
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_quantized_model_on_gpu(kind, quant, variant, gpu_device, quant_file):
+    """A quantised file, 32 tokens of prefill (all logits) then 96 decode steps, against our CPU engine's f32 path on
+    the same file: f32 GEMM/GEMVs (fermi, kepler) meet the f32 bar; the dp4a tier (expert and decode GEMVs in DP4A on
+    Q8_1 activations) is held to the KL of our CPU integer path (tolerances.GPU_QUANT_TOP5_SLACK says why)."""
+    from test_quantized import compare as kl_stats
+    tier, arch = variant
+    if arch > NATIVE_ARCH:
+        pytest.skip(f"compute_{arch} PTX does not run on sm_{NATIVE_ARCH}")
+    from legacy_engine.gpu_model import GpuModel
+    cpu = Model(quant_file(kind, quant), n_threads=4, pin=False)
+    try:
+        gm = GpuModel(cpu, tier=tier, arch=arch)
+    except gpu.UnavailableError as e:
+        (pytest.fail if STRICT else pytest.skip)(f"{gpu.variant_name(tier, arch)}: {e}")
+    assert not gm.converted, f"{quant}: tensors dequantised at upload: {gm.converted}"
+    n = QUANT_PREFILL + QUANT_DECODE
+    ids = sequence(n, cpu.hparams.n_vocab)
+    st = gm.new_state(n)
+    got = np.concatenate([gm.forward(st, ids[:QUANT_PREFILL], all_logits=True)] +
+                         [gm.forward(st, ids[i:i + 1]) for i in range(QUANT_PREFILL, n)])
+    gm.close()
+    cpu.native.set_int8(False)
+    ref = cpu_logits(cpu, ids, QUANT_PREFILL)
+    cpu.native.set_int8(True)
+    got_s, base = kl_stats(ref, got), kl_stats(ref, cpu_logits(cpu, ids, QUANT_PREFILL))
+    print(f"\n{kind} {quant} {gpu.variant_name(tier, arch)}{' int8' if gm.int8 else ''}: KL mean/max "
+          f"{got_s['kl_mean']:.2e}/{got_s['kl_max']:.2e} top5 {got_s['top5']:.3f} (CPU int8 "
+          f"{base['kl_mean']:.2e}/{base['kl_max']:.2e} top5 {base['top5']:.3f})")
+    if not gm.int8:
+        assert got_s["kl_max"] <= tol.QUANT_KL_FLOOR, f"f32 paths: KL {got_s['kl_max']:.3g}"
+        return
+    for key in ("kl_mean", "kl_max"):
+        bound = max(tol.QUANT_KL_RATIO * base[key], tol.QUANT_KL_FLOOR)
+        assert got_s[key] <= bound, f"DP4A {key} {got_s[key]:.3g} > {bound:.3g} (CPU int8 {base[key]:.3g})"
+    assert got_s["top5"] >= base["top5"] - tol.GPU_QUANT_TOP5_SLACK
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_fault_is_caught(kind, gpu_device, tiny_file):
     """Negative control: the GDN v-heads grouped instead of tiled (a real bug class) fails the f32 bar on the GPU."""
@@ -283,6 +346,38 @@ def test_handoff_gpu_cpu(kind, gpu_device, tiny_file, cpu_model):
     cpu.forward(cst3, ids[:100])
     b = np.frombuffer(cst3.save_recurrent(), np.float32)
     assert np.abs(a - b).max() <= tol.LOGIT_ABS_F32 * max(1.0, np.abs(b).max())
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["replay", "graph"])
+def test_decode_plan_matches_unplanned(gpu_device, tiny_file, cpu_model, graphs):
+    """Decode steps replayed from a LaunchPlan (position on the device), launch by launch or as one CUDA graph,
+    equal the launch-by-launch path within the f32 bar; a plan whose buffers moved (a state with a longer context
+    grows the rope table) is recorded again."""
+    from legacy_engine import gpu
+    from legacy_engine.gpu_model import GpuModel
+    if graphs and not gpu.graphs_available():
+        pytest.skip("the driver has no CUDA graphs")
+    cpu = cpu_model("moe")
+    planned, plain = GpuModel(cpu, int8=False, graphs=graphs), GpuModel(cpu, int8=False, plan=False)
+    ids = sequence(96, cpu.hparams.n_vocab)
+    out = {}
+    for name, gm in (("planned", planned), ("plain", plain)):
+        st = gm.new_state(64)
+        gm.forward(st, ids[:20])
+        rows = [gm.forward(st, ids[i:i + 1]) for i in range(20, 40)]
+        if name == "planned":
+            first_plan = st._plan
+            assert first_plan is not None and len(first_plan) > 50
+            assert first_plan.graph == graphs
+            gm.new_state(512)                   # the rope table grows: st's plan is stale
+            rows.append(gm.forward(st, ids[40:41]))
+            assert st._plan is not first_plan
+        else:
+            rows.append(gm.forward(st, ids[40:41]))
+        out[name] = np.concatenate(rows)
+    assert np.abs(out["planned"] - out["plain"]).max() <= tol.LOGIT_ABS_F32
+    ref = cpu_logits(cpu, ids[:41], 20)[20:]
+    assert np.abs(out["planned"] - ref).max() <= tol.LOGIT_ABS_F32
 
 
 def test_bad_input_is_refused_and_state_kept(gpu_device, tiny_file, cpu_model):

@@ -22,6 +22,7 @@
 typedef struct le_gpu_module le_gpu_module; /* a loaded image (CUmodule) and its JIT log */
 typedef struct le_gpu_kernel le_gpu_kernel; /* a __global__ function of a module, with its name */
 typedef struct le_gpu_stream le_gpu_stream; /* a CUstream; NULL = the default stream */
+typedef struct le_gpu_graph le_gpu_graph;   /* an instantiated CUDA graph (CUgraphExec) */
 typedef struct le_gpu_event le_gpu_event;   /* a CUevent (timing enabled) */
 
 /* ---- context ---------------------------------------------------------------------- */
@@ -78,7 +79,11 @@ int le_gpu_host_free(void *p);
 
 /* ---- streams and events ------------------------------------------------------------- */
 
+/* A stream that does not wait for, nor is waited for by, the default stream. */
 int le_gpu_stream_create(le_gpu_stream **out);
+/* A stream ordered with the legacy default stream both ways (cuStreamCreate flags 0): work on
+ * it starts after earlier default-stream work and later default-stream work waits for it. */
+int le_gpu_stream_create_ordered(le_gpu_stream **out);
 int le_gpu_stream_destroy(le_gpu_stream *stream);
 int le_gpu_stream_synchronize(le_gpu_stream *stream);
 int le_gpu_event_create(le_gpu_event **out);
@@ -116,5 +121,18 @@ int le_gpu_kernel_info_get(const le_gpu_kernel *kernel, le_gpu_kernel_info *out)
 int le_gpu_launch(const le_gpu_kernel *kernel, unsigned grid_x, unsigned grid_y, unsigned grid_z,
                   unsigned block_x, unsigned block_y, unsigned block_z, unsigned shared_bytes,
                   le_gpu_stream *stream, void **params);
+
+/* ---- CUDA graphs (driver 11.4+) ------------------------------------------------------- */
+
+/* 1 when the driver exports the graph entry points below, else 0 (they then fail with
+ * LE_ERR_UNSUPPORTED). */
+int le_gpu_graphs_available(void);
+/* Launches on `stream` (not the default stream) between begin and end are recorded, not run;
+ * end instantiates them as *out (out NULL: the capture is abandoned). */
+int le_gpu_capture_begin(le_gpu_stream *stream);
+int le_gpu_capture_end(le_gpu_stream *stream, le_gpu_graph **out);
+/* Runs the whole graph on `stream` (asynchronous, like the launches it holds). */
+int le_gpu_graph_launch(le_gpu_graph *graph, le_gpu_stream *stream);
+int le_gpu_graph_destroy(le_gpu_graph *graph);
 
 #endif
