@@ -484,8 +484,31 @@ def gpu_copy_dtoh(dst, dptr: int, nbytes: int | None = None, stream=None) -> Non
         _gpu_check(lib.le_gpu_copy_dtoh_async(buf, int(dptr), n, stream), "le_gpu_copy_dtoh_async")
 
 
-def gpu_copy_dtod(dst: int, src: int, nbytes: int) -> None:
-    _gpu_check(lib.le_gpu_copy_dtod(int(dst), int(src), int(nbytes)), "le_gpu_copy_dtod")
+def gpu_copy_dtod(dst: int, src: int, nbytes: int, stream=None) -> None:
+    if stream is None:
+        _gpu_check(lib.le_gpu_copy_dtod(int(dst), int(src), int(nbytes)), "le_gpu_copy_dtod")
+    else:
+        _gpu_check(lib.le_gpu_copy_dtod_async(int(dst), int(src), int(nbytes), stream), "le_gpu_copy_dtod_async")
+
+
+def host_address(buf) -> int:
+    """The address of a bytes-like object's first byte (a numpy array, a memory map)."""
+    return int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
+
+
+def gpu_copy_htod_addr(dptr: int, host_addr: int, nbytes: int, stream) -> None:
+    """Async copy of nbytes at a raw host address (inside memory registered with gpu_host_register) on `stream`."""
+    _gpu_check(lib.le_gpu_copy_htod_async(int(dptr), ffi.cast("void *", host_addr), int(nbytes), stream),
+               "le_gpu_copy_htod_async")
+
+
+def gpu_host_register(host_addr: int, nbytes: int, read_only: bool) -> None:
+    _gpu_check(lib.le_gpu_host_register(ffi.cast("void *", host_addr), int(nbytes), int(read_only)),
+               "le_gpu_host_register")
+
+
+def gpu_host_unregister(host_addr: int) -> None:
+    _gpu_check(lib.le_gpu_host_unregister(ffi.cast("void *", host_addr)), "le_gpu_host_unregister")
 
 
 def gpu_host_alloc(nbytes: int):
@@ -515,6 +538,10 @@ def gpu_stream_destroy(stream) -> None:
 
 def gpu_stream_synchronize(stream) -> None:
     _gpu_check(lib.le_gpu_stream_synchronize(_stream(stream)), "le_gpu_stream_synchronize")
+
+
+def gpu_stream_wait_event(stream, event) -> None:
+    _gpu_check(lib.le_gpu_stream_wait_event(_stream(stream), event), "le_gpu_stream_wait_event")
 
 
 def gpu_event_create():

@@ -134,7 +134,8 @@ def _generate(path: str, args, messages_or_text, chat: bool) -> int:
     params.validate()
     eng = Engine(path, **engine_kwargs(args))
     if eng.gpu is not None:
-        print(eng.gpu.describe(), file=sys.stderr)
+        print(eng.model.describe(), file=sys.stderr)
+        print(f"placement: {eng.placement.why}", file=sys.stderr)
     sess = eng.session()
     prompt = eng.chat_prompt(messages_or_text, enable_thinking=not args.no_think) if chat else messages_or_text
     res = sess.generate(prompt, max_tokens=args.n_predict, params=params, stop=args.stop,
@@ -245,6 +246,10 @@ def gpu_flags(s) -> None:
                    help="with --gpu: force a kernel tier (default: the GPU's own; a lower tier runs on any newer GPU)")
     s.add_argument("--gpu-f32", dest="gpu_int8", action="store_const", const=False, default=None,
                    help="with --gpu: f32 decode GEMVs instead of the int8 DP4A ones (default: DP4A on the dp4a tier)")
+    s.add_argument("--vram", dest="gpu_vram", default=None, metavar="SIZE",
+                   help="with --gpu: VRAM budget, e.g. 6GiB (default: free VRAM minus 512 MiB). A model that does not "
+                        "fit runs split: routed experts streamed per layer for GPU prefill, hot ones pinned, decode "
+                        "on the CPU (`legacy-engine plan` shows the prediction)")
     s.add_argument("--no-cuda-graphs", dest="gpu_graphs", action="store_const", const=False, default=None,
                    help="with --gpu: replay decode steps launch by launch instead of as one CUDA graph (default: "
                         "graphs where the driver has them, 11.4+, except on the fermi tier)")
@@ -255,8 +260,13 @@ def engine_kwargs(args) -> dict:
     kw = dict(mmap=args.mmap, numa=args.numa, pin=args.pin, gpu=getattr(args, "gpu", False),
               gpu_tier=getattr(args, "gpu_tier", None), gpu_int8=getattr(args, "gpu_int8", None),
               gpu_graphs=getattr(args, "gpu_graphs", None))
-    if (kw["gpu_tier"] or kw["gpu_int8"] is not None or kw["gpu_graphs"] is not None) and not kw["gpu"]:
-        raise SystemExit("error: --gpu-tier, --gpu-f32 and --no-cuda-graphs need --gpu")
+    vram = getattr(args, "gpu_vram", None)
+    if vram is not None:
+        from .planner import parse_size
+        kw["gpu_vram"] = parse_size(vram)
+    if (kw["gpu_tier"] or kw["gpu_int8"] is not None or kw["gpu_graphs"] is not None or vram is not None) \
+            and not kw["gpu"]:
+        raise SystemExit("error: --gpu-tier, --gpu-f32, --vram and --no-cuda-graphs need --gpu")
     if getattr(args, "threads", None) is not None:
         kw["n_threads"] = args.threads
     if getattr(args, "ctx", None) is not None:
@@ -322,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("build-kernels", help="build cuda8/ PTX for every GPU tier (build-kernels -h for flags)",
                    add_help=False)
+    sub.add_parser("plan", help="predicted speed of every CPU/GPU split for MODEL and the one chosen (plan -h)",
+                   add_help=False)
     return p
 
 
@@ -340,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "bench":
             from .bench import main as bench_main
             return bench_main(argv[1:])
+        if argv and argv[0] == "plan":
+            from .planner import main as plan_main
+            return plan_main(argv[1:])
         if argv and argv[0] == "build-kernels":
             from .gpu import cli_build
             return cli_build(argv[1:])

@@ -620,6 +620,10 @@ class Stream:
     def synchronize(self) -> None:
         _native().gpu_stream_synchronize(self.handle)
 
+    def wait(self, event: "Event") -> None:
+        """Work launched on this stream from now on waits for `event`."""
+        _native().gpu_stream_wait_event(self.handle, event.handle)
+
     def __del__(self):
         try:
             if self.handle is not None:
@@ -627,6 +631,11 @@ class Stream:
                 self.handle = None
         except Exception:
             pass
+
+
+def wait_default(event: "Event") -> None:
+    """Work launched on the default stream from now on waits for `event`."""
+    _native().gpu_stream_wait_event(None, event.handle)
 
 
 class Event:

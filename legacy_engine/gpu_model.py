@@ -79,7 +79,9 @@ class _W:
 
 class GpuModel:
     def __init__(self, model, tier: str | None = None, arch: int | None = None, int8: bool | None = None,
-                 toolchain: str = "auto", progress=None, plan: bool = True, graphs: bool | None = None):
+                 toolchain: str = "auto", progress=None, plan: bool = True, graphs: bool | None = None,
+                 stream_experts: bool = False, pinned: dict | None = None, vram: int | None = None,
+                 n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, simulate_link: float | None = None):
         """model: a loaded Model (its file's tensors are uploaded; the CPU model stays usable).
         tier: 'fermi' | 'kepler' | 'dp4a' (default: the GPU's own, default_tier); arch: the PTX target
         (compute capability x10, default the GPU's: 35, 61 or 70 run the legacy PTX on a newer card);
@@ -88,7 +90,17 @@ class GpuModel:
         position go to the GPU, every argument stays fixed): ~1 µs of Python per launch instead of ~30.
         graphs: the plan also runs as one CUDA graph (one host call per token). Default: on where the driver has
         graphs (11.4+), off for the fermi tier (a Fermi driver stops at CUDA 9.1); True where the driver lacks
-        them is an error."""
+        them is an error.
+        stream_experts: the routed experts stay in host RAM (page-locked in place) except `pinned`
+        {layer: [expert ids]}, which live in VRAM; a pass copies the experts its tokens route to into one of two
+        staging buffers (full-layer layout, so the router's ids index it unchanged) on a copy stream, the next
+        layer's while this one computes when the chunk will route to most experts. For prefill; decode steps
+        work but copy their experts every token (the CPU decodes in the split plans).
+        vram: budget in bytes for everything this model allocates, states of up to n_ctx positions and passes of
+        up to `chunk` tokens included: checked before any upload (planner.PlanningError naming the parts), then
+        held by the driver layer (gpu.set_budget).
+        simulate_link: GB/s; streamed expert copies are paced to it (the host waits until a copy would have
+        finished on that link), to run a slow card's split (a CMP 100-210 on PCIe Gen1 x1: 0.25) on a fast one."""
         hp = self.hparams = model.hparams
         if hp.arch == "qwen3next":
             raise UnavailableError("the GPU forward pass runs qwen35 and qwen35moe files (not qwen3next)")
@@ -101,6 +113,28 @@ class GpuModel:
         self.model = model
         self.file = model.file
         self._faults = model_faults(model)
+        self.chunk = int(chunk)
+        if not 1 <= self.chunk <= PREFILL_CHUNK:
+            raise ValueError(f"chunk = {chunk}: 1…{PREFILL_CHUNK}")
+        self.stream = bool(stream_experts) and hp.n_expert > 0
+        self.pinned = {int(i): sorted(set(int(e) for e in v)) for i, v in (pinned or {}).items()} if self.stream else {}
+        for i, es in self.pinned.items():
+            if not 0 <= i < hp.n_layer or any(not 0 <= e < hp.n_expert for e in es):
+                raise ValueError(f"pinned: layer {i} experts {es[:4]}… outside {hp.n_layer} layers x {hp.n_expert}")
+        from . import planner
+        self.footprint = planner.vram_footprint(self.file, stream_experts=self.stream, pinned=self.pinned,
+                                                n_ctx=n_ctx, chunk=self.chunk, int8=self.int8)
+        self.n_ctx_plan = int(n_ctx)
+        self.budget = None
+        if vram is not None:
+            planner.check_fits(self.footprint, int(vram), f"{'streamed' if self.stream else 'resident'} GPU model")
+            self.budget = int(vram)
+            gpu.set_budget(gpu.mem_stats()["used"] + self.budget)
+        self.simulate_link = simulate_link
+        self._host = None          # (address, bytes) of the page-locked weight map (stream mode)
+        self.host_pinned_why = ""
+        self._staging: list[gpu.Buffer] = []
+        self._staged: list[tuple[int, set]] = []
         self.converted: list[str] = []     # "name (TYPE)" of tensors dequantised to f32 at upload
         self._bufs: dict[str, gpu.Buffer] = {}
         self.vram_bytes = 0
@@ -109,7 +143,7 @@ class GpuModel:
         self._retired: list[gpu.Buffer] = []
         self._tag = "p"           # scratch set: "d" decode (one token, named by plans), "p" prefill
         self._gen = 0             # bumped when a decode buffer or the rope table moves: plans recorded before are stale
-        self.plan = plan
+        self.plan = plan and not self.stream     # a streamed step syncs with the host: not replayable
         have = gpu.graphs_available()
         if graphs and not have:
             raise UnavailableError("CUDA graphs requested but the driver lacks them (needs CUDA 11.4+)")
@@ -119,8 +153,8 @@ class GpuModel:
                                "on" if have else "off: the driver lacks them (needs CUDA 11.4+)")
         else:
             self.graphs_why = "on (asked)" if graphs else "off (asked)"
-        self.graphs = bool(graphs) and plan
-        if graphs and not plan:
+        self.graphs = bool(graphs) and self.plan
+        if graphs and not self.plan:
             self.graphs_why = "off: needs the launch plan (plan=False)"
         self._rope_n = 0
         self._rope: gpu.Buffer | None = None
@@ -149,9 +183,17 @@ class GpuModel:
 
     def _w(self, name: str, rows: tuple[int, int] | None = None, expert_rows: tuple[int, int] | None = None) -> _W:
         """The weight `name` ([ne1, ne0] or [ne2, ne1, ne0]); rows: a row range of a fused 2-D tensor;
-        expert_rows: a row range inside every expert of a fused 3-D tensor."""
+        expert_rows: a row range inside every expert of a fused 3-D tensor. A streamed expert tensor's ptr is its
+        offset inside a staging buffer (the layer's layout, _stage_layout)."""
         t = self.file.tensors[name]
-        ptr, qtype = self._upload(name)
+        if name in self._exp_names:
+            if t.type != gpu.F32 and t.type not in gpu.GPU_TYPES:
+                from . import _native
+                raise UnavailableError(f"{name}: {_native.type_traits(t.type)['name']} has no GPU kernel, so it "
+                                       "cannot be streamed (run it resident: it is dequantised at upload)")
+            ptr, qtype = self._stage_offset[name], t.type
+        else:
+            ptr, qtype = self._upload(name)
         ne = list(t.ne) + [1, 1]
         ncols, nrows, n_exp = ne[0], ne[1], ne[2]
         if qtype == gpu.F32:
@@ -174,11 +216,16 @@ class GpuModel:
 
     def _upload_all(self, progress) -> None:
         hp, T = self.hparams, self.file.tensors
-        names = [n for n in T if n.startswith("blk.") or n in ("token_embd.weight", "output_norm.weight",
-                                                                "output.weight")]
+        from .planner import expert_tensors
+        self._exp_names = {n for i in range(hp.n_layer) for n in expert_tensors(self.file, i)} if self.stream else set()
+        names = [n for n in T if (n.startswith("blk.") and int(n.split(".")[1]) < hp.n_layer
+                                  or n in ("token_embd.weight", "output_norm.weight", "output.weight"))
+                 and n not in self._exp_names]
         it = progress(names) if progress else names
         for n in it:
             self._upload(n)
+        if self.stream:
+            self._setup_streaming(progress)
         self.embd = self._w("token_embd.weight")
         self.out_norm = self._f32("output_norm.weight")
         self.head = self._w("output.weight") if "output.weight" in T else self.embd
@@ -220,12 +267,138 @@ class GpuModel:
             else:
                 L.update(gate=self._w(p + "ffn_gate.weight"), up=self._w(p + "ffn_up.weight"),
                          down=self._w(p + "ffn_down.weight"))
+            L["index"] = i
             self.layers.append(L)
         # the shared-expert gate is an [E] vector: one output row
         for L in self.layers:
             if "sh_gate_inp" in L:
                 w = L["sh_gate_inp"]
                 w.nrows, w.ncols = 1, self.hparams.n_embd
+
+    # ------------------------------------------------------------------ streamed experts
+
+    def _setup_streaming(self, progress) -> None:
+        """Host addresses of every layer's expert tensors (the weight map, page-locked in place), the staging
+        layout (tensor offsets inside one buffer), pinned experts uploaded."""
+        from . import _native
+        from .planner import expert_tensors
+        hp, gg = self.hparams, self.file.gguf
+        base = self._map_base = _native.host_address(gg._map)
+        self._map_np = np.asarray(gg._map).view(np.uint8).reshape(-1)
+        nbytes = int(gg._map.nbytes)
+        try:
+            _native.gpu_host_register(base, nbytes, read_only=not gg._map.flags.writeable)
+            self._host = (base, nbytes)
+            self.host_pinned_why = "page-locked in place"
+        except Exception as e:     # said in describe() and by `run`; the copies then go through the driver's staging
+            self.host_pinned_why = f"NOT page-locked ({e}); copies run from pageable memory, slower"
+        self._stage_layout: dict[int, list] = {}     # layer -> [(host address, tensor bytes, expert bytes, offset,
+        #                                               offset of the tensor's pinned experts in the pin store)]
+        self._stage_offset: dict[str, int] = {}
+        self._pin_store: dict[int, gpu.Buffer] = {}  # layer -> pinned experts of every tensor, tensor-major
+        layer_max = 0
+        for i in range(hp.n_layer):
+            off, pin_off, lay = 0, 0, []
+            n_pin = len(self.pinned.get(i, []))
+            for name in expert_tensors(self.file, i):
+                t = self.file.tensors[name]
+                eb = int(t.n_bytes) // hp.n_expert
+                lay.append((_native.host_address(gg.data(name)), int(t.n_bytes), eb, off, pin_off))
+                self._stage_offset[name] = off
+                off += int(t.n_bytes)
+                pin_off += n_pin * eb
+            if lay:
+                self._stage_layout[i] = lay
+                layer_max = max(layer_max, off)
+                es = self.pinned.get(i, [])
+                if es:
+                    parts = [np.asarray(gg.data(name))[e * eb:(e + 1) * eb] for name in expert_tensors(self.file, i)
+                             for eb in [int(self.file.tensors[name].n_bytes) // hp.n_expert] for e in es]
+                    self._pin_store[i] = gpu.Buffer.from_array(np.concatenate(parts), f"pinned experts of layer {i}")
+                    self.vram_bytes += self._pin_store[i].nbytes
+        self._staging = [gpu.Buffer(max(layer_max, 256), f"expert staging {j}") for j in range(2)]
+        self._staged = [(-1, set()), (-1, set())]
+        self._copy = gpu.Stream()
+        self._slot_free = [gpu.Event(), gpu.Event()]
+        self._slot_ready = [gpu.Event(), gpu.Event()]
+        self._slot_used = [False, False]
+        self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0}
+
+    def _stage(self, i: int, want) -> int:
+        """Makes staging slot i % 2 hold experts `want` of layer i (copies on the copy stream, after the compute
+        that last read the slot); records the slot's ready event. -> the slot's device address."""
+        from . import _native
+        s = i % 2
+        layer, have = self._staged[s]
+        if layer != i:
+            have = set()
+        need = sorted(set(int(e) for e in want) - have)
+        if need:
+            import time
+            t_issue, h2d0 = time.perf_counter(), self.stream_stats["h2d_bytes"]
+            if self._slot_used[s]:
+                self._copy.wait(self._slot_free[s])
+            dst0 = self._staging[s].ptr
+            pins = {e: j for j, e in enumerate(self.pinned.get(i, []))}
+            h = self._copy.handle
+            for host, tbytes, eb, off, pin_off in self._stage_layout[i]:
+                run: list[int] = []
+                for e in need + [None]:
+                    if e is not None and e not in pins and (not run or e == run[-1] + 1):
+                        run.append(e)
+                        continue
+                    if run:                                   # one copy per run of consecutive host experts
+                        nb = len(run) * eb
+                        if self._host is not None:
+                            _native.gpu_copy_htod_addr(dst0 + off + run[0] * eb, host + run[0] * eb, nb, h)
+                        else:
+                            at = host - self._map_base + run[0] * eb
+                            _native.gpu_copy_htod(dst0 + off + run[0] * eb, self._map_np[at:at + nb], nb, h)
+                        self.stream_stats["h2d_bytes"] += nb
+                        run = []
+                    if e is None:
+                        break
+                    if e in pins:
+                        src = self._pin_store[i].ptr + pin_off + pins[e] * eb
+                        _native.gpu_copy_dtod(dst0 + off + e * eb, src, eb, h)
+                        self.stream_stats["d2d_bytes"] += eb
+                    else:
+                        run = [e]
+            self._staged[s] = (i, have | set(need))
+            if self.simulate_link:
+                self._copy.synchronize()
+                rest = (self.stream_stats["h2d_bytes"] - h2d0) / (self.simulate_link * 1e9) - (time.perf_counter() - t_issue)
+                if rest > 0:
+                    time.sleep(rest)
+        self._slot_ready[s].record(self._copy)
+        gpu.wait_default(self._slot_ready[s])
+        return self._staging[s].ptr
+
+    def _ids_buf(self, ids: int, pairs: int) -> np.ndarray:
+        """The router's expert ids of this pass, on the host (waits for the routing)."""
+        from . import _native
+        out = np.empty(pairs, dtype=np.int32)
+        _native.gpu_copy_dtoh(out, ids, 4 * pairs)
+        return out
+
+    def _next_moe(self, i: int) -> int:
+        return i + 1 if i + 1 in self._stage_layout else self.hparams.n_layer
+
+    def _release(self, i: int) -> None:
+        """The compute that reads slot i % 2 has been issued: its end frees the slot for the copy stream."""
+        s = i % 2
+        self._slot_free[s].record(None)
+        self._slot_used[s] = True
+
+    def _prefetch_all(self, i: int, n: int) -> None:
+        """Copies every expert of layer i ahead when n tokens will likely route to most of them (expected
+        distinct experts >= half), so the copy overlaps the compute of the layer before."""
+        hp = self.hparams
+        if i >= hp.n_layer or i not in self._stage_layout:
+            return
+        distinct = hp.n_expert * (1 - (1 - hp.n_expert_used / hp.n_expert) ** n)
+        if distinct >= hp.n_expert / 2:
+            self._stage(i, range(hp.n_expert))
 
     # ------------------------------------------------------------------ scratch
 
@@ -365,6 +538,11 @@ class GpuModel:
         yd = self._buf("ed", 4 * pairs * E).ptr
         self._mm(L["router"], h, logits, n, hq)
         k.moe_route(logits, ids, wts, n, ne, kk)
+        base = 0
+        if self.stream:
+            i = L["index"]
+            used = self._ids_buf(ids, pairs)
+            base = self._stage(i, np.unique(used))
         int8 = self.int8 and L["gate_exps"].qtype != gpu.F32
         x, xs = (hq, E // 32) if int8 else (h, E)
         if int8 and hq is None:   # several tokens: quantise every token's row
@@ -372,7 +550,7 @@ class GpuModel:
             k.quantize_q8_1(h, x, n * E)
         for wname, out in (("gate_exps", g), ("up_exps", u)):
             w = L[wname]
-            k.gemv_ids(w.qtype, w.ptr, x, out, w.nrows, w.ncols, ids, pairs, w.expert_bytes, kk, xs, int8=int8)
+            k.gemv_ids(w.qtype, base + w.ptr, x, out, w.nrows, w.ncols, ids, pairs, w.expert_bytes, kk, xs, int8=int8)
         k.swiglu(g, u, g, pairs * ff)
         w = L["down_exps"]
         int8d = self.int8 and w.qtype != gpu.F32
@@ -381,7 +559,11 @@ class GpuModel:
             xd = self._buf("xq_down", pairs * ff // 32 * gpu.Q8_1_BYTES).ptr
             k.quantize_q8_1(g, xd, pairs * ff)
             xds = ff // 32
-        k.gemv_ids(w.qtype, w.ptr, xd, yd, w.nrows, w.ncols, ids, pairs, w.expert_bytes, 1, xds, int8=int8d)
+        k.gemv_ids(w.qtype, base + w.ptr, xd, yd, w.nrows, w.ncols, ids, pairs, w.expert_bytes, 1, xds, int8=int8d)
+        if self.stream:
+            self._release(i)
+            self.stream_stats["layers"] += 1
+            self._prefetch_all(self._next_moe(i), n)
         sh = shg = None
         if hp.n_ff_shexp:
             fs = hp.n_ff_shexp
@@ -400,7 +582,12 @@ class GpuModel:
 
     def new_state(self, n_ctx: int | None = None) -> "GpuState":
         from .model import DEFAULT_CTX
-        return GpuState(self, n_ctx or DEFAULT_CTX)
+        n_ctx = n_ctx or DEFAULT_CTX
+        if self.budget is not None and n_ctx > self.n_ctx_plan:
+            from .planner import PlanningError
+            raise PlanningError(f"a state of {n_ctx} positions: this model's VRAM budget was planned for "
+                                f"{self.n_ctx_plan} (make the GpuModel with n_ctx={n_ctx})")
+        return GpuState(self, n_ctx)
 
     def forward(self, state: "GpuState", tokens, all_logits: bool = False, chunked: bool = True,
                 want_logits: bool = True) -> np.ndarray | None:
@@ -420,9 +607,9 @@ class GpuModel:
         if ids.size == 1 and self.plan:
             return self._decode(state, int(ids[0]), want_logits)
         outs = []
-        for c0 in range(0, ids.size, PREFILL_CHUNK):
-            part = ids[c0:c0 + PREFILL_CHUNK]
-            last = c0 + PREFILL_CHUNK >= ids.size
+        for c0 in range(0, ids.size, self.chunk):
+            part = ids[c0:c0 + self.chunk]
+            last = c0 + self.chunk >= ids.size
             out = self._forward_chunk(state, part, all_logits if want_logits else False,
                                       want_logits and (all_logits or last))
             if out is not None:
@@ -463,6 +650,8 @@ class GpuModel:
         x = self._buf("x", 4 * n * E).ptr
         h = self._buf("h", 4 * n * E).ptr
         y = self._buf("y", 4 * n * E).ptr
+        if self.stream:
+            self._prefetch_all(self._next_moe(-1), n)
         k.get_rows(self.embd.qtype, self.embd.ptr, idb.ptr, x, n, E)
         for i, L in enumerate(self.layers):
             si = st.index[i]
@@ -491,17 +680,33 @@ class GpuModel:
         return logits.download(dtype=np.float32, count=n_out * hp.n_vocab).reshape(n_out, hp.n_vocab)
 
     def close(self) -> None:
-        """Frees the weights and scratch in VRAM now (states keep their own buffers)."""
-        for b in list(self._bufs.values()) + list(self._scratch.values()) + self._retired:
+        """Frees the weights, staging and scratch in VRAM now (states keep their own buffers), unlocks the host
+        weight map, lifts the budget this model set."""
+        from . import _native
+        gpu.synchronize()
+        pins = list(getattr(self, "_pin_store", {}).values())
+        for b in list(self._bufs.values()) + list(self._scratch.values()) + self._retired + self._staging + pins:
             b.free()
         if self._rope is not None:
             self._rope.free()
-        self._bufs, self._scratch, self._retired, self._rope = {}, {}, [], None
+        self._bufs, self._scratch, self._retired, self._rope, self._staging, self._pin_store = {}, {}, [], None, [], {}
+        if self._host is not None:
+            _native.gpu_host_unregister(self._host[0])
+            self._host = None
+        if self.budget is not None:
+            gpu.set_budget(None)
+            self.budget = None
 
     def describe(self) -> str:
         conv = f"; dequantised to f32 at upload: {len(self.converted)} tensors" if self.converted else ""
+        streamed = ""
+        if self.stream:
+            n_pin = sum(len(v) for v in self.pinned.values())
+            streamed = (f"; routed experts streamed from host RAM ({self.host_pinned_why}), {n_pin} of "
+                        f"{self.hparams.n_expert * len(self._stage_layout)} pinned in VRAM")
+        budget = f" (budget {self.budget / 2**30:.2f} GiB: {self.footprint.describe()})" if self.budget else ""
         return (f"GPU {self.device['name']} ({self.k.name} kernels, {'int8 DP4A' if self.int8 else 'f32'} decode "
-                f"GEMVs), weights {self.vram_bytes / 2**30:.2f} GiB in VRAM; decode CUDA graphs "
+                f"GEMVs), weights {self.vram_bytes / 2**30:.2f} GiB in VRAM{budget}{streamed}; decode CUDA graphs "
                 f"{self.graphs_why}{conv}")
 
 

@@ -76,6 +76,10 @@ static struct {
     CUresult (*cuStreamCreate)(CUstream *, unsigned);
     CUresult (*cuStreamDestroy)(CUstream);
     CUresult (*cuStreamSynchronize)(CUstream);
+    CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned);
+    CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+    CUresult (*cuMemHostRegister)(void *, size_t, unsigned);
+    CUresult (*cuMemHostUnregister)(void *);
     CUresult (*cuEventCreate)(CUevent *, unsigned);
     CUresult (*cuEventDestroy)(CUevent);
     CUresult (*cuEventRecord)(CUevent, CUstream);
@@ -164,6 +168,10 @@ static int load_driver(void) {
     LOAD(cuStreamCreate, "cuStreamCreate", NULL);
     LOAD(cuStreamDestroy, "cuStreamDestroy_v2", "cuStreamDestroy");
     LOAD(cuStreamSynchronize, "cuStreamSynchronize", NULL);
+    LOAD(cuStreamWaitEvent, "cuStreamWaitEvent", NULL);
+    LOAD(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync");
+    LOAD(cuMemHostRegister, "cuMemHostRegister_v2", "cuMemHostRegister");
+    LOAD(cuMemHostUnregister, "cuMemHostUnregister", NULL);
     LOAD(cuEventCreate, "cuEventCreate", NULL);
     LOAD(cuEventDestroy, "cuEventDestroy_v2", "cuEventDestroy");
     LOAD(cuEventRecord, "cuEventRecord", NULL);
@@ -500,6 +508,13 @@ int le_gpu_copy_dtod(uint64_t dst, uint64_t src, size_t bytes) {
     return LE_OK;
 }
 
+int le_gpu_copy_dtod_async(uint64_t dst, uint64_t src, size_t bytes, le_gpu_stream *stream) {
+    READY("le_gpu_copy_dtod_async");
+    CUresult rc = cu.cuMemcpyDtoDAsync((CUdeviceptr)dst, (CUdeviceptr)src, bytes, (CUstream)stream);
+    if (rc != 0) CU_FAIL(rc, "cuMemcpyDtoDAsync(%zu bytes)", bytes);
+    return LE_OK;
+}
+
 int le_gpu_copy_htod_async(uint64_t dst, const void *src, size_t bytes, le_gpu_stream *stream) {
     READY("le_gpu_copy_htod_async");
     CUresult rc = cu.cuMemcpyHtoDAsync((CUdeviceptr)dst, src, bytes, (CUstream)stream);
@@ -557,6 +572,38 @@ int le_gpu_host_free(void *p) {
     return LE_OK;
 }
 
+/* Page-locks existing host memory (a weight map) for asynchronous copies. The range is widened
+ * to whole pages. read_only: the memory is mapped read-only (a file map): the driver is told so
+ * (CU_MEMHOSTREGISTER_READ_ONLY, driver 11.1+). */
+enum { CU_MEMHOSTREGISTER_READ_ONLY = 0x08 };
+
+static void page_range(void *p, size_t bytes, void **base, size_t *len) {
+    const uintptr_t a = (uintptr_t)p & ~(uintptr_t)4095, e = ((uintptr_t)p + bytes + 4095) & ~(uintptr_t)4095;
+    *base = (void *)a;
+    *len = e - a;
+}
+
+int le_gpu_host_register(void *p, size_t bytes, int read_only) {
+    if (!p || !bytes) return LE_FAIL(LE_ERR_INVALID_ARG, "le_gpu_host_register: empty range");
+    READY("le_gpu_host_register");
+    void *base;
+    size_t len;
+    page_range(p, bytes, &base, &len);
+    CUresult rc = cu.cuMemHostRegister(base, len, read_only ? CU_MEMHOSTREGISTER_READ_ONLY : 0);
+    if (rc != 0) CU_FAIL(rc, "cuMemHostRegister(%zu bytes%s)", len, read_only ? ", read-only" : "");
+    return LE_OK;
+}
+
+int le_gpu_host_unregister(void *p) {
+    if (!p) return LE_OK;
+    READY("le_gpu_host_unregister");
+    void *base;
+    size_t len;
+    page_range(p, 1, &base, &len);
+    CU_CHECK(cu.cuMemHostUnregister(base));
+    return LE_OK;
+}
+
 /* ---- streams and events ---------------------------------------------------------------- */
 
 int le_gpu_stream_create(le_gpu_stream **out) {
@@ -574,6 +621,13 @@ int le_gpu_stream_create_ordered(le_gpu_stream **out) {
     CUstream s = NULL;
     CU_CHECK(cu.cuStreamCreate(&s, CU_STREAM_DEFAULT));
     *out = (le_gpu_stream *)s;
+    return LE_OK;
+}
+
+int le_gpu_stream_wait_event(le_gpu_stream *stream, le_gpu_event *event) {
+    if (!event) return LE_FAIL(LE_ERR_INVALID_ARG, "le_gpu_stream_wait_event: event is NULL");
+    READY("le_gpu_stream_wait_event");
+    CU_CHECK(cu.cuStreamWaitEvent((CUstream)stream, (CUevent)event, 0));
     return LE_OK;
 }
 

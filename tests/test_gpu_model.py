@@ -442,3 +442,113 @@ def test_session_and_snapshot_cache_on_gpu(gpu_device, tiny_file, cpu_model):
             logits = s.prefill([t])
         outs.append(toks)
     assert outs[0] == outs[1]
+
+
+# ================================================================================================ issue 6: streamed
+# experts, the VRAM budget, the split (GPU prefill, CPU decode)
+
+def _stream_model(cpu, pinned, chunk, vram=None, **kw):
+    from legacy_engine import planner
+    from legacy_engine.gpu_model import GpuModel
+    fp = planner.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=chunk, int8=False)
+    return GpuModel(cpu, int8=False, stream_experts=True, pinned=pinned, chunk=chunk, n_ctx=N_CTX,
+                    vram=fp.total if vram is None else vram, **kw)
+
+
+@pytest.mark.parametrize("chunk", [16, 2], ids=["prefetch", "on-demand"])
+def test_streamed_experts_match_cpu(chunk, gpu_device, tiny_file, cpu_model):
+    """Routed experts streamed per layer (some pinned in VRAM, copied device to device; the rest from the page-
+    locked weight map) under a budget of exactly the planned footprint: prefill (chunk 16: every chunk routes to
+    most experts, so the next layer is copied ahead; chunk 2: only the experts routed to, after the routing) and
+    decode steps give the CPU engine's logits within the f32 bar."""
+    cpu = cpu_model("moe")
+    pinned = {0: [0, 5, 6], 3: [1], 7: list(range(cpu.hparams.n_expert))}
+    gm = _stream_model(cpu, pinned, chunk)
+    try:
+        assert gm.stream and not gm.plan
+        ids = sequence(80, cpu.hparams.n_vocab)
+        st = gm.new_state(N_CTX)
+        got = np.concatenate([gm.forward(st, ids[:60], all_logits=True)] +
+                             [gm.forward(st, ids[i:i + 1]) for i in range(60, 80)])
+        ref = cpu_logits(cpu, ids, 60)
+        d = float(np.abs(got.astype(np.float64) - ref).max())
+        stats = dict(gm.stream_stats)
+        peak = gpu.mem_stats()["peak"]
+        print(f"\nchunk {chunk}: max|Δ| {d:.2e}; {stats}; {gm.describe()}")
+        assert d <= tol.LOGIT_ABS_F32
+        assert stats["h2d_bytes"] > 0 and stats["d2d_bytes"] > 0
+        assert "page-locked in place" in gm.host_pinned_why
+    finally:
+        gm.close()
+    assert gpu.mem_stats()["budget"] < 0                      # close() lifted it
+    assert peak > 0
+
+
+def test_budget_is_planned_before_anything_is_allocated(gpu_device, tiny_file, cpu_model):
+    from legacy_engine import planner
+    cpu = cpu_model("moe")
+    fp = planner.vram_footprint(cpu.file, stream_experts=True, n_ctx=N_CTX, chunk=16, int8=False)
+    used = gpu.mem_stats()["used"]
+    with pytest.raises(planner.PlanningError, match="staging"):
+        _stream_model(cpu, {}, 16, vram=fp.total - 1)
+    assert gpu.mem_stats()["used"] == used                     # nothing was uploaded
+    gm = _stream_model(cpu, {}, 16)
+    try:
+        with pytest.raises(planner.PlanningError, match="planned for"):
+            gm.new_state(2 * N_CTX)
+    finally:
+        gm.close()
+
+
+def test_budget_holds_under_ballast(gpu_device, tiny_file, cpu_model):
+    """A ballast allocation leaves only the planned footprint (+ 64 MiB) free on the device: the streamed model
+    loads, prefills and decodes inside its budget, and its peak use stays under the plan."""
+    from legacy_engine import planner
+    cpu = cpu_model("moe")
+    pinned = {2: [0, 1]}
+    fp = planner.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=16, int8=False)
+    free = gpu.mem_stats()["free_bytes"]
+    ballast = gpu.Buffer(free - fp.total - 64 * 2**20, "ballast")
+    try:
+        base = gpu.mem_stats()["used"]
+        gm = _stream_model(cpu, pinned, 16)
+        try:
+            st = gm.new_state(N_CTX)
+            ids = sequence(48, cpu.hparams.n_vocab)
+            gm.forward(st, ids[:40])
+            for i in range(40, 48):
+                gm.forward(st, ids[i:i + 1])
+            gpu.synchronize()
+            used_by_model = gpu.mem_stats()["used"] - base
+            print(f"\nfree after ballast {(free - ballast.nbytes) / 2**20:.0f} MiB, model uses "
+                  f"{used_by_model / 2**20:.1f} MiB of a {fp.total / 2**20:.1f} MiB plan")
+            assert used_by_model <= fp.total
+            del st
+        finally:
+            gm.close()
+    finally:
+        ballast.free()
+
+
+def test_split_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
+    """The split engine (GPU prefill with streamed, partly pinned experts under a small budget; CPU decode) and
+    the CPU engine produce the same greedy tokens; the prompt ran on the GPU, the decode steps on the CPU."""
+    from legacy_engine.split import SplitModel
+    cpu = cpu_model("moe")
+    gm = _stream_model(cpu, {1: [2, 3], 4: [0]}, 16)
+    try:
+        split = SplitModel(cpu, gm, min_gpu_tokens=8)
+        prompt = sequence(50, cpu.hparams.n_vocab)
+        runs = {}
+        for name, m in (("split", split), ("cpu", cpu)):
+            st = m.new_state(N_CTX)
+            tok = int(np.argmax(m.forward(st, prompt)[-1]))
+            out = [tok]
+            for _ in range(30):
+                tok = int(np.argmax(m.forward(st, [tok])[-1]))
+                out.append(tok)
+            runs[name] = out
+        assert runs["split"] == runs["cpu"]
+        assert split.passes == {"gpu": 1, "cpu": 30}
+    finally:
+        gm.close()

@@ -71,11 +71,16 @@ int le_gpu_copy_dtod(uint64_t dst, uint64_t src, size_t bytes);
 /* Asynchronous on `stream`; the host buffer must stay alive (and should be pinned) until
  * the stream has passed the copy. */
 int le_gpu_copy_htod_async(uint64_t dst, const void *src, size_t bytes, le_gpu_stream *stream);
+int le_gpu_copy_dtod_async(uint64_t dst, uint64_t src, size_t bytes, le_gpu_stream *stream);
 int le_gpu_copy_dtoh_async(void *dst, uint64_t src, size_t bytes, le_gpu_stream *stream);
 
 /* Pinned (page-locked) host memory for fast and asynchronous copies (cuMemAllocHost). */
 int le_gpu_host_alloc(void **out, size_t bytes);
 int le_gpu_host_free(void *p);
+/* Page-locks existing host memory [p, p+bytes) (widened to whole pages) so that async copies from it
+ * run at full link speed; read_only for a read-only map (driver 11.1+). Unregister with the same p. */
+int le_gpu_host_register(void *p, size_t bytes, int read_only);
+int le_gpu_host_unregister(void *p);
 
 /* ---- streams and events ------------------------------------------------------------- */
 
@@ -86,6 +91,8 @@ int le_gpu_stream_create(le_gpu_stream **out);
 int le_gpu_stream_create_ordered(le_gpu_stream **out);
 int le_gpu_stream_destroy(le_gpu_stream *stream);
 int le_gpu_stream_synchronize(le_gpu_stream *stream);
+/* Work launched on `stream` after this waits for `event` (recorded on any stream). */
+int le_gpu_stream_wait_event(le_gpu_stream *stream, le_gpu_event *event);
 int le_gpu_event_create(le_gpu_event **out);
 int le_gpu_event_destroy(le_gpu_event *event);
 int le_gpu_event_record(le_gpu_event *event, le_gpu_stream *stream);

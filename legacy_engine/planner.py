@@ -1,0 +1,602 @@
+"""The planner: what goes where, and which engine runs which phase, decided from measurements.
+
+Three parts, each usable alone:
+
+1. VRAM accounting (`vram_footprint`): every device allocation a GPU model of a file would make: resident
+   weights, pinned experts, the two expert staging buffers of streamed prefill, the states of a context, the rope
+   table and the scratch of a prefill chunk and of a decode step. The GPU model checks it against its budget
+   before it uploads anything (`PlanningError` naming the parts), then enforces the budget in the driver layer.
+
+2. Machine measurements (`measure`, cached per machine in $LE_CACHE_DIR/machine.json): host→device bandwidth
+   from page-locked memory, CPU read bandwidth at the decode thread count, GPU prefill and decode throughput per
+   tier. `--simulate-link GBPS` replaces the measured link (a CMP 100-210 on PCIe Gen1 x1 ≈ 0.25 GB/s, a Fermi
+   box on PCIe 2.0 x16 ≈ 6 GB/s).
+
+3. Strategies and the choice (`plan`): for a prompt length and a generation length, predict prefill and decode
+   time of each strategy the machine can run:
+     cpu        prefill and decode on the CPU (the integer SIMD kernels)
+     stream     prefill on the GPU with the routed experts copied per layer from host RAM (pinned experts stay in
+                VRAM), decode on the CPU (the seed paper's split)
+     resident   everything in VRAM, prefill and decode on the GPU
+   and choose the fastest that fits the VRAM budget; short prompts stay on the CPU when the copy cannot pay
+   (`min_gpu_tokens`, the crossover).
+
+Models of time (a roofline per phase, each term from one measurement; shown by `legacy-engine plan`):
+  CPU decode  t = decode_bytes / cpu_bw_eff            (bytes read per token: dense + top-k experts + LM head)
+  CPU prefill t = n * decode_params * 2 / cpu_flops    (one integer dot product per token and weight)
+  GPU prefill t = max(copy, compute) per layer summed, copy = streamed expert bytes / link_bw, compute =
+              n * active_params * 2 / gpu_flops (f32 GEMM on dequantised tiles; the GDN recurrence is inside)
+  GPU decode  t = decode_bytes / gpu_bw_eff + launches * launch_s
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .errors import EngineError
+
+
+class PlanningError(ValueError, EngineError):
+    """A placement does not fit the VRAM budget (or no strategy can run); the message names the parts."""
+
+
+GiB = 2**30
+MiB = 2**20
+# Scratch that is not one of the named buffers (driver-side rounding of cuMemAlloc to 2 MiB pages for the large
+# buffers, the argmax partials, small launch temporaries): a fixed allowance, checked by the GPU tests (peak use
+# after a prefill chunk and decode steps stays under the footprint's total).
+SCRATCH_SLACK = 32 * MiB
+ALLOC_GRANULE = 2 * MiB
+
+
+def _round(n: int) -> int:
+    return -(-int(n) // ALLOC_GRANULE) * ALLOC_GRANULE if n > 0 else 0
+
+
+def parse_size(text: str) -> int:
+    """'6GiB', '6G', '6144MiB', '512M', '6.5GB' (GB = 10^9), or plain bytes -> bytes."""
+    t = str(text).strip()
+    units = {"gib": GiB, "g": GiB, "mib": MiB, "m": MiB, "kib": 1024, "k": 1024, "gb": 10**9, "mb": 10**6,
+             "b": 1, "": 1}
+    num = t.rstrip("BbIiGgMmKk")
+    unit = t[len(num):].lower()
+    if unit not in units:
+        raise ValueError(f"size {text!r}: unit must be one of GiB, MiB, KiB, GB, MB, B")
+    try:
+        v = float(num)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a number with a unit (e.g. 6GiB)") from None
+    if v < 0 or not math.isfinite(v):
+        raise ValueError(f"size {text!r} must be >= 0")
+    return int(v * units[unit])
+
+
+def expert_tensors(file, layer: int) -> list[str]:
+    """The routed-expert tensors of a layer, in file order ([n_expert, rows, cols] each)."""
+    p = f"blk.{layer}."
+    names = [p + s for s in ("ffn_gate_up_exps.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+                             "ffn_down_exps.weight")]
+    return [n for n in names if n in file.tensors]
+
+
+def gpu_tensor_bytes(t) -> int:
+    """Bytes of a tensor in VRAM: as stored for the GPU's types and f32, f32 for types dequantised at upload."""
+    from . import gpu
+    if t.type == gpu.F32 or t.type in gpu.GPU_TYPES:
+        return int(t.n_bytes)
+    return 4 * int(np.prod(t.ne))
+
+
+@dataclasses.dataclass
+class VramFootprint:
+    parts: dict                 # name -> bytes (each rounded as the driver allocates)
+    expert_bytes: dict          # layer -> bytes of one expert (all its expert tensors)
+    layer_expert_bytes: int     # the largest layer's routed experts (one staging buffer)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in self.parts.items() if v) + \
+            f" = {self.total / GiB:.2f} GiB"
+
+
+def scratch_bytes(hp, n: int, int8: bool, logit_rows: int) -> int:
+    """The named scratch buffers of one forward pass of n tokens (gpu_model's _buf calls), logits for logit_rows."""
+    from . import gpu
+    E, k = hp.n_embd, max(hp.n_expert_used, 1)
+    b = 4 * n + 3 * 4 * n * E
+    if any(hp.recurrent):
+        cd = 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_d_inner
+        b += 2 * 4 * n * cd + 2 * 4 * n * hp.ssm_d_inner + 2 * 4 * n * hp.ssm_dt_rank
+    if not all(hp.recurrent):
+        hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
+        b += 4 * n * nh * 2 * hd + 4 * n * nh * hd + 2 * 4 * nkv * hd
+        b += 4 * nh * gpu.ATTN_MAX_SPLIT * (hd + 2)
+    if hp.n_expert:
+        pairs, ff = n * k, hp.n_ff_exp
+        b += 4 * n * hp.n_expert + 2 * 4 * pairs + 2 * 4 * pairs * ff + 4 * pairs * E
+        if hp.n_ff_shexp:
+            b += 2 * 4 * n * hp.n_ff_shexp + 4 * n * E + 4 * n
+        if int8:
+            b += (n * E + pairs * ff) // 32 * gpu.Q8_1_BYTES
+    else:
+        b += 2 * 4 * n * hp.n_ff
+    if int8:
+        b += 4 * max(E, hp.ssm_d_inner, hp.n_ff, hp.n_ff_shexp, hp.n_ff_exp) // 32 * gpu.Q8_1_BYTES
+    return b + 4 * logit_rows * hp.n_vocab
+
+
+def state_bytes(hp, n_ctx: int) -> int:
+    """One GpuState of n_ctx positions (GDN conv + SSM, f32 K and V) plus the rope table."""
+    n_gdn = sum(1 for r in hp.recurrent if r)
+    n_attn = len(hp.recurrent) - n_gdn
+    conv_dim = 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_d_inner
+    conv = n_gdn * (hp.ssm_conv_kernel - 1) * conv_dim * 4
+    ssm = n_gdn * hp.ssm_d_inner * hp.ssm_d_state * 4
+    kv = 2 * n_attn * n_ctx * hp.n_head_kv * hp.head_dim * 4
+    return _round(conv) + _round(ssm) + _round(kv) + _round(n_ctx * hp.n_rot * 4)
+
+
+def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = None, n_ctx: int = 4096,
+                   chunk: int = 512, int8: bool = True, logit_rows: int | None = None) -> VramFootprint:
+    """What a GPU model of `file` allocates. stream_experts: routed experts stay in host RAM except `pinned`
+    {layer: [expert ids]}; two staging buffers of the largest layer's experts. logit_rows: rows of logits a
+    prefill pass may return (default chunk: all_logits)."""
+    hp = file.hparams
+    pinned = pinned or {}
+    exp_names = {n for i in range(hp.n_layer) for n in expert_tensors(file, i)}
+    resident = 0
+    for name, t in file.tensors.items():
+        layer = name.split(".")[1] if name.startswith("blk.") else None
+        if layer is not None and int(layer) >= hp.n_layer:
+            continue                                       # MTP layers are not run
+        if stream_experts and name in exp_names:
+            continue
+        resident += _round(gpu_tensor_bytes(t))
+    per_expert, layer_max, pin_total = {}, 0, 0
+    for i in range(hp.n_layer):
+        names = expert_tensors(file, i)
+        if not names:
+            continue
+        full = sum(gpu_tensor_bytes(file.tensors[n]) for n in names)
+        per_expert[i] = full // hp.n_expert
+        layer_max = max(layer_max, full)
+        if stream_experts:
+            pin_total += _round(len(pinned.get(i, ())) * per_expert[i])
+    parts = {"weights": resident}
+    if stream_experts:
+        parts["pinned experts"] = pin_total
+        parts["expert staging (2 layers)"] = 2 * _round(layer_max)
+    parts["state"] = state_bytes(hp, n_ctx)
+    rows = chunk if logit_rows is None else logit_rows
+    parts["scratch"] = (_round(scratch_bytes(hp, chunk, int8, rows)) + _round(scratch_bytes(hp, 1, int8, 1))
+                        + SCRATCH_SLACK)
+    return VramFootprint(parts, per_expert, layer_max)
+
+
+def check_fits(fp: VramFootprint, budget: int, what: str = "this placement") -> None:
+    if fp.total > budget:
+        raise PlanningError(f"{what} needs {fp.total / GiB:.2f} GiB of VRAM, the budget is {budget / GiB:.2f} GiB: "
+                            f"{fp.describe()}")
+
+
+# ================================================================================================ the machine
+
+# Efficiencies measured on the GPU machine (README, issue 4/5 numbers) that turn a bandwidth into a rate; each
+# is a ratio of a measured tok/s to the roofline of the same run, so the planner's only other inputs are the
+# probes below.
+CPU_DECODE_EFF = 0.62        # CPU decode tok/s / (read bandwidth / bytes per token): 59-64 % at 16 threads
+CPU_PREFILL_GAIN = 1.0       # CPU prefill tok/s / CPU decode tok/s (one integer dot per token and row: ~1x)
+GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 544 for 24 layers + head ≈ 22.5/layer
+#                                     on the 0.8B incl. quantise/route; 14 is the MoE-free GDN average)
+MACHINE_FILE = "machine.json"
+
+
+@dataclasses.dataclass
+class Machine:
+    """What the planner knows of a machine: measured (`measure`) or described (tests, --simulate-link)."""
+    cpu_threads: int
+    cpu_read_gbps: float                 # host read bandwidth at cpu_threads (GB/s)
+    gpu_name: str = ""                   # "" = no usable GPU
+    gpu_tier: str = ""
+    vram_free: int = 0                   # bytes free on the device when measured
+    link_gbps: float = 0.0               # host -> device from page-locked memory
+    gpu_gemm_tflops: float = 0.0         # prefill GEMM (f32 on dequantised Q4_K tiles), 512 tokens
+    gpu_gemv_gbps: float = 0.0           # decode GEMV weight streaming (the tier's decode kernel, Q4_K)
+    gpu_launch_us: float = 0.0           # per kernel inside a decode step (graph replay)
+    simulated_link: bool = False
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.gpu_name)
+
+
+def _gpu_probes(tier: str | None = None) -> dict:
+    """H2D bandwidth, GEMM and GEMV throughput of this GPU's tier, launch cost (a few seconds)."""
+    import time
+
+    from . import _native, gpu
+    from .gpu_model import default_tier
+    dev = gpu.init()
+    arch = gpu.device_arch()
+    tier = tier or default_tier(arch)
+    k = gpu.Kernels(tier, arch)
+    st = gpu.mem_stats()
+    out = {"gpu_name": dev["name"], "gpu_tier": tier, "vram_free": int(st["free_bytes"])}
+    # host -> device from page-locked memory, 256 MiB
+    n = 256 * MiB
+    hp, hbuf = _native.gpu_host_alloc(n)
+    try:
+        with gpu.Buffer(n, "link probe") as d:
+            s = gpu.Stream()
+            best = float("inf")
+            for _ in range(4):
+                t0 = time.perf_counter()
+                _native.gpu_copy_htod_addr(d.ptr, int(_native.ffi.cast("uintptr_t", hp)), n, s.handle)
+                s.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            out["link_gbps"] = n / best / 1e9
+    finally:
+        _native.gpu_host_free(hp)
+    # GEMM and GEMV on a 4096 x 4096 Q4_K matrix (zero blocks: timing only)
+    q4k, rows, cols, ntok = 12, 4096, 4096, 512
+    _, bs, ts = gpu.GPU_TYPES[q4k]
+    wbytes = rows * cols // bs * ts
+    with gpu.Buffer(wbytes, "probe W") as W, gpu.Buffer(4 * ntok * cols, "probe X") as X, \
+            gpu.Buffer(4 * ntok * rows, "probe Y") as Y, gpu.Buffer(cols // 32 * gpu.Q8_1_BYTES, "probe xq") as xq:
+        _native.gpu_memset8(W.ptr, 0, wbytes)
+        _native.gpu_memset8(X.ptr, 0, 4 * ntok * cols)
+
+        def timed(fn, reps):
+            fn()
+            gpu.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            gpu.synchronize()
+            return (time.perf_counter() - t0) / reps
+        t = timed(lambda: k.gemm_f32(q4k, W, X, Y, rows, cols, ntok), 5)
+        out["gpu_gemm_tflops"] = 2 * rows * cols * ntok / t / 1e12
+        if tier == "dp4a":
+            k.quantize_q8_1(X, xq, cols)
+            t = timed(lambda: k.gemv_dp4a(q4k, W, xq, Y, rows, cols), 50)
+        else:
+            t = timed(lambda: k.gemv_f32(q4k, W, X, Y, rows, cols), 50)
+        out["gpu_gemv_gbps"] = wbytes / t / 1e9
+        # launch cost: a tiny kernel recorded 200 times, replayed as a plan (a graph where the driver has them)
+        with gpu.record() as launches:
+            for _ in range(200):
+                k.add(Y, Y, Y, 32)
+        plan = gpu.LaunchPlan(launches, graph=gpu.graphs_available() and tier != "fermi")
+        t = timed(plan.replay, 10)
+        out["gpu_launch_us"] = t / 200 * 1e6
+    return out
+
+
+def measure(n_threads: int | None = None, gpu: bool = True, cache: bool = True, refresh: bool = False,
+            log=None) -> Machine:
+    """Probes this machine (CPU read bandwidth at the decode thread count; the GPU's link, GEMM, GEMV and launch
+    cost) or returns the cached probe of the same thread count. Takes ~10 s the first time."""
+    import json
+    import os
+
+    from .bench import machine_bandwidth
+    from .cli import cache_dir
+    from .model import default_threads
+    n_threads = n_threads or default_threads()
+    path = os.path.join(cache_dir(), MACHINE_FILE)
+    key = f"threads={n_threads},gpu={int(gpu)}"
+    saved = {}
+    if cache and os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            saved = {}
+    if key in saved and not refresh:
+        return Machine(**saved[key])
+    (log or (lambda s: None))(f"measuring this machine ({n_threads} threads{', GPU' if gpu else ''}) …")
+    m = {"cpu_threads": n_threads, "cpu_read_gbps": machine_bandwidth(n_threads, size_mib=512, reps=3)}
+    if gpu:
+        from . import gpu as gpu_mod
+        ok, _why = gpu_mod.available()
+        if ok:
+            m.update(_gpu_probes())
+    if cache:
+        saved[key] = m
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(saved, f, indent=1)
+        os.replace(path + ".tmp", path)
+    return Machine(**m)
+
+
+# ================================================================================================ predictions
+
+def expected_distinct(n_expert: int, k: int, n: int) -> float:
+    """Expected number of distinct experts n tokens route to (uniform routing, k of n_expert each)."""
+    if not n_expert:
+        return 0.0
+    return n_expert * (1 - (1 - k / n_expert) ** n)
+
+
+@dataclasses.dataclass
+class Strategy:
+    name: str
+    fits: bool
+    why: str                        # placement / reason it cannot run
+    vram: int                       # planned bytes
+    prefill_s: float = math.inf
+    decode_s_per_tok: float = math.inf
+    prefill_parts: dict = dataclasses.field(default_factory=dict)     # where the prefill time goes
+    pinned: dict = dataclasses.field(default_factory=dict)
+    min_gpu_tokens: int = 0
+
+    def total_s(self, gen: int) -> float:
+        return self.prefill_s + gen * self.decode_s_per_tok
+
+
+def choose_pins(file, budget_bytes: int, counts: dict | None = None) -> dict:
+    """{layer: [expert ids]} that fill budget_bytes, hottest first by `counts` {layer: [count per expert]}
+    (routing statistics); without counts every expert is equally hot and the pins are spread evenly over the
+    layers (round-robin, lower ids first)."""
+    hp = file.hparams
+    per = {i: sum(gpu_tensor_bytes(file.tensors[n]) for n in expert_tensors(file, i)) // hp.n_expert
+           for i in range(hp.n_layer) if expert_tensors(file, i)}
+    budget_bytes -= len(per) * ALLOC_GRANULE          # each layer's pin store is rounded up to the granule
+    if not per or budget_bytes <= 0:
+        return {}
+    cand = []
+    for i in per:
+        c = np.asarray(counts.get(i, np.zeros(hp.n_expert)) if counts else np.zeros(hp.n_expert), dtype=float)
+        for e in range(hp.n_expert):
+            cand.append((-c[e], e, i))       # hottest first; ties: lower id, then lower layer (round-robin)
+    cand.sort()
+    pins, used = {}, 0
+    for _, e, i in cand:
+        if used + per[i] > budget_bytes:
+            continue
+        pins.setdefault(i, []).append(e)
+        used += per[i]
+    return {i: sorted(v) for i, v in sorted(pins.items())}
+
+
+def _cpu_times(m: Machine, decode_bytes: int) -> tuple[float, float]:
+    """(CPU decode s/token, CPU prefill s/token)."""
+    t_tok = decode_bytes / (m.cpu_read_gbps * 1e9 * CPU_DECODE_EFF)
+    return t_tok, t_tok / CPU_PREFILL_GAIN
+
+
+def _gpu_prefill(m: Machine, file, fp_decode, n: int, chunk: int, stream: bool, pinned: dict) -> tuple[float, dict]:
+    """Seconds to prefill n tokens on the GPU and where they go (compute, expert copies, overlap)."""
+    hp = file.hparams
+    per_tok_flops = 2 * (fp_decode.decode_params - fp_decode.head_params)
+    compute = n * per_tok_flops / (m.gpu_gemm_tflops * 1e12) + 2 * fp_decode.head_params / (m.gpu_gemm_tflops * 1e12)
+    parts = {"compute": compute, "copy": 0.0, "total": compute}
+    if not stream or not hp.n_expert:
+        return compute, parts
+    # the split hands the sequence over both ways: GDN states and the new KV rows (SplitModel.forward)
+    handoff = 2 * (state_bytes(hp, 0) + state_bytes(hp, n)) / (m.link_gbps * 1e9)
+    copy_total, total = 0.0, handoff
+    n_layers = sum(1 for i in range(hp.n_layer) if expert_tensors(file, i))
+    for c0 in range(0, n, chunk):
+        c = min(chunk, n - c0)
+        d = expected_distinct(hp.n_expert, hp.n_expert_used, c)
+        layer_compute = c * per_tok_flops / (m.gpu_gemm_tflops * 1e12) / max(n_layers, 1)
+        for i in range(hp.n_layer):
+            names = expert_tensors(file, i)
+            if not names:
+                continue
+            per = sum(gpu_tensor_bytes(file.tensors[nm]) for nm in names) // hp.n_expert
+            n_pin = len(pinned.get(i, ()))
+            copied = d * (1 - n_pin / hp.n_expert) * per
+            t_copy = copied / (m.link_gbps * 1e9)
+            copy_total += t_copy
+            overlap = d >= hp.n_expert / 2          # gpu_model prefetches the layer ahead then
+            total += max(t_copy, layer_compute) if overlap else t_copy + layer_compute
+    total += 2 * fp_decode.head_params / (m.gpu_gemm_tflops * 1e12)
+    parts.update(copy=copy_total, handoff=handoff, total=total)
+    return total, parts
+
+
+def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int | None = None, chunk: int = 512,
+         counts: dict | None = None) -> list[Strategy]:
+    """Every strategy for this file on this machine, predicted; the first is the one to run (fastest that fits)."""
+    from .bench import weight_footprint
+    hp = file.hparams
+    n_ctx = n_ctx or max(prompt + gen, 1)
+    fpd = weight_footprint(file)
+    cpu_dec, cpu_pre = _cpu_times(m, fpd.decode_bytes)
+    out = [Strategy("cpu", True, f"{m.cpu_threads} CPU threads, weights in host RAM", 0, prompt * cpu_pre,
+                    cpu_dec, {"cpu": prompt * cpu_pre})]
+    if not m.has_gpu:
+        out.append(Strategy("stream", False, "no usable GPU", 0))
+        out.append(Strategy("resident", False, "no usable GPU", 0))
+        return _rank(out, gen)
+    budget = m.vram_free if vram is None else vram
+    int8 = m.gpu_tier == "dp4a"
+    fp_res = vram_footprint(file, n_ctx=n_ctx, chunk=chunk, int8=int8)
+    if fp_res.total <= budget:
+        pre, parts = _gpu_prefill(m, file, fpd, prompt, chunk, False, {})
+        n_launch = GPU_DECODE_LAUNCHES_PER_LAYER * hp.n_layer
+        dec = fpd.decode_bytes / (m.gpu_gemv_gbps * 1e9) + n_launch * m.gpu_launch_us * 1e-6
+        out.append(Strategy("resident", True, f"everything in VRAM: {fp_res.describe()}", fp_res.total, pre, dec,
+                            parts))
+    else:
+        out.append(Strategy("resident", False, f"needs {fp_res.total / GiB:.2f} GiB of VRAM, budget "
+                            f"{budget / GiB:.2f} GiB", fp_res.total))
+    if hp.n_expert:
+        fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=chunk, int8=int8)
+        if fp0.total <= budget:
+            pins = choose_pins(file, budget - fp0.total, counts)
+            fp = vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, chunk=chunk, int8=int8)
+            pre, parts = _gpu_prefill(m, file, fpd, prompt, chunk, True, pins)
+            n_pin = sum(len(v) for v in pins.values())
+            st = Strategy("stream", True, f"dense weights in VRAM, {n_pin} of {hp.n_expert * len(fp.expert_bytes)} "
+                          f"experts pinned, the rest copied per layer at {m.link_gbps:.1f} GB/s: {fp.describe()}",
+                          fp.total, pre, cpu_dec, parts, pins)
+            st.min_gpu_tokens = crossover(m, file, fpd, chunk, pins, cpu_pre)
+            if prompt < st.min_gpu_tokens:       # the split runs short prompts on the CPU
+                st.prefill_s, st.prefill_parts = prompt * cpu_pre, {"cpu": prompt * cpu_pre}
+            out.append(st)
+        else:
+            out.append(Strategy("stream", False, f"even without pinned experts it needs {fp0.total / GiB:.2f} GiB "
+                                f"of VRAM ({fp0.describe()}), budget {budget / GiB:.2f} GiB", fp0.total))
+    else:
+        out.append(Strategy("stream", False, "a dense model has no experts to stream", 0))
+    return _rank(out, gen)
+
+
+def crossover(m: Machine, file, fpd, chunk: int, pins: dict, cpu_pre: float) -> int:
+    """The shortest pass worth running on the GPU (its prefill, copies included, beats the CPU's); 1 << 30 when
+    none up to 64k tokens does."""
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
+        if _gpu_prefill(m, file, fpd, n, chunk, True, pins)[0] < n * cpu_pre:
+            return n
+    return 1 << 30
+
+
+def _rank(strategies: list[Strategy], gen: int) -> list[Strategy]:
+    return sorted(strategies, key=lambda s: (not s.fits, s.total_s(gen)))
+
+
+class DescribedFile:
+    """A model file described, not read: make-model's tensor plan for a preset and quant (what `plan --preset`
+    and the planner tests use; the planner needs only hparams and tensor types/shapes)."""
+
+    def __init__(self, preset: str, quant: str | None = None, layers: int | None = None):
+        from .gguf_file import TensorInfo
+        from .make_model import PRESETS, plan_tensors, preset_hparams
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        self.hparams = preset_hparams(preset, layers)
+        quant = quant or PRESETS[preset].get("quant", "q4_k_m")
+        specs, _ = plan_tensors(self.hparams, quant)
+        self.tensors = {s.name: TensorInfo(s.name, int(s.qtype), tuple(s.ne), s.n_bytes, 0) for s in specs}
+        self.name = f"{preset} {quant}" + (f" ({layers} layers)" if layers else "")
+
+
+# ================================================================================================ command line
+
+def print_plan(name: str, m: Machine, strategies: list[Strategy], prompt: int, gen: int, vram: int | None) -> None:
+    link = f"{m.link_gbps:.2f} GB/s{' (simulated)' if m.simulated_link else ''}"
+    gpu_line = (f"GPU {m.gpu_name} ({m.gpu_tier} tier): {m.vram_free / GiB:.1f} GiB free, link {link}, GEMM "
+                f"{m.gpu_gemm_tflops:.1f} TFLOP/s, GEMV {m.gpu_gemv_gbps:.0f} GB/s, {m.gpu_launch_us:.1f} µs/kernel"
+                if m.has_gpu else "GPU none")
+    print(f"{name}: prompt {prompt}, generate {gen}, VRAM budget "
+          f"{'all free' if vram is None else f'{vram / GiB:.2f} GiB'}")
+    print(f"CPU {m.cpu_threads} threads, {m.cpu_read_gbps:.1f} GB/s read; {gpu_line}")
+    print(f"{'strategy':<10}{'fits':>5}{'prefill tok/s':>15}{'decode tok/s':>14}{'total s':>10}  placement / why")
+    for s in strategies:
+        pre = prompt / s.prefill_s if s.fits and s.prefill_s > 0 else float("nan")
+        dec = 1 / s.decode_s_per_tok if s.fits else float("nan")
+        tot = f"{s.total_s(gen):>10.2f}" if s.fits else f"{'–':>10}"
+        print(f"{s.name:<10}{'yes' if s.fits else 'no':>5}{pre:>15.1f}{dec:>14.1f}{tot}  {s.why}")
+    best = strategies[0]
+    print(f"chosen: {best.name}", end="")
+    if best.name == "stream":
+        parts = best.prefill_parts
+        print(f" (GPU prefill for passes of >= {best.min_gpu_tokens} tokens; predicted prefill time: copies "
+              f"{parts.get('copy', 0):.2f} s, compute {parts.get('compute', 0):.2f} s, handoff "
+              f"{parts.get('handoff', 0):.3f} s, overlapped per layer when a chunk routes to most experts; decode on "
+              f"the CPU)")
+    else:
+        print()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import dataclasses as dc
+    import json
+    ap = argparse.ArgumentParser(prog="legacy-engine plan", description="Measure this machine (cached) and print the "
+                                 "predicted prefill/decode speed of every strategy for MODEL, and the one chosen.")
+    ap.add_argument("model", nargs="?", help="a GGUF file (or --preset)")
+    ap.add_argument("--preset", help="plan for a make-model preset instead of a file (e.g. qwen3.6-35b-a3b)")
+    ap.add_argument("--quant", default=None, help="with --preset: the quant mix (default: the preset's)")
+    ap.add_argument("--vram", default=None, help="VRAM budget, e.g. 6GiB (default: what is free now)")
+    ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens (2048)")
+    ap.add_argument("--gen", type=int, default=256, help="generated tokens (256)")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="CPU decode threads (default: physical cores)")
+    ap.add_argument("--simulate-link", type=float, default=None, metavar="GBPS",
+                    help="plan as if host->device copies ran at GBPS (0.25: a CMP 100-210 on PCIe Gen1 x1; 6: a Fermi "
+                         "box on PCIe 2.0 x16)")
+    ap.add_argument("--no-gpu", action="store_true", help="plan for this machine without its GPU")
+    ap.add_argument("--remeasure", action="store_true", help="probe the machine again instead of the cached numbers")
+    ap.add_argument("--json", action="store_true", help="print JSON")
+    args = ap.parse_args(argv)
+    if bool(args.model) == bool(args.preset):
+        ap.error("give MODEL or --preset")
+    if args.prompt < 1 or args.gen < 0:
+        ap.error("--prompt must be >= 1 and --gen >= 0")
+    if args.simulate_link is not None and args.simulate_link <= 0:
+        ap.error("--simulate-link must be > 0")
+    vram = parse_size(args.vram) if args.vram is not None else None
+    if args.preset:
+        f = DescribedFile(args.preset, args.quant)
+        name = f.name
+    else:
+        from .gguf_model import ModelFile
+        f = ModelFile.open(args.model)
+        name = args.model
+    m = measure(args.threads, gpu=not args.no_gpu, refresh=args.remeasure,
+                log=lambda s: print(s, file=__import__("sys").stderr))
+    if args.simulate_link is not None:
+        m = dc.replace(m, link_gbps=args.simulate_link, simulated_link=True)
+    ss = plan(f, m, vram, args.prompt, args.gen)
+    if args.json:
+        print(json.dumps({"machine": dc.asdict(m), "strategies": [dc.asdict(s) for s in ss]}, indent=1,
+                         default=float))
+    else:
+        print_plan(name, m, ss, args.prompt, args.gen, vram)
+    return 0
+
+
+# ================================================================================================ the engine's choice
+
+VRAM_MARGIN = 512 * MiB      # left free when no budget is given (the driver, other processes, fragmentation)
+
+
+@dataclasses.dataclass
+class Placement:
+    stream: bool                # routed experts streamed (split: GPU prefill, CPU decode) or everything resident
+    budget: int                 # bytes
+    pinned: dict
+    min_gpu_tokens: int
+    footprint: VramFootprint
+    why: str
+
+
+def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool = True,
+                  min_gpu_tokens: int | None = None, machine: Machine | None = None,
+                  counts: dict | None = None) -> Placement:
+    """Where a GPU run of `model` puts its weights under `vram` (default: free VRAM minus VRAM_MARGIN): resident
+    when everything fits, else (MoE) dense weights resident + experts streamed with the budget left pinned, the
+    GPU prefilling passes of >= min_gpu_tokens (default: the crossover predicted from `machine`, measured once and
+    cached). PlanningError when nothing fits."""
+    from . import gpu
+    gpu.init()
+    file = model.file
+    budget = int(vram) if vram is not None else max(0, gpu.mem_stats()["free_bytes"] - VRAM_MARGIN)
+    fp = vram_footprint(file, n_ctx=n_ctx, int8=int8)
+    if fp.total <= budget:
+        return Placement(False, budget, {}, 1, fp, f"resident: {fp.describe()} in a budget of {budget / GiB:.2f} GiB")
+    if not file.hparams.n_expert:
+        raise PlanningError(f"the model needs {fp.total / GiB:.2f} GiB of VRAM ({fp.describe()}), the budget is "
+                            f"{budget / GiB:.2f} GiB, and a dense model has no experts to stream: run it on the CPU "
+                            "(without --gpu)")
+    fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, int8=int8)
+    check_fits(fp0, budget, "streamed GPU model (no experts pinned)")
+    pins = choose_pins(file, budget - fp0.total, counts)
+    fps = vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, int8=int8)
+    if min_gpu_tokens is None:
+        from .bench import weight_footprint
+        m = machine or measure(model.n_threads)
+        fpd = weight_footprint(file)
+        min_gpu_tokens = crossover(m, file, fpd, 512, pins, _cpu_times(m, fpd.decode_bytes)[1])
+    n_pin = sum(len(v) for v in pins.values())
+    return Placement(True, budget, pins, int(min_gpu_tokens), fps,
+                     f"streamed experts ({n_pin} pinned): {fps.describe()} in a budget of {budget / GiB:.2f} GiB; "
+                     f"GPU prefill for passes of >= {min_gpu_tokens} tokens, decode on the CPU")

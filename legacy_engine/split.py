@@ -1,0 +1,59 @@
+"""The split engine: long prompts prefilled on the GPU, everything else (decode, short prompts) on the CPU.
+
+`SplitModel` has Model's interface (file, hparams, new_state, forward), so Engine, Session, the snapshot cache and
+the server use it unchanged. States are CPU states (NativeState); a pass of at least `min_gpu_tokens` tokens moves
+the sequence to a GpuState (GpuState.from_cpu: GDN states and the KV rows so far), runs there and moves it back
+(to_cpu), so the CPU decodes from exactly what the GPU computed. The GPU model is usually a streamed one
+(GpuModel(stream_experts=True): routed experts copied from host RAM per layer, hot ones pinned in VRAM), which is
+how a 35B MoE prefills on a 6 GB card; the planner chooses min_gpu_tokens (the prompt length where the GPU,
+copies included, beats the CPU).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class SplitModel:
+    def __init__(self, cpu_model, gpu_model, min_gpu_tokens: int = 32):
+        """cpu_model: Model; gpu_model: GpuModel of the same file; passes of >= min_gpu_tokens go to the GPU."""
+        if gpu_model.model is not cpu_model and gpu_model.file.gguf.path != cpu_model.file.gguf.path:
+            raise ValueError("the GPU model was made from another file")
+        if min_gpu_tokens < 1:
+            raise ValueError(f"min_gpu_tokens = {min_gpu_tokens}")
+        self.cpu, self.gm = cpu_model, gpu_model
+        self.file, self.hparams = cpu_model.file, cpu_model.hparams
+        self.min_gpu_tokens = int(min_gpu_tokens)
+        self._gst = None
+        self.passes = {"gpu": 0, "cpu": 0}
+
+    def new_state(self, n_ctx: int):
+        return self.cpu.new_state(n_ctx)
+
+    def _gpu_state(self, n_ctx: int):
+        if self._gst is None or self._gst.n_ctx < n_ctx:
+            self._gst = None                               # free the smaller one first (budget)
+            self._gst = self.gm.new_state(n_ctx)
+        return self._gst
+
+    def forward(self, state, tokens, all_logits: bool = False, chunked: bool = True,
+                want_logits: bool = True) -> np.ndarray | None:
+        """Model.forward; the pass runs on the GPU when it has >= min_gpu_tokens tokens."""
+        ids = np.asarray(tokens)
+        if ids.ndim == 1 and ids.size >= self.min_gpu_tokens:
+            if state.pos + ids.size > state.n_ctx:
+                raise ValueError(f"{ids.size} tokens at position {state.pos} exceed the context of {state.n_ctx}")
+            gst = self._gpu_state(state.n_ctx)
+            gst.from_cpu(state)
+            pos0 = state.pos
+            out = self.gm.forward(gst, ids, all_logits=all_logits, want_logits=want_logits)
+            # back to the CPU: the recurrent states and the KV rows this pass wrote
+            state.restore_recurrent(gst.save_recurrent(), gst.pos)
+            state.write_kv(pos0, ids.size, gst.read_kv(pos0, ids.size))
+            self.passes["gpu"] += 1
+            return out
+        self.passes["cpu"] += 1
+        return self.cpu.forward(state, tokens, all_logits, chunked, want_logits)
+
+    def describe(self) -> str:
+        return (f"split: passes of >= {self.min_gpu_tokens} tokens on the {self.gm.describe()}; decode and shorter "
+                f"passes on the CPU ({self.cpu.n_threads} threads)")

@@ -1,0 +1,129 @@
+"""The planner on described machines and described files (make-model's tensor plans; nothing is read or run on a
+GPU): VRAM accounting, pin choice, the strategy chosen for a fast link, a slow link, no GPU and a tiny card, and
+the `plan` command's errors. The GPU model's use of the accounting (the budget holds, streamed prefill gives the
+CPU's tokens) is tested on the GPU machine in test_gpu_model.py."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from legacy_engine import planner as P
+
+pytestmark = pytest.mark.cpu
+
+A3B = P.DescribedFile("qwen3.6-35b-a3b", "q4_k_m")
+# The GPU machine as measured (README: H100, 16 cores, 90 GB/s host reads, PCIe ~25 GB/s) and three legacy boxes.
+H100 = P.Machine(cpu_threads=16, cpu_read_gbps=90.0, gpu_name="H100", gpu_tier="dp4a", vram_free=79 * P.GiB,
+                 link_gbps=25.0, gpu_gemm_tflops=13.0, gpu_gemv_gbps=2000.0, gpu_launch_us=2.8)
+CMP = dataclasses.replace(H100, gpu_name="CMP 100-210", link_gbps=0.25, vram_free=16 * P.GiB)   # PCIe Gen1 x1
+NO_GPU = P.Machine(cpu_threads=16, cpu_read_gbps=90.0)
+
+
+def test_parse_size():
+    assert P.parse_size("6GiB") == 6 * 2**30
+    assert P.parse_size("6G") == 6 * 2**30
+    assert P.parse_size("512MiB") == 512 * 2**20
+    assert P.parse_size("6.5GB") == 6_500_000_000
+    assert P.parse_size("1024") == 1024
+    for bad in ("six", "6 parsecs", "-1G", "nanG"):
+        with pytest.raises(ValueError):
+            P.parse_size(bad)
+
+
+def test_footprint_parts():
+    """Streaming leaves the routed experts out of the weights and adds two staging buffers of the largest
+    layer's experts; pinning adds exactly the pinned experts' bytes (rounded to the allocation granule)."""
+    res = P.vram_footprint(A3B, n_ctx=4096)
+    st = P.vram_footprint(A3B, stream_experts=True, n_ctx=4096)
+    exp_bytes = sum(t.n_bytes for n, t in A3B.tensors.items() if "_exps." in n)
+    assert res.parts["weights"] - st.parts["weights"] >= exp_bytes
+    layer = max(sum(A3B.tensors[n].n_bytes for n in P.expert_tensors(A3B, i)) for i in range(40))
+    assert st.parts["expert staging (2 layers)"] >= 2 * layer
+    assert st.layer_expert_bytes == layer
+    pins = {0: [1, 2, 3], 7: [5]}
+    pinned = P.vram_footprint(A3B, stream_experts=True, pinned=pins, n_ctx=4096)
+    assert pinned.total - st.total == pinned.parts["pinned experts"]
+    assert pinned.parts["pinned experts"] >= 3 * st.expert_bytes[0] + st.expert_bytes[7]
+    assert P.vram_footprint(A3B, n_ctx=8192).parts["state"] > res.parts["state"]
+    assert P.scratch_bytes(A3B.hparams, 512, True, 1) > P.scratch_bytes(A3B.hparams, 1, True, 1)
+
+
+def test_check_fits_names_the_parts():
+    fp = P.vram_footprint(A3B, n_ctx=4096)
+    with pytest.raises(P.PlanningError, match="weights .* GiB, state"):
+        P.check_fits(fp, 6 * P.GiB, "resident GPU model")
+    P.check_fits(fp, fp.total)
+
+
+def test_choose_pins_hottest_first_within_budget():
+    per = P.vram_footprint(A3B, stream_experts=True).expert_bytes
+    counts = {3: [0] * 256, 9: [0] * 256}
+    counts[3][17], counts[9][200], counts[9][4] = 50, 90, 10
+    slack = 40 * P.ALLOC_GRANULE
+    pins = P.choose_pins(A3B, per[9] + per[3] + slack, counts)
+    assert pins == {3: [17], 9: [200]}
+    budget = 80 * per[0] + slack
+    even = P.choose_pins(A3B, budget, None)
+    assert set(even) == set(range(40))                              # spread over every layer
+    assert P.vram_footprint(A3B, stream_experts=True, pinned=even).parts["pinned experts"] <= budget
+    assert P.choose_pins(A3B, 0, None) == {}
+
+
+def test_fast_link_six_gib_streams():
+    """A 6 GiB budget cannot hold 18 GiB of experts: the GPU prefills with streamed experts, the CPU decodes."""
+    ss = P.plan(A3B, H100, 6 * P.GiB, prompt=2048, gen=256)
+    best = ss[0]
+    assert best.name == "stream" and best.fits and best.vram <= 6 * P.GiB
+    assert {s.name: s.fits for s in ss}["resident"] is False
+    cpu = next(s for s in ss if s.name == "cpu")
+    assert best.prefill_s < cpu.prefill_s / 5                       # the point of the GPU
+    assert best.decode_s_per_tok == cpu.decode_s_per_tok            # decode stays on the CPU
+    assert sum(len(v) for v in best.pinned.values()) > 0            # the budget left holds hot experts
+    assert 1 <= best.min_gpu_tokens <= 2048
+
+
+def test_slow_link_prefers_cpu_prefill():
+    """On PCIe Gen1 x1 (0.25 GB/s) streaming the experts costs more than the CPU's prefill: the CPU does it."""
+    ss = P.plan(A3B, CMP, 6 * P.GiB, prompt=2048, gen=256)
+    assert ss[0].name == "cpu"
+    stream = next(s for s in ss if s.name == "stream")
+    assert stream.min_gpu_tokens > 2048
+
+
+def test_no_gpu_and_tiny_vram():
+    ss = P.plan(A3B, NO_GPU, None, prompt=512, gen=64)
+    assert ss[0].name == "cpu" and not any(s.fits for s in ss[1:])
+    assert "no usable GPU" in ss[1].why
+    tiny = P.plan(A3B, H100, 1 * P.GiB, prompt=512, gen=64)        # the dense weights alone need ~2.5 GiB
+    assert tiny[0].name == "cpu"
+    stream = next(s for s in tiny if s.name == "stream")
+    assert not stream.fits and "budget 1.00 GiB" in stream.why
+
+
+def test_big_vram_goes_resident():
+    ss = P.plan(A3B, H100, 80 * P.GiB, prompt=2048, gen=256)
+    assert ss[0].name == "resident"
+    assert ss[0].decode_s_per_tok < next(s for s in ss if s.name == "cpu").decode_s_per_tok
+
+
+def test_dense_model_has_nothing_to_stream():
+    ss = P.plan(P.DescribedFile("qwen3.5-9b", "q4_k_m"), H100, 2 * P.GiB, prompt=512, gen=64)
+    assert ss[0].name == "cpu"
+    assert "no experts" in next(s for s in ss if s.name == "stream").why
+
+
+def test_plan_command(tmp_path):
+    env = {"LE_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "legacy_engine", "plan", *a], capture_output=True,
+                                    text=True, env=env, timeout=300)
+    r = run("--preset", "qwen3.6-35b-a3b", "--vram", "6GiB", "--no-gpu", "--prompt", "512", "--gen", "32")
+    assert r.returncode == 0, r.stderr
+    assert "chosen: cpu" in r.stdout and "no usable GPU" in r.stdout
+    assert (tmp_path / P.MACHINE_FILE).exists()                     # measured once, cached
+    bad = run("--preset", "qwen3.6-35b-a3b", "--vram", "lots")
+    assert bad.returncode == 2 and "unit" in bad.stderr
+    assert run("--preset", "qwen3.6-35b-a3b", "--prompt", "0").returncode == 2
+    assert run().returncode == 2
