@@ -4,6 +4,7 @@
                                           [--isa all|ref,ssse3,...] [--llama auto|off|PATH] [--bandwidth GBPS|auto]
     legacy-engine bench cache MODEL.gguf [--lengths 947 4096] [--threads N] [--disk DIR] [--json]
     legacy-engine bench gpu MODEL.gguf [--pp 512,2048] [--tg 64] [--variants all|...] [--llama PATH]  (bench_gpu.py)
+    legacy-engine bench split MODEL.gguf --vram 6GiB [--prompt 512,2048] [--ballast] [--llama PATH]  (bench_split.py)
 
 bench decode — prefill and decode speed, ours per CPU tier next to llama.cpp, against the bandwidth roofline.
 
@@ -509,11 +510,14 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", type=int, default=256, help="snapshot grid in tokens, a multiple of 64 (256)")
     ap.add_argument("--disk", metavar="DIR", default=None, help="also measure the disk tier in a temp dir under DIR")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
-    from . import bench_gpu
+    from . import bench_gpu, bench_split
     bench_gpu.add_parser(sub)
+    bench_split.add_parser(sub)
     args = top.parse_args(argv)
     if args.what == "gpu":
         return bench_gpu.main(args)
+    if args.what == "split":
+        return bench_split.main(args)
     if args.what == "decode":
         return _main_decode(args, top)
     res = bench_cache(args.model, args.lengths, args.threads, args.grid, disk_dir=args.disk,

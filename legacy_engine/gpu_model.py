@@ -324,9 +324,10 @@ class GpuModel:
         self._slot_used = [False, False]
         self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0}
 
-    def _stage(self, i: int, want) -> int:
+    def _stage(self, i: int, want, wait: bool = True) -> int:
         """Makes staging slot i % 2 hold experts `want` of layer i (copies on the copy stream, after the compute
-        that last read the slot); records the slot's ready event. -> the slot's device address."""
+        that last read the slot); records the slot's ready event, and (wait) makes the default stream wait for it.
+        -> the slot's device address."""
         from . import _native
         s = i % 2
         layer, have = self._staged[s]
@@ -371,7 +372,8 @@ class GpuModel:
                 if rest > 0:
                     time.sleep(rest)
         self._slot_ready[s].record(self._copy)
-        gpu.wait_default(self._slot_ready[s])
+        if wait:
+            gpu.wait_default(self._slot_ready[s])
         return self._staging[s].ptr
 
     def _ids_buf(self, ids: int, pairs: int) -> np.ndarray:
@@ -398,7 +400,7 @@ class GpuModel:
             return
         distinct = hp.n_expert * (1 - (1 - hp.n_expert_used / hp.n_expert) ** n)
         if distinct >= hp.n_expert / 2:
-            self._stage(i, range(hp.n_expert))
+            self._stage(i, range(hp.n_expert), wait=False)
 
     # ------------------------------------------------------------------ scratch
 
@@ -543,6 +545,7 @@ class GpuModel:
             i = L["index"]
             used = self._ids_buf(ids, pairs)
             base = self._stage(i, np.unique(used))
+            self._prefetch_all(self._next_moe(i), n)      # the next layer's copy overlaps this layer's experts
         int8 = self.int8 and L["gate_exps"].qtype != gpu.F32
         x, xs = (hq, E // 32) if int8 else (h, E)
         if int8 and hq is None:   # several tokens: quantise every token's row
@@ -563,7 +566,6 @@ class GpuModel:
         if self.stream:
             self._release(i)
             self.stream_stats["layers"] += 1
-            self._prefetch_all(self._next_moe(i), n)
         sh = shg = None
         if hp.n_ff_shexp:
             fs = hp.n_ff_shexp

@@ -242,38 +242,45 @@ def _gpu_probes(tier: str | None = None) -> dict:
             out["link_gbps"] = n / best / 1e9
     finally:
         _native.gpu_host_free(hp)
-    # GEMM and GEMV on a 4096 x 4096 Q4_K matrix (zero blocks: timing only)
-    q4k, rows, cols, ntok = 12, 4096, 4096, 512
+    # GEMM on a 4096 x 4096 Q4_K matrix x 512 tokens; GEMV on 16384 x 8192 (75 MB: past the L2 of any card);
+    # zero blocks (timing only), timed with events
+    q4k, cols, ntok = 12, 4096, 512
     _, bs, ts = gpu.GPU_TYPES[q4k]
-    wbytes = rows * cols // bs * ts
-    with gpu.Buffer(wbytes, "probe W") as W, gpu.Buffer(4 * ntok * cols, "probe X") as X, \
-            gpu.Buffer(4 * ntok * rows, "probe Y") as Y, gpu.Buffer(cols // 32 * gpu.Q8_1_BYTES, "probe xq") as xq:
+    rows_mm, rows_mv, cols_mv = 4096, 16384, 8192
+    wbytes = rows_mv * cols_mv // bs * ts
+    with gpu.Buffer(wbytes, "probe W") as W, gpu.Buffer(4 * ntok * cols_mv, "probe X") as X, \
+            gpu.Buffer(4 * ntok * rows_mv, "probe Y") as Y, gpu.Buffer(cols_mv // 32 * gpu.Q8_1_BYTES, "probe xq") as xq:
         _native.gpu_memset8(W.ptr, 0, wbytes)
-        _native.gpu_memset8(X.ptr, 0, 4 * ntok * cols)
+        _native.gpu_memset8(X.ptr, 0, 4 * ntok * cols_mv)
 
         def timed(fn, reps):
             fn()
-            gpu.synchronize()
-            t0 = time.perf_counter()
+            e0, e1 = gpu.Event(), gpu.Event()
+            e0.record()
             for _ in range(reps):
                 fn()
-            gpu.synchronize()
-            return (time.perf_counter() - t0) / reps
-        t = timed(lambda: k.gemm_f32(q4k, W, X, Y, rows, cols, ntok), 5)
-        out["gpu_gemm_tflops"] = 2 * rows * cols * ntok / t / 1e12
+            e1.record()
+            return e0.elapsed_ms(e1) / 1e3 / reps
+        t = timed(lambda: k.gemm_f32(q4k, W, X, Y, rows_mm, cols, ntok), 5)
+        out["gpu_gemm_tflops"] = 2 * rows_mm * cols * ntok / t / 1e12
         if tier == "dp4a":
-            k.quantize_q8_1(X, xq, cols)
-            t = timed(lambda: k.gemv_dp4a(q4k, W, xq, Y, rows, cols), 50)
+            k.quantize_q8_1(X, xq, cols_mv)
+            t = timed(lambda: k.gemv_dp4a(q4k, W, xq, Y, rows_mv, cols_mv), 20)
         else:
-            t = timed(lambda: k.gemv_f32(q4k, W, X, Y, rows, cols), 50)
+            t = timed(lambda: k.gemv_f32(q4k, W, X, Y, rows_mv, cols_mv), 20)
         out["gpu_gemv_gbps"] = wbytes / t / 1e9
         # launch cost: a tiny kernel recorded 200 times, replayed as a plan (a graph where the driver has them)
         with gpu.record() as launches:
             for _ in range(200):
                 k.add(Y, Y, Y, 32)
         plan = gpu.LaunchPlan(launches, graph=gpu.graphs_available() and tier != "fermi")
-        t = timed(plan.replay, 10)
-        out["gpu_launch_us"] = t / 200 * 1e6
+        plan.replay()
+        gpu.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            plan.replay()
+        gpu.synchronize()
+        out["gpu_launch_us"] = (time.perf_counter() - t0) / 10 / 200 * 1e6
     return out
 
 

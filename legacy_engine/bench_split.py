@@ -1,0 +1,224 @@
+"""`legacy-engine bench split`: every CPU/GPU split of a model under a VRAM budget, measured next to the planner's
+prediction and to llama.cpp's offload settings on the same file.
+
+    legacy-engine bench split MODEL.gguf --vram 6GiB [--prompt 512,2048] [--gen 32] [--ballast] [--simulate-link GBPS]
+                                         [--llama PATH] [--ncmoe 30,40] [--plot FILE.png] [--json]
+
+Strategies (planner.py): cpu (prefill and decode on the CPU), stream (GPU prefill with routed experts streamed
+from host RAM, pinned ones in VRAM, CPU decode: the split `run --gpu --vram` uses when the model does not fit),
+resident (all in VRAM; only when it fits the budget). For each: prefill tok/s per prompt length (one pass from an
+empty state, last logits), decode tok/s (gen steps after the prompt), where the prefill time went (expert bytes
+copied, copy GB/s, GPU compute and the rest), and the planner's predictions beside the measurements.
+--ballast allocates VRAM until only the budget is free (the budget then is all there is: an overrun would fail).
+llama.cpp rows: llama-bench -ngl 99 with -ncmoe N (N layers' experts on the CPU) and CPU-only (-ngl 0), same file
+and threads. --plot writes prefill/decode tok/s against prompt length per strategy (matplotlib).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+
+from . import gpu, planner
+from .bench import seeded_tokens
+from .errors import UnavailableError
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | None = None) -> dict:
+    """Prefill tok/s per prompt length (up to max_prompt) and decode tok/s of a Model-like object (Model,
+    SplitModel, GpuModel)."""
+    ids = seeded_tokens(max(prompts) + gen, model.hparams.n_vocab)
+    st = model.new_state(n_ctx)
+    row = {"pp": {}, "pp_s": {}}
+    for p in prompts:
+        if max_prompt is not None and p > max_prompt:
+            continue
+        def prefill(p=p):
+            st.reset()
+            model.forward(st, ids[:p])
+        t = _time(prefill, reps)
+        row["pp"][p], row["pp_s"][p] = p / t, t
+    st.reset()
+    model.forward(st, ids[:prompts[0]])
+    t0 = time.perf_counter()
+    for t in ids[prompts[0]:prompts[0] + gen]:
+        model.forward(st, [t])
+    row["tg"] = gen / (time.perf_counter() - t0)
+    return row
+
+
+def bench_llama(binary: str, path: str, prompts, gen: int, threads: int, ngl: int, ncmoe: int | None) -> dict:
+    cmd = [binary, "-m", str(path), "-ngl", str(ngl), "-p", ",".join(map(str, prompts)), "-n", str(gen), "-r", "2",
+           "-t", str(threads), "-o", "json"] + (["-ncmoe", str(ncmoe)] if ncmoe is not None else [])
+    out = subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace")
+    name = f"llama.cpp -ngl {ngl}" + (f" -ncmoe {ncmoe}" if ncmoe is not None else "")
+    if out.returncode != 0:
+        return {"strategy": name, "error": f"exit {out.returncode}: {out.stderr.strip()[-300:]}"}
+    row = {"strategy": name, "pp": {}, "tg": float("nan")}
+    for t in json.loads(out.stdout):
+        if t.get("n_gen", 0) == 0:
+            row["pp"][int(t["n_prompt"])] = float(t["avg_ts"])
+        else:
+            row["tg"] = float(t["avg_ts"])
+    return row
+
+
+def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: int = 1, ballast: bool = False,
+                simulate_link: float | None = None, llama: str | None = None, ncmoe=(30, 40), threads: int | None = None,
+                cpu_max_prompt: int | None = 512, log=None) -> dict:
+    import dataclasses
+
+    from .gpu_model import GpuModel
+    from .model import Model
+    from .split import SplitModel
+    log = log or (lambda s: None)
+    gpu.init()
+    prompts = sorted(prompts)
+    n_ctx = max(prompts) + gen + 8
+    model = Model(path, threads, pin=True)
+    threads = model.n_threads
+    res = {"model": str(path), "vram": vram, "prompts": prompts, "gen": gen, "threads": threads, "rows": [],
+           "ballast": ballast}
+    if llama:
+        for n in list(ncmoe) + [None]:
+            log(f"llama.cpp {'-ncmoe ' + str(n) if n is not None else 'CPU only'} …")
+            res["rows"].append(bench_llama(llama, path, prompts, gen, threads, 99 if n is not None else 0, n))
+    m = planner.measure(threads, log=log)
+    if simulate_link:
+        m = dataclasses.replace(m, link_gbps=simulate_link, simulated_link=True)
+    res["machine"] = dataclasses.asdict(m)
+    preds = {p: {s.name: s for s in planner.plan(model.file, m, vram, p, gen, n_ctx=n_ctx)} for p in prompts}
+    hold = None
+    if ballast:
+        free = gpu.mem_stats()["free_bytes"]
+        if free > vram:
+            hold = gpu.Buffer(free - vram, "ballast")
+        res["free_after_ballast"] = gpu.mem_stats()["free_bytes"]
+    try:
+        log("cpu …")
+        row = dict(strategy="cpu", **_measure(model, prompts, gen, reps, n_ctx, cpu_max_prompt))
+        res["rows"].append(row)
+        for name in ("stream", "resident"):
+            st0 = preds[prompts[-1]][name]
+            if not st0.fits:
+                res["rows"].append({"strategy": name, "error": f"does not fit: {st0.why}"})
+                continue
+            log(f"{name} …")
+            if name == "stream":
+                gm = GpuModel(model, vram=vram, stream_experts=True, pinned=st0.pinned, n_ctx=n_ctx,
+                              simulate_link=simulate_link)
+                runner = SplitModel(model, gm, min_gpu_tokens=1)     # every prompt on the GPU: what is measured
+            else:
+                gm = GpuModel(model, vram=vram, n_ctx=n_ctx)
+                runner = gm
+            try:
+                h2d0 = dict(getattr(gm, "stream_stats", {}))
+                row = dict(strategy=name, describe=gm.describe(), **_measure(runner, prompts, gen, reps, n_ctx))
+                if name == "stream":
+                    s = gm.stream_stats
+                    row["h2d_gib"] = (s["h2d_bytes"] - h2d0.get("h2d_bytes", 0)) / 2**30
+                row["peak_vram_gib"] = gpu.mem_stats()["peak"] / 2**30
+            finally:
+                gm.close()
+            res["rows"].append(row)
+    finally:
+        if hold is not None:
+            hold.free()
+    for r in res["rows"]:
+        if r["strategy"] in ("cpu", "stream", "resident") and "error" not in r:
+            r["pred_pp"] = {p: p / preds[p][r["strategy"]].prefill_s for p in prompts}
+            r["pred_tg"] = 1 / preds[prompts[0]][r["strategy"]].decode_s_per_tok
+            r["pred_parts"] = {p: preds[p][r["strategy"]].prefill_parts for p in prompts}
+    return res
+
+
+def print_split(res: dict) -> None:
+    ps = res["prompts"]
+    m = res["machine"]
+    print(f"{res['model']}: VRAM budget {res['vram'] / 2**30:.2f} GiB"
+          + (f" (ballast: {res['free_after_ballast'] / 2**30:.2f} GiB left free)" if res.get("ballast") else "")
+          + f", {res['threads']} threads; link {m['link_gbps']:.2f} GB/s{' (simulated)' if m['simulated_link'] else ''}")
+    print(f"{'strategy':<28}" + "".join(f"{'pp' + str(p):>10}{'pred':>8}" for p in ps) + f"{'tg' + str(res['gen']):>9}"
+          f"{'pred':>8}")
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['strategy']:<28} {r['error']}")
+            continue
+        line = f"{r['strategy']:<28}"
+        for p in ps:
+            line += f"{r['pp'].get(p, float('nan')):>10.1f}"
+            line += f"{r['pred_pp'][p]:>8.0f}" if "pred_pp" in r else f"{'':>8}"
+        line += f"{r['tg']:>9.2f}" + (f"{r['pred_tg']:>8.1f}" if "pred_tg" in r else "")
+        print(line)
+        if "h2d_gib" in r:
+            print(f"{'':<28}expert copies {r['h2d_gib']:.2f} GiB over all runs; peak VRAM {r['peak_vram_gib']:.2f} GiB;"
+                  f" {r['describe']}")
+
+
+def plot(res: dict, out: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise UnavailableError("--plot needs matplotlib (pip install matplotlib)") from e
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in res["rows"]:
+        if "error" in r:
+            continue
+        ps = sorted(r["pp"])
+        a.plot(ps, [r["pp"][p] for p in ps], marker="o", label=r["strategy"])
+        b.bar(r["strategy"], r["tg"])
+    a.set(xlabel="prompt tokens", ylabel="prefill tok/s", xscale="log", yscale="log", title="prefill")
+    b.set(ylabel="decode tok/s", title=f"decode ({res['gen']} tokens)")
+    b.tick_params(axis="x", rotation=45)
+    a.legend(fontsize=7)
+    fig.suptitle(f"{res['model']}, VRAM {res['vram'] / 2**30:.1f} GiB")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def add_parser(sub) -> None:
+    sp = sub.add_parser("split", help="every CPU/GPU split under a VRAM budget, measured vs predicted, vs llama.cpp",
+                        description=__doc__)
+    sp.add_argument("model", help="a Qwen3.5/3.6 GGUF file")
+    sp.add_argument("--vram", required=True, help="VRAM budget, e.g. 6GiB")
+    sp.add_argument("--prompt", default="512,2048", help="prompt lengths, comma-separated (512,2048)")
+    sp.add_argument("--gen", type=int, default=32, help="decoded tokens (32)")
+    sp.add_argument("--reps", type=int, default=1, help="timed prefill runs after one warm-up (1)")
+    sp.add_argument("--threads", type=int, default=None, help="CPU threads (physical cores)")
+    sp.add_argument("--ballast", action="store_true", help="allocate VRAM until only the budget is free")
+    sp.add_argument("--simulate-link", type=float, default=None, metavar="GBPS", help="pace expert copies to GBPS")
+    sp.add_argument("--llama", default=None, metavar="PATH", help="a llama-bench binary built with CUDA")
+    sp.add_argument("--ncmoe", default="30,40", help="llama.cpp -ncmoe values (30,40)")
+    sp.add_argument("--cpu-max-prompt", type=int, default=512,
+                    help="longest prompt the cpu strategy prefills (slow: ~1 pass per token; longer ones show only "
+                         "the prediction) (512)")
+    sp.add_argument("--plot", default=None, metavar="FILE.png", help="write the tok/s plot (needs matplotlib)")
+    sp.add_argument("--json", action="store_true", help="print JSON")
+
+
+def main(args) -> int:
+    import sys
+    res = bench_split(args.model, planner.parse_size(args.vram), [int(p) for p in args.prompt.split(",") if p],
+                      args.gen, args.reps, args.ballast, args.simulate_link, args.llama,
+                      [int(n) for n in args.ncmoe.split(",") if n], args.threads, args.cpu_max_prompt,
+                      log=lambda s: print(s, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(res, indent=1, default=float))
+    else:
+        print_split(res)
+    if args.plot:
+        plot(res, args.plot)
+    return 0
