@@ -76,14 +76,18 @@ def bench_llama(binary: str, path: str, prompts, gen: int, threads: int, ngl: in
 
 def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: int = 1, ballast: bool = False,
                 simulate_link: float | None = None, llama: str | None = None, ncmoe=(30, 40), threads: int | None = None,
-                cpu_max_prompt: int | None = 512, log=None) -> dict:
+                cpu_max_prompt: int | None = 512, strategies=("cpu", "stream", "resident"), log=None) -> dict:
     import dataclasses
 
     from .gpu_model import GpuModel
     from .model import Model
     from .split import SplitModel
     log = log or (lambda s: None)
-    gpu.init()
+    have_gpu, why = gpu.available()
+    if have_gpu:
+        gpu.init()
+    elif ballast:
+        raise UnavailableError(f"--ballast needs a GPU: {why}")
     prompts = sorted(prompts)
     n_ctx = max(prompts) + gen + 8
     model = Model(path, threads, pin=True)
@@ -106,10 +110,11 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             hold = gpu.Buffer(free - vram, "ballast")
         res["free_after_ballast"] = gpu.mem_stats()["free_bytes"]
     try:
-        log("cpu …")
-        row = dict(strategy="cpu", **_measure(model, prompts, gen, reps, n_ctx, cpu_max_prompt))
-        res["rows"].append(row)
-        for name in ("stream", "resident"):
+        if "cpu" in strategies:
+            log("cpu …")
+            row = dict(strategy="cpu", **_measure(model, prompts, gen, reps, n_ctx, cpu_max_prompt))
+            res["rows"].append(row)
+        for name in [s for s in ("stream", "resident") if s in strategies]:
             st0 = preds[prompts[-1]][name]
             if not st0.fits:
                 res["rows"].append({"strategy": name, "error": f"does not fit: {st0.why}"})
@@ -117,18 +122,22 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             log(f"{name} …")
             if name == "stream":
                 gm = GpuModel(model, vram=vram, stream_experts=True, pinned=st0.pinned, n_ctx=n_ctx,
-                              simulate_link=simulate_link)
-                runner = SplitModel(model, gm, min_gpu_tokens=1)     # every prompt on the GPU: what is measured
+                              chunk=st0.chunk, simulate_link=simulate_link)
+                # every measured prompt on the GPU, decode steps on the CPU (the split as run --gpu runs it)
+                runner = SplitModel(model, gm, min_gpu_tokens=min(prompts))
             else:
                 gm = GpuModel(model, vram=vram, n_ctx=n_ctx)
                 runner = gm
             try:
-                h2d0 = dict(getattr(gm, "stream_stats", {}))
                 row = dict(strategy=name, describe=gm.describe(), **_measure(runner, prompts, gen, reps, n_ctx))
                 if name == "stream":
-                    s = gm.stream_stats
-                    row["h2d_gib"] = (s["h2d_bytes"] - h2d0.get("h2d_bytes", 0)) / 2**30
-                row["peak_vram_gib"] = gpu.mem_stats()["peak"] / 2**30
+                    s = gm.stream_report()
+                    n_pp = (reps + 1) * len([p for p in prompts])
+                    row["chunk"] = st0.chunk
+                    row["per_prefill"] = {"h2d_gib": s["h2d_bytes"] / n_pp / 2**30,
+                                          "copy_stall_s": s["copy_stall_s"] / n_pp,
+                                          "ids_wait_s": s["ids_wait_s"] / n_pp}
+                row["peak_vram_gib"] = (gpu.mem_stats()["peak"] - (hold.nbytes if hold else 0)) / 2**30
             finally:
                 gm.close()
             res["rows"].append(row)
@@ -145,6 +154,10 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
 
 def print_split(res: dict) -> None:
     ps = res["prompts"]
+    for r in res["rows"]:                      # JSON round trips turn the int keys into strings
+        for key in ("pp", "pred_pp", "pp_s"):
+            if key in r:
+                r[key] = {int(k): v for k, v in r[key].items()}
     m = res["machine"]
     print(f"{res['model']}: VRAM budget {res['vram'] / 2**30:.2f} GiB"
           + (f" (ballast: {res['free_after_ballast'] / 2**30:.2f} GiB left free)" if res.get("ballast") else "")
@@ -161,9 +174,12 @@ def print_split(res: dict) -> None:
             line += f"{r['pred_pp'][p]:>8.0f}" if "pred_pp" in r else f"{'':>8}"
         line += f"{r['tg']:>9.2f}" + (f"{r['pred_tg']:>8.1f}" if "pred_tg" in r else "")
         print(line)
-        if "h2d_gib" in r:
-            print(f"{'':<28}expert copies {r['h2d_gib']:.2f} GiB over all runs; peak VRAM {r['peak_vram_gib']:.2f} GiB;"
-                  f" {r['describe']}")
+        if "per_prefill" in r:
+            pp = r["per_prefill"]
+            print(f"{'':<28}per prefill (mean over prompts): expert copies {pp['h2d_gib']:.2f} GiB, GPU waiting for "
+                  f"copies {pp['copy_stall_s']:.3f} s, host waiting for routing {pp['ids_wait_s']:.3f} s; passes of "
+                  f"{r['chunk']} tokens; peak VRAM {r['peak_vram_gib']:.2f} GiB")
+            print(f"{'':<28}{r['describe']}")
 
 
 def plot(res: dict, out: str) -> None:
@@ -205,6 +221,7 @@ def add_parser(sub) -> None:
     sp.add_argument("--cpu-max-prompt", type=int, default=512,
                     help="longest prompt the cpu strategy prefills (slow: ~1 pass per token; longer ones show only "
                          "the prediction) (512)")
+    sp.add_argument("--strategies", default="cpu,stream,resident", help="which to run (cpu,stream,resident)")
     sp.add_argument("--plot", default=None, metavar="FILE.png", help="write the tok/s plot (needs matplotlib)")
     sp.add_argument("--json", action="store_true", help="print JSON")
 
@@ -214,7 +231,7 @@ def main(args) -> int:
     res = bench_split(args.model, planner.parse_size(args.vram), [int(p) for p in args.prompt.split(",") if p],
                       args.gen, args.reps, args.ballast, args.simulate_link, args.llama,
                       [int(n) for n in args.ncmoe.split(",") if n], args.threads, args.cpu_max_prompt,
-                      log=lambda s: print(s, file=sys.stderr, flush=True))
+                      tuple(args.strategies.split(",")), log=lambda s: print(s, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(res, indent=1, default=float))
     else:

@@ -73,7 +73,7 @@ class Engine:
                                                 min_gpu_tokens=gpu_min_tokens)
             self.gpu = self.model = GpuModel(self.cpu_model, tier=gpu_tier, int8=gpu_int8, graphs=gpu_graphs,
                                              progress=progress, vram=pl.budget, stream_experts=pl.stream,
-                                             pinned=pl.pinned, n_ctx=n_ctx)
+                                             pinned=pl.pinned, n_ctx=n_ctx, chunk=pl.chunk)
             if pl.stream:
                 self.model = SplitModel(self.cpu_model, self.gpu, pl.min_gpu_tokens)
         meta = self.model.file.metadata

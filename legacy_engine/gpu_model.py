@@ -40,7 +40,9 @@ import numpy as np
 from . import gpu
 from .errors import EngineError, UnavailableError
 
-PREFILL_CHUNK = 512      # tokens per pass: bounds the scratch (and n*k MoE pairs <= gpu.MAX_PAIRS)
+PREFILL_CHUNK = 512      # tokens per pass by default: bounds the scratch
+MAX_CHUNK = 4096         # the most a GpuModel may be asked for (n*k MoE pairs <= gpu.MAX_PAIRS is checked too)
+LOGIT_ROWS = 512         # logits computed per head pass (all_logits of a longer chunk runs the head in pieces)
 
 
 def default_tier(arch: int) -> str:
@@ -114,8 +116,9 @@ class GpuModel:
         self.file = model.file
         self._faults = model_faults(model)
         self.chunk = int(chunk)
-        if not 1 <= self.chunk <= PREFILL_CHUNK:
-            raise ValueError(f"chunk = {chunk}: 1…{PREFILL_CHUNK}")
+        if not 1 <= self.chunk <= MAX_CHUNK or self.chunk * max(hp.n_expert_used, 1) > gpu.MAX_PAIRS:
+            raise ValueError(f"chunk = {chunk}: 1…{MAX_CHUNK} tokens and chunk * experts per token <= "
+                             f"{gpu.MAX_PAIRS}")
         self.stream = bool(stream_experts) and hp.n_expert > 0
         self.pinned = {int(i): sorted(set(int(e) for e in v)) for i, v in (pinned or {}).items()} if self.stream else {}
         for i, es in self.pinned.items():
@@ -123,7 +126,8 @@ class GpuModel:
                 raise ValueError(f"pinned: layer {i} experts {es[:4]}… outside {hp.n_layer} layers x {hp.n_expert}")
         from . import planner
         self.footprint = planner.vram_footprint(self.file, stream_experts=self.stream, pinned=self.pinned,
-                                                n_ctx=n_ctx, chunk=self.chunk, int8=self.int8)
+                                                n_ctx=n_ctx, chunk=self.chunk, int8=self.int8,
+                                                logit_rows=min(self.chunk, LOGIT_ROWS))
         self.n_ctx_plan = int(n_ctx)
         self.budget = None
         if vram is not None:
@@ -322,7 +326,8 @@ class GpuModel:
         self._slot_free = [gpu.Event(), gpu.Event()]
         self._slot_ready = [gpu.Event(), gpu.Event()]
         self._slot_used = [False, False]
-        self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0}
+        self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0, "copy_stall_s": 0.0, "ids_wait_s": 0.0}
+        self._stalls: list = []
 
     def _stage(self, i: int, want, wait: bool = True) -> int:
         """Makes staging slot i % 2 hold experts `want` of layer i (copies on the copy stream, after the compute
@@ -373,15 +378,31 @@ class GpuModel:
                     time.sleep(rest)
         self._slot_ready[s].record(self._copy)
         if wait:
+            e0 = gpu.Event()
+            e0.record()
             gpu.wait_default(self._slot_ready[s])
+            e1 = gpu.Event()
+            e1.record()
+            self._stalls.append((e0, e1))
         return self._staging[s].ptr
 
     def _ids_buf(self, ids: int, pairs: int) -> np.ndarray:
         """The router's expert ids of this pass, on the host (waits for the routing)."""
         from . import _native
+        import time
         out = np.empty(pairs, dtype=np.int32)
+        t0 = time.perf_counter()
         _native.gpu_copy_dtoh(out, ids, 4 * pairs)
+        self.stream_stats["ids_wait_s"] += time.perf_counter() - t0
         return out
+
+    def stream_report(self) -> dict:
+        """stream_stats with copy_stall_s brought up to date: the time the GPU's compute stream sat waiting for
+        expert copies (events around each wait), summed since the model was made."""
+        for e0, e1 in self._stalls:
+            self.stream_stats["copy_stall_s"] += e0.elapsed_ms(e1) / 1e3
+        self._stalls = []
+        return dict(self.stream_stats)
 
     def _next_moe(self, i: int) -> int:
         return i + 1 if i + 1 in self._stage_layout else self.hparams.n_layer
@@ -673,13 +694,16 @@ class GpuModel:
             gpu.synchronize()
             return None
         first = 0 if all_logits else n - 1
-        n_out = n - first
-        k.rmsnorm(x + 4 * first * E, self.out_norm, h, E, n_out, hp.rms_eps)
-        logits = self._buf("logits", 4 * n_out * hp.n_vocab)
-        self._mm(self.head, h, logits.ptr, n_out)
-        if planned:
-            return None                       # _decode downloads
-        return logits.download(dtype=np.float32, count=n_out * hp.n_vocab).reshape(n_out, hp.n_vocab)
+        outs = []
+        for r0 in range(first, n, LOGIT_ROWS):             # the head in pieces of LOGIT_ROWS rows (scratch bound)
+            n_out = min(LOGIT_ROWS, n - r0)
+            k.rmsnorm(x + 4 * r0 * E, self.out_norm, h, E, n_out, hp.rms_eps)
+            logits = self._buf("logits", 4 * n_out * hp.n_vocab)
+            self._mm(self.head, h, logits.ptr, n_out)
+            if planned:
+                return None                       # _decode downloads
+            outs.append(logits.download(dtype=np.float32, count=n_out * hp.n_vocab).reshape(n_out, hp.n_vocab))
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
     def close(self) -> None:
         """Frees the weights, staging and scratch in VRAM now (states keep their own buffers), unlocks the host

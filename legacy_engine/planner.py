@@ -172,7 +172,7 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
         parts["pinned experts"] = pin_total
         parts["expert staging (2 layers)"] = 2 * _round(layer_max)
     parts["state"] = state_bytes(hp, n_ctx)
-    rows = chunk if logit_rows is None else logit_rows
+    rows = min(chunk, 512) if logit_rows is None else logit_rows      # gpu_model.LOGIT_ROWS
     parts["scratch"] = (_round(scratch_bytes(hp, chunk, int8, rows)) + _round(scratch_bytes(hp, 1, int8, 1))
                         + SCRATCH_SLACK)
     return VramFootprint(parts, per_expert, layer_max)
@@ -341,6 +341,7 @@ class Strategy:
     prefill_parts: dict = dataclasses.field(default_factory=dict)     # where the prefill time goes
     pinned: dict = dataclasses.field(default_factory=dict)
     min_gpu_tokens: int = 0
+    chunk: int = 512                # tokens per GPU pass (streamed: each pass copies the experts it routes to)
 
     def total_s(self, gen: int) -> float:
         return self.prefill_s + gen * self.decode_s_per_tok
@@ -436,20 +437,30 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
         out.append(Strategy("resident", False, f"needs {fp_res.total / GiB:.2f} GiB of VRAM, budget "
                             f"{budget / GiB:.2f} GiB", fp_res.total))
     if hp.n_expert:
-        fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=chunk, int8=int8)
-        if fp0.total <= budget:
+        best = None
+        for c in STREAM_CHUNKS:                # a longer pass copies each layer's experts fewer times, pins fewer
+            if c * hp.n_expert_used > 65535:
+                continue
+            fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=c, int8=int8)
+            if fp0.total > budget:
+                continue
             pins = choose_pins(file, budget - fp0.total, counts)
-            fp = vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, chunk=chunk, int8=int8)
-            pre, parts = _gpu_prefill(m, file, fpd, prompt, chunk, True, pins)
+            fp = vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, chunk=c, int8=int8)
+            pre, parts = _gpu_prefill(m, file, fpd, prompt, c, True, pins)
+            if best is None or pre < best[0]:
+                best = (pre, parts, c, pins, fp)
+        if best is not None:
+            pre, parts, c, pins, fp = best
             n_pin = sum(len(v) for v in pins.values())
             st = Strategy("stream", True, f"dense weights in VRAM, {n_pin} of {hp.n_expert * len(fp.expert_bytes)} "
-                          f"experts pinned, the rest copied per layer at {m.link_gbps:.1f} GB/s: {fp.describe()}",
-                          fp.total, pre, cpu_dec, parts, pins)
-            st.min_gpu_tokens = crossover(m, file, fpd, chunk, pins, cpu_pre)
+                          f"experts pinned, the rest copied per layer at {m.link_gbps:.1f} GB/s, passes of {c} "
+                          f"tokens: {fp.describe()}", fp.total, pre, cpu_dec, parts, pins, chunk=c)
+            st.min_gpu_tokens = crossover(m, file, fpd, c, pins, cpu_pre)
             if prompt < st.min_gpu_tokens:       # the split runs short prompts on the CPU
                 st.prefill_s, st.prefill_parts = prompt * cpu_pre, {"cpu": prompt * cpu_pre}
             out.append(st)
         else:
+            fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=STREAM_CHUNKS[-1], int8=int8)
             out.append(Strategy("stream", False, f"even without pinned experts it needs {fp0.total / GiB:.2f} GiB "
                                 f"of VRAM ({fp0.describe()}), budget {budget / GiB:.2f} GiB", fp0.total))
     else:
@@ -564,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
 # ================================================================================================ the engine's choice
 
 VRAM_MARGIN = 512 * MiB      # left free when no budget is given (the driver, other processes, fragmentation)
+STREAM_CHUNKS = (2048, 1024, 512, 256)   # pass lengths the planner tries for streamed prefill
 
 
 @dataclasses.dataclass
@@ -574,6 +586,7 @@ class Placement:
     min_gpu_tokens: int
     footprint: VramFootprint
     why: str
+    chunk: int = 512
 
 
 def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool = True,
@@ -589,21 +602,24 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool 
     budget = int(vram) if vram is not None else max(0, gpu.mem_stats()["free_bytes"] - VRAM_MARGIN)
     fp = vram_footprint(file, n_ctx=n_ctx, int8=int8)
     if fp.total <= budget:
-        return Placement(False, budget, {}, 1, fp, f"resident: {fp.describe()} in a budget of {budget / GiB:.2f} GiB")
+        return Placement(False, budget, {}, 1, fp, f"resident: {fp.describe()} in a budget of {budget / GiB:.2f} GiB",
+                         512)
     if not file.hparams.n_expert:
         raise PlanningError(f"the model needs {fp.total / GiB:.2f} GiB of VRAM ({fp.describe()}), the budget is "
                             f"{budget / GiB:.2f} GiB, and a dense model has no experts to stream: run it on the CPU "
                             "(without --gpu)")
-    fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, int8=int8)
-    check_fits(fp0, budget, "streamed GPU model (no experts pinned)")
-    pins = choose_pins(file, budget - fp0.total, counts)
-    fps = vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, int8=int8)
+    m = machine
+    if m is None:
+        m = measure(model.n_threads)
+    st = next(s for s in plan(file, m, budget, 2048, 0, n_ctx=n_ctx, counts=counts) if s.name == "stream")
+    if not st.fits:
+        raise PlanningError(f"streamed GPU model: {st.why}")
+    pins, chunk = st.pinned, st.chunk
+    fps = vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, chunk=chunk, int8=int8)
     if min_gpu_tokens is None:
-        from .bench import weight_footprint
-        m = machine or measure(model.n_threads)
-        fpd = weight_footprint(file)
-        min_gpu_tokens = crossover(m, file, fpd, 512, pins, _cpu_times(m, fpd.decode_bytes)[1])
+        min_gpu_tokens = st.min_gpu_tokens
     n_pin = sum(len(v) for v in pins.values())
     return Placement(True, budget, pins, int(min_gpu_tokens), fps,
                      f"streamed experts ({n_pin} pinned): {fps.describe()} in a budget of {budget / GiB:.2f} GiB; "
-                     f"GPU prefill for passes of >= {min_gpu_tokens} tokens, decode on the CPU")
+                     f"GPU prefill for passes of >= {min_gpu_tokens} tokens ({chunk} per pass), decode on the CPU",
+                     chunk)

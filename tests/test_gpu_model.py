@@ -552,3 +552,19 @@ def test_split_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
         assert split.passes == {"gpu": 1, "cpu": 30}
     finally:
         gm.close()
+
+
+def test_long_pass_head_in_pieces(gpu_device, tiny_file, cpu_model):
+    """A pass longer than LOGIT_ROWS (chunk 600) with all logits: the head runs in pieces; equal to the CPU."""
+    from legacy_engine.gpu_model import LOGIT_ROWS, GpuModel
+    cpu = cpu_model("moe")
+    gm = GpuModel(cpu, int8=False, chunk=600, n_ctx=640)
+    try:
+        ids = sequence(600, cpu.hparams.n_vocab)
+        assert len(ids) > LOGIT_ROWS
+        got = gm.forward(gm.new_state(640), ids, all_logits=True)
+        ref = cpu.forward(cpu.new_state(640), ids, all_logits=True)
+        assert got.shape == ref.shape
+        assert np.abs(got.astype(np.float64) - ref).max() <= tol.LOGIT_ABS_F32
+    finally:
+        gm.close()
