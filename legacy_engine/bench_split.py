@@ -129,7 +129,10 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                 gm = GpuModel(model, vram=vram, n_ctx=n_ctx)
                 runner = gm
             try:
+                gm.profile()
                 row = dict(strategy=name, describe=gm.describe(), **_measure(runner, prompts, gen, reps, n_ctx))
+                n_runs = (reps + 1) * len(prompts)
+                row["gpu_phases_per_prefill_s"] = {k: v / n_runs for k, v in gm.profile_report().items()}
                 if name == "stream":
                     s = gm.stream_report()
                     n_pp = (reps + 1) * len([p for p in prompts])
@@ -180,6 +183,10 @@ def print_split(res: dict) -> None:
                   f"copies {pp['copy_stall_s']:.3f} s, host waiting for routing {pp['ids_wait_s']:.3f} s; passes of "
                   f"{r['chunk']} tokens; peak VRAM {r['peak_vram_gib']:.2f} GiB")
             print(f"{'':<28}{r['describe']}")
+        if r.get("gpu_phases_per_prefill_s"):
+            ph = r["gpu_phases_per_prefill_s"]
+            print(f"{'':<28}GPU time per prefill (mean over prompts): " +
+                  ", ".join(f"{k} {v:.3f} s" for k, v in sorted(ph.items(), key=lambda kv: -kv[1])))
 
 
 def plot(res: dict, out: str) -> None:

@@ -83,7 +83,8 @@ class GpuModel:
     def __init__(self, model, tier: str | None = None, arch: int | None = None, int8: bool | None = None,
                  toolchain: str = "auto", progress=None, plan: bool = True, graphs: bool | None = None,
                  stream_experts: bool = False, pinned: dict | None = None, vram: int | None = None,
-                 n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, simulate_link: float | None = None):
+                 n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, simulate_link: float | None = None,
+                 sort_pairs: bool = True):
         """model: a loaded Model (its file's tensors are uploaded; the CPU model stays usable).
         tier: 'fermi' | 'kepler' | 'dp4a' (default: the GPU's own, default_tier); arch: the PTX target
         (compute capability x10, default the GPU's: 35, 61 or 70 run the legacy PTX on a newer card);
@@ -101,6 +102,9 @@ class GpuModel:
         vram: budget in bytes for everything this model allocates, states of up to n_ctx positions and passes of
         up to `chunk` tokens included: checked before any upload (planner.PlanningError naming the parts), then
         held by the driver layer (gpu.set_budget).
+        sort_pairs: passes of several tokens run the routed experts' (token, expert) GEMVs in expert order (x rows
+        gathered per pair, outputs scattered back), so the blocks reading one expert run together and share its
+        weights in L2 (one host sync per MoE layer to read the routing).
         simulate_link: GB/s; streamed expert copies are paced to it (the host waits until a copy would have
         finished on that link), to run a slow card's split (a CMP 100-210 on PCIe Gen1 x1: 0.25) on a fast one."""
         hp = self.hparams = model.hparams
@@ -135,6 +139,7 @@ class GpuModel:
             self.budget = int(vram)
             gpu.set_budget(gpu.mem_stats()["used"] + self.budget)
         self.simulate_link = simulate_link
+        self.sort_pairs = bool(sort_pairs)
         self._host = None          # (address, bytes) of the page-locked weight map (stream mode)
         self.host_pinned_why = ""
         self._staging: list[gpu.Buffer] = []
@@ -162,6 +167,7 @@ class GpuModel:
             self.graphs_why = "off: needs the launch plan (plan=False)"
         self._rope_n = 0
         self._rope: gpu.Buffer | None = None
+        self._prof = None
 
     # ------------------------------------------------------------------ weights
 
@@ -396,6 +402,32 @@ class GpuModel:
         self.stream_stats["ids_wait_s"] += time.perf_counter() - t0
         return out
 
+    def profile(self, on: bool = True) -> None:
+        """Times the GPU's work per phase of passes with more than one token (events between phases; adds a
+        little host work per layer): read with profile_report(). Decode plans are not profiled."""
+        self._prof = {} if on else None
+        self._prof_marks: list = []
+
+    def _mark(self, phase: str) -> None:
+        """Ends `phase` (the GPU work launched since the previous mark) when profiling."""
+        if getattr(self, "_prof", None) is None or self._tag == "d":
+            return
+        e = gpu.Event()
+        e.record()
+        self._prof_marks.append((phase, e))
+
+    def profile_report(self) -> dict:
+        """{phase: GPU seconds} summed since profile() (the first mark of each pass starts its clock)."""
+        if getattr(self, "_prof", None) is None:
+            return {}
+        marks, prev = self._prof_marks, None
+        for phase, e in marks:
+            if prev is not None and phase != "embed":
+                self._prof[phase] = self._prof.get(phase, 0.0) + prev.elapsed_ms(e) / 1e3
+            prev = e
+        self._prof_marks = marks[-1:] if marks else []
+        return dict(self._prof)
+
     def stream_report(self) -> dict:
         """stream_stats with copy_stall_s brought up to date: the time the GPU's compute stream sat waiting for
         expert copies (events around each wait), summed since the model was made."""
@@ -562,19 +594,42 @@ class GpuModel:
         self._mm(L["router"], h, logits, n, hq)
         k.moe_route(logits, ids, wts, n, ne, kk)
         base = 0
+        used = None
+        if self.stream or (n > 1 and self.sort_pairs):
+            self._mark("ffn rest")
+            used = self._ids_buf(ids, pairs)
         if self.stream:
             i = L["index"]
-            used = self._ids_buf(ids, pairs)
             base = self._stage(i, np.unique(used))
+            self._mark("waiting for expert copies")
             self._prefetch_all(self._next_moe(i), n)      # the next layer's copy overlaps this layer's experts
+        sort = n > 1 and self.sort_pairs
+        x_tok, xg, eids, x_group = h, h, ids, kk
+        if sort:
+            # pairs in expert order: the GEMV blocks of one expert run together and share its weights in L2.
+            # x rows gathered per pair, outputs scattered back to (token, slot) order for moe_combine
+            order = np.argsort(used, kind="stable").astype(np.int32)
+            inv = np.empty_like(order)
+            inv[order] = np.arange(pairs, dtype=np.int32)
+            meta = np.concatenate([used[order], order // kk, inv]).astype(np.int32)
+            mb = self._buf("pair_meta", 4 * 3 * pairs)
+            mb.upload(meta)
+            eids, ptok, pinv = mb.ptr, mb.ptr + 4 * pairs, mb.ptr + 8 * pairs
+            xg = self._buf("xg", 4 * pairs * E).ptr
+            k.get_rows(gpu.F32, h, ptok, xg, pairs, E)
+            x_tok, x_group = xg, 1
         int8 = self.int8 and L["gate_exps"].qtype != gpu.F32
-        x, xs = (hq, E // 32) if int8 else (h, E)
-        if int8 and hq is None:   # several tokens: quantise every token's row
-            x = self._buf("xq_tok", n * E // 32 * gpu.Q8_1_BYTES).ptr
-            k.quantize_q8_1(h, x, n * E)
+        rows = pairs if sort else n
+        x, xs = (x_tok, E)
+        if int8:
+            x, xs = (hq, E // 32) if (hq is not None and not sort) else (None, E // 32)
+            if x is None:         # several rows: quantise each (tokens, or gathered pairs)
+                x = self._buf("xq_tok", rows * E // 32 * gpu.Q8_1_BYTES).ptr
+                k.quantize_q8_1(x_tok, x, rows * E)
         for wname, out in (("gate_exps", g), ("up_exps", u)):
             w = L[wname]
-            k.gemv_ids(w.qtype, base + w.ptr, x, out, w.nrows, w.ncols, ids, pairs, w.expert_bytes, kk, xs, int8=int8)
+            k.gemv_ids(w.qtype, base + w.ptr, x, out, w.nrows, w.ncols, eids, pairs, w.expert_bytes, x_group, xs,
+                       int8=int8)
         k.swiglu(g, u, g, pairs * ff)
         w = L["down_exps"]
         int8d = self.int8 and w.qtype != gpu.F32
@@ -583,7 +638,12 @@ class GpuModel:
             xd = self._buf("xq_down", pairs * ff // 32 * gpu.Q8_1_BYTES).ptr
             k.quantize_q8_1(g, xd, pairs * ff)
             xds = ff // 32
-        k.gemv_ids(w.qtype, base + w.ptr, xd, yd, w.nrows, w.ncols, ids, pairs, w.expert_bytes, 1, xds, int8=int8d)
+        yds = xg if sort else yd                 # sorted: the gathered x rows are dead, their buffer takes y
+        k.gemv_ids(w.qtype, base + w.ptr, xd, yds, w.nrows, w.ncols, eids, pairs, w.expert_bytes, 1, xds,
+                   int8=int8d)
+        if sort:
+            k.get_rows(gpu.F32, yds, pinv, yd, pairs, E)
+        self._mark("routed experts")
         if self.stream:
             self._release(i)
             self.stream_stats["layers"] += 1
@@ -676,23 +736,28 @@ class GpuModel:
         if self.stream:
             self._prefetch_all(self._next_moe(-1), n)
         k.get_rows(self.embd.qtype, self.embd.ptr, idb.ptr, x, n, E)
+        self._mark("embed")
         for i, L in enumerate(self.layers):
             si = st.index[i]
             k.rmsnorm(x, L["attn_norm"], h, E, n, hp.rms_eps)
             if hp.recurrent[i]:
                 self._gdn(L, h, n, st, si, y)
+                self._mark("gdn")
             elif planned:
                 self._attention_planned(L, h, st, si, y)
             else:
                 self._attention(L, h, n, st, si, y)
+                self._mark("attention")
             k.add(x, y, x, n * E)
             k.rmsnorm(x, L["post_norm"], h, E, n, hp.rms_eps)
             self._ffn(L, h, n, y)
             k.add(x, y, x, n * E)
+            self._mark("ffn rest")
         st._pos += n
         if not want:
             gpu.synchronize()
             return None
+        self._mark("ffn rest")
         first = 0 if all_logits else n - 1
         outs = []
         for r0 in range(first, n, LOGIT_ROWS):             # the head in pieces of LOGIT_ROWS rows (scratch bound)
@@ -703,6 +768,7 @@ class GpuModel:
             if planned:
                 return None                       # _decode downloads
             outs.append(logits.download(dtype=np.float32, count=n_out * hp.n_vocab).reshape(n_out, hp.n_vocab))
+        self._mark("head")
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
     def close(self) -> None:
