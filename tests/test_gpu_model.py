@@ -571,11 +571,11 @@ def test_long_pass_head_in_pieces(gpu_device, tiny_file, cpu_model):
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["f32", "int8"])
-def test_sorted_pairs_bit_identical(int8, gpu_device, tiny_file):
+def test_sorted_pairs_bit_identical(int8, gpu_device, tiny_file, quant_file):
     """Prefill with the (token, expert) pairs in expert order (gathered, then scattered back) gives bit-identical
-    logits to the pairs in token order: every pair runs the same GEMV on the same row."""
+    logits to the pairs in token order: every pair runs the same GEMV on the same row (int8: the Q8_0 file, DP4A)."""
     from legacy_engine.gpu_model import GpuModel
-    path = tiny_file("moe")
+    path = quant_file("moe", "q8_0") if int8 else tiny_file("moe")
     cpu = Model(path, n_threads=2, pin=False)
     ids = sequence(100, cpu.hparams.n_vocab)
     out = []
