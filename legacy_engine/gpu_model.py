@@ -144,6 +144,9 @@ class GpuModel:
         self.host_pinned_why = ""
         self._staging: list[gpu.Buffer] = []
         self._staged: list[tuple[int, set]] = []
+        # streamed-expert accounting (stream_report), and the host's wait for the routing (sorted pairs too)
+        self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0, "copy_stall_s": 0.0, "ids_wait_s": 0.0}
+        self._stalls: list = []
         self.converted: list[str] = []     # "name (TYPE)" of tensors dequantised to f32 at upload
         self._bufs: dict[str, gpu.Buffer] = {}
         self.vram_bytes = 0
@@ -332,8 +335,6 @@ class GpuModel:
         self._slot_free = [gpu.Event(), gpu.Event()]
         self._slot_ready = [gpu.Event(), gpu.Event()]
         self._slot_used = [False, False]
-        self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0, "copy_stall_s": 0.0, "ids_wait_s": 0.0}
-        self._stalls: list = []
 
     def _stage(self, i: int, want, wait: bool = True) -> int:
         """Makes staging slot i % 2 hold experts `want` of layer i (copies on the copy stream, after the compute
