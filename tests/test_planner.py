@@ -116,9 +116,9 @@ def test_dense_model_has_nothing_to_stream():
 
 
 def test_plan_command(tmp_path):
-    env = {"LE_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    env = {"LE_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8"}
     run = lambda *a: subprocess.run([sys.executable, "-m", "legacy_engine", "plan", *a], capture_output=True,
-                                    text=True, env=env, timeout=300)
+                                    encoding="utf-8", errors="replace", env=env, timeout=300)
     r = run("--preset", "qwen3.6-35b-a3b", "--vram", "6GiB", "--no-gpu", "--prompt", "512", "--gen", "32")
     assert r.returncode == 0, r.stderr
     assert "chosen: cpu" in r.stdout and "no usable GPU" in r.stdout
