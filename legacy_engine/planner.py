@@ -25,7 +25,8 @@ Models of time (a roofline per phase, each term from one measurement; shown by `
   CPU decode  t = decode_bytes / cpu_bw_eff            (bytes read per token: dense + top-k experts + LM head)
   CPU prefill t = n * decode_params * 2 / cpu_flops    (one integer dot product per token and weight)
   GPU prefill t = max(copy, compute) per layer summed, copy = streamed expert bytes / link_bw, compute =
-              n * active_params * 2 / gpu_flops (f32 GEMM on dequantised tiles; the GDN recurrence is inside)
+              n * active_params * 2 / (gpu_flops * GPU_PREFILL_EFF) (the GEMM probe's rate, derated by the
+              measured share of expert GEMVs, GDN recurrence and attention)
   GPU decode  t = decode_bytes / gpu_bw_eff + launches * launch_s
 """
 from __future__ import annotations
@@ -192,6 +193,11 @@ def check_fits(fp: VramFootprint, budget: int, what: str = "this placement") -> 
 # probes below.
 CPU_DECODE_EFF = 0.62        # CPU decode tok/s / (read bandwidth / bytes per token): 59-64 % at 16 threads
 CPU_PREFILL_GAIN = 1.0       # CPU prefill tok/s / CPU decode tok/s (one integer dot per token and row: ~1x)
+# Whole GPU prefill / the GEMM probe's rate: the prefill also runs the (token, expert) GEMVs of the routed experts,
+# the GDN recurrence token by token and attention, which the f32 GEMM probe does not see. Measured with
+# `bench split` on the 35B-A3B Q4_K_M file, H100, 2026-11-25: predicted-from-probe / measured = 0.49 (pp512),
+# 0.47 (pp2048), 0.47 (pp8192); GPU time per prefill: routed experts 57 %, GDN 26 %, attention 13 %.
+GPU_PREFILL_EFF = 0.47
 GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 544 for 24 layers + head ≈ 22.5/layer
 #                                     on the 0.8B incl. quantise/route; 14 is the MoE-free GDN average)
 MACHINE_FILE = "machine.json"
@@ -382,7 +388,7 @@ def _cpu_times(m: Machine, decode_bytes: int) -> tuple[float, float]:
 def _gpu_prefill(m: Machine, file, fp_decode, n: int, chunk: int, stream: bool, pinned: dict) -> tuple[float, dict]:
     """Seconds to prefill n tokens on the GPU and where they go (compute, expert copies, overlap)."""
     hp = file.hparams
-    per_tok_flops = 2 * (fp_decode.decode_params - fp_decode.head_params)
+    per_tok_flops = 2 * (fp_decode.decode_params - fp_decode.head_params) / GPU_PREFILL_EFF
     compute = n * per_tok_flops / (m.gpu_gemm_tflops * 1e12) + 2 * fp_decode.head_params / (m.gpu_gemm_tflops * 1e12)
     parts = {"compute": compute, "copy": 0.0, "total": compute}
     if not stream or not hp.n_expert:
