@@ -84,7 +84,7 @@ class GpuModel:
                  toolchain: str = "auto", progress=None, plan: bool = True, graphs: bool | None = None,
                  stream_experts: bool = False, pinned: dict | None = None, vram: int | None = None,
                  n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, simulate_link: float | None = None,
-                 sort_pairs: bool = True):
+                 sort_pairs: bool = True, save_routing: bool = True):
         """model: a loaded Model (its file's tensors are uploaded; the CPU model stays usable).
         tier: 'fermi' | 'kepler' | 'dp4a' (default: the GPU's own, default_tier); arch: the PTX target
         (compute capability x10, default the GPU's: 35, 61 or 70 run the legacy PTX on a newer card);
@@ -105,6 +105,8 @@ class GpuModel:
         sort_pairs: passes of several tokens run the routed experts' (token, expert) GEMVs in expert order (x rows
         gathered per pair, outputs scattered back), so the blocks reading one expert run together and share its
         weights in L2 (one host sync per MoE layer to read the routing).
+        save_routing: close() adds the routing counts of this model's passes to the file's saved statistics
+        (planner.load_routing), from which the next placement pins the hottest experts.
         simulate_link: GB/s; streamed expert copies are paced to it (the host waits until a copy would have
         finished on that link), to run a slow card's split (a CMP 100-210 on PCIe Gen1 x1: 0.25) on a fast one."""
         hp = self.hparams = model.hparams
@@ -140,6 +142,7 @@ class GpuModel:
             gpu.set_budget(gpu.mem_stats()["used"] + self.budget)
         self.simulate_link = simulate_link
         self.sort_pairs = bool(sort_pairs)
+        self.save_routing = bool(save_routing)
         self._host = None          # (address, bytes) of the page-locked weight map (stream mode)
         self.host_pinned_why = ""
         self._staging: list[gpu.Buffer] = []
@@ -147,6 +150,9 @@ class GpuModel:
         # streamed-expert accounting (stream_report), and the host's wait for the routing (sorted pairs too)
         self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0, "copy_stall_s": 0.0, "ids_wait_s": 0.0}
         self._stalls: list = []
+        # routing statistics, counted where the host reads the routing anyway (streamed or sorted passes);
+        # close() adds them to the model file's saved counts (planner.save_routing), which choose the pins
+        self.route_counts: dict[int, np.ndarray] = {}
         self.converted: list[str] = []     # "name (TYPE)" of tensors dequantised to f32 at upload
         self._bufs: dict[str, gpu.Buffer] = {}
         self.vram_bytes = 0
@@ -599,6 +605,8 @@ class GpuModel:
         if self.stream or (n > 1 and self.sort_pairs):
             self._mark("ffn rest")
             used = self._ids_buf(ids, pairs)
+            c = self.route_counts.setdefault(L["index"], np.zeros(ne, dtype=np.int64))
+            c += np.bincount(used, minlength=ne)[:ne]
         if self.stream:
             i = L["index"]
             base = self._stage(i, np.unique(used))
@@ -789,6 +797,13 @@ class GpuModel:
         if self.budget is not None:
             gpu.set_budget(None)
             self.budget = None
+        if self.route_counts and self.save_routing:
+            from .planner import save_routing
+            try:
+                save_routing(self.model, self.route_counts)
+            except OSError:
+                pass                      # statistics are advice: an unwritable cache costs only better pins
+            self.route_counts = {}
 
     def describe(self) -> str:
         conv = f"; dequantised to f32 at upload: {len(self.converted)} tensors" if self.converted else ""

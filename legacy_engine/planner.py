@@ -618,6 +618,8 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool 
     m = machine
     if m is None:
         m = measure(model.n_threads)
+    if counts is None:
+        counts = load_routing(model)
     st = next(s for s in plan(file, m, budget, 2048, 0, n_ctx=n_ctx, counts=counts) if s.name == "stream")
     if not st.fits:
         raise PlanningError(f"streamed GPU model: {st.why}")
@@ -626,7 +628,58 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool 
     if min_gpu_tokens is None:
         min_gpu_tokens = st.min_gpu_tokens
     n_pin = sum(len(v) for v in pins.values())
+    how = "the hottest by the saved routing counts" if counts else "spread evenly: no routing statistics yet"
     return Placement(True, budget, pins, int(min_gpu_tokens), fps,
-                     f"streamed experts ({n_pin} pinned): {fps.describe()} in a budget of {budget / GiB:.2f} GiB; "
+                     f"streamed experts ({n_pin} pinned, {how}): {fps.describe()} in a budget of {budget / GiB:.2f} GiB; "
                      f"GPU prefill for passes of >= {min_gpu_tokens} tokens ({chunk} per pass), decode on the CPU",
                      chunk)
+
+
+# ================================================================================================ routing statistics
+
+ROUTING_DIR = "routing"      # $LE_CACHE_DIR/routing/<model fingerprint>.json: {layer: [count per expert]}
+
+
+def routing_path(model) -> str:
+    import os
+
+    from .cache import model_fingerprint
+    from .cli import cache_dir
+    d = os.path.join(cache_dir(), ROUTING_DIR)
+    os.makedirs(d, exist_ok=True)
+    return os.path.join(d, model_fingerprint(model).hex()[:32] + ".json")
+
+
+def load_routing(model) -> dict | None:
+    """The routing counts saved for this model file ({layer: np.ndarray[n_expert]}), or None. A file that does not
+    fit the model (layers, experts) or does not parse is ignored (counts are advice, never required)."""
+    import json
+    import os
+    path = routing_path(model)
+    if not os.path.exists(path):
+        return None
+    hp = model.file.hparams
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        out = {int(k): np.asarray(v, dtype=np.int64) for k, v in raw.items()}
+    except (OSError, ValueError, TypeError):
+        return None
+    if any(not 0 <= i < hp.n_layer or v.shape != (hp.n_expert,) or (v < 0).any() for i, v in out.items()):
+        return None
+    return out
+
+
+def save_routing(model, counts: dict) -> str:
+    """Adds `counts` ({layer: counts per expert}) to the saved statistics of this model file; returns the path."""
+    import json
+    import os
+    old = load_routing(model) or {}
+    total = {i: (old.get(i, 0) + np.asarray(c, dtype=np.int64)) for i, c in counts.items()}
+    for i, c in old.items():
+        total.setdefault(i, c)
+    path = routing_path(model)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({str(i): [int(x) for x in c] for i, c in sorted(total.items())}, f)
+    os.replace(path + ".tmp", path)
+    return path

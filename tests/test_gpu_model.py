@@ -463,7 +463,7 @@ def test_streamed_experts_match_cpu(chunk, gpu_device, tiny_file, cpu_model):
     decode steps give the CPU engine's logits within the f32 bar."""
     cpu = cpu_model("moe")
     pinned = {0: [0, 5, 6], 3: [1], 7: list(range(cpu.hparams.n_expert))}
-    gm = _stream_model(cpu, pinned, chunk)
+    gm = _stream_model(cpu, pinned, chunk, save_routing=False)
     try:
         assert gm.stream and not gm.plan
         ids = sequence(80, cpu.hparams.n_vocab)
@@ -474,6 +474,9 @@ def test_streamed_experts_match_cpu(chunk, gpu_device, tiny_file, cpu_model):
         d = float(np.abs(got.astype(np.float64) - ref).max())
         stats = dict(gm.stream_stats)
         peak = gpu.mem_stats()["peak"]
+        # routing statistics: every (token, slot) of the 80 tokens counted once per MoE layer
+        assert len(gm.route_counts) == cpu.hparams.n_layer
+        assert all(int(c.sum()) == 80 * cpu.hparams.n_expert_used for c in gm.route_counts.values())
         print(f"\nchunk {chunk}: max|Δ| {d:.2e}; {stats}; {gm.describe()}")
         assert d <= tol.LOGIT_ABS_F32
         assert stats["h2d_bytes"] > 0 and stats["d2d_bytes"] > 0

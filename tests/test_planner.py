@@ -127,3 +127,29 @@ def test_plan_command(tmp_path):
     assert bad.returncode == 2 and "unit" in bad.stderr
     assert run("--preset", "qwen3.6-35b-a3b", "--prompt", "0").returncode == 2
     assert run().returncode == 2
+
+
+def test_routing_counts_saved_and_loaded(tmp_path, monkeypatch):
+    """Routing statistics accumulate per model file (keyed by its fingerprint) and come back as the pins' order;
+    a file that does not fit the model is ignored."""
+    import numpy as np
+
+    from legacy_engine.make_model import make_model
+    from legacy_engine.model import Model
+    monkeypatch.setenv("LE_CACHE_DIR", str(tmp_path))
+    path = make_model("tiny-moe", str(tmp_path / "m.gguf"), progress=False)
+    model = Model(path, n_threads=1, pin=False)
+    hp = model.hparams
+    assert P.load_routing(model) is None
+    c = np.zeros(hp.n_expert, dtype=np.int64)
+    c[3] = 7
+    P.save_routing(model, {1: c})
+    P.save_routing(model, {1: c, 2: c})
+    got = P.load_routing(model)
+    assert got[1][3] == 14 and got[2][3] == 7 and got[1].sum() == 14
+    per = P.vram_footprint(model.file, stream_experts=True).expert_bytes
+    pins = P.choose_pins(model.file, per[1] + len(per) * P.ALLOC_GRANULE, got)
+    assert pins == {1: [3]}
+    with open(P.routing_path(model), "w") as f:
+        f.write('{"1": [1, 2]}')                                     # wrong expert count: ignored
+    assert P.load_routing(model) is None
