@@ -5,6 +5,13 @@
  *     Y: [ntok, nrows] f32 (Y[t, r] = sum_k W[r, k] X[t, k])
  *     launch: block GEMM_THREADS (256) x 1 x 1,
  *             grid min(ceil(nrows/32), 65535) x ceil(ntok/32) x 1   (ntok <= 32 * 65535)
+ *   gemm_f32_<type>_ids(W, X, Y, nrows, ncols, tiles, expert_bytes)   the grouped expert GEMM (MoE prefill)
+ *     W: [n_expert] experts of [nrows, ncols] at W + e * expert_bytes; X: [pairs, ncols] f32 rows sorted by
+ *     expert (gathered per (token, expert) pair), Y: [pairs, nrows]; tiles: int32 [n_tiles, 3] =
+ *     (expert e, first pair p0, count <= 32): one token tile of one expert each (the host builds them from the
+ *     sorted routing), so every expert's weights are read once per 32 of its tokens, not once per token.
+ *     launch: grid min(ceil(nrows/32), 65535) x n_tiles x 1 (n_tiles <= 65535); a tile runs gemm_f32's code
+ *     on its expert's W for tokens [p0, p0 + cnt) (t0 = p0): the same arithmetic, bit for bit.
  * Tiled: per step of 32 columns, 32 threads decode one 32-element sub-block of the tile's 32
  * rows into shared memory (Ws, transposed so both the writes and the reads are conflict-free),
  * all threads stage 32 tokens x 32 columns of X (Xs), then each thread accumulates 4 tokens
@@ -20,6 +27,7 @@
 #define GEMM_TR 32 /* rows per tile */
 #define GEMM_TT 32 /* tokens per tile */
 #define GEMM_TPT (GEMM_TT / (GEMM_THREADS / GEMM_TR)) /* tokens per thread: 4 */
+
 
 /* f32 weights: a row of 4-byte "blocks" of one element (only the tile loader differs). */
 struct le_t_f32w {
@@ -43,12 +51,11 @@ __device__ __forceinline__ void gemm_load(le_t_f32w, const uint8_t *row, int s, 
 
 template <class T>
 __device__ __forceinline__ void gemm_f32(const uint8_t *LE_RESTRICT W, const float *LE_RESTRICT X,
-                                         float *LE_RESTRICT Y, int nrows, int ncols, int ntok,
+                                         float *LE_RESTRICT Y, int nrows, int ncols, int ntok, int t0,
                                          float (*Ws)[GEMM_TR + 1], float (*Xs)[32 + 1]) {
     const int tid = threadIdx.x, r = tid % GEMM_TR, tg = tid / GEMM_TR; /* row in tile, token group */
     const int nsub = ncols / 32;
     const size_t row_bytes = le_row_bytes<T>(ncols);
-    const int t0 = blockIdx.y * GEMM_TT;
     for (int r0 = blockIdx.x * GEMM_TR; r0 < nrows; r0 += gridDim.x * GEMM_TR) {
         float acc[GEMM_TPT];
 #pragma unroll
@@ -89,7 +96,15 @@ __device__ __forceinline__ void gemm_f32(const uint8_t *LE_RESTRICT W, const flo
                                     int ntok) {                                                           \
         __shared__ float Ws[32][GEMM_TR + 1];                                                             \
         __shared__ float Xs[GEMM_TT][32 + 1];                                                             \
-        gemm_f32<T>(W, X, Y, nrows, ncols, ntok, Ws, Xs);                                                 \
+        gemm_f32<T>(W, X, Y, nrows, ncols, ntok, blockIdx.y * GEMM_TT, Ws, Xs);                           \
+    }                                                                                                     \
+    extern "C" __global__ void name##_ids(const uint8_t *W, const float *X, float *Y, int nrows, int ncols, \
+                                          const int *tiles, long long expert_bytes) {                     \
+        __shared__ float Ws[32][GEMM_TR + 1];                                                             \
+        __shared__ float Xs[GEMM_TT][32 + 1];                                                             \
+        const int e = tiles[3 * blockIdx.y], p0 = tiles[3 * blockIdx.y + 1], cnt = tiles[3 * blockIdx.y + 2]; \
+        /* tokens [p0, p0 + cnt) of the sorted pairs: the plain kernel's tile at t0 = p0, ending at p0 + cnt */ \
+        gemm_f32<T>(W + (size_t)e * (size_t)expert_bytes, X, Y, nrows, ncols, p0 + cnt, p0, Ws, Xs);     \
     }
 
 LE_GEMM_F32(gemm_f32_q4_0, le_t_q4_0)

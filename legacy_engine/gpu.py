@@ -927,6 +927,34 @@ class Kernels:
             [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
             stream=stream)
 
+    @staticmethod
+    def expert_tiles(sorted_ids: np.ndarray) -> np.ndarray:
+        """int32 [n_tiles, 3] (expert, first pair, count <= GEMM_TILE) over pairs sorted by expert: each expert's
+        run cut into tiles of GEMM_TILE (gemm_ids' work list)."""
+        ids = np.asarray(sorted_ids)
+        if ids.size and (np.diff(ids) < 0).any():
+            raise ValueError("expert_tiles: the ids must be sorted")
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if ids.size else np.zeros(0, dtype=np.int64)
+        ends = np.r_[starts[1:], ids.size]
+        out = [(int(ids[a]), p, min(GEMM_TILE, b - p)) for a, b in zip(starts, ends) for p in range(a, b, GEMM_TILE)]
+        return np.asarray(out, dtype=np.int32).reshape(-1, 3)
+
+    def gemm_ids(self, qtype: int, W, X, Y, nrows: int, ncols: int, tiles, n_tiles: int, expert_bytes: int,
+                 n_pairs: int, stream: Stream | None = None) -> None:
+        """The grouped expert GEMM: for each tile (e, p0, cnt) of `tiles` (device int32 [n_tiles, 3], from
+        expert_tiles), Y[p0:p0+cnt] = X[p0:p0+cnt] W_e^T with W_e at W + e * expert_bytes; X [n_pairs, ncols]
+        f32 rows sorted by expert, Y [n_pairs, nrows]."""
+        suffix = self._weights(qtype, W, nrows, ncols, "gemm_ids")
+        if not 0 < n_tiles <= MAX_GRID:
+            raise ValueError(f"gemm_ids: n_tiles = {n_tiles} outside 1…{MAX_GRID}")
+        _need(X, 4 * ncols * n_pairs, "gemm_ids X")
+        _need(Y, 4 * nrows * n_pairs, "gemm_ids Y")
+        _need(tiles, 12 * n_tiles, "gemm_ids tiles")
+        self.modules["gemm_f32"].kernel(f"gemm_f32_{suffix}_ids").launch(
+            (self._grid(-(-nrows // GEMM_TILE)), n_tiles, 1), (GEMM_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols),
+             ("ptr", _ptr(tiles)), ("i64", int(expert_bytes))], stream=stream)
+
 
     # ---- the layer ops after the matmuls (cuda8/conv1d.cu, gdn.cu, attention.cu, moe_route.cu, argmax.cu,
     # elementwise.cu); every tensor f32 unless said, shapes as in each file's header.

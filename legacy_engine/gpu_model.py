@@ -84,7 +84,7 @@ class GpuModel:
                  toolchain: str = "auto", progress=None, plan: bool = True, graphs: bool | None = None,
                  stream_experts: bool = False, pinned: dict | None = None, vram: int | None = None,
                  n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, simulate_link: float | None = None,
-                 sort_pairs: bool = True, save_routing: bool = True):
+                 sort_pairs: bool = True, save_routing: bool = True, grouped_experts: bool = False):
         """model: a loaded Model (its file's tensors are uploaded; the CPU model stays usable).
         tier: 'fermi' | 'kepler' | 'dp4a' (default: the GPU's own, default_tier); arch: the PTX target
         (compute capability x10, default the GPU's: 35, 61 or 70 run the legacy PTX on a newer card);
@@ -105,6 +105,9 @@ class GpuModel:
         sort_pairs: passes of several tokens run the routed experts' (token, expert) GEMVs in expert order (x rows
         gathered per pair, outputs scattered back), so the blocks reading one expert run together and share its
         weights in L2 (one host sync per MoE layer to read the routing).
+        grouped_experts: with sort_pairs, passes of several tokens run the routed experts as one grouped GEMM per
+        matrix (gemm_f32_<type>_ids: tiles of up to 32 tokens of one expert, weights read once per tile, f32
+        activations) instead of one GEMV per (token, expert) pair. Off by default until run-verified on a GPU.
         save_routing: close() adds the routing counts of this model's passes to the file's saved statistics
         (planner.load_routing), from which the next placement pins the hottest experts.
         simulate_link: GB/s; streamed expert copies are paced to it (the host waits until a copy would have
@@ -142,6 +145,7 @@ class GpuModel:
             gpu.set_budget(gpu.mem_stats()["used"] + self.budget)
         self.simulate_link = simulate_link
         self.sort_pairs = bool(sort_pairs)
+        self.grouped = bool(grouped_experts) and self.sort_pairs
         self.save_routing = bool(save_routing)
         self._host = None          # (address, bytes) of the page-locked weight map (stream mode)
         self.host_pinned_why = ""
@@ -620,13 +624,23 @@ class GpuModel:
             order = np.argsort(used, kind="stable").astype(np.int32)
             inv = np.empty_like(order)
             inv[order] = np.arange(pairs, dtype=np.int32)
-            meta = np.concatenate([used[order], order // kk, inv]).astype(np.int32)
-            mb = self._buf("pair_meta", 4 * 3 * pairs)
+            tiles = gpu.Kernels.expert_tiles(used[order]) if self.grouped else np.zeros((0, 3), np.int32)
+            meta = np.concatenate([used[order], order // kk, inv, tiles.reshape(-1)]).astype(np.int32)
+            mb = self._buf("pair_meta", 4 * (3 * pairs + 3 * len(tiles)))
             mb.upload(meta)
-            eids, ptok, pinv = mb.ptr, mb.ptr + 4 * pairs, mb.ptr + 8 * pairs
+            eids, ptok, pinv, ptiles = mb.ptr, mb.ptr + 4 * pairs, mb.ptr + 8 * pairs, mb.ptr + 12 * pairs
             xg = self._buf("xg", 4 * pairs * E).ptr
             k.get_rows(gpu.F32, h, ptok, xg, pairs, E)
             x_tok, x_group = xg, 1
+        if sort and self.grouped:
+            self._grouped_experts(L, base, xg, g, u, pairs, ptiles, len(tiles))
+            k.get_rows(gpu.F32, xg, pinv, yd, pairs, E)
+            self._mark("routed experts")
+            if self.stream:
+                self._release(i)
+                self.stream_stats["layers"] += 1
+            self._shared_and_combine(L, h, hq, n, yd, wts, y)
+            return
         int8 = self.int8 and L["gate_exps"].qtype != gpu.F32
         rows = pairs if sort else n
         x, xs = (x_tok, E)
@@ -656,6 +670,12 @@ class GpuModel:
         if self.stream:
             self._release(i)
             self.stream_stats["layers"] += 1
+        self._shared_and_combine(L, h, hq, n, yd, wts, y)
+
+    def _shared_and_combine(self, L: dict, h: int, hq, n: int, yd: int, wts: int, y: int) -> None:
+        """y[n, E] = the routed experts' outputs yd [n*k, E] weighted by wts, plus the gated shared expert."""
+        hp, k = self.hparams, self.k
+        E, kk = hp.n_embd, hp.n_expert_used
         sh = shg = None
         if hp.n_ff_shexp:
             fs = hp.n_ff_shexp
@@ -669,6 +689,18 @@ class GpuModel:
             self._mm(L["sh_down"], sg, sh, n)
             self._mm(L["sh_gate_inp"], h, shg, n, hq)
         k.moe_combine(yd, wts, sh, shg, y, n, kk, E)
+
+    def _grouped_experts(self, L: dict, base: int, xg: int, g: int, u: int, pairs: int, tiles: int,
+                         n_tiles: int) -> None:
+        """Routed experts as grouped GEMMs over the pairs sorted by expert: xg [pairs, E] gathered rows in, the
+        down projection's output back in xg [pairs, E] (sorted order); g, u [pairs, ff] scratch."""
+        k, ff = self.k, self.hparams.n_ff_exp
+        for wname, out in (("gate_exps", g), ("up_exps", u)):
+            w = L[wname]
+            k.gemm_ids(w.qtype, base + w.ptr, xg, out, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs)
+        k.swiglu(g, u, g, pairs * ff)
+        w = L["down_exps"]
+        k.gemm_ids(w.qtype, base + w.ptr, g, xg, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs)
 
     # ------------------------------------------------------------------ forward
 

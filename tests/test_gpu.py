@@ -131,7 +131,9 @@ def expected_entries(name: str) -> set[str]:
         if name == "gemv_f32":
             suffixes.append("f32")
         out = {f"{name}_{s}" for s in suffixes} | {f"{name}_{s}_ids" for s in suffixes}
-    elif name in ("gemm_f32", "get_rows"):
+    elif name == "gemm_f32":
+        out = {f"{name}_{s}" for s in suffixes + ["f32"]} | {f"{name}_{s}_ids" for s in suffixes + ["f32"]}
+    elif name == "get_rows":
         out = {f"{name}_{s}" for s in suffixes + ["f32"]}
     else:
         out = ENTRIES[name]
@@ -528,6 +530,46 @@ def test_gemv_dp4a(kernels, qtype):
         mag = (np.abs(W + m) + np.abs(m)) @ np.abs(xhat) + np.abs(msub) @ np.abs(s8)
         chain = math.ceil(ncols / 32 / 32) + 5
         assert_close_sum(y, ref, mag, chain, f"gemv_dp4a {tname(qtype)} {nrows}x{ncols}")
+
+
+@pytest.mark.cpu
+def test_expert_tiles():
+    ids = np.array([0, 0, 2] + [5] * 70 + [7], dtype=np.int32)
+    t = gpu.Kernels.expert_tiles(ids)
+    assert t.tolist() == [[0, 0, 2], [2, 2, 1], [5, 3, 32], [5, 35, 32], [5, 67, 6], [7, 73, 1]]
+    assert gpu.Kernels.expert_tiles(np.zeros(0, np.int32)).shape == (0, 3)
+    with pytest.raises(ValueError, match="sorted"):
+        gpu.Kernels.expert_tiles(np.array([3, 1], np.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES + [gpu.F32], ids=[tname(t) for t in TYPES] + ["f32"])
+@variant_params()
+def test_gemm_ids(kernels, qtype):
+    """The grouped expert GEMM gives, tile by tile, exactly what gemm_f32 gives for that expert's rows."""
+    rng = np.random.default_rng(700 + qtype)
+    n_exp, k = 5, 1
+    nrows, ncols = 72, 512                            # a partial row tile; 2 K-quant blocks per row
+    if qtype == gpu.F32:
+        w = rng.standard_normal(n_exp * nrows * ncols).astype(np.float32)
+        eb = 4 * nrows * ncols
+    else:
+        w = random_weights(rng, qtype, n_exp * nrows, ncols)
+        eb = nrows * ncols // gpu.GPU_TYPES[qtype][1] * gpu.GPU_TYPES[qtype][2]
+    ids = np.sort(rng.integers(0, n_exp, 90)).astype(np.int32)
+    ids[ids == 3] = 4                                  # an expert with no tokens
+    ids = np.sort(ids)
+    n_pairs = ids.size * k
+    X = rng.standard_normal((n_pairs, ncols)).astype(np.float32)
+    tiles = gpu.Kernels.expert_tiles(ids)
+    with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(X) as bx, gpu.Buffer.from_array(tiles) as bt, \
+            gpu.Buffer(4 * n_pairs * nrows) as by, gpu.Buffer(4 * 32 * nrows) as b1:
+        kernels.gemm_ids(qtype, bw, bx, by, nrows, ncols, bt, len(tiles), eb, n_pairs)
+        Y = by.download(dtype=np.float32).reshape(n_pairs, nrows)
+        for e, p0, cnt in tiles.tolist():
+            kernels.gemm_f32(qtype, bw.ptr + e * eb, bx.ptr + 4 * p0 * ncols, b1, nrows, ncols, cnt)
+            ref = b1.download(dtype=np.float32, count=cnt * nrows).reshape(cnt, nrows)
+            np.testing.assert_array_equal(Y[p0:p0 + cnt], ref, err_msg=f"tile ({e}, {p0}, {cnt})")
 
 
 @pytest.mark.gpu
