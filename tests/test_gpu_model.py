@@ -607,3 +607,27 @@ def test_grouped_experts_match_reference(kind, gpu_device, tiny_file, cpu_model)
         assert compare(load_reference(kind), got, 120) <= tol.LOGIT_ABS_F32
         ref = cpu.forward(cpu.new_state(N_CTX), ids, all_logits=True)
         assert np.abs(got.astype(np.float64) - ref).max() <= tol.LOGIT_ABS_F32
+
+
+def test_engine_runs_split_when_the_model_does_not_fit(gpu_device, tiny_file, cpu_model):
+    """`run --gpu --vram SIZE` with a budget below the resident footprint: the Engine plans the split (experts
+    streamed, GPU prefill, CPU decode) and its greedy text equals the CPU engine's."""
+    from legacy_engine import planner
+    from legacy_engine.generate import Engine
+    from legacy_engine.sampling import SamplingParams
+    from legacy_engine.split import SplitModel
+    path = tiny_file("moe")
+    cpu = cpu_model("moe")
+    res = planner.vram_footprint(cpu.file, n_ctx=128, int8=True)
+    cpu_e = Engine(path, n_threads=2, n_ctx=128, pin=False)
+    gpu_e = Engine(path, n_threads=2, n_ctx=128, pin=False, gpu=True, gpu_vram=res.total - 1, gpu_min_tokens=8)
+    try:
+        assert isinstance(gpu_e.model, SplitModel) and gpu_e.placement.stream
+        assert "streamed experts" in gpu_e.placement.why
+        prompt = "The quick brown fox jumps over the lazy dog. " * 3
+        outs = [e.session().generate(prompt, max_tokens=16, params=SamplingParams(temperature=0.0)).text
+                for e in (cpu_e, gpu_e)]
+        assert outs[0] == outs[1]
+        assert gpu_e.model.passes["gpu"] >= 1 and gpu_e.model.passes["cpu"] >= 15
+    finally:
+        gpu_e.gpu.close()
