@@ -196,17 +196,20 @@ def plot(res: dict, out: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise UnavailableError("--plot needs matplotlib (pip install matplotlib)") from e
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
+    names, tgs = [], []
     for r in res["rows"]:
         if "error" in r:
             continue
         ps = sorted(r["pp"])
         a.plot(ps, [r["pp"][p] for p in ps], marker="o", label=r["strategy"])
-        b.bar(r["strategy"], r["tg"])
+        names.append(r["strategy"])
+        tgs.append(r["tg"])
+    b.barh(names, tgs, color=[f"C{i}" for i in range(len(names))])
+    b.invert_yaxis()
     a.set(xlabel="prompt tokens", ylabel="prefill tok/s", xscale="log", yscale="log", title="prefill")
-    b.set(ylabel="decode tok/s", title=f"decode ({res['gen']} tokens)")
-    b.tick_params(axis="x", rotation=45)
-    a.legend(fontsize=7)
+    b.set(xlabel="decode tok/s", title=f"decode ({res['gen']} tokens)")
+    a.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{res['model']}, VRAM {res['vram'] / 2**30:.1f} GiB")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
