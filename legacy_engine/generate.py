@@ -76,6 +76,8 @@ class Engine:
                                              pinned=pl.pinned, n_ctx=n_ctx, chunk=pl.chunk)
             if pl.stream:
                 self.model = SplitModel(self.cpu_model, self.gpu, pl.min_gpu_tokens)
+            import atexit
+            atexit.register(self.gpu.flush_routing)   # routing statistics for the next run's pinned experts
         meta = self.model.file.metadata
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.chat_template = meta.get("tokenizer.chat_template")

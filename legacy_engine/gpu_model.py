@@ -160,7 +160,17 @@ class GpuModel:
         self.converted: list[str] = []     # "name (TYPE)" of tensors dequantised to f32 at upload
         self._bufs: dict[str, gpu.Buffer] = {}
         self.vram_bytes = 0
-        self._upload_all(progress)
+        try:
+            self._upload_all(progress)
+        except BaseException:
+            for b in list(self._bufs.values()) + self._staging + list(getattr(self, "_pin_store", {}).values()):
+                b.free()
+            if self._host is not None:
+                from . import _native
+                _native.gpu_host_unregister(self._host[0])
+            if self.budget is not None:
+                gpu.set_budget(None)          # a failed load leaves no budget (nor memory) behind
+            raise
         self._scratch: dict[str, gpu.Buffer] = {}
         self._retired: list[gpu.Buffer] = []
         self._tag = "p"           # scratch set: "d" decode (one token, named by plans), "p" prefill
@@ -829,13 +839,18 @@ class GpuModel:
         if self.budget is not None:
             gpu.set_budget(None)
             self.budget = None
+        self.flush_routing()
+
+    def flush_routing(self) -> None:
+        """Adds the routing counts gathered so far to the file's saved statistics (save_routing) and clears them;
+        close() calls it, and the Engine at exit."""
         if self.route_counts and self.save_routing:
             from .planner import save_routing
             try:
                 save_routing(self.model, self.route_counts)
             except OSError:
                 pass                      # statistics are advice: an unwritable cache costs only better pins
-            self.route_counts = {}
+        self.route_counts = {}
 
     def describe(self) -> str:
         conv = f"; dequantised to f32 at upload: {len(self.converted)} tensors" if self.converted else ""
