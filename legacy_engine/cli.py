@@ -94,9 +94,13 @@ def model_report(path: str) -> tuple[dict, list[str]]:
 def cmd_info(args) -> int:
     from .caps import format_machine_report, machine_report
 
+    from .planner import cached_machines, format_machines
+
     rep = machine_report()
-    data = {"machine": rep}
+    saved = cached_machines()
+    data = {"machine": rep, "planner_probes": saved}
     lines = [f"legacy_engine {__import__('legacy_engine').__version__}"] + format_machine_report(rep)
+    lines += format_machines(saved)
     if args.model:
         mdata, mlines = model_report(args.model)
         data["model"] = mdata

@@ -328,6 +328,34 @@ def measure(n_threads: int | None = None, gpu: bool = True, cache: bool = True, 
     return Machine(**m)
 
 
+def cached_machines() -> dict:
+    """The machine probes saved by measure() ({"threads=T,gpu=G": Machine fields}), {} when none."""
+    import json
+    import os
+
+    from .cli import cache_dir
+    path = os.path.join(cache_dir(), MACHINE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def format_machines(saved: dict) -> list[str]:
+    """`info`'s planner lines: what the planner will use without measuring again."""
+    if not saved:
+        return ["Planner  no machine probe cached yet (`legacy-engine plan` measures once, ~10 s)"]
+    out = ["Planner  cached machine probes (`legacy-engine plan --remeasure` refreshes):"]
+    for key, m in sorted(saved.items()):
+        line = f"  {key}: CPU {m['cpu_read_gbps']:.1f} GB/s read"
+        if m.get("gpu_name"):
+            line += (f"; GPU {m['gpu_name']} ({m['gpu_tier']}): link {m['link_gbps']:.1f} GB/s, GEMM "
+                     f"{m['gpu_gemm_tflops']:.1f} TFLOP/s, GEMV {m['gpu_gemv_gbps']:.0f} GB/s")
+        out.append(line)
+    return out
+
+
 # ================================================================================================ predictions
 
 def expected_distinct(n_expert: int, k: int, n: int) -> float:

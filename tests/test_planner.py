@@ -153,3 +153,13 @@ def test_routing_counts_saved_and_loaded(tmp_path, monkeypatch):
     with open(P.routing_path(model), "w") as f:
         f.write('{"1": [1, 2]}')                                     # wrong expert count: ignored
     assert P.load_routing(model) is None
+
+
+def test_info_shows_the_cached_probe(tmp_path):
+    env = {"LE_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8"}
+    info = lambda: subprocess.run([sys.executable, "-m", "legacy_engine", "info"], capture_output=True,
+                                  encoding="utf-8", errors="replace", env=env, timeout=300).stdout
+    assert "no machine probe cached yet" in info()
+    saved = {"threads=2,gpu=0": dataclasses.asdict(NO_GPU)}
+    (tmp_path / P.MACHINE_FILE).write_text(__import__("json").dumps(saved))
+    assert "threads=2,gpu=0: CPU 90.0 GB/s read" in info()
