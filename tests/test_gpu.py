@@ -352,6 +352,15 @@ def random_weights(rng, qtype: int, nrows: int, ncols: int) -> np.ndarray:
     return raw.reshape(-1)
 
 
+def expert_weights(rng, qtype: int, n_exp: int, nrows: int, ncols: int) -> tuple[np.ndarray, int]:
+    """n_exp experts of [nrows, ncols] weights of `qtype` (gpu.F32: f32 values) back to back -> (bytes or f32
+    array, bytes per expert)."""
+    if qtype == gpu.F32:
+        return rng.standard_normal(n_exp * nrows * ncols).astype(np.float32), 4 * nrows * ncols
+    _, bs, ts = gpu.GPU_TYPES[qtype]
+    return random_weights(rng, qtype, n_exp * nrows, ncols), nrows * ncols // bs * ts
+
+
 def dequant(qtype: int, w: np.ndarray, nrows: int, ncols: int) -> tuple[np.ndarray, np.ndarray]:
     """-> (W f64 [nrows, ncols] by the C reference, m f64 [nrows, ncols]: the min term of each element)."""
     W = _native.dequantize_row(qtype, w, nrows * ncols).astype(np.float64).reshape(nrows, ncols)
@@ -550,12 +559,7 @@ def test_gemm_ids(kernels, qtype):
     rng = np.random.default_rng(700 + qtype)
     n_exp, k = 5, 1
     nrows, ncols = 72, 512                            # a partial row tile; 2 K-quant blocks per row
-    if qtype == gpu.F32:
-        w = rng.standard_normal(n_exp * nrows * ncols).astype(np.float32)
-        eb = 4 * nrows * ncols
-    else:
-        w = random_weights(rng, qtype, n_exp * nrows, ncols)
-        eb = nrows * ncols // gpu.GPU_TYPES[qtype][1] * gpu.GPU_TYPES[qtype][2]
+    w, eb = expert_weights(rng, qtype, n_exp, nrows, ncols)
     ids = np.sort(rng.integers(0, n_exp, 90)).astype(np.int32)
     ids[ids == 3] = 4                                  # an expert with no tokens
     ids = np.sort(ids)
@@ -1049,6 +1053,49 @@ def test_attention_decode(kernels, n_head, n_kv, hd):
             bad = attention_ref(qg, kc, vc.reshape(n_keys, n_kv, hd)[:, ::-1].reshape(n_keys, -1).copy(), 1,
                                 n_keys - 1, n_head, n_kv, hd, scale)[0][0]
             assert (np.abs(o - bad) > bound[0]).any()
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_position_from_device(kernels):
+    """The planned decode step's kernels read the position p from a device int: attn_kv_store_f32 writes row p of
+    both caches (exactly), attention_decode with pos_dev attends keys 0..p (attention_ref's bound), qk_norm_rope
+    with pos_dev reads table row p (bit-identical to passing that row's address)."""
+    from legacy_engine.gpu_model import rope_table
+    rng = np.random.default_rng(17)
+    n_head, n_kv, hd, n_ctx, p = 4, 2, 128, 300, 211
+    kvw = n_kv * hd
+    scale = np.float32(1) / np.sqrt(np.float32(hd))
+    kc = rng.standard_normal((n_ctx, kvw)).astype(np.float32)
+    vc = rng.standard_normal((n_ctx, kvw)).astype(np.float32)
+    k_new, v_new = rng.standard_normal((2, kvw)).astype(np.float32)
+    qg = (rng.standard_normal(n_head * 2 * hd) * 3).astype(np.float32)
+    ns = gpu.Kernels.attn_splits(n_ctx)[0]
+    with gpu.Buffer.from_array(np.array([0, p], np.int32)) as io, gpu.Buffer.from_array(kc) as bk, \
+            gpu.Buffer.from_array(vc) as bv, gpu.Buffer.from_array(k_new) as bkn, gpu.Buffer.from_array(v_new) as bvn, \
+            gpu.Buffer.from_array(qg) as bq, gpu.Buffer(4 * n_head * hd) as bo, \
+            gpu.Buffer(gpu.Kernels.attn_partials_bytes(n_head, hd, gpu.ATTN_MAX_SPLIT)) as bp:
+        kernels.kv_store(bkn, bvn, bk, bv, io.ptr + 4, kvw)
+        kc[p], vc[p] = k_new, v_new
+        np.testing.assert_array_equal(bk.download(dtype=np.float32).reshape(n_ctx, kvw), kc)
+        np.testing.assert_array_equal(bv.download(dtype=np.float32).reshape(n_ctx, kvw), vc)
+        kernels.attention_decode(bq, bk, bv, bo, bp, n_ctx, n_head, n_kv, hd, scale, n_split=ns, pos_dev=io.ptr + 4)
+        o = bo.download(dtype=np.float32)
+    ref, bound = attention_ref(qg, kc[:p + 1], vc[:p + 1], 1, p, n_head, n_kv, hd, scale)
+    assert (np.abs(o - ref[0]) <= bound[0]).all()
+    hp = __import__("types").SimpleNamespace(n_rot=64, rope_theta=1e7, rope_sections=(11, 11, 10, 0))
+    cs = rope_table(hp, n_ctx)
+    w = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)
+    x = rng.standard_normal(n_head * 2 * hd).astype(np.float32)
+    out = []
+    with gpu.Buffer.from_array(np.array([0, p], np.int32)) as io, gpu.Buffer.from_array(w) as bw, \
+            gpu.Buffer.from_array(cs) as bc:
+        for pos_dev, table in ((io.ptr + 4, bc.ptr), (None, bc.ptr + 4 * p * hp.n_rot)):
+            with gpu.Buffer.from_array(x) as bx:
+                kernels.qk_norm_rope(bx, bw, table, 1, n_head, 2 * hd, n_head * 2 * hd, hd, hp.n_rot, 1e-6,
+                                     pos_dev=pos_dev)
+                out.append(bx.download(dtype=np.float32))
+    np.testing.assert_array_equal(out[0], out[1])
 
 
 @pytest.mark.gpu
