@@ -73,14 +73,7 @@ def weights(qtype: int, nrows: int, ncols: int, seed: int = 0) -> np.ndarray:
 
 
 def time_ms(launch, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        launch()
-    e0, e1 = gpu.Event(), gpu.Event()
-    e0.record()
-    for _ in range(reps):
-        launch()
-    e1.record()
-    return e0.elapsed_ms(e1) / reps
+    return gpu.time_ms(launch, reps, warmup)
 
 
 def bench(kernels: list[gpu.Kernels], mib: int, reps: int) -> list[dict]:

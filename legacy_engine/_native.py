@@ -603,8 +603,7 @@ _ARG_CTYPES = {"ptr": "uint64_t *", "i32": "int32_t *", "u32": "uint32_t *", "i6
 
 def gpu_launch(kernel, grid, block, args, shared_bytes: int = 0, stream=None) -> None:
     """grid, block: (x, y, z); args: [(kind, value)] with kind in ptr/i32/u32/i64/f32, in parameter order."""
-    keep = [ffi.new(_ARG_CTYPES[kind], value) for kind, value in args]
-    params = ffi.new("void *[]", [ffi.cast("void *", k) for k in keep]) if keep else ffi.NULL
+    params, _keep = gpu_launch_args(args)     # _keep holds the values params points at until the call returns
     gx, gy, gz = grid
     bx, by, bz = block
     _gpu_check(lib.le_gpu_launch(kernel, gx, gy, gz, bx, by, bz, int(shared_bytes), _stream(stream), params),

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from . import gpu
-from .bench import seeded_tokens, weight_footprint
+from .bench import _times, seeded_tokens, weight_footprint
 from .errors import UnavailableError
 
 WARM_PREFILL = 16
@@ -48,16 +48,12 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
 
 
 def _median_time(fn, reps: int) -> float:
-    fn()                                    # warm-up
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    """Median seconds of `reps` runs after one warm-up."""
+    return statistics.median(_times(fn, reps))
 
 
-def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: int, graphs: bool | None = None) -> dict:
+def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: int,
+               graphs: bool | None = None) -> dict:
     from .gpu_model import GpuModel
     tier, arch = variant
     gm = GpuModel(model, tier=tier, arch=arch, graphs=graphs)
@@ -87,13 +83,16 @@ def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: 
     return row
 
 
-def bench_llama(binary: str, path: str, pps, tg: int, reps: int) -> dict:
-    cmd = [binary, "-m", str(path), "-ngl", "99", "-p", ",".join(str(p) for p in pps), "-n", str(tg), "-r", str(reps),
+def bench_llama(binary: str, path: str, pps, tg: int, reps: int, flags=("-ngl", "99"),
+                engine: str = "llama.cpp CUDA (llama-bench -ngl 99)") -> dict:
+    """One llama-bench run (its JSON output) -> {"engine", "pp": {n: tok/s}, "tg", "build", "backend"}; `flags`
+    are llama-bench's placement flags (-ngl, -ncmoe, -t …). UnavailableError with its stderr when it fails."""
+    cmd = [binary, "-m", str(path), *flags, "-p", ",".join(str(p) for p in pps), "-n", str(tg), "-r", str(reps),
            "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace")
     if out.returncode != 0:
         raise UnavailableError(f"{' '.join(cmd)} exited {out.returncode}: {out.stderr.strip()[-500:]}")
-    row = {"engine": "llama.cpp CUDA (llama-bench -ngl 99)", "pp": {}, "tg": float("nan")}
+    row = {"engine": engine, "pp": {}, "tg": float("nan")}
     for test in json.loads(out.stdout):
         if test.get("n_gen", 0) == 0:
             row["pp"][int(test["n_prompt"])] = float(test["avg_ts"])

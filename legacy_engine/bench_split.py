@@ -17,22 +17,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import time
 
 from . import gpu, planner
-from .bench import seeded_tokens
+from .bench import _times, seeded_tokens
 from .errors import UnavailableError
-
-
-def _time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | None = None) -> dict:
@@ -47,7 +36,7 @@ def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | 
         def prefill(p=p):
             st.reset()
             model.forward(st, ids[:p])
-        t = _time(prefill, reps)
+        t = statistics.median(_times(prefill, reps))
         row["pp"][p], row["pp_s"][p] = p / t, t
     st.reset()
     model.forward(st, ids[:prompts[0]])
@@ -59,23 +48,22 @@ def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | 
 
 
 def bench_llama(binary: str, path: str, prompts, gen: int, threads: int, ngl: int, ncmoe: int | None) -> dict:
-    cmd = [binary, "-m", str(path), "-ngl", str(ngl), "-p", ",".join(map(str, prompts)), "-n", str(gen), "-r", "2",
-           "-t", str(threads), "-o", "json"] + (["-ncmoe", str(ncmoe)] if ncmoe is not None else [])
-    out = subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace")
+    """A llama-bench row of the split table (bench_gpu.bench_llama with -ngl/-ncmoe/-t); a failed run is a row
+    that says why."""
+    from .bench_gpu import bench_llama as run_llama
     name = f"llama.cpp -ngl {ngl}" + (f" -ncmoe {ncmoe}" if ncmoe is not None else "")
-    if out.returncode != 0:
-        return {"strategy": name, "error": f"exit {out.returncode}: {out.stderr.strip()[-300:]}"}
-    row = {"strategy": name, "pp": {}, "tg": float("nan")}
-    for t in json.loads(out.stdout):
-        if t.get("n_gen", 0) == 0:
-            row["pp"][int(t["n_prompt"])] = float(t["avg_ts"])
-        else:
-            row["tg"] = float(t["avg_ts"])
+    flags = ["-ngl", str(ngl), "-t", str(threads)] + (["-ncmoe", str(ncmoe)] if ncmoe is not None else [])
+    try:
+        row = run_llama(binary, path, prompts, gen, 2, flags, name)
+    except UnavailableError as e:
+        return {"strategy": name, "error": str(e)[-300:]}
+    row["strategy"] = row.pop("engine")
     return row
 
 
 def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: int = 1, ballast: bool = False,
-                simulate_link: float | None = None, llama: str | None = None, ncmoe=(30, 40), threads: int | None = None,
+                simulate_link: float | None = None, llama: str | None = None, ncmoe=(30, 40),
+                threads: int | None = None,
                 cpu_max_prompt: int | None = 512, strategies=("cpu", "stream", "resident"), log=None) -> dict:
     import dataclasses
 
@@ -164,7 +152,8 @@ def print_split(res: dict) -> None:
     m = res["machine"]
     print(f"{res['model']}: VRAM budget {res['vram'] / 2**30:.2f} GiB"
           + (f" (ballast: {res['free_after_ballast'] / 2**30:.2f} GiB left free)" if res.get("ballast") else "")
-          + f", {res['threads']} threads; link {m['link_gbps']:.2f} GB/s{' (simulated)' if m['simulated_link'] else ''}")
+          + f", {res['threads']} threads; link {m['link_gbps']:.2f} GB/s"
+          + (" (simulated)" if m["simulated_link"] else ""))
     print(f"{'strategy':<28}" + "".join(f"{'pp' + str(p):>10}{'pred':>8}" for p in ps) + f"{'tg' + str(res['gen']):>9}"
           f"{'pred':>8}")
     for r in res["rows"]:

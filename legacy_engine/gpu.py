@@ -786,6 +786,18 @@ def synchronize() -> None:
     _native().gpu_synchronize()
 
 
+def time_ms(launch, reps: int, warmup: int = 1) -> float:
+    """Milliseconds per call of `launch` (work on the default stream), timed by events after `warmup` calls."""
+    for _ in range(warmup):
+        launch()
+    e0, e1 = Event(), Event()
+    e0.record()
+    for _ in range(reps):
+        launch()
+    e1.record()
+    return e0.elapsed_ms(e1) / reps
+
+
 def _ptr(b) -> int:
     return 0 if b is None else (b.ptr if isinstance(b, Buffer) else int(b))
 

@@ -30,8 +30,8 @@ Decode steps replay a LaunchPlan (gpu.py): the launches of the first step are re
 fixed; the token and its position live in a device buffer (st.io) that the kernels read (rope, the KV store,
 attention), so the next steps only upload 8 bytes, replay, and download the logits. Where the driver has CUDA
 graphs (and the tier is not fermi) the plan is captured once as a graph: a token is then one cuGraphLaunch.
-Not here yet: chunked GDN prefill (the recurrence runs token by token), DP4A GEMM for prefill,
-grouped expert GEMM.
+Not here yet: chunked GDN prefill (the recurrence runs token by token), DP4A GEMM for prefill; the grouped
+expert GEMM (grouped_experts=True) is not yet run-verified and off by default.
 """
 from __future__ import annotations
 
@@ -331,23 +331,22 @@ class GpuModel:
         self._pin_store: dict[int, gpu.Buffer] = {}  # layer -> pinned experts of every tensor, tensor-major
         layer_max = 0
         for i in range(hp.n_layer):
-            off, pin_off, lay = 0, 0, []
-            n_pin = len(self.pinned.get(i, []))
+            off, pin_off, lay, pin_parts = 0, 0, [], []
+            es = self.pinned.get(i, [])
             for name in expert_tensors(self.file, i):
-                t = self.file.tensors[name]
+                t, data = self.file.tensors[name], gg.data(name)
                 eb = int(t.n_bytes) // hp.n_expert
-                lay.append((_native.host_address(gg.data(name)), int(t.n_bytes), eb, off, pin_off))
+                lay.append((_native.host_address(data), int(t.n_bytes), eb, off, pin_off))
+                pin_parts += [data[e * eb:(e + 1) * eb] for e in es]
                 self._stage_offset[name] = off
                 off += int(t.n_bytes)
-                pin_off += n_pin * eb
+                pin_off += len(es) * eb
             if lay:
                 self._stage_layout[i] = lay
                 layer_max = max(layer_max, off)
-                es = self.pinned.get(i, [])
-                if es:
-                    parts = [np.asarray(gg.data(name))[e * eb:(e + 1) * eb] for name in expert_tensors(self.file, i)
-                             for eb in [int(self.file.tensors[name].n_bytes) // hp.n_expert] for e in es]
-                    self._pin_store[i] = gpu.Buffer.from_array(np.concatenate(parts), f"pinned experts of layer {i}")
+                if pin_parts:
+                    self._pin_store[i] = gpu.Buffer.from_array(np.concatenate(pin_parts),
+                                                               f"pinned experts of layer {i}")
                     self.vram_bytes += self._pin_store[i].nbytes
         self._staging = [gpu.Buffer(max(layer_max, 256), f"expert staging {j}") for j in range(2)]
         self._staged = [(-1, set()), (-1, set())]
@@ -400,7 +399,8 @@ class GpuModel:
             self._staged[s] = (i, have | set(need))
             if self.simulate_link:
                 self._copy.synchronize()
-                rest = (self.stream_stats["h2d_bytes"] - h2d0) / (self.simulate_link * 1e9) - (time.perf_counter() - t_issue)
+                copied = self.stream_stats["h2d_bytes"] - h2d0
+                rest = copied / (self.simulate_link * 1e9) - (time.perf_counter() - t_issue)
                 if rest > 0:
                     time.sleep(rest)
         self._slot_ready[s].record(self._copy)
@@ -431,7 +431,7 @@ class GpuModel:
 
     def _mark(self, phase: str) -> None:
         """Ends `phase` (the GPU work launched since the previous mark) when profiling."""
-        if getattr(self, "_prof", None) is None or self._tag == "d":
+        if self._prof is None or self._tag == "d":
             return
         e = gpu.Event()
         e.record()
@@ -439,7 +439,7 @@ class GpuModel:
 
     def profile_report(self) -> dict:
         """{phase: GPU seconds} summed since profile() (the first mark of each pass starts its clock)."""
-        if getattr(self, "_prof", None) is None:
+        if self._prof is None:
             return {}
         marks, prev = self._prof_marks, None
         for phase, e in marks:
@@ -469,11 +469,11 @@ class GpuModel:
     def _prefetch_all(self, i: int, n: int) -> None:
         """Copies every expert of layer i ahead when n tokens will likely route to most of them (expected
         distinct experts >= half), so the copy overlaps the compute of the layer before."""
+        from .planner import expected_distinct
         hp = self.hparams
         if i >= hp.n_layer or i not in self._stage_layout:
             return
-        distinct = hp.n_expert * (1 - (1 - hp.n_expert_used / hp.n_expert) ** n)
-        if distinct >= hp.n_expert / 2:
+        if expected_distinct(hp.n_expert, hp.n_expert_used, n) >= hp.n_expert / 2:
             self._stage(i, range(hp.n_expert), wait=False)
 
     # ------------------------------------------------------------------ scratch
@@ -615,7 +615,6 @@ class GpuModel:
         self._mm(L["router"], h, logits, n, hq)
         k.moe_route(logits, ids, wts, n, ne, kk)
         base = 0
-        used = None
         if self.stream or (n > 1 and self.sort_pairs):
             self._mark("ffn rest")
             used = self._ids_buf(ids, pairs)
@@ -643,25 +642,35 @@ class GpuModel:
             k.get_rows(gpu.F32, h, ptok, xg, pairs, E)
             x_tok, x_group = xg, 1
         if sort and self.grouped:
-            self._grouped_experts(L, base, xg, g, u, pairs, ptiles, len(tiles))
-            k.get_rows(gpu.F32, xg, pinv, yd, pairs, E)
-            self._mark("routed experts")
-            if self.stream:
-                self._release(i)
-                self.stream_stats["layers"] += 1
-            self._shared_and_combine(L, h, hq, n, yd, wts, y)
-            return
+            self._grouped_experts(L, base, xg, g, u, pairs, ptiles, len(tiles))   # output in xg (sorted)
+        else:
+            self._pair_gemvs(L, base, x_tok, hq if not sort else None, g, u, xg if sort else yd, eids, pairs,
+                             x_group)
+        if sort:
+            k.get_rows(gpu.F32, xg, pinv, yd, pairs, E)          # back to (token, slot) order
+        self._mark("routed experts")
+        if self.stream:
+            self._release(i)
+            self.stream_stats["layers"] += 1
+        self._shared_and_combine(L, h, hq, n, yd, wts, y)
+
+    def _pair_gemvs(self, L: dict, base: int, x_rows: int, xq, g: int, u: int, out: int, eids: int, pairs: int,
+                    x_group: int) -> None:
+        """Routed experts as one GEMV per (token, expert) pair: pair p reads row p // x_group of x_rows [*, E]
+        (xq: those rows already in Q8_1, the one-token decode case), writes out [pairs, E]; g, u [pairs, ff]."""
+        hp, k = self.hparams, self.k
+        E, ff = hp.n_embd, hp.n_ff_exp
         int8 = self.int8 and L["gate_exps"].qtype != gpu.F32
-        rows = pairs if sort else n
-        x, xs = (x_tok, E)
+        x, xs = x_rows, E
         if int8:
-            x, xs = (hq, E // 32) if (hq is not None and not sort) else (None, E // 32)
+            x, xs = xq, E // 32
             if x is None:         # several rows: quantise each (tokens, or gathered pairs)
+                rows = pairs // x_group
                 x = self._buf("xq_tok", rows * E // 32 * gpu.Q8_1_BYTES).ptr
-                k.quantize_q8_1(x_tok, x, rows * E)
-        for wname, out in (("gate_exps", g), ("up_exps", u)):
+                k.quantize_q8_1(x_rows, x, rows * E)
+        for wname, o in (("gate_exps", g), ("up_exps", u)):
             w = L[wname]
-            k.gemv_ids(w.qtype, base + w.ptr, x, out, w.nrows, w.ncols, eids, pairs, w.expert_bytes, x_group, xs,
+            k.gemv_ids(w.qtype, base + w.ptr, x, o, w.nrows, w.ncols, eids, pairs, w.expert_bytes, x_group, xs,
                        int8=int8)
         k.swiglu(g, u, g, pairs * ff)
         w = L["down_exps"]
@@ -671,16 +680,8 @@ class GpuModel:
             xd = self._buf("xq_down", pairs * ff // 32 * gpu.Q8_1_BYTES).ptr
             k.quantize_q8_1(g, xd, pairs * ff)
             xds = ff // 32
-        yds = xg if sort else yd                 # sorted: the gathered x rows are dead, their buffer takes y
-        k.gemv_ids(w.qtype, base + w.ptr, xd, yds, w.nrows, w.ncols, eids, pairs, w.expert_bytes, 1, xds,
+        k.gemv_ids(w.qtype, base + w.ptr, xd, out, w.nrows, w.ncols, eids, pairs, w.expert_bytes, 1, xds,
                    int8=int8d)
-        if sort:
-            k.get_rows(gpu.F32, yds, pinv, yd, pairs, E)
-        self._mark("routed experts")
-        if self.stream:
-            self._release(i)
-            self.stream_stats["layers"] += 1
-        self._shared_and_combine(L, h, hq, n, yd, wts, y)
 
     def _shared_and_combine(self, L: dict, h: int, hq, n: int, yd: int, wts: int, y: int) -> None:
         """y[n, E] = the routed experts' outputs yd [n*k, E] weighted by wts, plus the gated shared expert."""

@@ -82,6 +82,17 @@ def expert_tensors(file, layer: int) -> list[str]:
     return [n for n in names if n in file.tensors]
 
 
+def layer_expert_bytes(file) -> dict:
+    """{layer: bytes in VRAM of all its routed experts} for the layers that have experts."""
+    hp = file.hparams
+    out = {}
+    for i in range(hp.n_layer):
+        names = expert_tensors(file, i)
+        if names:
+            out[i] = sum(gpu_tensor_bytes(file.tensors[n]) for n in names)
+    return out
+
+
 def gpu_tensor_bytes(t) -> int:
     """Bytes of a tensor in VRAM: as stored for the GPU's types and f32, f32 for types dequantised at upload."""
     from . import gpu
@@ -147,7 +158,7 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
                    chunk: int = 512, int8: bool = True, logit_rows: int | None = None) -> VramFootprint:
     """What a GPU model of `file` allocates. stream_experts: routed experts stay in host RAM except `pinned`
     {layer: [expert ids]}; two staging buffers of the largest layer's experts. logit_rows: rows of logits a
-    prefill pass may return (default chunk: all_logits)."""
+    prefill pass may return (default min(chunk, 512): gpu_model.LOGIT_ROWS per head pass)."""
     hp = file.hparams
     pinned = pinned or {}
     exp_names = {n for i in range(hp.n_layer) for n in expert_tensors(file, i)}
@@ -160,11 +171,7 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
             continue
         resident += _round(gpu_tensor_bytes(t))
     per_expert, layer_max, pin_total = {}, 0, 0
-    for i in range(hp.n_layer):
-        names = expert_tensors(file, i)
-        if not names:
-            continue
-        full = sum(gpu_tensor_bytes(file.tensors[n]) for n in names)
+    for i, full in layer_expert_bytes(file).items():
         per_expert[i] = full // hp.n_expert
         layer_max = max(layer_max, full)
         if stream_experts:
@@ -256,18 +263,13 @@ def _gpu_probes(tier: str | None = None) -> dict:
     rows_mm, rows_mv, cols_mv = 4096, 16384, 8192
     wbytes = rows_mv * cols_mv // bs * ts
     with gpu.Buffer(wbytes, "probe W") as W, gpu.Buffer(4 * ntok * cols_mv, "probe X") as X, \
-            gpu.Buffer(4 * ntok * rows_mv, "probe Y") as Y, gpu.Buffer(cols_mv // 32 * gpu.Q8_1_BYTES, "probe xq") as xq:
+            gpu.Buffer(4 * ntok * rows_mv, "probe Y") as Y, \
+            gpu.Buffer(cols_mv // 32 * gpu.Q8_1_BYTES, "probe xq") as xq:
         _native.gpu_memset8(W.ptr, 0, wbytes)
         _native.gpu_memset8(X.ptr, 0, 4 * ntok * cols_mv)
 
         def timed(fn, reps):
-            fn()
-            e0, e1 = gpu.Event(), gpu.Event()
-            e0.record()
-            for _ in range(reps):
-                fn()
-            e1.record()
-            return e0.elapsed_ms(e1) / 1e3 / reps
+            return gpu.time_ms(fn, reps) / 1e3
         t = timed(lambda: k.gemm_f32(q4k, W, X, Y, rows_mm, cols, ntok), 5)
         out["gpu_gemm_tflops"] = 2 * rows_mm * cols * ntok / t / 1e12
         if tier == "dp4a":
@@ -387,8 +389,7 @@ def choose_pins(file, budget_bytes: int, counts: dict | None = None) -> dict:
     (routing statistics); without counts every expert is equally hot and the pins are spread evenly over the
     layers (round-robin, lower ids first)."""
     hp = file.hparams
-    per = {i: sum(gpu_tensor_bytes(file.tensors[n]) for n in expert_tensors(file, i)) // hp.n_expert
-           for i in range(hp.n_layer) if expert_tensors(file, i)}
+    per = {i: full // hp.n_expert for i, full in layer_expert_bytes(file).items()}
     budget_bytes -= len(per) * ALLOC_GRANULE          # each layer's pin store is rounded up to the granule
     if not per or budget_bytes <= 0:
         return {}
@@ -424,21 +425,18 @@ def _gpu_prefill(m: Machine, file, fp_decode, n: int, chunk: int, stream: bool, 
     # the split hands the sequence over both ways: GDN states and the new KV rows (SplitModel.forward)
     handoff = 2 * (state_bytes(hp, 0) + state_bytes(hp, n)) / (m.link_gbps * 1e9)
     copy_total, total = 0.0, handoff
-    n_layers = sum(1 for i in range(hp.n_layer) if expert_tensors(file, i))
+    # bytes a chunk copies per layer when it routes to every expert: the unpinned experts
+    unpinned = {i: (hp.n_expert - len(pinned.get(i, ()))) * (full // hp.n_expert)
+                for i, full in layer_expert_bytes(file).items()}
+    n_layers = len(unpinned)
     for c0 in range(0, n, chunk):
         c = min(chunk, n - c0)
-        d = expected_distinct(hp.n_expert, hp.n_expert_used, c)
+        share = expected_distinct(hp.n_expert, hp.n_expert_used, c) / hp.n_expert
+        overlap = share >= 0.5                     # gpu_model prefetches the layer ahead then
         layer_compute = c * per_tok_flops / (m.gpu_gemm_tflops * 1e12) / max(n_layers, 1)
-        for i in range(hp.n_layer):
-            names = expert_tensors(file, i)
-            if not names:
-                continue
-            per = sum(gpu_tensor_bytes(file.tensors[nm]) for nm in names) // hp.n_expert
-            n_pin = len(pinned.get(i, ()))
-            copied = d * (1 - n_pin / hp.n_expert) * per
-            t_copy = copied / (m.link_gbps * 1e9)
+        for b in unpinned.values():
+            t_copy = share * b / (m.link_gbps * 1e9)
             copy_total += t_copy
-            overlap = d >= hp.n_expert / 2          # gpu_model prefetches the layer ahead then
             total += max(t_copy, layer_compute) if overlap else t_copy + layer_compute
     total += 2 * fp_decode.head_params / (m.gpu_gemm_tflops * 1e12)
     parts.update(copy=copy_total, handoff=handoff, total=total)
@@ -658,7 +656,8 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool 
     n_pin = sum(len(v) for v in pins.values())
     how = "the hottest by the saved routing counts" if counts else "spread evenly: no routing statistics yet"
     return Placement(True, budget, pins, int(min_gpu_tokens), fps,
-                     f"streamed experts ({n_pin} pinned, {how}): {fps.describe()} in a budget of {budget / GiB:.2f} GiB; "
+                     f"streamed experts ({n_pin} pinned, {how}): {fps.describe()} in a budget of "
+                     f"{budget / GiB:.2f} GiB; "
                      f"GPU prefill for passes of >= {min_gpu_tokens} tokens ({chunk} per pass), decode on the CPU",
                      chunk)
 

@@ -25,7 +25,7 @@ from fixtures.make_reference import FULL_ROWS, compare, load_reference, sequence
 from legacy_engine import gpu
 from legacy_engine.model import Model
 from test_gpu import (GPU_OK, GPU_WHY, NATIVE_ARCH, STRICT, TYPES, VARIANTS, VIDS, assert_close_sum, dequant,  # noqa: F401
-                      gpu_device, kernels, random_weights, tname, variant_params)
+                      expert_weights, gpu_device, kernels, random_weights, tname, variant_params)
 
 pytestmark = pytest.mark.gpu
 N_CTX = 256
@@ -82,12 +82,7 @@ def test_gemv_ids(kernels, qtype, int8):
         pytest.skip("f32 weights have no int8 path")
     rng = np.random.default_rng(400 + qtype)
     n_exp, nrows, ncols, n_tok, k = 6, 40, 512, 3, 2
-    if qtype == gpu.F32:
-        w = rng.standard_normal(n_exp * nrows * ncols).astype(np.float32)
-        eb = 4 * nrows * ncols
-    else:
-        w = random_weights(rng, qtype, n_exp * nrows, ncols)
-        eb = nrows * ncols // gpu.GPU_TYPES[qtype][1] * gpu.GPU_TYPES[qtype][2]
+    w, eb = expert_weights(rng, qtype, n_exp, nrows, ncols)
     x = rng.standard_normal((n_tok, ncols)).astype(np.float32)
     ids = np.array([[5, 0], [2, 5], [1, 3]], dtype=np.int32)
     qb = ncols // 32 * gpu.Q8_1_BYTES
