@@ -116,7 +116,7 @@ def machine_report() -> dict:
         "kernels": kernel_report(),
         "numa": numa_report(),
         "thp": thp_report(),
-        "gpu": _native.gpu_info(),
+        "gpu": dict(_native.gpu_info(), cuda_graphs=_native.gpu_graphs_available()),
     }
 
 
@@ -174,9 +174,16 @@ def format_machine_report(rep: dict) -> list[str]:
     if gpu["available"]:
         v = gpu["driver_version"]
         lines.append(f"GPU      CUDA driver {v // 1000}.{v % 1000 // 10}, {gpu['device_count']} device(s)")
+        from .gpu_model import default_tier
         for i, d in enumerate(gpu["devices"]):
             lines.append(f"  [{i}] {d['name']}  sm_{d['cc_major']}{d['cc_minor']}  "
-                         f"{d['total_mem'] / 2**30:.1f} GiB  {d['multiprocessors']} SMs")
+                         f"{d['total_mem'] / 2**30:.1f} GiB  {d['multiprocessors']} SMs  "
+                         f"tier {default_tier(10 * d['cc_major'] + d['cc_minor'])} (`--gpu-tier` forces a lower one)")
+        lines.append("  decode CUDA graphs: " + ("the driver has them (used except on the fermi tier; "
+                                                 "--no-cuda-graphs)" if gpu["cuda_graphs"] else
+                                                 "the driver lacks them (needs 11.4+): decode launches replayed "
+                                                 "one by one"))
+        lines.append("  --vram SIZE budgets VRAM; a model over it runs split (`legacy-engine plan` shows the choice)")
     else:
         lines.append(f"GPU      none: {gpu['reason']}")
     return lines
