@@ -177,6 +177,24 @@ class NativeModel:
         """True: quantised weights use the integer kernels (W4A8 ...); False: dequantise + f32."""
         check(lib.le_model_set_int8(self.ptr, int(on)), "le_model_set_int8")
 
+    def moe_routed(self, layer: int, x: np.ndarray, ids: np.ndarray, wts: np.ndarray,
+                   out: np.ndarray | None = None) -> np.ndarray:
+        """out[E] = sum over ids[j] >= 0 of wts[j] * expert ids[j] of `layer` applied to x[E] (f32; the hybrid
+        decode's CPU half: the routed experts the GPU does not hold). ids int32, wts f32, both [n_sel]."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        wts = np.ascontiguousarray(wts, dtype=np.float32)
+        if ids.shape != wts.shape or ids.ndim != 1:
+            raise ValueError(f"ids {ids.shape} and wts {wts.shape}: one 1-D length")
+        if out is None:
+            out = np.empty(x.size, dtype=np.float32)
+        elif out.dtype != np.float32 or out.size != x.size or not out.flags.c_contiguous:
+            raise ValueError("out: a contiguous float32 array the size of x")
+        check(lib.le_moe_routed(self.ptr, layer, ffi.from_buffer("float[]", x), ids.size,
+                                ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("float[]", wts),
+                                ffi.from_buffer("float[]", out)), "le_moe_routed")
+        return out
+
     def pin_threads(self, cpus: list[int]) -> None:
         """Worker i (1..n-1) -> cpus[i % len(cpus)]; thread 0 (the caller) stays unpinned."""
         arr = ffi.new("int[]", [int(c) for c in cpus])

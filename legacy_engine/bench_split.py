@@ -102,26 +102,30 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             log("cpu …")
             row = dict(strategy="cpu", **_measure(model, prompts, gen, reps, n_ctx, cpu_max_prompt))
             res["rows"].append(row)
-        for name in [s for s in ("stream", "resident") if s in strategies]:
-            st0 = preds[prompts[-1]][name]
+        for name in [s for s in strategies if s.split("/")[0] in ("stream", "resident")]:
+            base, _, form = name.partition("/")     # stream/pairs, stream/grouped: the routed experts' form
+            if form not in ("", "pairs", "grouped"):
+                raise ValueError(f"strategy {name}: the form after / is pairs or grouped")
+            st0 = preds[prompts[-1]][base]
             if not st0.fits:
                 res["rows"].append({"strategy": name, "error": f"does not fit: {st0.why}"})
                 continue
             log(f"{name} …")
-            if name == "stream":
+            grouped = {"": {}, "pairs": {"grouped_experts": False}, "grouped": {"grouped_experts": True}}[form]
+            if base == "stream":
                 gm = GpuModel(model, vram=vram, stream_experts=True, pinned=st0.pinned, n_ctx=n_ctx,
-                              chunk=st0.chunk, simulate_link=simulate_link)
+                              chunk=st0.chunk, simulate_link=simulate_link, **grouped)
                 # every measured prompt on the GPU, decode steps on the CPU (the split as run --gpu runs it)
                 runner = SplitModel(model, gm, min_gpu_tokens=min(prompts))
             else:
-                gm = GpuModel(model, vram=vram, n_ctx=n_ctx)
+                gm = GpuModel(model, vram=vram, n_ctx=n_ctx, **grouped)
                 runner = gm
             try:
                 gm.profile()
                 row = dict(strategy=name, describe=gm.describe(), **_measure(runner, prompts, gen, reps, n_ctx))
                 n_runs = (reps + 1) * len(prompts)
                 row["gpu_phases_per_prefill_s"] = {k: v / n_runs for k, v in gm.profile_report().items()}
-                if name == "stream":
+                if base == "stream":
                     s = gm.stream_report()
                     n_pp = (reps + 1) * len([p for p in prompts])
                     row["chunk"] = st0.chunk
@@ -136,10 +140,11 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
         if hold is not None:
             hold.free()
     for r in res["rows"]:
-        if r["strategy"] in ("cpu", "stream", "resident") and "error" not in r:
-            r["pred_pp"] = {p: p / preds[p][r["strategy"]].prefill_s for p in prompts}
-            r["pred_tg"] = 1 / preds[prompts[0]][r["strategy"]].decode_s_per_tok
-            r["pred_parts"] = {p: preds[p][r["strategy"]].prefill_parts for p in prompts}
+        base = r["strategy"].split("/")[0]
+        if base in ("cpu", "stream", "resident") and "error" not in r:
+            r["pred_pp"] = {p: p / preds[p][base].prefill_s for p in prompts}
+            r["pred_tg"] = 1 / preds[prompts[0]][base].decode_s_per_tok
+            r["pred_parts"] = {p: preds[p][base].prefill_parts for p in prompts}
     return res
 
 
@@ -220,7 +225,8 @@ def add_parser(sub) -> None:
     sp.add_argument("--cpu-max-prompt", type=int, default=512,
                     help="longest prompt the cpu strategy prefills (slow: ~1 pass per token; longer ones show only "
                          "the prediction) (512)")
-    sp.add_argument("--strategies", default="cpu,stream,resident", help="which to run (cpu,stream,resident)")
+    sp.add_argument("--strategies", default="cpu,stream,resident", help="which to run (cpu,stream,resident); stream/pairs, stream/grouped (and resident/…) force "
+                         "the routed experts' form: one GEMV per (token, expert) pair, or grouped GEMMs")
     sp.add_argument("--plot", default=None, metavar="FILE.png", help="write the tok/s plot (needs matplotlib)")
     sp.add_argument("--json", action="store_true", help="print JSON")
 

@@ -13,7 +13,9 @@
  *      accumulates the weighted sums straight into `out` (no per-expert output buffers,
  *      no serial combine; every element sums its experts in ascending order, then the
  *      shared expert, whatever the thread split).
- * Ties in top-k go to the lower expert index. Test: tests/test_model.py, tests/test_quantized.py. */
+ * Ties in top-k go to the lower expert index. le_moe_routed runs B and C alone for one token and
+ * experts chosen elsewhere (the hybrid decode: the GPU routes, the CPU runs the unpinned experts).
+ * Test: tests/test_model.py, tests/test_quantized.py (test_moe_routed_*). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -106,29 +108,113 @@ static void down_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
     free(buf);
 }
 
-static int moe(const le_model *m, const le_weight *w, const float *x, int n, float *out) {
+/* The routed experts (and, given acts/sgate, the shared expert's down) of n tokens with k selected
+ * experts each: sel [n*k] expert ids (< 0: skipped, the hybrid decode's GPU-side experts), wsel [n*k]
+ * their weights; acts [n, fs] SiLU(g)*u of the shared expert and sgate [n] its gate, or NULL (none);
+ * out [n, E] is overwritten. Jobs B and C of the header. */
+static int routed(const le_model *m, const le_weight *w, const float *x, int n, int k, const int *sel,
+                  const float *wsel, const float *acts, const float *sgate, float *out) {
     const le_hparams *hp = &m->hp;
-    int E = hp->n_embd, ne = hp->n_expert, k = hp->n_expert_used, shared = hp->n_ff_shexp > 0;
+    int E = hp->n_embd, ne = hp->n_expert, shared = acts != NULL;
     int64_t fe = hp->n_ff_exp, fs = hp->n_ff_shexp;
     int nk = n * k;
     int rc = LE_OK;
-    /* scratch (f32): logits [n, ne], wsel [n, k], sgate [n], xg [nk, E], act [nk, fe] + [n, fs];
-     * ints: sel [nk], tok_of [nk], count [ne], start [ne], used [ne]; products: 1 per used expert + 2 */
-    size_t floats = (size_t)n * ne + (size_t)nk + n + (size_t)nk * E + (size_t)nk * fe + (size_t)n * fs;
+    /* scratch: wrow [nk], xg [nk, E] (several tokens), act [nk, fe]; ints: tok_of [nk], count, start, used [ne] */
+    size_t floats = (size_t)nk + (n > 1 ? (size_t)nk * E : 0) + (size_t)nk * fe;
     float *buf = malloc(floats * sizeof(float));
-    int *ibuf = malloc(((size_t)2 * nk + 3 * (size_t)ne) * sizeof(int));
-    le_mm *mm = malloc(((size_t)ne + 2) * sizeof(le_mm));
+    int *ibuf = malloc(((size_t)nk + 3 * (size_t)ne) * sizeof(int));
+    le_mm *mm = malloc(((size_t)ne + 1) * sizeof(le_mm));
     uint8_t *aq = NULL, *aqs = NULL;
     if (!buf || !ibuf || !mm) {
         rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe scratch for %d tokens", n);
         goto done;
     }
-    float *logits = buf, *wsel = logits + (size_t)n * ne, *sgate = wsel + nk, *xg = sgate + n;
-    float *act = xg + (size_t)nk * E, *acts = act + (size_t)nk * fe;
-    int *sel = ibuf, *tok_of = sel + nk, *count = tok_of + nk, *start = count + ne, *used = start + ne;
+    float *wrow = buf, *xg = wrow + nk, *act = xg + (n > 1 ? (size_t)nk * E : 0);
+    int *tok_of = ibuf, *count = tok_of + nk, *start = count + ne, *used = start + ne;
+    double tp = le_prof_start(m);
+    /* group token-slots by expert: expert e owns rows [start[e], start[e] + count[e]) of xg and act
+     * (one token: every expert reads x itself, nothing is gathered) */
+    memset(count, 0, (size_t)ne * sizeof(int));
+    for (int ts = 0; ts < nk; ts++) {
+        if (sel[ts] >= ne) {
+            rc = LE_FAIL(LE_ERR_INVALID_ARG, "expert id %d outside [0, %d)", sel[ts], ne);
+            goto done;
+        }
+        if (sel[ts] >= 0) count[sel[ts]]++;
+    }
+    int n_used = 0, rows = 0;
+    for (int e = 0; e < ne; e++) {
+        start[e] = rows;
+        rows += count[e];
+        if (count[e]) used[n_used++] = e;
+        count[e] = 0;
+    }
+    for (int ts = 0; ts < nk; ts++) {
+        int e = sel[ts];
+        if (e < 0) continue;
+        int r = start[e] + count[e]++;
+        tok_of[r] = ts / k;
+        wrow[r] = wsel[ts];
+        if (n > 1) memcpy(xg + (size_t)r * E, x + (size_t)(ts / k) * E, (size_t)E * sizeof(float));
+    }
+    le_prof(m, &tp, LE_PROF_MOE_ROUTER);
+
+    /* B: gate/up pairs of every used expert */
+    int n_mm = 0;
+    for (int u = 0; u < n_used; u++) {
+        int e = used[u];
+        mm[n_mm++] = (le_mm){&w[LE_W_GATE_EXPS], e, n > 1 ? xg + (size_t)start[e] * E : x, count[e], E,
+                             act + (size_t)start[e] * fe, fe, &w[LE_W_UP_EXPS]};
+    }
+    if (n_mm && (rc = le_matmul_batch(m->pool, m->int8, mm, n_mm))) goto done;
+    le_prof(m, &tp, LE_PROF_FFN_GATE_UP);
+
+    /* C: down + combine */
+    down_job dj = {&w[LE_W_DOWN_EXPS], shared ? &w[LE_W_DOWN_SHEXP] : NULL, used, start, count, n_used, n, rows, E,
+                   tok_of, wrow, sgate, NULL, NULL, NULL, NULL, 0, 0, act, acts, out, 0};
+    /* the down inputs quantised for their integer kernels (none: the f32 path) */
+    if (rows && (dj.vd = le_int_kernel(m->int8, dj.wd))) {
+        dj.rb = le_act_row_bytes(dj.wd);
+        if ((rc = le_quantize_acts(dj.wd, act, rows, fe, &aq))) goto done;
+    }
+    if (shared && (dj.vds = le_int_kernel(m->int8, dj.wds))) {
+        dj.rbs = le_act_row_bytes(dj.wds);
+        if ((rc = le_quantize_acts(dj.wds, acts, n, fs, &aqs))) goto done;
+    }
+    dj.aq = aq;
+    dj.aqs = aqs;
+    le_prof(m, &tp, LE_PROF_FFN_ACT);
+    le_parallel_for(m->pool, E, E / (8 * le_pool_threads(m->pool)) + 1, down_rows, &dj);
+    if (dj.failed) rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe down row buffer");
+    le_prof(m, &tp, LE_PROF_FFN_DOWN);
+done:
+    free(buf);
+    free(ibuf);
+    free(mm);
+    free(aq);
+    free(aqs);
+    return rc;
+}
+
+static int moe(const le_model *m, const le_weight *w, const float *x, int n, float *out) {
+    const le_hparams *hp = &m->hp;
+    int E = hp->n_embd, ne = hp->n_expert, k = hp->n_expert_used, shared = hp->n_ff_shexp > 0;
+    int64_t fs = hp->n_ff_shexp;
+    int nk = n * k;
+    int rc = LE_OK;
+    /* scratch (f32): logits [n, ne], wsel [n, k], sgate [n], acts [n, fs]; ints: sel [nk] */
+    size_t floats = (size_t)n * ne + (size_t)nk + n + (size_t)n * fs;
+    float *buf = malloc(floats * sizeof(float));
+    int *sel = malloc((size_t)nk * sizeof(int));
+    if (!buf || !sel) {
+        rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe scratch for %d tokens", n);
+        goto done;
+    }
+    float *logits = buf, *wsel = logits + (size_t)n * ne, *sgate = wsel + nk, *acts = sgate + n;
     double tp = le_prof_start(m);
 
     /* A: router logits and the shared expert's gate/up pair */
+    le_mm mm[2];
     int n_mm = 0;
     mm[n_mm++] = (le_mm){&w[LE_W_GATE_INP], 0, x, n, E, logits, ne, NULL};
     if (shared) mm[n_mm++] = (le_mm){&w[LE_W_GATE_SHEXP], 0, x, n, E, acts, fs, &w[LE_W_UP_SHEXP]};
@@ -136,7 +222,6 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
     le_prof(m, &tp, LE_PROF_MOE_ROUTER);
 
     /* routing: softmax, top-k (ties to the lower index), renormalise */
-    memset(count, 0, (size_t)ne * sizeof(int));
     for (int t = 0; t < n; t++) {
         float *l = logits + (size_t)t * ne;
         float mx = -INFINITY;
@@ -164,7 +249,6 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
         for (int s = 0; s < k; s++) {
             wsel[t * k + s] = l[top[s]];
             wsum += l[top[s]];
-            count[top[s]]++;
         }
         if (wsum < MOE_WSUM_MIN) wsum = MOE_WSUM_MIN;
         if (hp->faults & LE_FAULT_NO_TOPK_RENORM) wsum = 1.0f;
@@ -174,59 +258,23 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
         const float *sg = (const float *)w[LE_W_GATE_INP_SHEXP].data; /* [E] */
         for (int t = 0; t < n; t++) sgate[t] = le_sigmoid(le_dot_f32(sg, x + (size_t)t * E, E));
     }
-    /* group token-slots by expert: expert e owns rows [start[e], start[e] + count[e]) of xg and act
-     * (one token: every expert reads x itself, nothing is gathered) */
-    int n_used = 0;
-    for (int e = 0, r = 0; e < ne; e++) {
-        start[e] = r;
-        r += count[e];
-        if (count[e]) used[n_used++] = e;
-        count[e] = 0;
-    }
-    float *wrow = logits; /* the logits are spent (n * ne >= nk): wrow[row] = routing weight of that row */
-    for (int ts = 0; ts < nk; ts++) {
-        int e = sel[ts], r = start[e] + count[e]++;
-        tok_of[r] = ts / k;
-        wrow[r] = wsel[ts];
-        if (n > 1) memcpy(xg + (size_t)r * E, x + (size_t)(ts / k) * E, (size_t)E * sizeof(float));
-    }
     le_prof(m, &tp, LE_PROF_MOE_ROUTER);
-
-    /* B: gate/up pairs of every used expert */
-    n_mm = 0;
-    for (int u = 0; u < n_used; u++) {
-        int e = used[u];
-        mm[n_mm++] = (le_mm){&w[LE_W_GATE_EXPS], e, n > 1 ? xg + (size_t)start[e] * E : x, count[e], E,
-                             act + (size_t)start[e] * fe, fe, &w[LE_W_UP_EXPS]};
-    }
-    if ((rc = le_matmul_batch(m->pool, m->int8, mm, n_mm))) goto done;
-    le_prof(m, &tp, LE_PROF_FFN_GATE_UP);
-
-    /* C: down + combine */
-    down_job dj = {&w[LE_W_DOWN_EXPS], shared ? &w[LE_W_DOWN_SHEXP] : NULL, used, start, count, n_used, n, nk, E,
-                   tok_of, wrow, sgate, NULL, NULL, NULL, NULL, 0, 0, act, acts, out, 0};
-    /* the down inputs quantised for their integer kernels (none: the f32 path) */
-    if ((dj.vd = le_int_kernel(m->int8, dj.wd))) {
-        dj.rb = le_act_row_bytes(dj.wd);
-        if ((rc = le_quantize_acts(dj.wd, act, nk, fe, &aq))) goto done;
-    }
-    if (shared && (dj.vds = le_int_kernel(m->int8, dj.wds))) {
-        dj.rbs = le_act_row_bytes(dj.wds);
-        if ((rc = le_quantize_acts(dj.wds, acts, n, fs, &aqs))) goto done;
-    }
-    dj.aq = aq;
-    dj.aqs = aqs;
-    le_prof(m, &tp, LE_PROF_FFN_ACT);
-    le_parallel_for(m->pool, E, E / (8 * le_pool_threads(m->pool)) + 1, down_rows, &dj);
-    if (dj.failed) rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe down row buffer");
-    le_prof(m, &tp, LE_PROF_FFN_DOWN);
+    rc = routed(m, w, x, n, k, sel, wsel, shared ? acts : NULL, shared ? sgate : NULL, out);
 done:
     free(buf);
-    free(ibuf);
-    free(mm);
-    free(aq);
-    free(aqs);
+    free(sel);
     return rc;
+}
+
+int le_moe_routed(le_model *m, int layer, const float *x, int n_sel, const int32_t *ids, const float *wts,
+                  float *out) {
+    if (!m || !x || !ids || !wts || !out) return LE_FAIL(LE_ERR_INVALID_ARG, "le_moe_routed: a NULL argument");
+    if (!m->hp.n_expert) return LE_FAIL(LE_ERR_INVALID_ARG, "le_moe_routed: the model has no experts");
+    if (layer < 0 || layer >= m->hp.n_layer)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_moe_routed: layer %d outside [0, %d)", layer, m->hp.n_layer);
+    if (n_sel < 1 || n_sel > m->hp.n_expert)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_moe_routed: %d experts (1..%d)", n_sel, m->hp.n_expert);
+    return routed(m, m->layer[layer], x, 1, n_sel, ids, wts, NULL, NULL, out);
 }
 
 int le_ffn_layer(const le_model *m, const le_weight *w, const float *x, int n, float *out) {

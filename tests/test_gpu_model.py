@@ -592,14 +592,14 @@ def test_grouped_experts_match_reference(kind, gpu_device, tiny_file, cpu_model)
     prefill logits against transformers and the CPU engine within the f32 bar, and streamed too."""
     from legacy_engine.gpu_model import GpuModel
     cpu = cpu_model(kind)
-    ids = sequence(120, cpu.hparams.n_vocab)
+    ids = sequence(200, cpu.hparams.n_vocab)
     for kw in ({}, {"stream_experts": True, "pinned": {1: [0, 2]}, "chunk": 64}):
         gm = GpuModel(cpu, int8=False, grouped_experts=True, save_routing=False, **kw)
         try:
             got = gm.forward(gm.new_state(N_CTX), ids, all_logits=True)
         finally:
             gm.close()
-        assert compare(load_reference(kind), got, 120) <= tol.LOGIT_ABS_F32
+        assert compare(load_reference(kind), got, 200) <= tol.LOGIT_ABS_F32
         ref = cpu.forward(cpu.new_state(N_CTX), ids, all_logits=True)
         assert np.abs(got.astype(np.float64) - ref).max() <= tol.LOGIT_ABS_F32
 

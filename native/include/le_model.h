@@ -122,4 +122,11 @@ int le_state_copy(le_state *dst, const le_state *src);
 int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *logits, int all_logits,
                int chunked);
 
+/* The routed experts of one token for experts chosen elsewhere (the hybrid decode: the GPU routes and
+ * runs the pinned experts, the CPU the rest): out[E] = sum over j with ids[j] >= 0 of
+ * wts[j] * down_e(SiLU(gate_e x) * up_e x), e = ids[j], on the model's threads with its int8 setting.
+ * x, out: [n_embd] f32; ids, wts: [n_sel], 1 <= n_sel <= n_expert; ids[j] < 0 skips entry j. */
+int le_moe_routed(le_model *m, int layer, const float *x, int n_sel, const int32_t *ids, const float *wts,
+                  float *out);
+
 #endif

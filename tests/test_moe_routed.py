@@ -1,0 +1,99 @@
+"""le_moe_routed (native/moe.c): the routed experts of one token for experts chosen elsewhere — the CPU half of
+the hybrid decode (gpu_model.GpuModel(cpu_experts=True)). Against a numpy reference on the file's dequantised
+weights (gguf-py), on the f32 path and on the integer path, with entries masked (< 0) as the GPU's pinned ones are."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import quants
+
+from legacy_engine import _native
+from legacy_engine.errors import NativeError
+from legacy_engine.make_model import make_model
+from legacy_engine.model import Model
+
+# f32 path (integer kernels off): the same f32 products summed in another order than float64 numpy; rows of 256
+# elements and 4 experts: measured ≤ 3e-7 relative to max|out|.
+ROUTED_F32_REL = 1e-5
+# integer path (W4A8/W8A8: x and SiLU(g)*u quantised to 8 bits per block before the dot products): measured ≤ 1.7e-2
+# (Q8_0) and ≤ 2.5e-2 (Q4_K_M) relative to max|out| over 10 draws; a wrong expert moves it to 0.25-0.38. The masks
+# are checked more sharply by additivity (below).
+ROUTED_INT8_REL = 5e-2
+# routed(ids) = routed(ids, some masked) + routed(ids, the others masked): every expert sees the same quantised x and
+# its own quantised activations either way, so only the f32 accumulation order of `out` differs (≤ 4 terms).
+ROUTED_SPLIT_REL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["f32", "q8_0", "q4_k_m"])
+def model(request, tmp_path_factory):
+    path = make_model("tiny-moe", str(tmp_path_factory.mktemp("routed") / f"moe2.{request.param}.gguf"), layers=2,
+                      quant=request.param, progress=False)
+    return Model(path, n_threads=2, pin=False)
+
+
+def expert(model, layer: int, e: int, x: np.ndarray) -> np.ndarray:
+    """down_e(SiLU(gate_e x) * up_e x) in float64 on the dequantised weights."""
+    g = model.file.gguf
+    def w(name):
+        t = model.file.tensors[f"blk.{layer}.{name}.weight"]
+        raw = g.data(f"blk.{layer}.{name}.weight").reshape(model.hparams.n_expert, -1)[e]
+        return quants.dequantize(raw, t.type).reshape(-1, t.ne[0]).astype(np.float64)
+    gate, up = w("ffn_gate_exps") @ x, w("ffn_up_exps") @ x
+    act = gate / (1 + np.exp(-gate)) * up
+    return w("ffn_down_exps") @ act
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_moe_routed_matches_reference(model, int8):
+    hp = model.hparams
+    rng = np.random.default_rng(3)
+    model.native.set_int8(int8)
+    try:
+        for layer in range(hp.n_layer):
+            x = rng.standard_normal(hp.n_embd).astype(np.float32)
+            ids = rng.choice(hp.n_expert, hp.n_expert_used, replace=False).astype(np.int32)
+            wts = rng.dirichlet(np.ones(hp.n_expert_used)).astype(np.float32)
+            for masked in ([], [1], [0, 2]):          # the GPU's pinned experts are masked (-1)
+                m_ids = ids.copy()
+                m_ids[masked] = -1
+                got = model.native.moe_routed(layer, x, m_ids, wts)
+                ref = sum(float(w) * expert(model, layer, int(e), x.astype(np.float64))
+                          for e, w in zip(m_ids, wts) if e >= 0)
+                tol = (ROUTED_INT8_REL if int8 and model.file.tensors[f"blk.{layer}.ffn_down_exps.weight"].type
+                       else ROUTED_F32_REL)
+                assert np.abs(got - ref).max() <= tol * np.abs(ref).max(), (layer, masked)
+            all_masked = model.native.moe_routed(layer, x, np.full_like(ids, -1), wts)
+            assert not all_masked.any()
+    finally:
+        model.native.set_int8(True)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_moe_routed_masks_add_up(model, int8):
+    """The hybrid decode splits one token's experts between the GPU (pinned) and the CPU: the parts add up."""
+    hp = model.hparams
+    rng = np.random.default_rng(5)
+    model.native.set_int8(int8)
+    try:
+        x = rng.standard_normal(hp.n_embd).astype(np.float32)
+        ids = rng.choice(hp.n_expert, hp.n_expert_used, replace=False).astype(np.int32)
+        wts = rng.dirichlet(np.ones(hp.n_expert_used)).astype(np.float32)
+        whole = model.native.moe_routed(1, x, ids, wts)
+        a, b = ids.copy(), ids.copy()
+        a[::2], b[1::2] = -1, -1
+        parts = model.native.moe_routed(1, x, a, wts) + model.native.moe_routed(1, x, b, wts)
+        assert np.abs(whole - parts).max() <= ROUTED_SPLIT_REL * np.abs(whole).max()
+        assert np.abs(whole - model.native.moe_routed(1, x, a, wts)).max() > 0.05 * np.abs(whole).max()
+    finally:
+        model.native.set_int8(True)
+
+
+def test_moe_routed_refuses_bad_arguments(model):
+    hp = model.hparams
+    x = np.zeros(hp.n_embd, np.float32)
+    with pytest.raises(NativeError, match="outside"):
+        model.native.moe_routed(0, x, np.array([hp.n_expert], np.int32), np.ones(1, np.float32))
+    with pytest.raises(NativeError, match="layer"):
+        model.native.moe_routed(hp.n_layer, x, np.array([0], np.int32), np.ones(1, np.float32))
+    with pytest.raises(ValueError):
+        model.native.moe_routed(0, x, np.array([0, 1], np.int32), np.ones(1, np.float32))
