@@ -281,6 +281,15 @@ __device__ __forceinline__ void le_block_argmax(float &v, int &i, float *scratch
 #define LE_FEATURE_DP4A 4
 #define LE_FEATURE_SYNC 8
 
+/* The MoE GEMVs' skipped pairs: a negative expert id (the hybrid decode runs that expert on the CPU) makes the
+ * pair's output row zero and its block do nothing else. e is uniform over the block, so the whole block returns
+ * (no barrier is left waiting). -> 1 when the caller returns. */
+__device__ __forceinline__ int le_zero_skipped_pair(int e, float *y, int nrows) {
+    if (e >= 0) return 0;
+    for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < nrows; r += gridDim.x * blockDim.x) y[r] = 0.0f;
+    return 1;
+}
+
 /* out[0] = __CUDA_ARCH__ of the PTX target, out[1] = the effective tier (LE_CC),
  * out[2] = compiler version (major*100+minor), out[3] = LE_FEATURE_* bits in use (SYNC: the
  * shuffles are the *_sync ones).

@@ -6,7 +6,7 @@
  *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(nrows/4), 65535) x 1 x 1
  *   gemv_dp4a_<type>_ids(W, xq, y, nrows, ncols, ids, expert_bytes, x_group, x_stride)
  *     the MoE form (as gemv_f32.cu's): grid.y = pairs p; expert ids[p], activation blocks
- *     xq + (p / x_group) * x_stride (x_stride in Q8_1 blocks), output y + p * nrows
+ *     xq + (p / x_group) * x_stride (x_stride in Q8_1 blocks), output y + p * nrows; ids[p] < 0: row zero
  * Per 32-element sub-block s (weights decoded by quants.cuh to y = d[h]*q - m) against Q8_1
  * block s (values d8*q8):
  *     d8 * (d[0] * sum_{j<16} q*q8 + d[1] * sum_{j>=16} q*q8) - m * s8
@@ -73,6 +73,7 @@ LE_GEMV_DP4A(gemv_dp4a_iq4_xs, le_t_iq4_xs)
                                     int x_stride) {                                                       \
         LE_SCRATCH(scratch, GEMV_THREADS);                                                                \
         const int p = blockIdx.y;                                                                         \
+        if (le_zero_skipped_pair(ids[p], y + (size_t)p * nrows, nrows)) return;                           \
         gemv_dp4a<T>(W + (size_t)ids[p] * expert_bytes, xq + (size_t)(p / x_group) * x_stride,            \
                      y + (size_t)p * nrows, nrows, ncols, scratch);                                       \
     }

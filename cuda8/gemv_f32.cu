@@ -8,7 +8,8 @@
  *   gemv_f32_<type>_ids(W, x, y, nrows, ncols, ids, expert_bytes, x_group, x_stride)
  *     the MoE form: grid.y = number of (token, slot) pairs p; pair p multiplies expert ids[p]
  *     (W + ids[p] * expert_bytes) with x + (p / x_group) * x_stride into y + p * nrows
- *     (gate/up: x_group = k, the token's input; down: x_group = 1, the pair's own activation)
+ *     (gate/up: x_group = k, the token's input; down: x_group = 1, the pair's own activation);
+ *     ids[p] < 0: the pair is skipped and its output row is zero (the hybrid decode's CPU-side experts)
  * One warp per row (rows grid-strided); lane l takes the 4-element words l, l+32, … of the row
  * (quants.cuh word() decodes one to the reference's exact weights), so that a warp reads 128
  * consecutive elements of x and the matching weight bytes per step (coalesced), multiplies in
@@ -61,6 +62,7 @@ __device__ __forceinline__ void gemv_f32(const uint8_t *LE_RESTRICT W, const flo
                                     const int *ids, long long expert_bytes, int x_group, int x_stride) {  \
         LE_SCRATCH(scratch, GEMV_THREADS);                                                                \
         const int p = blockIdx.y;                                                                         \
+        if (le_zero_skipped_pair(ids[p], y + (size_t)p * nrows, nrows)) return;                           \
         gemv_f32<T>(W + (size_t)ids[p] * expert_bytes, x + (size_t)(p / x_group) * x_stride,              \
                     y + (size_t)p * nrows, nrows, ncols, scratch);                                        \
     }
@@ -110,6 +112,7 @@ extern "C" __global__ void gemv_f32_f32_ids(const float *W, const float *x, floa
                                             const int *ids, long long expert_bytes, int x_group, int x_stride) {
     LE_SCRATCH(scratch, GEMV_THREADS);
     const int p = blockIdx.y;
+    if (le_zero_skipped_pair(ids[p], y + (size_t)p * nrows, nrows)) return;
     gemv_f32w((const float *)((const uint8_t *)W + (size_t)ids[p] * expert_bytes),
               x + (size_t)(p / x_group) * x_stride, y + (size_t)p * nrows, nrows, ncols, scratch);
 }

@@ -6,7 +6,8 @@ prediction and to llama.cpp's offload settings on the same file.
 
 Strategies (planner.py): cpu (prefill and decode on the CPU), stream (GPU prefill with routed experts streamed
 from host RAM, pinned ones in VRAM, CPU decode: the split `run --gpu --vram` uses when the model does not fit),
-resident (all in VRAM; only when it fits the budget). For each: prefill tok/s per prompt length (one pass from an
+hybrid (the same prefill; decode steps with attention, GDN, shared and pinned experts on the GPU and the other
+routed experts on the CPU), resident (all in VRAM; only when it fits the budget). For each: prefill tok/s per prompt length (one pass from an
 empty state, last logits), decode tok/s (gen steps after the prompt), where the prefill time went (expert bytes
 copied, copy GB/s, GPU compute and the rest), and the planner's predictions beside the measurements.
 --ballast allocates VRAM until only the budget is free (the budget then is all there is: an overrun would fail).
@@ -27,7 +28,7 @@ from .errors import UnavailableError
 def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | None = None) -> dict:
     """Prefill tok/s per prompt length (up to max_prompt) and decode tok/s of a Model-like object (Model,
     SplitModel, GpuModel)."""
-    ids = seeded_tokens(max(prompts) + gen, model.hparams.n_vocab)
+    ids = seeded_tokens(max(prompts) + gen + 1, model.hparams.n_vocab)
     st = model.new_state(n_ctx)
     row = {"pp": {}, "pp_s": {}}
     for p in prompts:
@@ -39,9 +40,9 @@ def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | 
         t = statistics.median(_times(prefill, reps))
         row["pp"][p], row["pp_s"][p] = p / t, t
     st.reset()
-    model.forward(st, ids[:prompts[0]])
+    model.forward(st, ids[:prompts[0] + 1])           # and one step untimed (a GPU decode records its plan there)
     t0 = time.perf_counter()
-    for t in ids[prompts[0]:prompts[0] + gen]:
+    for t in ids[prompts[0] + 1:prompts[0] + 1 + gen]:
         model.forward(st, [t])
     row["tg"] = gen / (time.perf_counter() - t0)
     return row
@@ -64,7 +65,7 @@ def bench_llama(binary: str, path: str, prompts, gen: int, threads: int, ngl: in
 def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: int = 1, ballast: bool = False,
                 simulate_link: float | None = None, llama: str | None = None, ncmoe=(30, 40),
                 threads: int | None = None,
-                cpu_max_prompt: int | None = 512, strategies=("cpu", "stream", "resident"), log=None) -> dict:
+                cpu_max_prompt: int | None = 512, strategies=("cpu", "stream", "hybrid", "resident"), log=None) -> dict:
     import dataclasses
 
     from .gpu_model import GpuModel
@@ -102,7 +103,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             log("cpu …")
             row = dict(strategy="cpu", **_measure(model, prompts, gen, reps, n_ctx, cpu_max_prompt))
             res["rows"].append(row)
-        for name in [s for s in strategies if s.split("/")[0] in ("stream", "resident")]:
+        for name in [s for s in strategies if s.split("/")[0] in ("stream", "hybrid", "resident")]:
             base, _, form = name.partition("/")     # stream/pairs, stream/grouped: the routed experts' form
             if form not in ("", "pairs", "grouped"):
                 raise ValueError(f"strategy {name}: the form after / is pairs or grouped")
@@ -112,9 +113,9 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                 continue
             log(f"{name} …")
             grouped = {"": {}, "pairs": {"grouped_experts": False}, "grouped": {"grouped_experts": True}}[form]
-            if base == "stream":
+            if base in ("stream", "hybrid"):
                 gm = GpuModel(model, vram=vram, stream_experts=True, pinned=st0.pinned, n_ctx=n_ctx,
-                              chunk=st0.chunk, simulate_link=simulate_link, **grouped)
+                              chunk=st0.chunk, simulate_link=simulate_link, cpu_experts=base == "hybrid", **grouped)
                 # every measured prompt on the GPU, decode steps on the CPU (the split as run --gpu runs it)
                 runner = SplitModel(model, gm, min_gpu_tokens=min(prompts))
             else:
@@ -125,7 +126,12 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                 row = dict(strategy=name, describe=gm.describe(), **_measure(runner, prompts, gen, reps, n_ctx))
                 n_runs = (reps + 1) * len(prompts)
                 row["gpu_phases_per_prefill_s"] = {k: v / n_runs for k, v in gm.profile_report().items()}
-                if base == "stream":
+                if base == "hybrid" and gm.hybrid_stats["steps"]:
+                    hs = gm.hybrid_stats
+                    row["hybrid_per_token"] = {"cpu_experts": hs["cpu_experts"] / hs["steps"] * gm.hparams.n_layer,
+                                               "cpu_s": hs["cpu_s"] / hs["steps"] * gm.hparams.n_layer,
+                                               "read_s": hs["read_s"] / hs["steps"] * gm.hparams.n_layer}
+                if base in ("stream", "hybrid"):
                     s = gm.stream_report()
                     n_pp = (reps + 1) * len([p for p in prompts])
                     row["chunk"] = st0.chunk
@@ -141,7 +147,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             hold.free()
     for r in res["rows"]:
         base = r["strategy"].split("/")[0]
-        if base in ("cpu", "stream", "resident") and "error" not in r:
+        if base in ("cpu", "stream", "hybrid", "resident") and "error" not in r:
             r["pred_pp"] = {p: p / preds[p][base].prefill_s for p in prompts}
             r["pred_tg"] = 1 / preds[prompts[0]][base].decode_s_per_tok
             r["pred_parts"] = {p: preds[p][base].prefill_parts for p in prompts}
@@ -177,6 +183,10 @@ def print_split(res: dict) -> None:
                   f"copies {pp['copy_stall_s']:.3f} s, host waiting for routing {pp['ids_wait_s']:.3f} s; passes of "
                   f"{r['chunk']} tokens; peak VRAM {r['peak_vram_gib']:.2f} GiB")
             print(f"{'':<28}{r['describe']}")
+        if "hybrid_per_token" in r:
+            h = r["hybrid_per_token"]
+            print(f"{'':<28}hybrid decode per token: {h['cpu_experts']:.0f} experts on the CPU taking "
+                  f"{1e3 * h['cpu_s']:.2f} ms, host waiting for the GPU's routing {1e3 * h['read_s']:.2f} ms")
         if r.get("gpu_phases_per_prefill_s"):
             ph = r["gpu_phases_per_prefill_s"]
             print(f"{'':<28}GPU time per prefill (mean over prompts): " +
@@ -225,7 +235,8 @@ def add_parser(sub) -> None:
     sp.add_argument("--cpu-max-prompt", type=int, default=512,
                     help="longest prompt the cpu strategy prefills (slow: ~1 pass per token; longer ones show only "
                          "the prediction) (512)")
-    sp.add_argument("--strategies", default="cpu,stream,resident", help="which to run (cpu,stream,resident); stream/pairs, stream/grouped (and resident/…) force "
+    sp.add_argument("--strategies", default="cpu,stream,hybrid,resident",
+                    help="which to run (cpu,stream,hybrid,resident); stream/pairs, stream/grouped (and resident/…) force "
                          "the routed experts' form: one GEMV per (token, expert) pair, or grouped GEMMs")
     sp.add_argument("--plot", default=None, metavar="FILE.png", help="write the tok/s plot (needs matplotlib)")
     sp.add_argument("--json", action="store_true", help="print JSON")

@@ -253,7 +253,11 @@ def gpu_flags(s) -> None:
     s.add_argument("--vram", dest="gpu_vram", default=None, metavar="SIZE",
                    help="with --gpu: VRAM budget, e.g. 6GiB (default: free VRAM minus 512 MiB). A model that does not "
                         "fit runs split: routed experts streamed per layer for GPU prefill, hot ones pinned, decode "
-                        "on the CPU (`legacy-engine plan` shows the prediction)")
+                        "on the CPU or hybrid (--decode) (`legacy-engine plan` shows the prediction)")
+    s.add_argument("--decode", dest="gpu_decode", choices=("auto", "cpu", "hybrid"), default=None,
+                   help="with --gpu, when the model runs split: decode steps on the CPU, or hybrid (attention, GDN, "
+                        "shared and pinned experts on the GPU, the other routed experts on the CPU); default auto: "
+                        "the one the planner predicts faster")
     s.add_argument("--no-cuda-graphs", dest="gpu_graphs", action="store_const", const=False, default=None,
                    help="with --gpu: replay decode steps launch by launch instead of as one CUDA graph (default: "
                         "graphs where the driver has them, 11.4+, except on the fermi tier)")
@@ -264,13 +268,16 @@ def engine_kwargs(args) -> dict:
     kw = dict(mmap=args.mmap, numa=args.numa, pin=args.pin, gpu=getattr(args, "gpu", False),
               gpu_tier=getattr(args, "gpu_tier", None), gpu_int8=getattr(args, "gpu_int8", None),
               gpu_graphs=getattr(args, "gpu_graphs", None))
+    decode = getattr(args, "gpu_decode", None)
+    if decode is not None:
+        kw["gpu_decode"] = decode
     vram = getattr(args, "gpu_vram", None)
     if vram is not None:
         from .planner import parse_size
         kw["gpu_vram"] = parse_size(vram)
-    if (kw["gpu_tier"] or kw["gpu_int8"] is not None or kw["gpu_graphs"] is not None or vram is not None) \
-            and not kw["gpu"]:
-        raise SystemExit("error: --gpu-tier, --gpu-f32, --vram and --no-cuda-graphs need --gpu")
+    if (kw["gpu_tier"] or kw["gpu_int8"] is not None or kw["gpu_graphs"] is not None or vram is not None
+            or decode is not None) and not kw["gpu"]:
+        raise SystemExit("error: --gpu-tier, --gpu-f32, --vram, --decode and --no-cuda-graphs need --gpu")
     if getattr(args, "threads", None) is not None:
         kw["n_threads"] = args.threads
     if getattr(args, "ctx", None) is not None:

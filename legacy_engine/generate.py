@@ -53,13 +53,15 @@ class Engine:
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_ctx: int = DEFAULT_CTX,
                  mmap: bool = True, numa: str = "off", pin: bool = True, gpu: bool = False,
                  gpu_tier: str | None = None, gpu_int8: bool | None = None, gpu_graphs: bool | None = None,
-                 gpu_vram: int | None = None, gpu_min_tokens: int | None = None, progress=None):
+                 gpu_vram: int | None = None, gpu_min_tokens: int | None = None, gpu_decode: str = "auto",
+                 progress=None):
         """mmap, numa: where the weights live; pin: worker threads pinned (Model's arguments of the same names).
         gpu: GPU-resident mode (gpu_model.GpuModel: the whole model in VRAM, prefill and decode on the GPU;
         gpu_tier 'fermi' | 'kepler' | 'dp4a' forces a kernel tier, gpu_int8 the DP4A decode GEMVs, gpu_graphs
         CUDA graphs for decode steps; None = GpuModel's defaults; gpu_vram the VRAM budget in bytes, default
         free minus a margin: a model that does not fit runs split, planner.gpu_placement: experts streamed for GPU
-        prefill of passes >= gpu_min_tokens, hot ones pinned, decode on the CPU);
+        prefill of passes >= gpu_min_tokens, hot ones pinned; gpu_decode 'cpu', 'hybrid' (routed experts not pinned
+        on the CPU, the rest on the GPU) or 'auto' (the planner's faster));
         `self.cpu_model` stays the CPU engine of the same file."""
         t0 = time.perf_counter()
         self.cpu_model = self.model = Model(path, n_threads, mmap=mmap, numa=numa, pin=pin)
@@ -70,10 +72,11 @@ class Engine:
             from .planner import gpu_placement
             from .split import SplitModel
             pl = self.placement = gpu_placement(self.cpu_model, gpu_vram, n_ctx, int8=gpu_tier in (None, "dp4a"),
-                                                min_gpu_tokens=gpu_min_tokens)
+                                                min_gpu_tokens=gpu_min_tokens, decode=gpu_decode)
             self.gpu = self.model = GpuModel(self.cpu_model, tier=gpu_tier, int8=gpu_int8, graphs=gpu_graphs,
                                              progress=progress, vram=pl.budget, stream_experts=pl.stream,
-                                             pinned=pl.pinned, n_ctx=n_ctx, chunk=pl.chunk)
+                                             pinned=pl.pinned, n_ctx=n_ctx, chunk=pl.chunk,
+                                             cpu_experts=pl.stream and pl.decode == "hybrid")
             if pl.stream:
                 self.model = SplitModel(self.cpu_model, self.gpu, pl.min_gpu_tokens)
             import atexit

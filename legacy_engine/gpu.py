@@ -737,47 +737,82 @@ def graphs_available() -> bool:
     return _native().gpu_graphs_available()
 
 
+def host_step(fn) -> None:
+    """Runs fn() now; inside record() the recording also keeps the call, and a LaunchPlan made from it calls fn
+    again at that point of every replay, between the launches before and after it (the hybrid decode reads the
+    routing and runs the CPU's experts there: fn's copies on the default stream order it with the launches)."""
+    if _RECORDING is not None:
+        _RECORDING.append(("host", fn))
+    fn()
+
+
 class LaunchPlan:
     """A recorded sequence of launches with their arguments prepared once; replay() launches them again in order
     (~1 µs of Python per launch instead of ~30). Valid while every buffer it names is alive and where it was.
+    Host steps (host_step) in the recording split it into segments; replay() calls each host step between them.
 
-    graph=True: the launches are also captured once as a CUDA graph on a stream ordered with the default stream,
-    and replay() is one cuGraphLaunch (no per-kernel host cost; the order with default-stream copies before and
-    after is kept). Every recorded launch must have been on the default stream."""
+    graph=True: each segment of launches is also captured once as a CUDA graph on one stream ordered with the
+    default stream, and replays as one cuGraphLaunch (no per-kernel host cost; the order with default-stream copies
+    before and after, the host steps' included, is kept). Every recorded launch must have been on the default
+    stream."""
 
     def __init__(self, launches: list, graph: bool = False):
         n = _native()
-        self._launches = []
         self._keep = []
-        self._graph = self._stream = None
-        for handle, grid, block, args, shared, stream in launches:
-            params, keep = n.gpu_launch_args(args)
-            self._keep.append((params, keep))
-            self._launches.append((handle, grid, block, shared, stream, params))
+        self._graphs: list = []
+        self._stream = None
+        self._parts: list = []       # [("launches", prepared) | ("graph", graph) | ("host", fn)] in order
+        self._n = 0
         if graph:
-            if any(stream is not None for *_, stream, _p in self._launches):
+            if any(item[0] != "host" and item[5] is not None for item in launches):
                 raise ValueError("LaunchPlan(graph=True): a recorded launch is on a non-default stream")
             self._stream = Stream(ordered=True)
-            self._graph = n.gpu_capture(self._launches, self._stream.handle)
+        seg: list = []
+        for item in list(launches) + [None]:
+            if item is not None and item[0] != "host":
+                handle, grid, block, args, shared, stream = item
+                params, keep = n.gpu_launch_args(args)
+                self._keep.append((params, keep))
+                seg.append((handle, grid, block, shared, stream, params))
+                continue
+            if seg:
+                self._n += len(seg)
+                if graph:
+                    g = n.gpu_capture(seg, self._stream.handle)
+                    self._graphs.append(g)
+                    self._parts.append(("graph", g))
+                else:
+                    self._parts.append(("launches", seg))
+                seg = []
+            if item is not None:
+                self._parts.append(("host", item[1]))
 
     def __len__(self) -> int:
-        return len(self._launches)
+        return self._n
 
     @property
     def graph(self) -> bool:
-        return self._graph is not None
+        return self._stream is not None
+
+    @property
+    def host_steps(self) -> int:
+        return sum(kind == "host" for kind, _ in self._parts)
 
     def replay(self) -> None:
-        if self._graph is not None:
-            _native().gpu_graph_launch(self._graph, self._stream.handle)
-        else:
-            _native().gpu_replay(self._launches)
+        n = _native()
+        for kind, what in self._parts:
+            if kind == "graph":
+                n.gpu_graph_launch(what, self._stream.handle)
+            elif kind == "launches":
+                n.gpu_replay(what)
+            else:
+                what()
 
     def __del__(self):
         try:
-            if self._graph is not None:
-                _native().gpu_graph_destroy(self._graph)
-                self._graph = None
+            for g in self._graphs:
+                _native().gpu_graph_destroy(g)
+            self._graphs = []
         except Exception:
             pass
 
@@ -897,7 +932,7 @@ class Kernels:
         """The MoE GEMV: for pair p < n_pairs, y[p, :nrows] = W_e x_p with e = ids[p] (int32, device), W_e at
         W + e * expert_bytes ([nrows, ncols] each), x_p = x + (p // x_group) * x_stride (floats; with int8:
         block_q8_1 of quantize_q8_1, x_stride in blocks). The ids are not read back: the caller makes them
-        (moe_route) < n_experts."""
+        (moe_route) < n_experts. ids[p] < 0 skips pair p and zeroes its row (the hybrid decode's CPU experts)."""
         what = "gemv_dp4a_ids" if int8 else "gemv_f32_ids"
         suffix = self._weights(qtype, W, nrows, ncols, what)
         if int8 and qtype == F32:

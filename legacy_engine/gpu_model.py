@@ -35,6 +35,9 @@ expert GEMM (grouped_experts=True) is not yet run-verified and off by default.
 """
 from __future__ import annotations
 
+import functools
+import time
+
 import numpy as np
 
 from . import gpu
@@ -84,7 +87,8 @@ class GpuModel:
                  toolchain: str = "auto", progress=None, plan: bool = True, graphs: bool | None = None,
                  stream_experts: bool = False, pinned: dict | None = None, vram: int | None = None,
                  n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, simulate_link: float | None = None,
-                 sort_pairs: bool = True, save_routing: bool = True, grouped_experts: bool = False):
+                 sort_pairs: bool = True, save_routing: bool = True, grouped_experts: bool = False,
+                 cpu_experts: bool = False):
         """model: a loaded Model (its file's tensors are uploaded; the CPU model stays usable).
         tier: 'fermi' | 'kepler' | 'dp4a' (default: the GPU's own, default_tier); arch: the PTX target
         (compute capability x10, default the GPU's: 35, 61 or 70 run the legacy PTX on a newer card);
@@ -108,6 +112,12 @@ class GpuModel:
         grouped_experts: with sort_pairs, passes of several tokens run the routed experts as one grouped GEMM per
         matrix (gemm_f32_<type>_ids: tiles of up to 32 tokens of one expert, weights read once per tile, f32
         activations) instead of one GEMV per (token, expert) pair. Off by default until run-verified on a GPU.
+        cpu_experts (with stream_experts): the hybrid decode. One-token steps run attention/GDN, the router, the
+        shared expert and the pinned experts on the GPU and the other routed experts on the CPU (the CPU model's
+        le_moe_routed on its threads): per MoE layer the host reads the normed hidden state and the routing (one
+        copy), queues the shared and pinned experts, runs its experts while the GPU runs those, sends their sum
+        back (one copy), and the GPU combines. The steps replay as a launch plan with these host steps between
+        its segments (a CUDA graph each).
         save_routing: close() adds the routing counts of this model's passes to the file's saved statistics
         (planner.load_routing), from which the next placement pins the hottest experts.
         simulate_link: GB/s; streamed expert copies are paced to it (the host waits until a copy would have
@@ -129,6 +139,9 @@ class GpuModel:
             raise ValueError(f"chunk = {chunk}: 1…{MAX_CHUNK} tokens and chunk * experts per token <= "
                              f"{gpu.MAX_PAIRS}")
         self.stream = bool(stream_experts) and hp.n_expert > 0
+        if cpu_experts and not self.stream:
+            raise ValueError("cpu_experts (the hybrid decode) needs stream_experts and a MoE model")
+        self.cpu_experts = bool(cpu_experts)
         self.pinned = {int(i): sorted(set(int(e) for e in v)) for i, v in (pinned or {}).items()} if self.stream else {}
         for i, es in self.pinned.items():
             if not 0 <= i < hp.n_layer or any(not 0 <= e < hp.n_expert for e in es):
@@ -153,6 +166,8 @@ class GpuModel:
         self._staged: list[tuple[int, set]] = []
         # streamed-expert accounting (stream_report), and the host's wait for the routing (sorted pairs too)
         self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0, "copy_stall_s": 0.0, "ids_wait_s": 0.0}
+        # the hybrid decode: MoE layer steps, experts run on the CPU, seconds in le_moe_routed and in the routing read
+        self.hybrid_stats = {"steps": 0, "cpu_experts": 0, "cpu_s": 0.0, "read_s": 0.0}
         self._stalls: list = []
         # routing statistics, counted where the host reads the routing anyway (streamed or sorted passes);
         # close() adds them to the model file's saved counts (planner.save_routing), which choose the pins
@@ -175,7 +190,10 @@ class GpuModel:
         self._retired: list[gpu.Buffer] = []
         self._tag = "p"           # scratch set: "d" decode (one token, named by plans), "p" prefill
         self._gen = 0             # bumped when a decode buffer or the rope table moves: plans recorded before are stale
-        self.plan = plan and not self.stream     # a streamed step syncs with the host: not replayable
+        # a streamed step syncs with the host to stage its experts: not replayable; a hybrid step's host work is
+        # made of host steps, which a plan replays between its segments
+        self.plan = plan and (not self.stream or self.cpu_experts)
+        self._hy = None           # the hybrid decode's host arrays (_ffn_hybrid)
         have = gpu.graphs_available()
         if graphs and not have:
             raise UnavailableError("CUDA graphs requested but the driver lacks them (needs CUDA 11.4+)")
@@ -289,10 +307,13 @@ class GpuModel:
                     ff = hp.n_ff_exp
                     L["gate_exps"] = self._w(p + "ffn_gate_up_exps.weight", expert_rows=(0, ff))
                     L["up_exps"] = self._w(p + "ffn_gate_up_exps.weight", expert_rows=(ff, 2 * ff))
+                    L["exp_tensor"] = {"gate_exps": p + "ffn_gate_up_exps.weight", "up_exps": p + "ffn_gate_up_exps.weight"}
                 else:
                     L["gate_exps"] = self._w(p + "ffn_gate_exps.weight")
                     L["up_exps"] = self._w(p + "ffn_up_exps.weight")
+                    L["exp_tensor"] = {"gate_exps": p + "ffn_gate_exps.weight", "up_exps": p + "ffn_up_exps.weight"}
                 L["down_exps"] = self._w(p + "ffn_down_exps.weight")
+                L["exp_tensor"]["down_exps"] = p + "ffn_down_exps.weight"
                 if hp.n_ff_shexp:
                     L.update(sh_gate_inp=self._w(p + "ffn_gate_inp_shexp.weight"),
                              sh_gate=self._w(p + "ffn_gate_shexp.weight"), sh_up=self._w(p + "ffn_up_shexp.weight"),
@@ -329,6 +350,8 @@ class GpuModel:
         #                                               offset of the tensor's pinned experts in the pin store)]
         self._stage_offset: dict[str, int] = {}
         self._pin_store: dict[int, gpu.Buffer] = {}  # layer -> pinned experts of every tensor, tensor-major
+        self._pin_off: dict[str, int] = {}            # expert tensor -> offset of its pinned experts in the store
+        self._pin_idx: dict[int, np.ndarray] = {}     # layer -> [n_expert] int32: index in the store or -1
         layer_max = 0
         for i in range(hp.n_layer):
             off, pin_off, lay, pin_parts = 0, 0, [], []
@@ -337,12 +360,15 @@ class GpuModel:
                 t, data = self.file.tensors[name], gg.data(name)
                 eb = int(t.n_bytes) // hp.n_expert
                 lay.append((_native.host_address(data), int(t.n_bytes), eb, off, pin_off))
+                self._pin_off[name] = pin_off
                 pin_parts += [data[e * eb:(e + 1) * eb] for e in es]
                 self._stage_offset[name] = off
                 off += int(t.n_bytes)
                 pin_off += len(es) * eb
             if lay:
                 self._stage_layout[i] = lay
+                self._pin_idx[i] = np.full(hp.n_expert, -1, dtype=np.int32)
+                self._pin_idx[i][es] = np.arange(len(es), dtype=np.int32)
                 layer_max = max(layer_max, off)
                 if pin_parts:
                     self._pin_store[i] = gpu.Buffer.from_array(np.concatenate(pin_parts),
@@ -366,7 +392,6 @@ class GpuModel:
             have = set()
         need = sorted(set(int(e) for e in want) - have)
         if need:
-            import time
             t_issue, h2d0 = time.perf_counter(), self.stream_stats["h2d_bytes"]
             if self._slot_used[s]:
                 self._copy.wait(self._slot_free[s])
@@ -416,7 +441,6 @@ class GpuModel:
     def _ids_buf(self, ids: int, pairs: int) -> np.ndarray:
         """The router's expert ids of this pass, on the host (waits for the routing)."""
         from . import _native
-        import time
         out = np.empty(pairs, dtype=np.int32)
         t0 = time.perf_counter()
         _native.gpu_copy_dtoh(out, ids, 4 * pairs)
@@ -604,6 +628,8 @@ class GpuModel:
             k.swiglu(g, u, g, n * ff)
             self._mm(L["down"], g, y, n)
             return
+        if n == 1 and self.cpu_experts:
+            return self._ffn_hybrid(L, h, hq, y)
         ne, kk, ff = hp.n_expert, hp.n_expert_used, hp.n_ff_exp
         pairs = n * kk
         logits = self._buf("router", 4 * n * ne).ptr
@@ -644,7 +670,8 @@ class GpuModel:
         if sort and self.grouped:
             self._grouped_experts(L, base, xg, g, u, pairs, ptiles, len(tiles))   # output in xg (sorted)
         else:
-            self._pair_gemvs(L, base, x_tok, hq if not sort else None, g, u, xg if sort else yd, eids, pairs,
+            addr = {w: base + L[w].ptr for w in ("gate_exps", "up_exps", "down_exps")}
+            self._pair_gemvs(L, addr, x_tok, hq if not sort else None, g, u, xg if sort else yd, eids, pairs,
                              x_group)
         if sort:
             k.get_rows(gpu.F32, xg, pinv, yd, pairs, E)          # back to (token, slot) order
@@ -654,10 +681,94 @@ class GpuModel:
             self.stream_stats["layers"] += 1
         self._shared_and_combine(L, h, hq, n, yd, wts, y)
 
-    def _pair_gemvs(self, L: dict, base: int, x_rows: int, xq, g: int, u: int, out: int, eids: int, pairs: int,
+    # ------------------------------------------------------------------ hybrid decode
+
+    def _ffn_hybrid(self, L: dict, h: int, hq, y: int) -> None:
+        """One token's MoE block split between the GPU and the CPU (cpu_experts). Device buffers:
+        hy_out [E h | kk ids | kk weights] (read by the host in one copy) and
+        hy_in [kk GPU ids (index in the pin store, -1: the CPU's) | kk+1 weights | pad | (kk+1) x E rows], whose
+        row 0 is the CPU's weighted sum (weight 1) and rows 1..kk the pinned experts' outputs (zero for the CPU's):
+        one moe_combine adds them and the shared expert."""
+        hp, k = self.hparams, self.k
+        E, kk, ne, ff = hp.n_embd, hp.n_expert_used, hp.n_expert, hp.n_ff_exp
+        i = L["index"]
+        pinned = bool(self.pinned.get(i))
+        yo = -(-4 * (2 * kk + 1) // 16) * 16                        # rows 16-byte aligned
+        ho = self._buf("hy_out", 4 * (E + 2 * kk))
+        hi = self._buf("hy_in", yo + 4 * (kk + 1) * E)
+        logits = self._buf("router", 4 * ne).ptr
+        self._mm(L["router"], h, logits, 1, hq)
+        k.moe_route(logits, ho.ptr + 4 * E, ho.ptr + 4 * (E + kk), 1, ne, kk)
+        k.get_rows(gpu.F32, h, self._zero_index().ptr, ho.ptr, 1, E)      # h beside the routing: one copy
+        gpu.host_step(functools.partial(self._hybrid_read, i, ho, hi))
+        # queued before the CPU's experts run, so the GPU computes these meanwhile
+        sh, shg = self._shared_expert(L, h, hq, 1)
+        if pinned:
+            store, names = self._pin_store[i].ptr, L["exp_tensor"]
+            addr = {w: store + self._pin_off[names[w]] + L[w].ptr - self._stage_offset[names[w]]
+                    for w in ("gate_exps", "up_exps", "down_exps")}
+            g = self._buf("eg", 4 * kk * ff).ptr
+            u = self._buf("eu", 4 * kk * ff).ptr
+            self._pair_gemvs(L, addr, h, hq, g, u, hi.ptr + yo + 4 * E, hi.ptr, kk, kk)
+        gpu.host_step(functools.partial(self._hybrid_cpu, i, hi, yo))
+        k.moe_combine(hi.ptr + yo, hi.ptr + 4 * kk, sh, shg, y, 1, kk + 1 if pinned else 1, E)
+
+    def _zero_index(self) -> gpu.Buffer:
+        if "zero_index" not in self._scratch:
+            self._scratch["zero_index"] = gpu.Buffer.from_array(np.zeros(4, dtype=np.int32), "index 0")
+        return self._scratch["zero_index"]
+
+    def _hybrid_read(self, i: int, ho: gpu.Buffer, hi: gpu.Buffer) -> None:
+        """Host step 1 of a hybrid MoE layer: the routing and h from the GPU; the GPU's share (pinned experts) up."""
+        from . import _native
+        hp = self.hparams
+        E, kk = hp.n_embd, hp.n_expert_used
+        if self._hy is None:
+            self._hy = {"out": np.empty(E + 2 * kk, np.float32), "meta": np.empty(2 * kk + 1, np.float32),
+                        "row": np.empty(E, np.float32), "cpu_ids": np.empty(kk, np.int32)}
+        hy = self._hy
+        out = hy["out"]
+        t0 = time.perf_counter()
+        _native.gpu_copy_dtoh(out, ho.ptr, out.nbytes)
+        self.hybrid_stats["read_s"] += time.perf_counter() - t0
+        ids, wts = out[E:E + kk].view(np.int32), out[E + kk:]
+        gids = self._pin_idx[i][ids]
+        meta = hy["meta"]
+        meta[:kk] = gids.view(np.float32)
+        meta[kk] = 1.0
+        meta[kk + 1:] = np.where(gids >= 0, wts, 0.0)
+        np.copyto(hy["cpu_ids"], np.where(gids < 0, ids, -1))
+        if self.pinned.get(i):
+            _native.gpu_copy_htod(hi.ptr, meta, meta.nbytes)
+        else:
+            _native.gpu_copy_htod(hi.ptr + 4 * kk, meta[kk:kk + 1], 4)
+        c = self.route_counts.setdefault(i, np.zeros(hp.n_expert, dtype=np.int64))
+        c[ids] += 1
+        self.hybrid_stats["steps"] += 1
+        self.hybrid_stats["cpu_experts"] += int((gids < 0).sum())
+
+    def _hybrid_cpu(self, i: int, hi: gpu.Buffer, yo: int) -> None:
+        """Host step 2: the CPU runs the unpinned experts (while the GPU runs the shared and pinned ones) and sends
+        their weighted sum to row 0."""
+        from . import _native
+        hp = self.hparams
+        E, kk = hp.n_embd, hp.n_expert_used
+        hy = self._hy
+        row = hy["row"]
+        t0 = time.perf_counter()
+        if (hy["cpu_ids"] >= 0).any():
+            self.model.native.moe_routed(i, hy["out"][:E], hy["cpu_ids"], hy["out"][E + kk:], row)
+        else:
+            row[:] = 0.0
+        self.hybrid_stats["cpu_s"] += time.perf_counter() - t0
+        _native.gpu_copy_htod(hi.ptr + yo, row, row.nbytes)
+
+    def _pair_gemvs(self, L: dict, addr: dict, x_rows: int, xq, g: int, u: int, out: int, eids: int, pairs: int,
                     x_group: int) -> None:
         """Routed experts as one GEMV per (token, expert) pair: pair p reads row p // x_group of x_rows [*, E]
-        (xq: those rows already in Q8_1, the one-token decode case), writes out [pairs, E]; g, u [pairs, ff]."""
+        (xq: those rows already in Q8_1, the one-token decode case), writes out [pairs, E]; g, u [pairs, ff].
+        addr: {gate_exps, up_exps, down_exps: device address of expert 0 of that matrix} (eids index from there;
+        < 0: the pair is skipped, its row zero)."""
         hp, k = self.hparams, self.k
         E, ff = hp.n_embd, hp.n_ff_exp
         int8 = self.int8 and L["gate_exps"].qtype != gpu.F32
@@ -670,7 +781,7 @@ class GpuModel:
                 k.quantize_q8_1(x_rows, x, rows * E)
         for wname, o in (("gate_exps", g), ("up_exps", u)):
             w = L[wname]
-            k.gemv_ids(w.qtype, base + w.ptr, x, o, w.nrows, w.ncols, eids, pairs, w.expert_bytes, x_group, xs,
+            k.gemv_ids(w.qtype, addr[wname], x, o, w.nrows, w.ncols, eids, pairs, w.expert_bytes, x_group, xs,
                        int8=int8)
         k.swiglu(g, u, g, pairs * ff)
         w = L["down_exps"]
@@ -680,13 +791,18 @@ class GpuModel:
             xd = self._buf("xq_down", pairs * ff // 32 * gpu.Q8_1_BYTES).ptr
             k.quantize_q8_1(g, xd, pairs * ff)
             xds = ff // 32
-        k.gemv_ids(w.qtype, base + w.ptr, xd, out, w.nrows, w.ncols, eids, pairs, w.expert_bytes, 1, xds,
+        k.gemv_ids(w.qtype, addr["down_exps"], xd, out, w.nrows, w.ncols, eids, pairs, w.expert_bytes, 1, xds,
                    int8=int8d)
 
     def _shared_and_combine(self, L: dict, h: int, hq, n: int, yd: int, wts: int, y: int) -> None:
         """y[n, E] = the routed experts' outputs yd [n*k, E] weighted by wts, plus the gated shared expert."""
+        sh, shg = self._shared_expert(L, h, hq, n)
+        self.k.moe_combine(yd, wts, sh, shg, y, n, self.hparams.n_expert_used, self.hparams.n_embd)
+
+    def _shared_expert(self, L: dict, h: int, hq, n: int) -> tuple:
+        """The shared expert's output sh [n, E] and gate logit shg [n] (device addresses), or (None, None)."""
         hp, k = self.hparams, self.k
-        E, kk = hp.n_embd, hp.n_expert_used
+        E = hp.n_embd
         sh = shg = None
         if hp.n_ff_shexp:
             fs = hp.n_ff_shexp
@@ -699,7 +815,7 @@ class GpuModel:
             k.swiglu(sg, su, sg, n * fs)
             self._mm(L["sh_down"], sg, sh, n)
             self._mm(L["sh_gate_inp"], h, shg, n, hq)
-        k.moe_combine(yd, wts, sh, shg, y, n, kk, E)
+        return sh, shg
 
     def _grouped_experts(self, L: dict, base: int, xg: int, g: int, u: int, pairs: int, tiles: int,
                          n_tiles: int) -> None:

@@ -207,6 +207,10 @@ CPU_PREFILL_GAIN = 1.0       # CPU prefill tok/s / CPU decode tok/s (one integer
 GPU_PREFILL_EFF = 0.47
 GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 544 for 24 layers + head ≈ 22.5/layer
 #                                     on the 0.8B incl. quantise/route; 14 is the MoE-free GDN average)
+# The hybrid decode's host work per MoE layer and token (gpu_model._ffn_hybrid: two host steps, one device->host
+# and two host->device copies, two graph segments, the CPU pool's wake-up for le_moe_routed). A first estimate,
+# to be replaced by the measured value (bench split, strategy hybrid).
+HYBRID_HOST_S_PER_LAYER = 60e-6
 MACHINE_FILE = "machine.json"
 
 
@@ -379,6 +383,7 @@ class Strategy:
     pinned: dict = dataclasses.field(default_factory=dict)
     min_gpu_tokens: int = 0
     chunk: int = 512                # tokens per GPU pass (streamed: each pass copies the experts it routes to)
+    decode_parts: dict = dataclasses.field(default_factory=dict)      # where the decode time goes (hybrid)
 
     def total_s(self, gen: int) -> float:
         return self.prefill_s + gen * self.decode_s_per_tok
@@ -406,6 +411,39 @@ def choose_pins(file, budget_bytes: int, counts: dict | None = None) -> dict:
         pins.setdefault(i, []).append(e)
         used += per[i]
     return {i: sorted(v) for i, v in sorted(pins.items())}
+
+
+def pinned_share(file, pins: dict, counts: dict | None = None) -> float:
+    """The expected share of routed-expert work that lands on pinned experts (uniform routing: pins per layer /
+    n_expert; with routing counts, the pinned experts' share of them), averaged over the MoE layers."""
+    hp = file.hparams
+    layers = list(layer_expert_bytes(file))
+    if not layers or not hp.n_expert:
+        return 0.0
+    shares = []
+    for i in layers:
+        es = list(pins.get(i, ()))
+        c = np.asarray(counts.get(i), dtype=float) if counts and counts.get(i) is not None else None
+        if c is not None and c.sum() > 0:
+            shares.append(float(c[es].sum() / c.sum()) if es else 0.0)
+        else:
+            shares.append(len(es) / hp.n_expert)
+    return float(np.mean(shares))
+
+
+def _hybrid_decode(m: Machine, file, fpd, pins: dict, counts: dict | None) -> tuple[float, dict]:
+    """Seconds per token of the hybrid decode and its parts: the GPU's share (dense weights, shared expert, head,
+    pinned experts at the GEMV rate, launches), the CPU's (unpinned routed experts at the CPU decode rate) and the
+    host steps between them; they run one after the other (only the shared/pinned experts overlap the CPU)."""
+    hp = file.hparams
+    n_moe = len(layer_expert_bytes(file))
+    share = pinned_share(file, pins, counts)
+    experts = fpd.parts.get("experts", 0)
+    gpu = ((fpd.decode_bytes - experts + share * experts) / (m.gpu_gemv_gbps * 1e9)
+           + GPU_DECODE_LAUNCHES_PER_LAYER * hp.n_layer * m.gpu_launch_us * 1e-6)
+    cpu = (1 - share) * experts / (m.cpu_read_gbps * 1e9 * CPU_DECODE_EFF)
+    host = n_moe * HYBRID_HOST_S_PER_LAYER
+    return gpu + cpu + host, {"gpu": gpu, "cpu": cpu, "host": host, "pinned_share": share}
 
 
 def _cpu_times(m: Machine, decode_bytes: int) -> tuple[float, float]:
@@ -455,6 +493,7 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
                     cpu_dec, {"cpu": prompt * cpu_pre})]
     if not m.has_gpu:
         out.append(Strategy("stream", False, "no usable GPU", 0))
+        out.append(Strategy("hybrid", False, "no usable GPU", 0))
         out.append(Strategy("resident", False, "no usable GPU", 0))
         return _rank(out, gen)
     budget = m.vram_free if vram is None else vram
@@ -492,18 +531,30 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
             if prompt < st.min_gpu_tokens:       # the split runs short prompts on the CPU
                 st.prefill_s, st.prefill_parts = prompt * cpu_pre, {"cpu": prompt * cpu_pre}
             out.append(st)
+            # the same placement with the hybrid decode: short passes run as hybrid steps, token by token
+            hyb, hparts = _hybrid_decode(m, file, fpd, pins, counts)
+            hy = dataclasses.replace(st, name="hybrid", decode_s_per_tok=hyb, decode_parts=hparts,
+                                     why=st.why + f"; decode hybrid: {hparts['pinned_share']:.0%} of the routed "
+                                     "experts' work on the GPU (pinned), the rest on the CPU")
+            hy.min_gpu_tokens = crossover(m, file, fpd, c, pins, hyb)
+            hy.prefill_s, hy.prefill_parts = pre, parts
+            if prompt < hy.min_gpu_tokens:
+                hy.prefill_s, hy.prefill_parts = prompt * hyb, {"hybrid steps": prompt * hyb}
+            out.append(hy)
         else:
             fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=STREAM_CHUNKS[-1], int8=int8)
-            out.append(Strategy("stream", False, f"even without pinned experts it needs {fp0.total / GiB:.2f} GiB "
-                                f"of VRAM ({fp0.describe()}), budget {budget / GiB:.2f} GiB", fp0.total))
+            why = (f"even without pinned experts it needs {fp0.total / GiB:.2f} GiB of VRAM ({fp0.describe()}), "
+                   f"budget {budget / GiB:.2f} GiB")
+            out += [Strategy("stream", False, why, fp0.total), Strategy("hybrid", False, why, fp0.total)]
     else:
-        out.append(Strategy("stream", False, "a dense model has no experts to stream", 0))
+        out += [Strategy("stream", False, "a dense model has no experts to stream", 0),
+                Strategy("hybrid", False, "a dense model has no experts to split", 0)]
     return _rank(out, gen)
 
 
 def crossover(m: Machine, file, fpd, chunk: int, pins: dict, cpu_pre: float) -> int:
-    """The shortest pass worth running on the GPU (its prefill, copies included, beats the CPU's); 1 << 30 when
-    none up to 64k tokens does."""
+    """The shortest pass worth running on the GPU (its prefill, copies included, beats cpu_pre seconds per token:
+    the CPU's, or the hybrid step's); 1 << 30 when none up to 64k tokens does."""
     for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
         if _gpu_prefill(m, file, fpd, n, chunk, True, pins)[0] < n * cpu_pre:
             return n
@@ -548,12 +599,14 @@ def print_plan(name: str, m: Machine, strategies: list[Strategy], prompt: int, g
         print(f"{s.name:<10}{'yes' if s.fits else 'no':>5}{pre:>15.1f}{dec:>14.1f}{tot}  {s.why}")
     best = strategies[0]
     print(f"chosen: {best.name}", end="")
-    if best.name == "stream":
+    if best.name in ("stream", "hybrid"):
         parts = best.prefill_parts
         print(f" (GPU prefill for passes of >= {best.min_gpu_tokens} tokens; predicted prefill time: copies "
               f"{parts.get('copy', 0):.2f} s, compute {parts.get('compute', 0):.2f} s, handoff "
-              f"{parts.get('handoff', 0):.3f} s, overlapped per layer when a chunk routes to most experts; decode on "
-              f"the CPU)")
+              f"{parts.get('handoff', 0):.3f} s, overlapped per layer when a chunk routes to most experts; decode "
+              + ("on the CPU)" if best.name == "stream" else
+                 "hybrid: {gpu:.1f} ms GPU + {cpu:.1f} ms CPU + {host:.1f} ms host steps per token)".format(
+                     **{k: 1e3 * v for k, v in best.decode_parts.items() if k != "pinned_share"})))
     else:
         print()
 
@@ -620,15 +673,22 @@ class Placement:
     footprint: VramFootprint
     why: str
     chunk: int = 512
+    decode: str = "gpu"         # resident: "gpu"; streamed: "cpu" (CPU decode) or "hybrid" (GpuModel cpu_experts)
+
+
+DECODES = ("auto", "cpu", "hybrid")
 
 
 def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool = True,
                   min_gpu_tokens: int | None = None, machine: Machine | None = None,
-                  counts: dict | None = None) -> Placement:
+                  counts: dict | None = None, decode: str = "auto") -> Placement:
     """Where a GPU run of `model` puts its weights under `vram` (default: free VRAM minus VRAM_MARGIN): resident
     when everything fits, else (MoE) dense weights resident + experts streamed with the budget left pinned, the
     GPU prefilling passes of >= min_gpu_tokens (default: the crossover predicted from `machine`, measured once and
-    cached). PlanningError when nothing fits."""
+    cached). decode (streamed placements): 'cpu', 'hybrid', or 'auto' = the one predicted faster. PlanningError
+    when nothing fits."""
+    if decode not in DECODES:
+        raise ValueError(f"decode = {decode!r}: one of {', '.join(DECODES)}")
     from . import gpu
     gpu.init()
     file = model.file
@@ -646,9 +706,19 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool 
         m = measure(model.n_threads)
     if counts is None:
         counts = load_routing(model)
-    st = next(s for s in plan(file, m, budget, 2048, 0, n_ctx=n_ctx, counts=counts) if s.name == "stream")
+    strategies = {s.name: s for s in plan(file, m, budget, 2048, 0, n_ctx=n_ctx, counts=counts)}
+    st = strategies["stream"]
     if not st.fits:
         raise PlanningError(f"streamed GPU model: {st.why}")
+    hy = strategies["hybrid"]
+    if decode == "auto":
+        decode = "hybrid" if hy.decode_s_per_tok < st.decode_s_per_tok else "cpu"
+        dec_why = (f"decode {decode} (predicted {1 / hy.decode_s_per_tok:.1f} tok/s hybrid, "
+                   f"{1 / st.decode_s_per_tok:.1f} tok/s on the CPU)")
+    else:
+        dec_why = f"decode {decode} (asked)"
+    if decode == "hybrid":
+        st = hy
     pins, chunk = st.pinned, st.chunk
     fps = vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, chunk=chunk, int8=int8)
     if min_gpu_tokens is None:
@@ -658,8 +728,8 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool 
     return Placement(True, budget, pins, int(min_gpu_tokens), fps,
                      f"streamed experts ({n_pin} pinned, {how}): {fps.describe()} in a budget of "
                      f"{budget / GiB:.2f} GiB; "
-                     f"GPU prefill for passes of >= {min_gpu_tokens} tokens ({chunk} per pass), decode on the CPU",
-                     chunk)
+                     f"GPU prefill for passes of >= {min_gpu_tokens} tokens ({chunk} per pass); {dec_why}",
+                     chunk, decode)
 
 
 # ================================================================================================ routing statistics

@@ -7,6 +7,10 @@ the sequence to a GpuState (GpuState.from_cpu: GDN states and the KV rows so far
 (GpuModel(stream_experts=True): routed experts copied from host RAM per layer, hot ones pinned in VRAM), which is
 how a 35B MoE prefills on a 6 GB card; the planner chooses min_gpu_tokens (the prompt length where the GPU,
 copies included, beats the CPU).
+
+With a hybrid GPU model (GpuModel(cpu_experts=True)) the sequence lives on the GPU: states are GpuStates, passes of
+>= min_gpu_tokens run streamed there, shorter ones (decode steps included) run token by token as hybrid decode
+steps (attention, GDN, shared and pinned experts on the GPU; the other routed experts on the CPU).
 """
 from __future__ import annotations
 
@@ -24,10 +28,11 @@ class SplitModel:
         self.file, self.hparams = cpu_model.file, cpu_model.hparams
         self.min_gpu_tokens = int(min_gpu_tokens)
         self._gst = None
-        self.passes = {"gpu": 0, "cpu": 0}
+        self.hybrid = bool(getattr(gpu_model, "cpu_experts", False))
+        self.passes = {"gpu": 0, "cpu": 0, "hybrid": 0}
 
     def new_state(self, n_ctx: int):
-        return self.cpu.new_state(n_ctx)
+        return self.gm.new_state(n_ctx) if self.hybrid else self.cpu.new_state(n_ctx)
 
     def _gpu_state(self, n_ctx: int):
         if self._gst is None or self._gst.n_ctx < n_ctx:
@@ -38,6 +43,8 @@ class SplitModel:
     def forward(self, state, tokens, all_logits: bool = False, chunked: bool = True,
                 want_logits: bool = True) -> np.ndarray | None:
         """Model.forward; the pass runs on the GPU when it has >= min_gpu_tokens tokens."""
+        if self.hybrid:
+            return self._forward_hybrid(state, tokens, all_logits, want_logits)
         ids = np.asarray(tokens)
         if ids.ndim == 1 and ids.size >= self.min_gpu_tokens:
             if state.pos + ids.size > state.n_ctx:
@@ -54,6 +61,29 @@ class SplitModel:
         self.passes["cpu"] += 1
         return self.cpu.forward(state, tokens, all_logits, chunked, want_logits)
 
+    def _forward_hybrid(self, state, tokens, all_logits: bool, want_logits: bool) -> np.ndarray | None:
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError("tokens: a non-empty 1-D sequence of ids")
+        if ids.size >= self.min_gpu_tokens:
+            self.passes["gpu"] += 1
+            return self.gm.forward(state, ids, all_logits=all_logits, want_logits=want_logits)
+        if state.pos + ids.size > state.n_ctx:      # checked before the first step: nothing runs
+            raise ValueError(f"{ids.size} tokens at position {state.pos} exceed the context of {state.n_ctx}")
+        outs = []
+        for j, t in enumerate(ids):
+            last = j == ids.size - 1
+            out = self.gm.forward(state, ids[j:j + 1], want_logits=want_logits and (all_logits or last))
+            self.passes["hybrid"] += 1
+            if out is not None:
+                outs.append(out)
+        if not want_logits:
+            return None
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
     def describe(self) -> str:
+        if self.hybrid:
+            return (f"split: passes of >= {self.min_gpu_tokens} tokens streamed on the {self.gm.describe()}; decode "
+                    f"and shorter passes hybrid (routed experts not pinned on the CPU, {self.cpu.n_threads} threads)")
         return (f"split: passes of >= {self.min_gpu_tokens} tokens on the {self.gm.describe()}; decode and shorter "
                 f"passes on the CPU ({self.cpu.n_threads} threads)")

@@ -770,6 +770,44 @@ def test_launch_plan_replays_in_order(gpu_device, graph):
             got = bx.download(dtype=np.float32, count=n)
             np.testing.assert_array_equal(got, x0 + steps * d)
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["replay", "graph"])
+def test_launch_plan_runs_host_steps_between_segments(gpu_device, graph):
+    """Host steps (gpu.host_step) split a plan: each replay runs segment 1, the host step (which reads x, as the
+    hybrid decode reads the routing, and writes a value the next segment adds), then segment 2, in that order."""
+    if graph and not gpu.graphs_available():
+        pytest.skip("the driver has no CUDA graphs")
+    try:
+        k = gpu.Kernels("kepler", NATIVE_ARCH)
+    except UnavailableError as e:
+        pytest.skip(str(e))
+    n = 4096
+    d = np.arange(n, dtype=np.float32) % 5
+    seen = []
+    with gpu.Buffer.from_array(np.zeros(n, np.float32)) as bx, gpu.Buffer.from_array(d) as bd, \
+            gpu.Buffer(4 * n) as bh:
+        def host():
+            x = bx.download(dtype=np.float32, count=n)
+            seen.append(x.copy())
+            bh.upload(2 * x)
+        with gpu.record() as launches:
+            for _ in range(3):
+                k.add(bx, bd, bx, n)
+            gpu.host_step(host)
+            k.add(bx, bh, bx, n)
+        plan = gpu.LaunchPlan(launches, graph=graph)
+        assert len(plan) == 4 and plan.host_steps == 1
+        for rep in range(3):
+            x0 = np.full(n, rep, np.float32)
+            bx.upload(x0)
+            plan.replay()
+            mid = x0 + 3 * d
+            np.testing.assert_array_equal(seen[-1], mid)
+            np.testing.assert_array_equal(bx.download(dtype=np.float32, count=n), 3 * mid)
+        assert len(seen) == 4          # once while recording, once per replay
+
+
 # ================================================================================================ layer ops
 # conv1d.cu, gdn.cu, attention.cu, moe_route.cu, argmax.cu, elementwise.cu against f64 numpy transcriptions of
 # native/gdn.c, attention.c, moe.c on the same f32 inputs. Every bound is u = 2^-24 times a count of roundings (each

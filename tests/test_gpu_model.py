@@ -77,17 +77,19 @@ def test_gemv_gemm_f32_weights(kernels):
 @variant_params()
 def test_gemv_ids(kernels, qtype, int8):
     """The MoE GEMV: pair p = expert ids[p] times input p // x_group gives exactly what the plain GEMV gives for
-    that expert and input (same code, other addresses)."""
+    that expert and input (same code, other addresses); a pair with a negative id (the hybrid decode's CPU-side
+    experts) gives a zero row, whatever the output held."""
     if int8 and qtype == gpu.F32:
         pytest.skip("f32 weights have no int8 path")
     rng = np.random.default_rng(400 + qtype)
     n_exp, nrows, ncols, n_tok, k = 6, 40, 512, 3, 2
     w, eb = expert_weights(rng, qtype, n_exp, nrows, ncols)
     x = rng.standard_normal((n_tok, ncols)).astype(np.float32)
-    ids = np.array([[5, 0], [2, 5], [1, 3]], dtype=np.int32)
+    ids = np.array([[5, 0], [2, -1], [-1, 3]], dtype=np.int32)
     qb = ncols // 32 * gpu.Q8_1_BYTES
     with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(x) as bx, gpu.Buffer.from_array(ids) as bi, \
             gpu.Buffer(n_tok * qb) as bq, gpu.Buffer(4 * n_tok * k * nrows) as by, gpu.Buffer(4 * nrows) as b1:
+        by.upload(np.full(n_tok * k * nrows, np.nan, dtype=np.float32))
         if int8:
             kernels.quantize_q8_1(bx, bq, n_tok * ncols)
             kernels.gemv_ids(qtype, bw, bq, by, nrows, ncols, bi, n_tok * k, eb, k, ncols // 32, int8=True,
@@ -97,6 +99,9 @@ def test_gemv_ids(kernels, qtype, int8):
         got = by.download(dtype=np.float32).reshape(n_tok * k, nrows)
         for p in range(n_tok * k):
             e, t = int(ids.flat[p]), p // k
+            if e < 0:
+                assert not got[p].any(), f"pair {p}: skipped, its row must be zero"
+                continue
             if int8:
                 kernels.gemv_dp4a(qtype, bw.ptr + e * eb, bq.ptr + t * qb, b1, nrows, ncols)
             else:
@@ -552,6 +557,65 @@ def test_split_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
         gm.close()
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["replay", "graph"])
+def test_hybrid_decode_matches_cpu(graphs, gpu_device, tiny_file, cpu_model):
+    """The hybrid decode (cpu_experts): a streamed prefill, then decode steps whose routed experts are split
+    between the GPU (pinned: some of layer 0 and 3, all of layer 7) and the CPU (le_moe_routed), replayed from a
+    launch plan with two host steps per MoE layer (as CUDA graph segments or launch by launch): the CPU engine's
+    logits within the f32 bar; every MoE layer of every step went through the host steps; routing counted."""
+    if graphs and not gpu.graphs_available():
+        pytest.skip("the driver has no CUDA graphs")
+    cpu = cpu_model("moe")
+    hp = cpu.hparams
+    pinned = {0: [0, 5, 6], 3: [1], 7: list(range(hp.n_expert))}
+    gm = _stream_model(cpu, pinned, 16, save_routing=False, cpu_experts=True, graphs=graphs)
+    try:
+        assert gm.plan and gm.graphs == graphs
+        ids = sequence(80, hp.n_vocab)
+        st = gm.new_state(N_CTX)
+        got = np.concatenate([gm.forward(st, ids[:60], all_logits=True)] +
+                             [gm.forward(st, ids[i:i + 1]) for i in range(60, 80)])
+        ref = cpu_logits(cpu, ids, 60)
+        d = float(np.abs(got.astype(np.float64) - ref).max())
+        print(f"\nhybrid ({'graph' if graphs else 'replay'}): max|Δ| {d:.2e}; {gm.hybrid_stats}")
+        assert d <= tol.LOGIT_ABS_F32
+        assert st._plan is not None and st._plan.host_steps == 2 * hp.n_layer
+        assert gm.hybrid_stats["steps"] == 20 * hp.n_layer
+        # layer 7 is all on the GPU; the other layers send most of their experts to the CPU
+        assert 0 < gm.hybrid_stats["cpu_experts"] < 20 * (hp.n_layer - 1) * hp.n_expert_used
+        assert all(int(c.sum()) == 80 * hp.n_expert_used for c in gm.route_counts.values())
+    finally:
+        gm.close()
+
+
+def test_split_hybrid_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
+    """SplitModel over a hybrid GPU model: the sequence stays on the GPU (GpuState); the prompt runs streamed, a
+    short follow-up pass and the decode steps run as hybrid steps; the greedy tokens equal the CPU engine's."""
+    from legacy_engine.gpu_model import GpuState
+    from legacy_engine.split import SplitModel
+    cpu = cpu_model("moe")
+    gm = _stream_model(cpu, {1: [2, 3], 4: [0]}, 16, cpu_experts=True, save_routing=False)
+    try:
+        split = SplitModel(cpu, gm, min_gpu_tokens=8)
+        prompt = sequence(50, cpu.hparams.n_vocab)
+        runs = {}
+        for name, m in (("split", split), ("cpu", cpu)):
+            st = m.new_state(N_CTX)
+            m.forward(st, prompt[:44])
+            tok = int(np.argmax(m.forward(st, prompt[44:])[-1]))         # 6 tokens: below min_gpu_tokens
+            out = [tok]
+            for _ in range(30):
+                tok = int(np.argmax(m.forward(st, [tok])[-1]))
+                out.append(tok)
+            runs[name] = out
+            if name == "split":
+                assert isinstance(st, GpuState)
+        assert runs["split"] == runs["cpu"]
+        assert split.passes == {"gpu": 1, "cpu": 0, "hybrid": 36}
+    finally:
+        gm.close()
+
+
 def test_long_pass_head_in_pieces(gpu_device, tiny_file, cpu_model):
     """A pass longer than LOGIT_ROWS (chunk 600) with all logits: the head runs in pieces; equal to the CPU."""
     from legacy_engine.gpu_model import LOGIT_ROWS, GpuModel
@@ -604,9 +668,10 @@ def test_grouped_experts_match_reference(kind, gpu_device, tiny_file, cpu_model)
         assert np.abs(got.astype(np.float64) - ref).max() <= tol.LOGIT_ABS_F32
 
 
-def test_engine_runs_split_when_the_model_does_not_fit(gpu_device, tiny_file, cpu_model):
-    """`run --gpu --vram SIZE` with a budget below the resident footprint: the Engine plans the split (experts
-    streamed, GPU prefill, CPU decode) and its greedy text equals the CPU engine's."""
+@pytest.mark.parametrize("decode", ["cpu", "hybrid"])
+def test_engine_runs_split_when_the_model_does_not_fit(decode, gpu_device, tiny_file, cpu_model):
+    """`run --gpu --vram SIZE --decode cpu|hybrid` with a budget below the resident footprint: the Engine plans the
+    split (experts streamed, GPU prefill; decode on the CPU or hybrid) and its greedy text equals the CPU engine's."""
     from legacy_engine import planner
     from legacy_engine.generate import Engine
     from legacy_engine.sampling import SamplingParams
@@ -615,7 +680,8 @@ def test_engine_runs_split_when_the_model_does_not_fit(gpu_device, tiny_file, cp
     cpu = cpu_model("moe")
     res = planner.vram_footprint(cpu.file, n_ctx=128, int8=True)
     cpu_e = Engine(path, n_threads=2, n_ctx=128, pin=False)
-    gpu_e = Engine(path, n_threads=2, n_ctx=128, pin=False, gpu=True, gpu_vram=res.total - 1, gpu_min_tokens=8)
+    gpu_e = Engine(path, n_threads=2, n_ctx=128, pin=False, gpu=True, gpu_vram=res.total - 1, gpu_min_tokens=8,
+                   gpu_decode=decode)
     try:
         assert isinstance(gpu_e.model, SplitModel) and gpu_e.placement.stream
         assert "streamed experts" in gpu_e.placement.why
@@ -623,6 +689,7 @@ def test_engine_runs_split_when_the_model_does_not_fit(gpu_device, tiny_file, cp
         outs = [e.session().generate(prompt, max_tokens=16, params=SamplingParams(temperature=0.0)).text
                 for e in (cpu_e, gpu_e)]
         assert outs[0] == outs[1]
-        assert gpu_e.model.passes["gpu"] >= 1 and gpu_e.model.passes["cpu"] >= 15
+        assert gpu_e.placement.decode == decode and f"decode {decode} (asked)" in gpu_e.placement.why
+        assert gpu_e.model.passes["gpu"] >= 1 and gpu_e.model.passes[decode] >= 15
     finally:
         gpu_e.gpu.close()

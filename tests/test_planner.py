@@ -73,24 +73,47 @@ def test_choose_pins_hottest_first_within_budget():
 
 
 def test_fast_link_six_gib_streams():
-    """A 6 GiB budget cannot hold 18 GiB of experts: the GPU prefills with streamed experts, the CPU decodes."""
+    """A 6 GiB budget cannot hold 18 GiB of experts: the GPU prefills with streamed experts; the decode runs on the
+    CPU (stream) or hybrid (attention/GDN/shared/pinned experts on the GPU, the other experts on the CPU), and the
+    hybrid one, with less for the CPU to read per token, is chosen."""
     ss = P.plan(A3B, H100, 6 * P.GiB, prompt=2048, gen=256)
-    best = ss[0]
-    assert best.name == "stream" and best.fits and best.vram <= 6 * P.GiB
-    assert {s.name: s.fits for s in ss}["resident"] is False
-    cpu = next(s for s in ss if s.name == "cpu")
-    assert best.prefill_s < cpu.prefill_s / 5                       # the point of the GPU
-    assert best.decode_s_per_tok == cpu.decode_s_per_tok            # decode stays on the CPU
+    by = {s.name: s for s in ss}
+    best, stream, cpu = ss[0], by["stream"], by["cpu"]
+    assert best.name == "hybrid" and best.fits and best.vram <= 6 * P.GiB
+    assert by["resident"].fits is False
+    assert stream.fits and stream.prefill_s < cpu.prefill_s / 5     # the point of the GPU
+    assert stream.decode_s_per_tok == cpu.decode_s_per_tok          # the stream split decodes on the CPU
+    assert best.prefill_s == stream.prefill_s and best.pinned == stream.pinned
+    assert best.decode_s_per_tok < cpu.decode_s_per_tok
+    parts = best.decode_parts
+    assert 0 < parts["pinned_share"] < 0.5 and parts["cpu"] > parts["gpu"]
     assert sum(len(v) for v in best.pinned.values()) > 0            # the budget left holds hot experts
-    assert 1 <= best.min_gpu_tokens <= 2048
+    assert 1 <= stream.min_gpu_tokens <= 2048 and 1 <= best.min_gpu_tokens <= 2048
+
+
+def test_skewed_routing_makes_pins_pay():
+    """With routing counts that favour a few experts per layer, the pins take the hot ones and carry a larger
+    share of the work than their number: the hybrid decode is predicted faster than with uniform routing."""
+    n_e = A3B.hparams.n_expert
+    zipf = [1.0 / (1 + e) ** 1.2 for e in range(n_e)]
+    counts = {i: [int(1e6 * z) for z in zipf] for i in range(40)}
+    uni = next(s for s in P.plan(A3B, H100, 6 * P.GiB, 2048, 256) if s.name == "hybrid")
+    skew = next(s for s in P.plan(A3B, H100, 6 * P.GiB, 2048, 256, counts=counts) if s.name == "hybrid")
+    assert all(0 in v for v in skew.pinned.values())                # the hottest expert of every layer
+    assert skew.decode_parts["pinned_share"] > 2 * uni.decode_parts["pinned_share"]
+    assert skew.decode_s_per_tok < uni.decode_s_per_tok
+    assert P.pinned_share(A3B, {}, counts) == 0.0
+    assert P.pinned_share(A3B, {i: list(range(n_e)) for i in range(40)}) == 1.0
 
 
 def test_slow_link_prefers_cpu_prefill():
-    """On PCIe Gen1 x1 (0.25 GB/s) streaming the experts costs more than the CPU's prefill: the CPU does it."""
+    """On PCIe Gen1 x1 (0.25 GB/s) streaming the experts costs more than prefilling without them: no pass streams
+    (the stream split prefills on the CPU, the hybrid one in hybrid steps), and the plan chosen copies nothing."""
     ss = P.plan(A3B, CMP, 6 * P.GiB, prompt=2048, gen=256)
-    assert ss[0].name == "cpu"
-    stream = next(s for s in ss if s.name == "stream")
-    assert stream.min_gpu_tokens > 2048
+    by = {s.name: s for s in ss}
+    assert by["stream"].min_gpu_tokens > 2048 and by["hybrid"].min_gpu_tokens > 2048
+    assert ss[0].name in ("cpu", "hybrid") and "copy" not in ss[0].prefill_parts
+    assert by["stream"].prefill_s == by["cpu"].prefill_s
 
 
 def test_no_gpu_and_tiny_vram():
@@ -113,6 +136,7 @@ def test_dense_model_has_nothing_to_stream():
     ss = P.plan(P.DescribedFile("qwen3.5-9b", "q4_k_m"), H100, 2 * P.GiB, prompt=512, gen=64)
     assert ss[0].name == "cpu"
     assert "no experts" in next(s for s in ss if s.name == "stream").why
+    assert not next(s for s in ss if s.name == "hybrid").fits
 
 
 def test_plan_command(tmp_path):
