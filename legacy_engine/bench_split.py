@@ -91,7 +91,10 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
     if simulate_link:
         m = dataclasses.replace(m, link_gbps=simulate_link, simulated_link=True)
     res["machine"] = dataclasses.asdict(m)
-    preds = {p: {s.name: s for s in planner.plan(model.file, m, vram, p, gen, n_ctx=n_ctx)} for p in prompts}
+    counts = planner.load_routing(model)        # saved by earlier runs: the pins take the hottest experts
+    res["routing_counts"] = counts is not None
+    preds = {p: {s.name: s for s in planner.plan(model.file, m, vram, p, gen, n_ctx=n_ctx, counts=counts)}
+             for p in prompts}
     hold = None
     if ballast:
         free = gpu.mem_stats()["free_bytes"]
@@ -164,6 +167,7 @@ def print_split(res: dict) -> None:
     print(f"{res['model']}: VRAM budget {res['vram'] / 2**30:.2f} GiB"
           + (f" (ballast: {res['free_after_ballast'] / 2**30:.2f} GiB left free)" if res.get("ballast") else "")
           + f", {res['threads']} threads; link {m['link_gbps']:.2f} GB/s"
+          + ("; pins from saved routing counts" if res.get("routing_counts") else "")
           + (" (simulated)" if m["simulated_link"] else ""))
     print(f"{'strategy':<28}" + "".join(f"{'pp' + str(p):>10}{'pred':>8}" for p in ps) + f"{'tg' + str(res['gen']):>9}"
           f"{'pred':>8}")

@@ -207,10 +207,14 @@ CPU_PREFILL_GAIN = 1.0       # CPU prefill tok/s / CPU decode tok/s (one integer
 GPU_PREFILL_EFF = 0.47
 GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 544 for 24 layers + head ≈ 22.5/layer
 #                                     on the 0.8B incl. quantise/route; 14 is the MoE-free GDN average)
-# The hybrid decode's host work per MoE layer and token (gpu_model._ffn_hybrid: two host steps, one device->host
-# and two host->device copies, two graph segments, the CPU pool's wake-up for le_moe_routed). A first estimate,
-# to be replaced by the measured value (bench split, strategy hybrid).
-HYBRID_HOST_S_PER_LAYER = 60e-6
+# The hybrid decode (gpu_model._ffn_hybrid), calibrated on `bench split --strategies hybrid` (35B-A3B Q4_K_M with
+# --router-skew 1.2, 6 GiB, H100 + 16 cores, 2026-11-25): 26.9 ms per token, of which le_moe_routed 17.1 ms for
+# 0.573 GB of expert weights (33.4 GB/s: 0.37 of the 90 GB/s the machine reads, against 0.62 for whole CPU decode
+# steps: 2 pool jobs per layer and token on ~1.9 MB each), and 9.7 ms the rest: the GPU's share (1.2 ms predicted at
+# the GEMV rate) and per MoE layer the host steps (a device->host read that waits for the layer's ~15 decode
+# kernels, two host->device copies, two graph launches, ~50 µs of Python): 212 µs.
+HYBRID_CPU_EFF = 0.37
+HYBRID_HOST_S_PER_LAYER = 212e-6
 MACHINE_FILE = "machine.json"
 
 
@@ -441,7 +445,7 @@ def _hybrid_decode(m: Machine, file, fpd, pins: dict, counts: dict | None) -> tu
     experts = fpd.parts.get("experts", 0)
     gpu = ((fpd.decode_bytes - experts + share * experts) / (m.gpu_gemv_gbps * 1e9)
            + GPU_DECODE_LAUNCHES_PER_LAYER * hp.n_layer * m.gpu_launch_us * 1e-6)
-    cpu = (1 - share) * experts / (m.cpu_read_gbps * 1e9 * CPU_DECODE_EFF)
+    cpu = (1 - share) * experts / (m.cpu_read_gbps * 1e9 * HYBRID_CPU_EFF)
     host = n_moe * HYBRID_HOST_S_PER_LAYER
     return gpu + cpu + host, {"gpu": gpu, "cpu": cpu, "host": host, "pinned_share": share}
 
@@ -649,12 +653,15 @@ def main(argv: list[str] | None = None) -> int:
                 log=lambda s: print(s, file=__import__("sys").stderr))
     if args.simulate_link is not None:
         m = dc.replace(m, link_gbps=args.simulate_link, simulated_link=True)
-    ss = plan(f, m, vram, args.prompt, args.gen)
+    counts = None if args.preset else load_routing(f)
+    ss = plan(f, m, vram, args.prompt, args.gen, counts=counts)
     if args.json:
         print(json.dumps({"machine": dc.asdict(m), "strategies": [dc.asdict(s) for s in ss]}, indent=1,
                          default=float))
     else:
         print_plan(name, m, ss, args.prompt, args.gen, vram)
+        print("pinned experts: " + ("the hottest by this file's saved routing counts" if counts else
+                                    "spread evenly (no routing counts saved for this file yet)"))
     return 0
 
 
@@ -748,14 +755,15 @@ def routing_path(model) -> str:
 
 
 def load_routing(model) -> dict | None:
-    """The routing counts saved for this model file ({layer: np.ndarray[n_expert]}), or None. A file that does not
-    fit the model (layers, experts) or does not parse is ignored (counts are advice, never required)."""
+    """The routing counts saved for this model file ({layer: np.ndarray[n_expert]}), or None. model: a Model or a
+    ModelFile. A file that does not fit the model (layers, experts) or does not parse is ignored (counts are advice,
+    never required)."""
     import json
     import os
     path = routing_path(model)
     if not os.path.exists(path):
         return None
-    hp = model.file.hparams
+    hp = getattr(model, "file", model).hparams
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)

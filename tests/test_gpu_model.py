@@ -552,7 +552,7 @@ def test_split_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
                 out.append(tok)
             runs[name] = out
         assert runs["split"] == runs["cpu"]
-        assert split.passes == {"gpu": 1, "cpu": 30}
+        assert split.passes == {"gpu": 1, "cpu": 30, "hybrid": 0}
     finally:
         gm.close()
 
@@ -642,7 +642,7 @@ def test_sorted_pairs_bit_identical(int8, gpu_device, tiny_file, quant_file):
     ids = sequence(100, cpu.hparams.n_vocab)
     out = []
     for sort in (True, False):
-        gm = GpuModel(cpu, tier="dp4a" if int8 else None, int8=int8, sort_pairs=sort)
+        gm = GpuModel(cpu, tier="dp4a" if int8 else None, int8=int8, sort_pairs=sort, grouped_experts=False)
         try:
             out.append(gm.forward(gm.new_state(128), ids, all_logits=True))
         finally:
@@ -652,7 +652,7 @@ def test_sorted_pairs_bit_identical(int8, gpu_device, tiny_file, quant_file):
 
 @pytest.mark.parametrize("kind", ["moe", "moe_hv_eq_hk"])
 def test_grouped_experts_match_reference(kind, gpu_device, tiny_file, cpu_model):
-    """The routed experts as grouped GEMMs (tiles of one expert's tokens; opt-in until this passes on a GPU):
+    """The routed experts as grouped GEMMs (tiles of one expert's tokens; the default for passes of several tokens):
     prefill logits against transformers and the CPU engine within the f32 bar, and streamed too."""
     from legacy_engine.gpu_model import GpuModel
     cpu = cpu_model(kind)
