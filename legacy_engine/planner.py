@@ -17,6 +17,8 @@ Three parts, each usable alone:
      cpu        prefill and decode on the CPU (the integer SIMD kernels)
      stream     prefill on the GPU with the routed experts copied per layer from host RAM (pinned experts stay in
                 VRAM), decode on the CPU (the seed paper's split)
+     hybrid     the same prefill; decode steps with attention, GDN, router, shared and pinned experts on the GPU
+                and the other routed experts on the CPU (pins chosen from the file's saved routing counts)
      resident   everything in VRAM, prefill and decode on the GPU
    and choose the fastest that fits the VRAM budget; short prompts stay on the CPU when the copy cannot pay
    (`min_gpu_tokens`, the crossover).
@@ -28,6 +30,8 @@ Models of time (a roofline per phase, each term from one measurement; shown by `
               n * active_params * 2 / (gpu_flops * GPU_PREFILL_EFF) (the GEMM probe's rate, derated by the
               measured share of expert GEMVs, GDN recurrence and attention)
   GPU decode  t = decode_bytes / gpu_bw_eff + launches * launch_s
+  hybrid step t = (dense + pinned share of expert bytes) / gpu_bw + launches * launch_s
+                  + unpinned expert bytes / (cpu_bw * HYBRID_CPU_EFF) + MoE layers * HYBRID_HOST_S_PER_LAYER
 """
 from __future__ import annotations
 
@@ -200,21 +204,23 @@ def check_fits(fp: VramFootprint, budget: int, what: str = "this placement") -> 
 # probes below.
 CPU_DECODE_EFF = 0.62        # CPU decode tok/s / (read bandwidth / bytes per token): 59-64 % at 16 threads
 CPU_PREFILL_GAIN = 1.0       # CPU prefill tok/s / CPU decode tok/s (one integer dot per token and row: ~1x)
-# Whole GPU prefill / the GEMM probe's rate: the prefill also runs the (token, expert) GEMVs of the routed experts,
-# the GDN recurrence token by token and attention, which the f32 GEMM probe does not see. Measured with
-# `bench split` on the 35B-A3B Q4_K_M file, H100, 2026-11-25: predicted-from-probe / measured = 0.49 (pp512),
-# 0.47 (pp2048), 0.47 (pp8192); GPU time per prefill: routed experts 57 %, GDN 26 %, attention 13 %.
-GPU_PREFILL_EFF = 0.47
+# Whole GPU prefill / the GEMM probe's rate: the prefill also runs the grouped expert GEMMs (tiles of <= 32 tokens
+# of one expert), the GDN recurrence token by token and attention, which the f32 GEMM probe does not see. Measured
+# with `bench split --strategies hybrid` (no handoff to the CPU) on the 35B-A3B Q4_K_M file under 6 GiB, H100,
+# 2026-11-25: pp2048 1,555 tok/s (uniform routing) where the probe alone predicts 1.86 s at 0.47, i.e. 0.66;
+# the first calibration (0.47, GEMVs per (token, expert) pair instead of the grouped GEMM) is superseded.
+GPU_PREFILL_EFF = 0.66
 GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 544 for 24 layers + head ≈ 22.5/layer
 #                                     on the 0.8B incl. quantise/route; 14 is the MoE-free GDN average)
-# The hybrid decode (gpu_model._ffn_hybrid), calibrated on `bench split --strategies hybrid` (35B-A3B Q4_K_M with
-# --router-skew 1.2, 6 GiB, H100 + 16 cores, 2026-11-25): 26.9 ms per token, of which le_moe_routed 17.1 ms for
-# 0.573 GB of expert weights (33.4 GB/s: 0.37 of the 90 GB/s the machine reads, against 0.62 for whole CPU decode
-# steps: 2 pool jobs per layer and token on ~1.9 MB each), and 9.7 ms the rest: the GPU's share (1.2 ms predicted at
-# the GEMV rate) and per MoE layer the host steps (a device->host read that waits for the layer's ~15 decode
-# kernels, two host->device copies, two graph launches, ~50 µs of Python): 212 µs.
-HYBRID_CPU_EFF = 0.37
-HYBRID_HOST_S_PER_LAYER = 212e-6
+# The hybrid decode (gpu_model._ffn_hybrid), calibrated on `bench split --strategies hybrid` (35B-A3B Q4_K_M, 6 GiB,
+# H100 + 16 cores reading 107.8 GB/s, 2026-11-25, nothing else running): uniform routing 21.8 ms per token, of which
+# le_moe_routed 11.3 ms for 0.573 GB of expert weights; skewed (--router-skew 1.2, pins from the saved counts) 13.3 ms,
+# le_moe_routed 5.6 ms for 0.285 GB. Both 50.9 GB/s: 0.47 of the read bandwidth (whole CPU decode steps reach 0.62;
+# here 2 pool jobs per layer and token on ~7-14 MB each). The rest, less the GPU's share at the GEMV rate (1.2-1.3 ms),
+# is host work per MoE layer: a device->host read that waits for the layer's ~17 decode kernels, two host->device
+# copies, two graph launches, ~10 µs of numpy: 232 µs (uniform) and 161 µs (skewed), 200 µs taken.
+HYBRID_CPU_EFF = 0.47
+HYBRID_HOST_S_PER_LAYER = 200e-6
 MACHINE_FILE = "machine.json"
 
 
