@@ -127,7 +127,8 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             try:
                 gm.profile()
                 row = dict(strategy=name, describe=gm.describe(), **_measure(runner, prompts, gen, reps, n_ctx))
-                n_runs = (reps + 1) * len(prompts)
+                # the GPU prefills: (reps + 1) per prompt length (warm-up included), and the decode's own prompt
+                n_runs = (reps + 1) * len(prompts) + 1
                 row["gpu_phases_per_prefill_s"] = {k: v / n_runs for k, v in gm.profile_report().items()}
                 if base == "hybrid" and gm.hybrid_stats["steps"]:
                     hs = gm.hybrid_stats
@@ -136,7 +137,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                                                "read_s": hs["read_s"] / hs["steps"] * gm.hparams.n_layer}
                 if base in ("stream", "hybrid"):
                     s = gm.stream_report()
-                    n_pp = (reps + 1) * len([p for p in prompts])
+                    n_pp = n_runs
                     row["chunk"] = st0.chunk
                     row["per_prefill"] = {"h2d_gib": s["h2d_bytes"] / n_pp / 2**30,
                                           "copy_stall_s": s["copy_stall_s"] / n_pp,
