@@ -56,6 +56,9 @@
 #define LE_HAS_SHFL (LE_CC >= LE_CC_KEPLER)
 #define LE_HAS_LDG (LE_CC >= LE_CC_LDG)
 #define LE_HAS_DP4A (LE_CC >= LE_CC_DP4A)
+/* 255 registers per thread from sm_35; sm_20/sm_30 have 63 (kernels that keep a second set of values in
+ * flight, e.g. gemm_f32's prefetched step, do so only here) */
+#define LE_HAS_MANY_REGS (LE_CC >= LE_CC_LDG)
 
 /* why on the compiler version and not CUDART_VERSION: NVRTC does not define the latter.
  * CUDA 9 added the *_sync shuffles and made them mandatory for sm_70+. */

@@ -22,8 +22,10 @@
  * GDN_COLS columns of one head: thread (slice, col) owns column col of the block and the rows
  * i = slice, slice + GDN_SLICES, … (<= GDN_ROWS of them, in registers for all n tokens: S is read
  * once and written once per launch). S^T k and S^T q are summed per thread over its rows, then
- * over the GDN_SLICES slices in shared memory in a fixed order. A half-warp reads 16 consecutive
- * floats of a row (64-byte segments). q and k of the token are staged in shared memory.
+ * over the GDN_SLICES slices in shared memory in a fixed order (red_kv, red_o: two buffers, so a
+ * token takes three barriers). A half-warp reads 16 consecutive floats of a row (64-byte
+ * segments). q and k of the token are staged in shared memory; token t + 1's q, k, v, g and beta
+ * are loaded into registers while token t computes, so no global load sits on the serial path.
  * Only the summation order, FMA contraction and expf differ from the reference
  * (tests/test_gpu.py GDN_STEP_EXTRA has the bound).
  * Chunked prefill (gdn.c gdn_chunked_head) is not here yet: prefill runs this recurrence token by token.
@@ -77,9 +79,9 @@ extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const f
                                              const float *LE_RESTRICT beta, float *S, float *o, int n, int conv_dim,
                                              int Hk, int Hv, int dk, int dv, int tiled) {
     __shared__ float qs[GDN_MAX_DK], ks[GDN_MAX_DK];
-    __shared__ float red[GDN_SLICES][GDN_COLS];
-    const int j = blockIdx.x; /* v-head */
-    const int lane = threadIdx.x % GDN_COLS, slice = threadIdx.x / GDN_COLS;
+    __shared__ float red_kv[GDN_SLICES][GDN_COLS], red_o[GDN_SLICES][GDN_COLS];
+    const int tid = threadIdx.x, j = blockIdx.x; /* v-head */
+    const int lane = tid % GDN_COLS, slice = tid / GDN_COLS;
     const int c = blockIdx.y * GDN_COLS + lane;
     const bool col = c < dv;
     const int kh = tiled ? j % Hk : j / (Hv / Hk);
@@ -91,15 +93,30 @@ extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const f
         const int i = slice + r * GDN_SLICES;
         s[r] = col && i < dk ? Sj[(size_t)i * dv + c] : 0.0f;
     }
+    /* token t + 1's inputs, loaded while token t computes: q[tid], k[tid] (tid < dk <= GDN_MAX_DK <= GDN_THREADS),
+     * v[c], g, beta */
+    float qn = 0.0f, kn = 0.0f, vn = 0.0f, gn = 0.0f, bn = 0.0f;
+#define GDN_PREFETCH(t)                                                                    \
+    do {                                                                                   \
+        const float *row_ = u + (size_t)(t) * conv_dim;                                    \
+        if (tid < dk) {                                                                    \
+            qn = row_[(size_t)kh * dk + tid];                                              \
+            kn = row_[(size_t)(Hk + kh) * dk + tid];                                       \
+        }                                                                                  \
+        vn = col ? row_[(size_t)2 * Hk * dk + (size_t)j * dv + c] : 0.0f;                  \
+        gn = le_ldg(g + (size_t)(t) * Hv + j);                                             \
+        bn = le_ldg(beta + (size_t)(t) * Hv + j);                                          \
+    } while (0)
+    if (n > 0) GDN_PREFETCH(0);
     for (int t = 0; t < n; t++) {
-        const float *row = u + (size_t)t * conv_dim;
-        __syncthreads(); /* the previous token is done with qs, ks and red */
-        for (int i = threadIdx.x; i < dk; i += GDN_THREADS) {
-            qs[i] = row[(size_t)kh * dk + i];
-            ks[i] = row[(size_t)(Hk + kh) * dk + i];
+        /* the previous token's readers of qs, ks are past its last barrier */
+        if (tid < dk) {
+            qs[tid] = qn;
+            ks[tid] = kn;
         }
+        const float decay = expf(gn), b = bn, v = vn;
         __syncthreads();
-        const float decay = expf(le_ldg(g + (size_t)t * Hv + j)), b = le_ldg(beta + (size_t)t * Hv + j);
+        if (t + 1 < n) GDN_PREFETCH(t + 1);
         /* S <- decay S;  kv = S^T k (this thread's rows) */
         float part = 0.0f;
 #pragma unroll
@@ -110,12 +127,11 @@ extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const f
                 part += s[r] * ks[i];
             }
         }
-        red[slice][lane] = part;
+        red_kv[slice][lane] = part;
         __syncthreads();
         float kv = 0.0f;
 #pragma unroll
-        for (int q = 0; q < GDN_SLICES; q++) kv += red[q][lane]; /* the same order in every slice */
-        const float v = col ? row[(size_t)2 * Hk * dk + (size_t)j * dv + c] : 0.0f;
+        for (int q = 0; q < GDN_SLICES; q++) kv += red_kv[q][lane]; /* the same order in every slice */
         const float delta = b * (v - kv);
         /* S += k delta^T;  o = S^T q */
         part = 0.0f;
@@ -127,16 +143,16 @@ extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const f
                 part += s[r] * qs[i];
             }
         }
-        __syncthreads(); /* every slice has read red (kv) */
-        red[slice][lane] = part;
+        red_o[slice][lane] = part; /* red_o's readers of the previous token are past this token's first barrier */
         __syncthreads();
         if (slice == 0 && col) {
             float oc = 0.0f;
 #pragma unroll
-            for (int q = 0; q < GDN_SLICES; q++) oc += red[q][lane];
+            for (int q = 0; q < GDN_SLICES; q++) oc += red_o[q][lane];
             o[(size_t)t * Hv * dv + (size_t)j * dv + c] = oc;
         }
     }
+#undef GDN_PREFETCH
 #pragma unroll
     for (int r = 0; r < GDN_ROWS; r++) {
         const int i = slice + r * GDN_SLICES;

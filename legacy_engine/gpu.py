@@ -58,7 +58,7 @@ F32 = 0   # f32 weights: gemv_f32_f32 / gemm_f32_f32 / get_rows_f32 (no int8 pat
 Q8_1_BYTES = 36
 
 GEMV_THREADS, GEMV_ROWS = 128, 4
-GEMM_THREADS, GEMM_TILE = 256, 32
+GEMM_THREADS, GEMM_ROWS, GEMM_TT = 256, 128, 32   # gemm_f32.cu: a block's tile is GEMM_ROWS rows x GEMM_TT tokens
 RMSNORM_THREADS, Q8_THREADS = 256, 128
 MAX_GRID = 65535   # Fermi's grid x limit (y/z everywhere); kernels grid-stride beyond it
 # the #defines of the newer sources (tests check they agree with cuda8/)
@@ -833,6 +833,12 @@ def time_ms(launch, reps: int, warmup: int = 1) -> float:
     return e0.elapsed_ms(e1) / reps
 
 
+def _aligned16(b, what: str) -> None:
+    """gemm_f32.cu reads X as float4: its address must be a multiple of 16 bytes (every Buffer is)."""
+    if _ptr(b) % 16:
+        raise ValueError(f"{what}: address {_ptr(b):#x} is not 16-byte aligned")
+
+
 def _ptr(b) -> int:
     return 0 if b is None else (b.ptr if isinstance(b, Buffer) else int(b))
 
@@ -965,25 +971,26 @@ class Kernels:
     def gemm_f32(self, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
         """Y[ntok, nrows] = X[ntok, ncols] f32 times W[nrows, ncols]^T."""
         suffix = self._weights(qtype, W, nrows, ncols, "gemm_f32")
-        if not 0 < ntok <= GEMM_TILE * MAX_GRID:
-            raise ValueError(f"gemm_f32: ntok = {ntok} outside 1…{GEMM_TILE * MAX_GRID}")
+        if not 0 < ntok <= GEMM_TT * MAX_GRID:
+            raise ValueError(f"gemm_f32: ntok = {ntok} outside 1…{GEMM_TT * MAX_GRID}")
         _need(X, 4 * ncols * ntok, "gemm_f32 X")
+        _aligned16(X, "gemm_f32 X")
         _need(Y, 4 * nrows * ntok, "gemm_f32 Y")
         self.modules["gemm_f32"].kernel(f"gemm_f32_{suffix}").launch(
-            (self._grid(-(-nrows // GEMM_TILE)), -(-ntok // GEMM_TILE), 1), (GEMM_THREADS, 1, 1),
+            (self._grid(-(-nrows // GEMM_ROWS)), -(-ntok // GEMM_TT), 1), (GEMM_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
             stream=stream)
 
     @staticmethod
     def expert_tiles(sorted_ids: np.ndarray) -> np.ndarray:
-        """int32 [n_tiles, 3] (expert, first pair, count <= GEMM_TILE) over pairs sorted by expert: each expert's
-        run cut into tiles of GEMM_TILE (gemm_ids' work list)."""
+        """int32 [n_tiles, 3] (expert, first pair, count <= GEMM_TT) over pairs sorted by expert: each expert's
+        run cut into tiles of GEMM_TT (gemm_ids' work list)."""
         ids = np.asarray(sorted_ids)
         if ids.size and (np.diff(ids) < 0).any():
             raise ValueError("expert_tiles: the ids must be sorted")
         starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if ids.size else np.zeros(0, dtype=np.int64)
         ends = np.r_[starts[1:], ids.size]
-        out = [(int(ids[a]), p, min(GEMM_TILE, b - p)) for a, b in zip(starts, ends) for p in range(a, b, GEMM_TILE)]
+        out = [(int(ids[a]), p, min(GEMM_TT, b - p)) for a, b in zip(starts, ends) for p in range(a, b, GEMM_TT)]
         return np.asarray(out, dtype=np.int32).reshape(-1, 3)
 
     def gemm_ids(self, qtype: int, W, X, Y, nrows: int, ncols: int, tiles, n_tiles: int, expert_bytes: int,
@@ -995,10 +1002,11 @@ class Kernels:
         if not 0 < n_tiles <= MAX_GRID:
             raise ValueError(f"gemm_ids: n_tiles = {n_tiles} outside 1…{MAX_GRID}")
         _need(X, 4 * ncols * n_pairs, "gemm_ids X")
+        _aligned16(X, "gemm_ids X")
         _need(Y, 4 * nrows * n_pairs, "gemm_ids Y")
         _need(tiles, 12 * n_tiles, "gemm_ids tiles")
         self.modules["gemm_f32"].kernel(f"gemm_f32_{suffix}_ids").launch(
-            (self._grid(-(-nrows // GEMM_TILE)), n_tiles, 1), (GEMM_THREADS, 1, 1),
+            (self._grid(-(-nrows // GEMM_ROWS)), n_tiles, 1), (GEMM_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols),
              ("ptr", _ptr(tiles)), ("i64", int(expert_bytes))], stream=stream)
 

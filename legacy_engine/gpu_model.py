@@ -725,9 +725,13 @@ class GpuModel:
         from . import _native
         hp = self.hparams
         E, kk = hp.n_embd, hp.n_expert_used
-        if self._hy is None:
-            self._hy = {"out": np.empty(E + 2 * kk, np.float32), "meta": np.empty(2 * kk + 1, np.float32),
-                        "row": np.empty(E, np.float32), "cpu_ids": np.empty(kk, np.int32)}
+        if self._hy is None:        # page-locked: the per-layer copies go straight to/from DMA
+            sizes = {"out": E + 2 * kk, "meta": 2 * kk + 1, "row": E, "cpu_ids": kk}
+            pb = gpu.PinnedBuffer(4 * sum(sizes.values()))
+            self._hy, at = {"buf": pb}, 0
+            for name, n in sizes.items():
+                self._hy[name] = pb.array[4 * at:4 * (at + n)].view(np.int32 if name == "cpu_ids" else np.float32)
+                at += n
         hy = self._hy
         out = hy["out"]
         t0 = time.perf_counter()
@@ -952,6 +956,9 @@ class GpuModel:
         if self._rope is not None:
             self._rope.free()
         self._bufs, self._scratch, self._retired, self._rope, self._staging, self._pin_store = {}, {}, [], None, [], {}
+        if self._hy is not None:
+            hy, self._hy = self._hy, None
+            hy["buf"].free()
         if self._host is not None:
             _native.gpu_host_unregister(self._host[0])
             self._host = None

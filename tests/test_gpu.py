@@ -153,7 +153,7 @@ LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
                     "attention": ("ATTN_THREADS", "ATTN_WARPS", "ATTN_PREFILL_THREADS", "ATTN_QTILE", "ATTN_MAX_HD"),
                     "moe_route": ("MOE_THREADS", "MOE_MAX_K"), "argmax": ("ARGMAX_THREADS", "ARGMAX_MAX_PARTS"),
                     "elementwise": ("EW_THREADS",), "rmsnorm": ("RMSNORM_THREADS",),
-                    "gemv_f32": ("GEMV_THREADS",), "gemm_f32": ("GEMM_THREADS",),
+                    "gemv_f32": ("GEMV_THREADS",), "gemm_f32": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT"),
                     "rope": ("ROPE_THREADS", "ROPE_MAX_HD"), "get_rows": ("GET_ROWS_THREADS",),
                     "moe_combine": ("MOE_COMBINE_THREADS",)}
 
