@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CUDA_DIR = ROOT / "cuda8"
 INCLUDE_DIR = ROOT / "native" / "include"
 
-SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "conv1d", "gdn", "attention",
+SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "conv1d", "gdn", "attention",
            "moe_route", "argmax", "elementwise", "rope", "get_rows", "moe_combine")
 HEADERS = ("compat.cuh", "quants.cuh")          # in cuda8/
 SHARED_HEADERS = ("le_blocks.h",)               # in native/include/
@@ -981,6 +981,21 @@ class Kernels:
             [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
             stream=stream)
 
+    def gemm_dp4a(self, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
+        """Y[ntok, nrows] = xq[ntok, ncols/32] (block_q8_1 rows from one quantize_q8_1 of the [ntok, ncols] f32
+        activations) times W[nrows, ncols]^T, in int8 (W4A8/W8A8)."""
+        if qtype == F32:
+            raise ValueError("gemm_dp4a: f32 weights have no int8 path (use gemm_f32)")
+        suffix = self._weights(qtype, W, nrows, ncols, "gemm_dp4a")
+        if not 0 < ntok <= GEMM_TT * MAX_GRID:
+            raise ValueError(f"gemm_dp4a: ntok = {ntok} outside 1…{GEMM_TT * MAX_GRID}")
+        _need(xq, ntok * (ncols // 32) * Q8_1_BYTES, "gemm_dp4a xq")
+        _need(Y, 4 * nrows * ntok, "gemm_dp4a Y")
+        self.modules["gemm_dp4a"].kernel(f"gemm_dp4a_{suffix}").launch(
+            (self._grid(-(-nrows // GEMM_ROWS)), -(-ntok // GEMM_TT), 1), (GEMM_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(xq)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
+            stream=stream)
+
     @staticmethod
     def expert_tiles(sorted_ids: np.ndarray) -> np.ndarray:
         """int32 [n_tiles, 3] (expert, first pair, count <= GEMM_TT) over pairs sorted by expert: each expert's
@@ -994,18 +1009,26 @@ class Kernels:
         return np.asarray(out, dtype=np.int32).reshape(-1, 3)
 
     def gemm_ids(self, qtype: int, W, X, Y, nrows: int, ncols: int, tiles, n_tiles: int, expert_bytes: int,
-                 n_pairs: int, stream: Stream | None = None) -> None:
+                 n_pairs: int, stream: Stream | None = None, int8: bool = False) -> None:
         """The grouped expert GEMM: for each tile (e, p0, cnt) of `tiles` (device int32 [n_tiles, 3], from
         expert_tiles), Y[p0:p0+cnt] = X[p0:p0+cnt] W_e^T with W_e at W + e * expert_bytes; X [n_pairs, ncols]
-        f32 rows sorted by expert, Y [n_pairs, nrows]."""
-        suffix = self._weights(qtype, W, nrows, ncols, "gemm_ids")
+        f32 rows sorted by expert, or with int8 their block_q8_1 rows [n_pairs, ncols/32] (gemm_dp4a_*_ids);
+        Y [n_pairs, nrows]."""
+        what = "gemm_dp4a_ids" if int8 else "gemm_ids"
+        if int8 and qtype == F32:
+            raise ValueError("gemm_dp4a_ids: f32 weights have no int8 path")
+        suffix = self._weights(qtype, W, nrows, ncols, what)
         if not 0 < n_tiles <= MAX_GRID:
-            raise ValueError(f"gemm_ids: n_tiles = {n_tiles} outside 1…{MAX_GRID}")
-        _need(X, 4 * ncols * n_pairs, "gemm_ids X")
-        _aligned16(X, "gemm_ids X")
-        _need(Y, 4 * nrows * n_pairs, "gemm_ids Y")
-        _need(tiles, 12 * n_tiles, "gemm_ids tiles")
-        self.modules["gemm_f32"].kernel(f"gemm_f32_{suffix}_ids").launch(
+            raise ValueError(f"{what}: n_tiles = {n_tiles} outside 1…{MAX_GRID}")
+        if int8:
+            _need(X, n_pairs * (ncols // 32) * Q8_1_BYTES, f"{what} xq")
+        else:
+            _need(X, 4 * ncols * n_pairs, f"{what} X")
+            _aligned16(X, f"{what} X")
+        _need(Y, 4 * nrows * n_pairs, f"{what} Y")
+        _need(tiles, 12 * n_tiles, f"{what} tiles")
+        mod = "gemm_dp4a" if int8 else "gemm_f32"
+        self.modules[mod].kernel(f"{mod}_{suffix}_ids").launch(
             (self._grid(-(-nrows // GEMM_ROWS)), n_tiles, 1), (GEMM_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols),
              ("ptr", _ptr(tiles)), ("i64", int(expert_bytes))], stream=stream)

@@ -17,7 +17,8 @@ and runs the same forward pass as native/model.c, op for op, with the kernels of
 
 Matmuls: one token (decode) -> GEMV; with int8 (default on the dp4a tier) the activations are
 quantised to Q8_1 once per input and the quantised weights run gemv_dp4a (W4A8/W8A8), f32 weights
-gemv_f32_f32; several tokens (prefill) -> gemm_f32 (dequantise into shared memory, f32 accumulate).
+gemv_f32_f32; several tokens (prefill) -> gemm_dp4a on the same Q8_1 activations (int8_prefill, default
+= int8), else gemm_f32 (dequantise into shared memory, f32 accumulate).
 MoE experts run as (token, expert) GEMVs indexed on the GPU by the router's ids (no host round trip).
 
 `GpuState` holds a sequence's GDN conv/SSM states and KV cache in VRAM, with the byte layouts of the CPU
@@ -88,11 +89,14 @@ class GpuModel:
                  stream_experts: bool = False, pinned: dict | None = None, vram: int | None = None,
                  n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, simulate_link: float | None = None,
                  sort_pairs: bool = True, save_routing: bool = True, grouped_experts: bool = True,
-                 cpu_experts: bool = False):
+                 cpu_experts: bool = False, int8_prefill: bool | None = None):
         """model: a loaded Model (its file's tensors are uploaded; the CPU model stays usable).
         tier: 'fermi' | 'kepler' | 'dp4a' (default: the GPU's own, default_tier); arch: the PTX target
         (compute capability x10, default the GPU's: 35, 61 or 70 run the legacy PTX on a newer card);
         int8: DP4A decode GEMVs on Q8_1 activations (default: on for the dp4a tier).
+        int8_prefill: passes of several tokens run the quantised weights as int8 GEMMs too (gemm_dp4a: activations
+        quantised to Q8_1 once per input, as decode does), default = int8. The f32 GEMM (gemm_f32) is the
+        alternative: 1.3-1.4x slower on an H100 (q4_K, same run), no activation rounding.
         plan: decode steps replay a recorded LaunchPlan (the first step of a state records it; the token and
         position go to the GPU, every argument stays fixed): ~1 µs of Python per launch instead of ~30.
         graphs: the plan also runs as one CUDA graph (one host call per token). Default: on where the driver has
@@ -133,6 +137,7 @@ class GpuModel:
         self.tier = tier or default_tier(dev_arch)
         self.k = gpu.Kernels(self.tier, dev_arch if arch is None else arch, toolchain)
         self.int8 = (self.tier == "dp4a") if int8 is None else bool(int8)
+        self.int8_prefill = self.int8 if int8_prefill is None else bool(int8_prefill)
         self.model = model
         self.file = model.file
         self._faults = model_faults(model)
@@ -150,7 +155,7 @@ class GpuModel:
                 raise ValueError(f"pinned: layer {i} experts {es[:4]}… outside {hp.n_layer} layers x {hp.n_expert}")
         from . import planner
         self.footprint = planner.vram_footprint(self.file, stream_experts=self.stream, pinned=self.pinned,
-                                                n_ctx=n_ctx, chunk=self.chunk, int8=self.int8,
+                                                n_ctx=n_ctx, chunk=self.chunk, int8=self.int8 or self.int8_prefill,
                                                 logit_rows=min(self.chunk, LOGIT_ROWS))
         self.n_ctx_plan = int(n_ctx)
         self.budget = None
@@ -529,9 +534,14 @@ class GpuModel:
     # ------------------------------------------------------------------ ops
 
     def _mm(self, w: _W, x: int, y: int, n: int, xq: int | None = None) -> None:
-        """y[n, w.nrows] = x[n, w.ncols] W^T. xq: x already quantised to Q8_1 (one token, int8 path)."""
+        """y[n, w.nrows] = x[n, w.ncols] W^T. xq: x already quantised to Q8_1 (n rows; from _quantized)."""
         k = self.k
-        if n > 1:
+        if n > 1 and self.int8_prefill and w.qtype != gpu.F32:
+            if xq is None:
+                xq = self._buf("xq_mm", n * w.ncols // 32 * gpu.Q8_1_BYTES).ptr
+                k.quantize_q8_1(x, xq, n * w.ncols)
+            k.gemm_dp4a(w.qtype, w.ptr, xq, y, w.nrows, w.ncols, n)
+        elif n > 1:
             k.gemm_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols, n)
         elif self.int8 and w.qtype != gpu.F32:
             if xq is None:
@@ -542,11 +552,12 @@ class GpuModel:
             k.gemv_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols)
 
     def _quantized(self, x: int, ncols: int, n: int, name: str = "xq") -> int | None:
-        """Q8_1 of x[ncols] for the int8 GEMVs of one token, else None."""
-        if n > 1 or not self.int8:
+        """Q8_1 of x[n, ncols] for the int8 GEMVs (one token) or GEMMs (several, int8_prefill) that share the
+        input, else None."""
+        if not (self.int8_prefill if n > 1 else self.int8):
             return None
-        xq = self._buf(name, ncols // 32 * gpu.Q8_1_BYTES).ptr
-        self.k.quantize_q8_1(x, xq, ncols)
+        xq = self._buf(name, n * ncols // 32 * gpu.Q8_1_BYTES).ptr
+        self.k.quantize_q8_1(x, xq, n * ncols)
         return xq
 
     def _gdn(self, L: dict, h: int, n: int, st: "GpuState", si: int, y: int) -> None:
@@ -827,13 +838,25 @@ class GpuModel:
                          n_tiles: int) -> None:
         """Routed experts as grouped GEMMs over the pairs sorted by expert: xg [pairs, E] gathered rows in, the
         down projection's output back in xg [pairs, E] (sorted order); g, u [pairs, ff] scratch."""
-        k, ff = self.k, self.hparams.n_ff_exp
+        k, ff, E = self.k, self.hparams.n_ff_exp, self.hparams.n_embd
+        int8 = self.int8_prefill and L["gate_exps"].qtype != gpu.F32
+        x = xg
+        if int8:       # one Q8_1 copy of the gathered rows for gate and up
+            x = self._buf("xq_tok", pairs * E // 32 * gpu.Q8_1_BYTES).ptr
+            k.quantize_q8_1(xg, x, pairs * E)
         for wname, out in (("gate_exps", g), ("up_exps", u)):
             w = L[wname]
-            k.gemm_ids(w.qtype, base + w.ptr, xg, out, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs)
+            k.gemm_ids(w.qtype, base + w.ptr, x, out, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs,
+                       int8=int8)
         k.swiglu(g, u, g, pairs * ff)
         w = L["down_exps"]
-        k.gemm_ids(w.qtype, base + w.ptr, g, xg, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs)
+        int8d = self.int8_prefill and w.qtype != gpu.F32
+        xd = g
+        if int8d:
+            xd = self._buf("xq_down", pairs * ff // 32 * gpu.Q8_1_BYTES).ptr
+            k.quantize_q8_1(g, xd, pairs * ff)
+        k.gemm_ids(w.qtype, base + w.ptr, xd, xg, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs,
+                   int8=int8d)
 
     # ------------------------------------------------------------------ forward
 

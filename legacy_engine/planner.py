@@ -142,8 +142,8 @@ def scratch_bytes(hp, n: int, int8: bool, logit_rows: int) -> int:
             b += (pairs * E + pairs * ff) // 32 * gpu.Q8_1_BYTES
     else:
         b += 2 * 4 * n * hp.n_ff
-    if int8:
-        b += 4 * max(E, hp.ssm_d_inner, hp.n_ff, hp.n_ff_shexp, hp.n_ff_exp) // 32 * gpu.Q8_1_BYTES
+    if int8:       # Q8_1 rows of n tokens: a shared input (xq) and a matmul's own (xq_mm), with room to spare
+        b += 4 * n * max(E, hp.ssm_d_inner, hp.n_ff, hp.n_ff_shexp, hp.n_ff_exp) // 32 * gpu.Q8_1_BYTES
     return b + 4 * logit_rows * hp.n_vocab
 
 
@@ -222,6 +222,7 @@ GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 5
 HYBRID_CPU_EFF = 0.47
 HYBRID_HOST_S_PER_LAYER = 200e-6
 MACHINE_FILE = "machine.json"
+PROBE_VERSION = 2   # part of the cache key: 2 = the GEMM probe times the prefill's own GEMM (gemm_dp4a on dp4a)
 
 
 @dataclasses.dataclass
@@ -233,7 +234,7 @@ class Machine:
     gpu_tier: str = ""
     vram_free: int = 0                   # bytes free on the device when measured
     link_gbps: float = 0.0               # host -> device from page-locked memory
-    gpu_gemm_tflops: float = 0.0         # prefill GEMM (f32 on dequantised Q4_K tiles), 512 tokens
+    gpu_gemm_tflops: float = 0.0         # prefill GEMM on Q4_K, 512 tokens (int8 gemm_dp4a on the dp4a tier, else gemm_f32)
     gpu_gemv_gbps: float = 0.0           # decode GEMV weight streaming (the tier's decode kernel, Q4_K)
     gpu_launch_us: float = 0.0           # per kernel inside a decode step (graph replay)
     simulated_link: bool = False
@@ -284,7 +285,12 @@ def _gpu_probes(tier: str | None = None) -> dict:
 
         def timed(fn, reps):
             return gpu.time_ms(fn, reps) / 1e3
-        t = timed(lambda: k.gemm_f32(q4k, W, X, Y, rows_mm, cols, ntok), 5)
+        if tier == "dp4a":       # the prefill's GEMM there: int8 on Q8_1 activations (gpu_model int8_prefill)
+            with gpu.Buffer(ntok * cols // 32 * gpu.Q8_1_BYTES, "probe Xq") as xqm:
+                k.quantize_q8_1(X, xqm, ntok * cols)
+                t = timed(lambda: k.gemm_dp4a(q4k, W, xqm, Y, rows_mm, cols, ntok), 5)
+        else:
+            t = timed(lambda: k.gemm_f32(q4k, W, X, Y, rows_mm, cols, ntok), 5)
         out["gpu_gemm_tflops"] = 2 * rows_mm * cols * ntok / t / 1e12
         if tier == "dp4a":
             k.quantize_q8_1(X, xq, cols_mv)
@@ -319,7 +325,7 @@ def measure(n_threads: int | None = None, gpu: bool = True, cache: bool = True, 
     from .model import default_threads
     n_threads = n_threads or default_threads()
     path = os.path.join(cache_dir(), MACHINE_FILE)
-    key = f"threads={n_threads},gpu={int(gpu)}"
+    key = f"v{PROBE_VERSION},threads={n_threads},gpu={int(gpu)}"
     saved = {}
     if cache and os.path.exists(path):
         try:
@@ -345,7 +351,7 @@ def measure(n_threads: int | None = None, gpu: bool = True, cache: bool = True, 
 
 
 def cached_machines() -> dict:
-    """The machine probes saved by measure() ({"threads=T,gpu=G": Machine fields}), {} when none."""
+    """The machine probes saved by measure() ({"vV,threads=T,gpu=G": Machine fields}), {} when none."""
     import json
     import os
 

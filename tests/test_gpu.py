@@ -133,6 +133,8 @@ def expected_entries(name: str) -> set[str]:
         out = {f"{name}_{s}" for s in suffixes} | {f"{name}_{s}_ids" for s in suffixes}
     elif name == "gemm_f32":
         out = {f"{name}_{s}" for s in suffixes + ["f32"]} | {f"{name}_{s}_ids" for s in suffixes + ["f32"]}
+    elif name == "gemm_dp4a":
+        out = {f"{name}_{s}" for s in suffixes} | {f"{name}_{s}_ids" for s in suffixes}
     elif name == "get_rows":
         out = {f"{name}_{s}" for s in suffixes + ["f32"]}
     else:
@@ -144,7 +146,7 @@ def expected_entries(name: str) -> set[str]:
 def test_every_source_is_known():
     """SOURCES lists every cuda8/*.cu (so the build, lint, ptxas and probe tests cover it) and each has its entries."""
     assert {p.stem for p in gpu.CUDA_DIR.glob("*.cu")} == set(gpu.SOURCES)
-    assert set(gpu.SOURCES) - {"gemv_f32", "gemv_dp4a", "gemm_f32", "get_rows"} == set(ENTRIES)
+    assert set(gpu.SOURCES) - {"gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "get_rows"} == set(ENTRIES)
 
 
 # launch constants of gpu.py that must equal the #defines of a cuda8 source
@@ -154,6 +156,7 @@ LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
                     "moe_route": ("MOE_THREADS", "MOE_MAX_K"), "argmax": ("ARGMAX_THREADS", "ARGMAX_MAX_PARTS"),
                     "elementwise": ("EW_THREADS",), "rmsnorm": ("RMSNORM_THREADS",),
                     "gemv_f32": ("GEMV_THREADS",), "gemm_f32": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT"),
+                    "gemm_dp4a": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT"),
                     "rope": ("ROPE_THREADS", "ROPE_MAX_HD"), "get_rows": ("GET_ROWS_THREADS",),
                     "moe_combine": ("MOE_COMBINE_THREADS",)}
 
@@ -592,6 +595,59 @@ def test_gemm_f32(kernels, qtype):
             kernels.gemm_f32(qtype, bw, bx, by, nrows, ncols, ntok)
             Y = by.download(dtype=np.float32).reshape(ntok, nrows)
         assert_close_sum(Y, ref, mag, ncols, f"gemm_f32 {tname(qtype)} {ntok}x{nrows}x{ncols}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=[tname(t) for t in TYPES])
+@variant_params()
+def test_gemm_dp4a(kernels, qtype):
+    """The int8 prefill GEMM: each (token, row) is gemv_dp4a's sum over sub-blocks, so the reference is
+    test_gemv_dp4a's per token (Q8_1 blocks made by the same variant); sub-blocks are summed one after another."""
+    rng = np.random.default_rng(300 + qtype)
+    for (nrows, ncols), ntok in zip(gemv_shapes(qtype), (1, 37)):
+        nrows += 40        # a partial row tile; ncols 32 / 2240: a partial step of 4 sub-blocks
+        nsub = ncols // 32
+        w = random_weights(rng, qtype, nrows, ncols)
+        X = rng.standard_normal((ntok, ncols)).astype(np.float32)
+        W, m = dequant(qtype, w, nrows, ncols)
+        with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(X) as bx, \
+                gpu.Buffer(ntok * nsub * 36) as bq, gpu.Buffer(4 * nrows * ntok) as by:
+            kernels.quantize_q8_1(bx, bq, ntok * ncols)
+            kernels.gemm_dp4a(qtype, bw, bq, by, nrows, ncols, ntok)
+            Y = by.download(dtype=np.float32).reshape(ntok, nrows)
+            xq = bq.download().view(Q8_1_GPU).reshape(ntok, nsub)
+        d8, s8, q8 = xq["d"].astype(np.float64), xq["s"].astype(np.float64), xq["qs"].astype(np.float64)
+        xhat = (d8[:, :, None] * q8).reshape(ntok, ncols)
+        msub = m[:, ::32]                                          # [nrows, nsub]
+        corr = d8 * q8.sum(axis=2) - s8                            # [ntok, nsub]
+        ref = xhat @ W.T + corr @ msub.T
+        mag = np.abs(xhat) @ (np.abs(W + m) + np.abs(m)).T + np.abs(s8) @ np.abs(msub).T
+        assert_close_sum(Y, ref, mag, nsub + 5, f"gemm_dp4a {tname(qtype)} {ntok}x{nrows}x{ncols}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=[tname(t) for t in TYPES])
+@variant_params()
+def test_gemm_dp4a_ids(kernels, qtype):
+    """The grouped int8 GEMM gives, tile by tile, exactly what gemm_dp4a gives for that expert's rows."""
+    rng = np.random.default_rng(710 + qtype)
+    n_exp, nrows, ncols = 5, 72, 512
+    w, eb = expert_weights(rng, qtype, n_exp, nrows, ncols)
+    ids = np.sort(rng.integers(0, n_exp, 90)).astype(np.int32)
+    ids[ids == 3] = 4                                  # an expert with no tokens
+    ids = np.sort(ids)
+    n_pairs, qb = ids.size, ncols // 32 * 36
+    X = rng.standard_normal((n_pairs, ncols)).astype(np.float32)
+    tiles = gpu.Kernels.expert_tiles(ids)
+    with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(X) as bx, gpu.Buffer.from_array(tiles) as bt, \
+            gpu.Buffer(n_pairs * qb) as bq, gpu.Buffer(4 * n_pairs * nrows) as by, gpu.Buffer(4 * 32 * nrows) as b1:
+        kernels.quantize_q8_1(bx, bq, n_pairs * ncols)
+        kernels.gemm_ids(qtype, bw, bq, by, nrows, ncols, bt, len(tiles), eb, n_pairs, int8=True)
+        Y = by.download(dtype=np.float32).reshape(n_pairs, nrows)
+        for e, p0, cnt in tiles.tolist():
+            kernels.gemm_dp4a(qtype, bw.ptr + e * eb, bq.ptr + p0 * qb, b1, nrows, ncols, cnt)
+            ref = b1.download(dtype=np.float32, count=cnt * nrows).reshape(cnt, nrows)
+            np.testing.assert_array_equal(Y[p0:p0 + cnt], ref, err_msg=f"tile ({e}, {p0}, {cnt})")
 
 
 @pytest.mark.gpu
