@@ -8,7 +8,7 @@
  *             grid min(ceil(nrows/GEMM_ROWS), 65535) x ceil(ntok/GEMM_TT) x 1   (as gemm_f32.cu)
  *   gemm_dp4a_<type>_ids(W, xq, Y, nrows, ncols, tiles, expert_bytes)   the grouped expert GEMM (MoE prefill)
  *     as gemm_f32_<type>_ids with xq [pairs, ncols/32] Q8_1 rows sorted by expert; tiles int32 [n_tiles, 3]
- *     (expert, first pair, count <= 32); grid min(ceil(nrows/GEMM_ROWS), 65535) x n_tiles x 1.
+ *     (expert, first pair, count <= 32; 0: empty); grid min(ceil(nrows/GEMM_ROWS), 65535) x n_tiles x 1.
  * Per (row, token) and 32-element sub-block s, the sum of gemv_dp4a.cu:
  *     d8 * (d[0] * sum_{j<16} q*q8 + d[1] * sum_{j>=16} q*q8) - m * s8
  * accumulated over s in increasing order (gemv_dp4a sums the sub-blocks of a row in another order: the
@@ -208,6 +208,7 @@ __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const bl
             tl.n = tiles[3 * blockIdx.y + 2];                                                             \
         }                                                                                                 \
         __syncthreads();                                                                                  \
+        if (tl.n <= 0) return; /* an empty tile (moe_sort pads its list to a fixed length) */             \
         gemm_dp4a<T>(W, xq, Y, nrows, ncols, tl, expert_bytes, sm);                                       \
     }
 

@@ -8,8 +8,8 @@
  *   gemm_f32_<type>_ids(W, X, Y, nrows, ncols, tiles, expert_bytes)   the grouped expert GEMM (MoE prefill)
  *     W: [n_expert] experts of [nrows, ncols] at W + e * expert_bytes; X: [pairs, ncols] f32 rows sorted by
  *     expert (gathered per (token, expert) pair), Y: [pairs, nrows]; tiles: int32 [n_tiles, 3] =
- *     (expert e, first pair p0, count <= 32): one token tile of one expert each (the host builds them from the
- *     sorted routing), so every expert's weights are read once per 32 of its tokens, not once per token.
+ *     (expert e, first pair p0, count <= 32; count 0: an empty tile, the block returns): one token tile of one
+ *     expert each (expert_tiles on the host or moe_sort.cu on the GPU build them from the sorted routing), so every expert's weights are read once per 32 of its tokens, not once per token.
  *     launch: grid min(ceil(nrows/GEMM_ROWS), 65535) x n_tiles x 1 (n_tiles <= 65535); a tile runs gemm_f32's
  *     code on its expert's W for tokens [p0, p0 + cnt) (t0 = p0): the same arithmetic, bit for bit.
  * Tiled, GEMM_ROWS (128) rows x GEMM_TT (32) tokens per block, in steps of 32 columns:
@@ -248,6 +248,7 @@ __device__ __forceinline__ void gemm_f32(const uint8_t *LE_RESTRICT W, const flo
             tl.n = tiles[3 * blockIdx.y + 2];                                                             \
         }                                                                                                 \
         __syncthreads();                                                                                  \
+        if (tl.n <= 0) return; /* an empty tile (moe_sort pads its list to a fixed length) */             \
         gemm_f32<T>(W, X, Y, nrows, ncols, tl, expert_bytes, Ws, Xs);                                     \
     }
 

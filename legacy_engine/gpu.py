@@ -41,7 +41,7 @@ CUDA_DIR = ROOT / "cuda8"
 INCLUDE_DIR = ROOT / "native" / "include"
 
 SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "conv1d", "gdn", "attention",
-           "moe_route", "argmax", "elementwise", "rope", "get_rows", "moe_combine")
+           "moe_route", "moe_sort", "argmax", "elementwise", "rope", "get_rows", "moe_combine")
 HEADERS = ("compat.cuh", "quants.cuh")          # in cuda8/
 SHARED_HEADERS = ("le_blocks.h",)               # in native/include/
 
@@ -67,6 +67,7 @@ GDN_THREADS, GDN_COLS, GDN_MAX_DK, GDN_NORM_THREADS, GDN_EW_THREADS = 256, 16, 1
 ATTN_THREADS, ATTN_WARPS, ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_MAX_HD = 128, 4, 256, 8, 256
 ATTN_MIN_KEYS_PER_SPLIT, ATTN_MAX_SPLIT = 128, 64       # decode split-K: launcher policy only
 MOE_THREADS, MOE_MAX_K = 256, 32
+MOE_SORT_THREADS, MOE_SORT_MAX_E, MOE_SORT_TILE = 256, 512, 32   # moe_sort.cu (tile = GEMM_TT)
 MOE_WSUM_MIN = 6.103515625e-5                            # native/moe.c MOE_WSUM_MIN (llama.cpp's clamp)
 ARGMAX_THREADS, ARGMAX_MAX_PARTS = 256, 256
 EW_THREADS = 256
@@ -1200,6 +1201,33 @@ class Kernels:
             (self._grid(n_tok), 1, 1), (MOE_THREADS, 1, 1),
             [("ptr", _ptr(logits)), ("ptr", _ptr(ids)), ("ptr", _ptr(weights)), ("i32", n_tok), ("i32", n_expert),
              ("i32", k), ("f32", wsum_min)], stream=stream)
+
+    @staticmethod
+    def sort_tiles_max(n_pairs: int, n_expert: int) -> int:
+        """Length of moe_sort's tile list: every full tile plus at most one partial tile per expert."""
+        return -(-n_pairs // MOE_SORT_TILE) + min(n_expert, n_pairs)
+
+    def moe_sort(self, ids, n_pairs: int, k: int, n_expert: int, eids, ptok, pinv, tiles, max_tiles: int, counts,
+                 stream: Stream | None = None) -> None:
+        """The routing ids [n_pairs] (moe_route's [n_tok, k], each in [0, n_expert)) in expert order, stable:
+        eids = ids[order], ptok = order // k, pinv[order] = arange (int32 [n_pairs] each); tiles int32
+        [max_tiles, 3] = expert_tiles(eids) then (0, 0, 0) rows; counts int32 [n_expert] += pairs per expert.
+        max_tiles >= sort_tiles_max(n_pairs, n_expert). All on the GPU (the host never waits)."""
+        if not 0 < n_pairs <= MAX_PAIRS or not 0 < k <= MOE_MAX_K or not 0 < n_expert <= MOE_SORT_MAX_E:
+            raise ValueError(f"moe_sort: n_pairs = {n_pairs} (1…{MAX_PAIRS}), k = {k}, n_expert = {n_expert} "
+                             f"(1…{MOE_SORT_MAX_E})")
+        if not self.sort_tiles_max(n_pairs, n_expert) <= max_tiles <= MAX_GRID:
+            raise ValueError(f"moe_sort: max_tiles = {max_tiles} outside "
+                             f"{self.sort_tiles_max(n_pairs, n_expert)}…{MAX_GRID}")
+        for b, nb, what in ((ids, 4 * n_pairs, "ids"), (eids, 4 * n_pairs, "eids"), (ptok, 4 * n_pairs, "ptok"),
+                            (pinv, 4 * n_pairs, "pinv"), (tiles, 12 * max_tiles, "tiles"),
+                            (counts, 4 * n_expert, "counts")):
+            _need(b, nb, f"moe_sort {what}")
+        self.modules["moe_sort"].kernel("moe_sort").launch(
+            (1, 1, 1), (MOE_SORT_THREADS, 1, 1),
+            [("ptr", _ptr(ids)), ("i32", n_pairs), ("i32", k), ("i32", n_expert), ("ptr", _ptr(eids)),
+             ("ptr", _ptr(ptok)), ("ptr", _ptr(pinv)), ("ptr", _ptr(tiles)), ("i32", max_tiles),
+             ("ptr", _ptr(counts))], stream=stream)
 
     @staticmethod
     def argmax_parts(n: int) -> int:

@@ -179,6 +179,7 @@ class GpuModel:
         # routing statistics, counted where the host reads the routing anyway (streamed or sorted passes);
         # close() adds them to the model file's saved counts (planner.save_routing), which choose the pins
         self.route_counts: dict[int, np.ndarray] = {}
+        self._counts_dev, self._counts_layers = None, set()     # moe_sort's device counts (_route_counts_dev)
         self.converted: list[str] = []     # "name (TYPE)" of tensors dequantised to f32 at upload
         self._bufs: dict[str, gpu.Buffer] = {}
         self.vram_bytes = 0
@@ -497,14 +498,42 @@ class GpuModel:
         self._slot_free[s].record(None)
         self._slot_used[s] = True
 
+    def _stages_all(self, n: int) -> bool:
+        """Whether a pass of n tokens stages every expert of a layer (_prefetch_all's rule)."""
+        from .planner import expected_distinct
+        hp = self.hparams
+        return expected_distinct(hp.n_expert, hp.n_expert_used, n) >= hp.n_expert / 2
+
+    def _route_counts_dev(self, i: int) -> int:
+        """Device address of layer i's int32 routing counts [n_expert] (moe_sort adds to them; _flush_counts moves
+        them into route_counts when the pass is done)."""
+        from . import _native
+        hp = self.hparams
+        if self._counts_dev is None:
+            self._counts_dev = self._buf("route_counts", 4 * hp.n_layer * hp.n_expert)
+            _native.gpu_memset8(self._counts_dev.ptr, 0, 4 * hp.n_layer * hp.n_expert)
+        self._counts_layers.add(i)
+        return self._counts_dev.ptr + 4 * i * hp.n_expert
+
+    def _flush_counts(self) -> None:
+        """The pass's device routing counts into route_counts (after the pass: the download waits for it)."""
+        from . import _native
+        if not self._counts_layers:
+            return
+        hp = self.hparams
+        c = self._counts_dev.download(dtype=np.int32, count=hp.n_layer * hp.n_expert).reshape(hp.n_layer, hp.n_expert)
+        for i in sorted(self._counts_layers):
+            self.route_counts.setdefault(i, np.zeros(hp.n_expert, dtype=np.int64))[:] += c[i]
+        _native.gpu_memset8(self._counts_dev.ptr, 0, 4 * hp.n_layer * hp.n_expert)
+        self._counts_layers = set()
+
     def _prefetch_all(self, i: int, n: int) -> None:
         """Copies every expert of layer i ahead when n tokens will likely route to most of them (expected
         distinct experts >= half), so the copy overlaps the compute of the layer before."""
-        from .planner import expected_distinct
         hp = self.hparams
         if i >= hp.n_layer or i not in self._stage_layout:
             return
-        if expected_distinct(hp.n_expert, hp.n_expert_used, n) >= hp.n_expert / 2:
+        if self._stages_all(n):
             self._stage(i, range(hp.n_expert), wait=False)
 
     # ------------------------------------------------------------------ scratch
@@ -654,19 +683,30 @@ class GpuModel:
         self._mm(L["router"], h, logits, n, hq)
         k.moe_route(logits, ids, wts, n, ne, kk)
         base = 0
-        if self.stream or (n > 1 and self.sort_pairs):
+        sort = n > 1 and self.sort_pairs
+        # the grouped GEMMs' work list made on the GPU (moe_sort): no host wait, where the host needs no ids
+        # (resident experts, or all of the layer staged because the pass routes to most of them)
+        dev_sort = sort and self.grouped and ne <= gpu.MOE_SORT_MAX_E and (not self.stream or self._stages_all(n))
+        if (self.stream or sort) and not dev_sort:
             self._mark("ffn rest")
             used = self._ids_buf(ids, pairs)
             c = self.route_counts.setdefault(L["index"], np.zeros(ne, dtype=np.int64))
             c += np.bincount(used, minlength=ne)[:ne]
         if self.stream:
             i = L["index"]
-            base = self._stage(i, np.unique(used))
+            base = self._stage(i, range(ne) if dev_sort else np.unique(used))
             self._mark("waiting for expert copies")
             self._prefetch_all(self._next_moe(i), n)      # the next layer's copy overlaps this layer's experts
-        sort = n > 1 and self.sort_pairs
         x_tok, xg, eids, x_group = h, h, ids, kk
-        if sort:
+        if dev_sort:
+            n_tiles = gpu.Kernels.sort_tiles_max(pairs, ne)
+            mb = self._buf("pair_meta", 4 * (3 * pairs + 3 * n_tiles))
+            eids, ptok, pinv, ptiles = mb.ptr, mb.ptr + 4 * pairs, mb.ptr + 8 * pairs, mb.ptr + 12 * pairs
+            k.moe_sort(ids, pairs, kk, ne, eids, ptok, pinv, ptiles, n_tiles, self._route_counts_dev(L["index"]))
+            xg = self._buf("xg", 4 * pairs * E).ptr
+            k.get_rows(gpu.F32, h, ptok, xg, pairs, E)
+            x_tok, x_group = xg, 1
+        elif sort:
             # pairs in expert order: the GEMV blocks of one expert run together and share its weights in L2.
             # x rows gathered per pair, outputs scattered back to (token, slot) order for moe_combine
             order = np.argsort(used, kind="stable").astype(np.int32)
@@ -677,11 +717,12 @@ class GpuModel:
             mb = self._buf("pair_meta", 4 * (3 * pairs + 3 * len(tiles)))
             mb.upload(meta)
             eids, ptok, pinv, ptiles = mb.ptr, mb.ptr + 4 * pairs, mb.ptr + 8 * pairs, mb.ptr + 12 * pairs
+            n_tiles = len(tiles)
             xg = self._buf("xg", 4 * pairs * E).ptr
             k.get_rows(gpu.F32, h, ptok, xg, pairs, E)
             x_tok, x_group = xg, 1
         if sort and self.grouped:
-            self._grouped_experts(L, base, xg, g, u, pairs, ptiles, len(tiles))   # output in xg (sorted)
+            self._grouped_experts(L, base, xg, g, u, pairs, ptiles, n_tiles)   # output in xg (sorted)
         else:
             addr = {w: base + L[w].ptr for w in ("gate_exps", "up_exps", "down_exps")}
             self._pair_gemvs(L, addr, x_tok, hq if not sort else None, g, u, xg if sort else yd, eids, pairs,
@@ -953,6 +994,7 @@ class GpuModel:
         st._pos += n
         if not want:
             gpu.synchronize()
+            self._flush_counts()
             return None
         self._mark("ffn rest")
         first = 0 if all_logits else n - 1
@@ -966,6 +1008,7 @@ class GpuModel:
                 return None                       # _decode downloads
             outs.append(logits.download(dtype=np.float32, count=n_out * hp.n_vocab).reshape(n_out, hp.n_vocab))
         self._mark("head")
+        self._flush_counts()
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
     def close(self) -> None:
@@ -979,6 +1022,7 @@ class GpuModel:
         if self._rope is not None:
             self._rope.free()
         self._bufs, self._scratch, self._retired, self._rope, self._staging, self._pin_store = {}, {}, [], None, [], {}
+        self._counts_dev, self._counts_layers = None, set()
         if self._hy is not None:
             hy, self._hy = self._hy, None
             hy["buf"].free()

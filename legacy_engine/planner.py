@@ -137,7 +137,8 @@ def scratch_bytes(hp, n: int, int8: bool, logit_rows: int) -> int:
         b += 4 * n * hp.n_expert + 2 * 4 * pairs + 2 * 4 * pairs * ff + 4 * pairs * E
         if hp.n_ff_shexp:
             b += 2 * 4 * n * hp.n_ff_shexp + 4 * n * E + 4 * n
-        b += 4 * pairs * E + 6 * 4 * pairs            # sorted pairs: gathered rows, ids/token/inverse, tiles
+        # sorted pairs: gathered rows, ids/token/inverse, tiles (moe_sort's padded list), routing counts
+        b += 4 * pairs * E + 3 * 4 * pairs + 12 * (-(-pairs // 32) + min(hp.n_expert, pairs)) + 4 * hp.n_layer * hp.n_expert
         if int8:
             b += (pairs * E + pairs * ff) // 32 * gpu.Q8_1_BYTES
     else:

@@ -118,7 +118,7 @@ ENTRIES = {"rmsnorm": {"rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1"},
            "conv1d": {"conv1d_silu_f32", "conv1d_state_f32"},
            "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
            "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32", "attn_kv_store_f32"},
-           "moe_route": {"moe_route_f32"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
+           "moe_route": {"moe_route_f32"}, "moe_sort": {"moe_sort"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
            "elementwise": {"swiglu_f32", "add_f32", "add_scaled_f32"}, "rope": {"qk_norm_rope_f32"},
            "moe_combine": {"moe_combine_f32"}}
 
@@ -153,7 +153,8 @@ def test_every_source_is_known():
 LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
                     "gdn": ("GDN_THREADS", "GDN_COLS", "GDN_MAX_DK", "GDN_NORM_THREADS", "GDN_EW_THREADS"),
                     "attention": ("ATTN_THREADS", "ATTN_WARPS", "ATTN_PREFILL_THREADS", "ATTN_QTILE", "ATTN_MAX_HD"),
-                    "moe_route": ("MOE_THREADS", "MOE_MAX_K"), "argmax": ("ARGMAX_THREADS", "ARGMAX_MAX_PARTS"),
+                    "moe_route": ("MOE_THREADS", "MOE_MAX_K"),
+                    "moe_sort": ("MOE_SORT_THREADS", "MOE_SORT_MAX_E", "MOE_SORT_TILE"), "argmax": ("ARGMAX_THREADS", "ARGMAX_MAX_PARTS"),
                     "elementwise": ("EW_THREADS",), "rmsnorm": ("RMSNORM_THREADS",),
                     "gemv_f32": ("GEMV_THREADS",), "gemm_f32": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT"),
                     "gemm_dp4a": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT"),
@@ -598,6 +599,45 @@ def test_gemm_f32(kernels, qtype):
 
 
 @pytest.mark.gpu
+@variant_params()
+def test_moe_sort(kernels):
+    """The GPU's expert order equals numpy's stable argsort and expert_tiles, padded with empty tiles; counts
+    accumulate over calls; a pass with unused experts, one with a single expert, one of a few pairs."""
+    rng = np.random.default_rng(31)
+    cases = [(2048, 8, 256, rng.integers(0, 256, 2048 * 8)), (37, 4, 16, np.full(37 * 4, 5)),
+             (3, 2, 512, rng.integers(0, 512, 6)), (300, 8, 64, rng.zipf(1.3, 2400) % 64)]
+    for n_tok, k, ne, raw in cases:
+        ids = np.asarray(raw, dtype=np.int32)
+        P, mt = ids.size, gpu.Kernels.sort_tiles_max(ids.size, ne)
+        order = np.argsort(ids, kind="stable")
+        inv = np.empty(P, np.int64)
+        inv[order] = np.arange(P)
+        want_tiles = gpu.Kernels.expert_tiles(ids[order])
+        counts0 = rng.integers(0, 100, ne).astype(np.int32)
+        with gpu.Buffer.from_array(ids) as bi, gpu.Buffer(4 * P) as be, gpu.Buffer(4 * P) as bt, \
+                gpu.Buffer(4 * P) as bv, gpu.Buffer(12 * mt) as btl, gpu.Buffer.from_array(counts0) as bc:
+            _native.gpu_memset8(btl.ptr, 0xAB, 12 * mt)
+            for _ in range(2):
+                kernels.moe_sort(bi, P, k, ne, be, bt, bv, btl, mt, bc)
+            np.testing.assert_array_equal(be.download(dtype=np.int32), ids[order])
+            np.testing.assert_array_equal(bt.download(dtype=np.int32), order // k)
+            np.testing.assert_array_equal(bv.download(dtype=np.int32), inv)
+            tiles = btl.download(dtype=np.int32).reshape(mt, 3)
+            np.testing.assert_array_equal(tiles[:len(want_tiles)], want_tiles)
+            assert (tiles[len(want_tiles):] == 0).all()
+            np.testing.assert_array_equal(bc.download(dtype=np.int32), counts0 + 2 * np.bincount(ids, minlength=ne))
+
+
+@pytest.mark.cpu
+def test_moe_sort_checks_its_arguments():
+    k = object.__new__(gpu.Kernels)
+    with pytest.raises(ValueError, match="n_expert"):
+        k.moe_sort(0, 16, 2, 513, 0, 0, 0, 0, 100, 0)
+    with pytest.raises(ValueError, match="max_tiles"):
+        k.moe_sort(0, 64, 8, 256, 0, 0, 0, 0, 2, 0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("qtype", TYPES, ids=[tname(t) for t in TYPES])
 @variant_params()
 def test_gemm_dp4a(kernels, qtype):
@@ -638,13 +678,13 @@ def test_gemm_dp4a_ids(kernels, qtype):
     ids = np.sort(ids)
     n_pairs, qb = ids.size, ncols // 32 * 36
     X = rng.standard_normal((n_pairs, ncols)).astype(np.float32)
-    tiles = gpu.Kernels.expert_tiles(ids)
+    tiles = np.concatenate([gpu.Kernels.expert_tiles(ids), np.zeros((2, 3), np.int32)])   # + moe_sort's padding
     with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(X) as bx, gpu.Buffer.from_array(tiles) as bt, \
             gpu.Buffer(n_pairs * qb) as bq, gpu.Buffer(4 * n_pairs * nrows) as by, gpu.Buffer(4 * 32 * nrows) as b1:
         kernels.quantize_q8_1(bx, bq, n_pairs * ncols)
         kernels.gemm_ids(qtype, bw, bq, by, nrows, ncols, bt, len(tiles), eb, n_pairs, int8=True)
         Y = by.download(dtype=np.float32).reshape(n_pairs, nrows)
-        for e, p0, cnt in tiles.tolist():
+        for e, p0, cnt in tiles[:-2].tolist():
             kernels.gemm_dp4a(qtype, bw.ptr + e * eb, bq.ptr + p0 * qb, b1, nrows, ncols, cnt)
             ref = b1.download(dtype=np.float32, count=cnt * nrows).reshape(cnt, nrows)
             np.testing.assert_array_equal(Y[p0:p0 + cnt], ref, err_msg=f"tile ({e}, {p0}, {cnt})")
