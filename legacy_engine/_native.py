@@ -251,10 +251,20 @@ class NativeState:
     # pieces for the snapshot cache (legacy_engine/cache.py)
     def save_recurrent(self) -> bytes:
         """conv + SSM states of every GDN layer at the current position (f32 bytes)."""
-        n = lib.le_state_recurrent_nbytes(self.ptr)
-        out = bytearray(n)
-        check(lib.le_state_save_recurrent(self.ptr, ffi.from_buffer(out), n), "le_state_save_recurrent")
+        out = bytearray(self.recurrent_nbytes())
+        self.save_recurrent_into(out)
         return bytes(out)
+
+    def recurrent_nbytes(self) -> int:
+        return int(lib.le_state_recurrent_nbytes(self.ptr))
+
+    def save_recurrent_into(self, out) -> None:
+        """save_recurrent into a writable bytes-like of at least recurrent_nbytes() (e.g. page-locked memory)."""
+        n = self.recurrent_nbytes()
+        buf = ffi.from_buffer(out, require_writable=True)
+        if len(buf) < n:
+            raise ValueError(f"recurrent state of {n} bytes into a {len(buf)}-byte buffer")
+        check(lib.le_state_save_recurrent(self.ptr, buf, n), "le_state_save_recurrent")
 
     def restore_recurrent(self, data: bytes, pos: int) -> None:
         """Sets the recurrent states and the position; KV rows [0, pos) are written with write_kv."""
@@ -263,10 +273,20 @@ class NativeState:
 
     def read_kv(self, start: int, n: int) -> bytes:
         """KV rows [start, start+n) of every attention layer, [n_attn][K,V][n][row] f32 bytes."""
-        nb = lib.le_state_kv_nbytes(self.ptr, n)
-        out = bytearray(nb)
-        check(lib.le_state_read_kv(self.ptr, start, n, ffi.from_buffer(out), nb), "le_state_read_kv")
+        out = bytearray(self.kv_nbytes(n))
+        self.read_kv_into(start, n, out)
         return bytes(out)
+
+    def kv_nbytes(self, n: int) -> int:
+        return int(lib.le_state_kv_nbytes(self.ptr, n))
+
+    def read_kv_into(self, start: int, n: int, out) -> None:
+        """read_kv into a writable bytes-like of at least kv_nbytes(n)."""
+        nb = self.kv_nbytes(n)
+        buf = ffi.from_buffer(out, require_writable=True)
+        if len(buf) < nb:
+            raise ValueError(f"{nb} bytes of KV rows into a {len(buf)}-byte buffer")
+        check(lib.le_state_read_kv(self.ptr, start, n, buf, nb), "le_state_read_kv")
 
     def write_kv(self, start: int, n: int, data: bytes) -> None:
         check(lib.le_state_write_kv(self.ptr, start, n, ffi.from_buffer(data), len(data)), "le_state_write_kv")

@@ -47,6 +47,7 @@ from .errors import EngineError, UnavailableError
 PREFILL_CHUNK = 512      # tokens per pass by default: bounds the scratch
 MAX_CHUNK = 4096         # the most a GpuModel may be asked for (n*k MoE pairs <= gpu.MAX_PAIRS is checked too)
 LOGIT_ROWS = 512         # logits computed per head pass (all_logits of a longer chunk runs the head in pieces)
+HANDOFF_PINNED_MAX = 1 << 30   # page-locked staging of a GPU <-> CPU state handoff up to 1 GiB (past it: pageable)
 
 
 def default_tier(arch: int) -> str:
@@ -180,6 +181,7 @@ class GpuModel:
         # close() adds them to the model file's saved counts (planner.save_routing), which choose the pins
         self.route_counts: dict[int, np.ndarray] = {}
         self._counts_dev, self._counts_layers = None, set()     # moe_sort's device counts (_route_counts_dev)
+        self._handoff = None                                     # page-locked staging of GpuState's handoff
         self.converted: list[str] = []     # "name (TYPE)" of tensors dequantised to f32 at upload
         self._bufs: dict[str, gpu.Buffer] = {}
         self.vram_bytes = 0
@@ -497,6 +499,18 @@ class GpuModel:
         s = i % 2
         self._slot_free[s].record(None)
         self._slot_used[s] = True
+
+    def _handoff_buffer(self, nbytes: int):
+        """A uint8 view of >= nbytes of page-locked host memory for GpuState's handoff (grown as needed, freed by
+        close), or None above HANDOFF_PINNED_MAX (the caller copies through pageable memory then)."""
+        if nbytes > HANDOFF_PINNED_MAX:
+            return None
+        if self._handoff is None or self._handoff.nbytes < nbytes:
+            if self._handoff is not None:
+                self._handoff.free()
+            self._handoff = None
+            self._handoff = gpu.PinnedBuffer(max(nbytes, 1 << 20))
+        return self._handoff.array
 
     def _stages_all(self, n: int) -> bool:
         """Whether a pass of n tokens stages every expert of a layer (_prefetch_all's rule)."""
@@ -1023,6 +1037,9 @@ class GpuModel:
             self._rope.free()
         self._bufs, self._scratch, self._retired, self._rope, self._staging, self._pin_store = {}, {}, [], None, [], {}
         self._counts_dev, self._counts_layers = None, set()
+        if self._handoff is not None:
+            self._handoff.free()
+            self._handoff = None
         if self._hy is not None:
             hy, self._hy = self._hy, None
             hy["buf"].free()
@@ -1118,16 +1135,29 @@ class GpuState:
         return self.v.ptr + 4 * i * self.n_ctx * self.kvw
 
     # the NativeState interface of the snapshot cache (same byte layouts)
+    def recurrent_nbytes(self) -> int:
+        return 4 * self.n_gdn * (self.conv_floats + self.ssm_floats)
+
+    def kv_nbytes(self, n: int) -> int:
+        return 2 * self.n_attn * 4 * n * self.kvw
+
     def save_recurrent(self) -> bytes:
         """conv + SSM states of every GDN layer (all conv, then all SSM; f32 bytes)."""
+        out = np.empty(self.recurrent_nbytes(), dtype=np.uint8)
+        self.save_recurrent_into(out)
+        return out.tobytes()
+
+    def save_recurrent_into(self, out) -> None:
+        """save_recurrent into a writable bytes-like (page-locked memory: the copy runs at the link's speed)."""
         gpu.synchronize()
         nc, ns = 4 * self.n_gdn * self.conv_floats, 4 * self.n_gdn * self.ssm_floats
-        out = np.empty(nc + ns, dtype=np.uint8)
+        mv = memoryview(out).cast("B")
+        if mv.nbytes < nc + ns:
+            raise ValueError(f"recurrent state of {nc + ns} bytes into a {mv.nbytes}-byte buffer")
         if nc:
-            self.conv.download(out[:nc])
+            self.conv.download(mv[:nc])
         if ns:
-            self.ssm.download(out[nc:])
-        return out.tobytes()
+            self.ssm.download(mv[nc:nc + ns])
 
     def restore_recurrent(self, data: bytes, pos: int) -> None:
         nc, ns = 4 * self.n_gdn * self.conv_floats, 4 * self.n_gdn * self.ssm_floats
@@ -1148,16 +1178,23 @@ class GpuState:
 
     def read_kv(self, start: int, n: int) -> bytes:
         """KV rows [start, start+n) of every attention layer: [n_attn][K, V][n][row] f32 bytes."""
+        out = np.empty(self.kv_nbytes(n), dtype=np.uint8)
+        self.read_kv_into(start, n, out)
+        return out.tobytes()
+
+    def read_kv_into(self, start: int, n: int, out) -> None:
+        """read_kv into a writable bytes-like of at least kv_nbytes(n)."""
         from . import _native
         self._kv_rows(start, n)
         gpu.synchronize()
         rb = 4 * n * self.kvw
-        out = np.empty(2 * self.n_attn * rb, dtype=np.uint8)
+        mv = memoryview(out).cast("B")
+        if mv.nbytes < 2 * self.n_attn * rb:
+            raise ValueError(f"{2 * self.n_attn * rb} bytes of KV rows into a {mv.nbytes}-byte buffer")
         for a in range(self.n_attn):
             for j, base in enumerate((self.k_ptr(a), self.v_ptr(a))):
                 if rb:
-                    _native.gpu_copy_dtoh(out[(2 * a + j) * rb:(2 * a + j + 1) * rb], base + 4 * start * self.kvw, rb)
-        return out.tobytes()
+                    _native.gpu_copy_dtoh(mv[(2 * a + j) * rb:(2 * a + j + 1) * rb], base + 4 * start * self.kvw, rb)
 
     def write_kv(self, start: int, n: int, data: bytes) -> None:
         from . import _native
@@ -1175,14 +1212,39 @@ class GpuState:
         self.restore_recurrent(other.save_recurrent(), other.pos)
         self.write_kv(0, other.pos, other.read_kv(0, other.pos))
 
-    # the handoff between engines
+    # the handoff between engines, through one page-locked staging buffer of the model (GpuModel._handoff_buffer):
+    # device <-> page-locked copies at the link's speed and one memcpy on the CPU side, instead of pageable copies
+    # and Python bytes (SplitModel hands every GPU pass's state over both ways)
     def to_cpu(self, cpu_state) -> None:
         """Makes a CPU NativeState (of the same model) hold this sequence: prefill here, decode there."""
-        cpu_state.restore_recurrent(self.save_recurrent(), self.pos)
-        cpu_state.write_kv(0, self.pos, self.read_kv(0, self.pos))
+        self.to_cpu_rows(cpu_state, 0, self.pos)
+
+    def to_cpu_rows(self, cpu_state, start: int, n: int) -> None:
+        """The recurrent states, the position and KV rows [start, start + n) into a CPU NativeState (the rows a
+        pass wrote: the CPU state holds the ones before)."""
+        nr, nk = self.recurrent_nbytes(), self.kv_nbytes(n)
+        stage = self.gm._handoff_buffer(max(nr, nk))
+        if stage is None:                          # larger than the page-locked cap: pageable copies
+            cpu_state.restore_recurrent(self.save_recurrent(), self.pos)
+            cpu_state.write_kv(start, n, self.read_kv(start, n))
+            return
+        self.save_recurrent_into(stage[:nr])
+        cpu_state.restore_recurrent(stage[:nr], self.pos)
+        if n:
+            self.read_kv_into(start, n, stage[:nk])
+            cpu_state.write_kv(start, n, stage[:nk])
 
     def from_cpu(self, cpu_state) -> None:
         """Takes over a CPU NativeState's sequence."""
         pos = cpu_state.pos
-        self.restore_recurrent(cpu_state.save_recurrent(), pos)
-        self.write_kv(0, pos, cpu_state.read_kv(0, pos))
+        nr, nk = self.recurrent_nbytes(), self.kv_nbytes(pos)
+        stage = self.gm._handoff_buffer(max(nr, nk))
+        if stage is None:
+            self.restore_recurrent(cpu_state.save_recurrent(), pos)
+            self.write_kv(0, pos, cpu_state.read_kv(0, pos))
+            return
+        cpu_state.save_recurrent_into(stage[:nr])
+        self.restore_recurrent(stage[:nr], pos)
+        if pos:
+            cpu_state.read_kv_into(0, pos, stage[:nk])
+            self.write_kv(0, pos, stage[:nk])

@@ -28,7 +28,8 @@ Models of time (a roofline per phase, each term from one measurement; shown by `
   CPU prefill t = n * decode_params * 2 / cpu_flops    (one integer dot product per token and weight)
   GPU prefill t = max(copy, compute) per layer summed, copy = streamed expert bytes / link_bw, compute =
               n * active_params * 2 / (gpu_flops * GPU_PREFILL_EFF) (the GEMM probe's rate, derated by the
-              measured share of expert GEMVs, GDN recurrence and attention)
+              measured share of expert GEMVs, GDN recurrence and attention); the stream split adds the state
+              handoff both ways at SPLIT_HANDOFF_GBPS (the hybrid split has none)
   GPU decode  t = decode_bytes / gpu_bw_eff + launches * launch_s
   hybrid step t = (dense + pinned share of expert bytes) / gpu_bw + launches * launch_s
                   + unpinned expert bytes / (cpu_bw * HYBRID_CPU_EFF) + MoE layers * HYBRID_HOST_S_PER_LAYER
@@ -220,6 +221,11 @@ GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 5
 # here 2 pool jobs per layer and token on ~7-14 MB each). The rest, less the GPU's share at the GEMV rate (1.2-1.3 ms),
 # is host work per MoE layer: a device->host read that waits for the layer's ~17 decode kernels, two host->device
 # copies, two graph launches, ~10 µs of numpy: 232 µs (uniform) and 161 µs (skewed), 200 µs taken.
+# The split's state handoff (SplitModel.forward, stream strategy: GDN states and KV rows to the GPU before a pass and
+# back after, through pageable copies and Python bytes), bytes both ways / seconds. Measured as the pass's wall time
+# less its GPU time (bench split, 35B-A3B Q4_K_M under 6 GiB, pp2048, five runs on H100/H200 2026-11-25: 0.235-0.422 s
+# for 2 x (67 + 153) MB): 1.0-1.9 GB/s, median 1.5. The hybrid strategy keeps the state on the GPU: no handoff.
+SPLIT_HANDOFF_GBPS = 1.5
 HYBRID_CPU_EFF = 0.47
 HYBRID_HOST_S_PER_LAYER = 200e-6
 MACHINE_FILE = "machine.json"
@@ -478,7 +484,7 @@ def _gpu_prefill(m: Machine, file, fp_decode, n: int, chunk: int, stream: bool, 
     if not stream or not hp.n_expert:
         return compute, parts
     # the split hands the sequence over both ways: GDN states and the new KV rows (SplitModel.forward)
-    handoff = 2 * (state_bytes(hp, 0) + state_bytes(hp, n)) / (m.link_gbps * 1e9)
+    handoff = 2 * (state_bytes(hp, 0) + state_bytes(hp, n)) / (SPLIT_HANDOFF_GBPS * 1e9)
     copy_total, total = 0.0, handoff
     # bytes a chunk copies per layer when it routes to every expert: the unpinned experts
     unpinned = {i: (hp.n_expert - len(pinned.get(i, ()))) * (full // hp.n_expert)
@@ -554,7 +560,9 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
                                      why=st.why + f"; decode hybrid: {hparts['pinned_share']:.0%} of the routed "
                                      "experts' work on the GPU (pinned), the rest on the CPU")
             hy.min_gpu_tokens = crossover(m, file, fpd, c, pins, hyb)
-            hy.prefill_s, hy.prefill_parts = pre, parts
+            # the same passes without the handoff: the hybrid split keeps the sequence on the GPU
+            hy.prefill_s = pre - parts["handoff"]
+            hy.prefill_parts = dict(parts, handoff=0.0, total=parts["total"] - parts["handoff"])
             if prompt < hy.min_gpu_tokens:
                 hy.prefill_s, hy.prefill_parts = prompt * hyb, {"hybrid steps": prompt * hyb}
             out.append(hy)

@@ -53,9 +53,7 @@ class SplitModel:
             gst.from_cpu(state)
             pos0 = state.pos
             out = self.gm.forward(gst, ids, all_logits=all_logits, want_logits=want_logits)
-            # back to the CPU: the recurrent states and the KV rows this pass wrote
-            state.restore_recurrent(gst.save_recurrent(), gst.pos)
-            state.write_kv(pos0, ids.size, gst.read_kv(pos0, ids.size))
+            gst.to_cpu_rows(state, pos0, ids.size)    # back: the recurrent states and the KV rows this pass wrote
             self.passes["gpu"] += 1
             return out
         self.passes["cpu"] += 1

@@ -116,6 +116,29 @@ def test_sizes_match_the_native_state(engine):
     assert len(s.state.save_recurrent()) == sizes.snapshot and len(s.state.read_kv(0, 64)) == sizes.page
 
 
+def test_into_forms_write_what_the_bytes_forms_return(engine):
+    """save_recurrent_into / read_kv_into (the GPU handoff's page-locked path) fill a caller's buffer with exactly
+    save_recurrent / read_kv, and refuse a buffer too small."""
+    eng = engine("moe")
+    s = eng.session()
+    s.prefill(tokens(2, 70))
+    st = s.state
+    rec = np.zeros(st.recurrent_nbytes() + 16, np.uint8)
+    st.save_recurrent_into(rec)
+    assert rec[:st.recurrent_nbytes()].tobytes() == st.save_recurrent() and not rec[-16:].any()
+    kv = np.zeros(st.kv_nbytes(40), np.uint8)
+    st.read_kv_into(10, 40, kv)
+    assert kv.tobytes() == st.read_kv(10, 40)
+    with pytest.raises(ValueError):
+        st.save_recurrent_into(np.zeros(st.recurrent_nbytes() - 1, np.uint8))
+    with pytest.raises(ValueError):
+        st.read_kv_into(0, 40, np.zeros(st.kv_nbytes(40) - 4, np.uint8))
+    other = eng.model.new_state(N_CTX)                   # and they restore: the numpy views go in as they are
+    other.restore_recurrent(rec[:st.recurrent_nbytes()], st.pos)
+    other.write_kv(10, 40, kv)
+    assert other.save_recurrent() == st.save_recurrent() and other.read_kv(10, 40) == st.read_kv(10, 40)
+
+
 def test_arguments_are_checked(engine):
     fp = model_fingerprint(engine("moe").model)
     for bad in (dict(page=32), dict(page=64, grid=96), dict(grid=0), dict(ram_bytes=-1)):
