@@ -10,7 +10,8 @@ two CUDA events. Bytes counted: the weight bytes, read once (x and y are < 0.1 %
 Roofline: the device's peak memory bandwidth from cuDeviceGetAttribute (2 x memory clock x bus width; DDR), and
 a measured device-to-device copy (cuMemcpyDtoD of 1 GiB, read + write bytes). Legacy variants (fermi-sm35 …) are
 JIT-compiled for the card they run on: their numbers are the legacy code path on this card, not an old card's.
-GEMM: Y = X W^T with X [128 tokens, 4096] against a 4096 x 4096 matrix: GFLOP/s (2 flops per weight per token).
+GEMM: Y = X W^T with X [128 tokens, 4096] against a 4096 x 4096 matrix, gemm_f32 and gemm_dp4a (X as Q8_1):
+GFLOP/s (2 flops per weight per token). Prefill (--ops prefill): bench_prefill's doc.
 Layer ops (--ops layer), Qwen3.5-35B-A3B shapes: decode attention over 32k cached tokens (16 query heads, 2 KV heads,
 head 256: bytes = K and V of the 32k tokens once, although each query head re-reads its KV head, from L2 at best),
 prefill attention (512 tokens: GFLOP/s, 4 flops per head dim per (query, key) pair), one GDN decode step (the f32
@@ -99,13 +100,16 @@ def bench(kernels: list[gpu.Kernels], mib: int, reps: int) -> list[dict]:
     # prefill GEMM: 128 tokens x 4096 x 4096
     ntok, n = 128, 4096
     X = np.random.default_rng(2).standard_normal((ntok, n)).astype(np.float32)
-    with gpu.Buffer.from_array(X) as bX, gpu.Buffer(4 * ntok * n) as bY:
+    with gpu.Buffer.from_array(X) as bX, gpu.Buffer(4 * ntok * n) as bY, gpu.Buffer(ntok * n // 32 * 36) as bXq:
         for qtype, (tn, bs, ts) in gpu.GPU_TYPES.items():
             with gpu.Buffer.from_array(weights(qtype, n, n)) as bw:
                 for k in kernels:
-                    ms = time_ms(lambda: k.gemm_f32(qtype, bw, bX, bY, n, n, ntok), max(2, reps // 4))
-                    rows.append({"variant": k.name, "op": "gemm_f32", "type": tn, "rows": n, "ntok": ntok, "ms": ms,
-                                 "bytes": n * (n // bs) * ts, "flops": 2.0 * ntok * n * n})
+                    k.quantize_q8_1(bX, bXq, ntok * n)
+                    for op, act in (("gemm_f32", bX), ("gemm_dp4a", bXq)):
+                        fn = getattr(k, op)
+                        ms = time_ms(lambda: fn(qtype, bw, act, bY, n, n, ntok), max(2, reps // 4))
+                        rows.append({"variant": k.name, "op": op, "type": tn, "rows": n, "ntok": ntok, "ms": ms,
+                                     "bytes": n * (n // bs) * ts, "flops": 2.0 * ntok * n * n})
     order = {k.name: i for i, k in enumerate(kernels)}
     return sorted(rows, key=lambda r: (order[r["variant"]], r["op"]))
 
@@ -166,6 +170,55 @@ def bench_layer_ops(kernels: list[gpu.Kernels], reps: int) -> list[dict]:
     return rows
 
 
+def bench_prefill(kernels: list[gpu.Kernels], reps: int) -> list[dict]:
+    """A pp2048 pass's matmuls at Qwen3.5-35B-A3B shapes, Q4_K weights (zeros: the kernels' time does not depend on
+    the values): the GDN input projection (12288 x 2048, 2048 tokens) dense, and the routed experts' gate (512 x
+    2048) and down (2048 x 512) as grouped GEMMs over 2048 x 8 pairs routed uniformly over 256 experts, each in f32
+    (gemm_f32) and int8 (gemm_dp4a on Q8_1 activations); the Q8_1 quantiser and moe_sort (the grouped GEMMs' work
+    list) beside them."""
+    rng = np.random.default_rng(4)
+    q4k, n_tok, n_exp, k_used = 12, 2048, 256, 8
+    _, bs, ts = gpu.GPU_TYPES[q4k]
+    wbytes = lambda r, c: r * (c // bs) * ts   # noqa: E731
+    ids = np.concatenate([rng.choice(n_exp, k_used, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    order = np.argsort(ids, kind="stable")
+    tiles = gpu.Kernels.expert_tiles(ids[order])
+    P = ids.size
+    rows = []
+    with contextlib.ExitStack() as stack:
+        def zeros(nbytes):
+            b = stack.enter_context(gpu.Buffer(nbytes))
+            _native.gpu_memset8(b.ptr, 0, nbytes)
+            return b
+        big = max(4 * P * 2048, 4 * n_tok * 12288)
+        X, Y, Xq = zeros(big), zeros(big), zeros(P * 2048 // 32 * 36)
+        W = zeros(max(wbytes(12288, 2048), n_exp * wbytes(512, 2048)))
+        bt, bi = stack.enter_context(gpu.Buffer.from_array(tiles)), stack.enter_context(gpu.Buffer.from_array(ids))
+        mt = gpu.Kernels.sort_tiles_max(P, n_exp)
+        meta, cnt = zeros(4 * 3 * P + 12 * mt), zeros(4 * n_exp)
+        for k in kernels:
+            r, c = 12288, 2048
+            for op, act in (("gemm_f32", X), ("gemm_dp4a", Xq)):
+                fn = getattr(k, op)
+                ms = time_ms(lambda: fn(q4k, W, act, Y, r, c, n_tok), max(2, reps // 4))
+                rows.append({"variant": k.name, "op": op, "type": f"{r}x{c}", "ms": ms, "bytes": wbytes(r, c),
+                             "flops": 2.0 * r * c * n_tok})
+            for r, c in ((512, 2048), (2048, 512)):
+                eb = wbytes(r, c)
+                for int8, act in ((False, X), (True, Xq)):
+                    ms = time_ms(lambda: k.gemm_ids(q4k, W, act, Y, r, c, bt, len(tiles), eb, P, int8=int8),
+                                 max(2, reps // 4))
+                    rows.append({"variant": k.name, "op": "gemm_dp4a_ids" if int8 else "gemm_ids", "type": f"{r}x{c}",
+                                 "ms": ms, "bytes": n_exp * eb, "flops": 2.0 * r * c * P})
+            ms = time_ms(lambda: k.quantize_q8_1(X, Xq, n_tok * 2048), reps)
+            rows.append({"variant": k.name, "op": "quantize_q8_1", "type": f"{n_tok}x2048", "ms": ms,
+                         "bytes": 4 * n_tok * 2048})
+            ms = time_ms(lambda: k.moe_sort(bi, P, k_used, n_exp, meta, meta.ptr + 4 * P, meta.ptr + 8 * P,
+                                            meta.ptr + 12 * P, mt, cnt), reps)
+            rows.append({"variant": k.name, "op": "moe_sort", "type": f"{P}", "ms": ms, "bytes": 4 * P})
+    return rows
+
+
 def report(rows: list[dict], peak: float | None, copy: float) -> list[str]:
     lines = [f"{'variant':<12} {'op':<14} {'type':<7} {'ms':>8} {'GB/s':>8} {'% peak':>7} {'% copy':>7} {'GFLOP/s':>8}"]
     for r in rows:
@@ -194,8 +247,9 @@ def main(argv=None) -> int:
     p.add_argument("--mib", type=int, default=512, help="weight MiB per GEMV (default 512)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", help="comma-separated, e.g. dp4a-sm90,fermi-sm35 (default: all that run here)")
-    p.add_argument("--ops", choices=("matmul", "layer", "all"), default="all",
-                   help="matmul: GEMV/GEMM per type; layer: attention, GDN, conv, routing, argmax, SwiGLU")
+    p.add_argument("--ops", choices=("matmul", "layer", "prefill", "all"), default="all",
+                   help="matmul: GEMV/GEMM per type; layer: attention, GDN, conv, routing, argmax, SwiGLU; "
+                        "prefill: a pp2048 pass's dense and grouped GEMMs at 35B-A3B shapes, f32 and int8")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
     dev = gpu.init()
@@ -208,8 +262,9 @@ def main(argv=None) -> int:
             kernels.append(gpu.Kernels(tier, arch))
         except EngineError as e:
             print(f"{gpu.variant_name(tier, arch)}: skipped ({e})")
-    rows = bench(kernels, a.mib, a.reps) if a.ops != "layer" else []
-    rows += bench_layer_ops(kernels, a.reps) if a.ops != "matmul" else []
+    rows = bench(kernels, a.mib, a.reps) if a.ops in ("matmul", "all") else []
+    rows += bench_layer_ops(kernels, a.reps) if a.ops in ("layer", "all") else []
+    rows += bench_prefill(kernels, a.reps) if a.ops in ("prefill", "all") else []
     print("\n".join(report(rows, peak, copy)))
     if a.json:
         with open(a.json, "w") as f:
@@ -252,6 +307,18 @@ def test_bench_layer_ops(roofline, variant, record_property):
     except EngineError as e:
         pytest.skip(str(e))
     rows = bench_layer_ops([k], 3)
+    print("\n" + "\n".join(report(rows, *roofline)))
+    record_property("rows", json.dumps(rows))
+    assert all(r["ms"] > 0 for r in rows)
+
+
+
+def test_bench_prefill(roofline, record_property):
+    try:
+        k = gpu.Kernels("dp4a", gpu.device_arch())
+    except EngineError as e:
+        pytest.skip(str(e))
+    rows = bench_prefill([k], 3)
     print("\n" + "\n".join(report(rows, *roofline)))
     record_property("rows", json.dumps(rows))
     assert all(r["ms"] > 0 for r in rows)

@@ -1071,7 +1071,7 @@ class GpuModel:
                         f"{self.hparams.n_expert * len(self._stage_layout)} pinned in VRAM")
         budget = f" (budget {self.budget / 2**30:.2f} GiB: {self.footprint.describe()})" if self.budget else ""
         return (f"GPU {self.device['name']} ({self.k.name} kernels, {'int8 DP4A' if self.int8 else 'f32'} decode "
-                f"GEMVs), weights {self.vram_bytes / 2**30:.2f} GiB in VRAM{budget}{streamed}; decode CUDA graphs "
+                f"GEMVs, {'int8 DP4A' if self.int8_prefill else 'f32'} prefill GEMMs), weights {self.vram_bytes / 2**30:.2f} GiB in VRAM{budget}{streamed}; decode CUDA graphs "
                 f"{self.graphs_why}{conv}")
 
 
