@@ -306,19 +306,7 @@ def test_bench_layer_ops(roofline, variant, record_property):
         k = gpu.Kernels(tier, va)
     except EngineError as e:
         pytest.skip(str(e))
-    rows = bench_layer_ops([k], 3)
-    print("\n" + "\n".join(report(rows, *roofline)))
-    record_property("rows", json.dumps(rows))
-    assert all(r["ms"] > 0 for r in rows)
-
-
-
-def test_bench_prefill(roofline, record_property):
-    try:
-        k = gpu.Kernels("dp4a", gpu.device_arch())
-    except EngineError as e:
-        pytest.skip(str(e))
-    rows = bench_prefill([k], 3)
+    rows = bench_layer_ops([k], 3) + (bench_prefill([k], 3) if variant == "native" else [])
     print("\n" + "\n".join(report(rows, *roofline)))
     record_property("rows", json.dumps(rows))
     assert all(r["ms"] > 0 for r in rows)

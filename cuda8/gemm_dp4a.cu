@@ -29,6 +29,7 @@
  * per sub-block, the bound of gemv_dp4a; the _ids form equals the plain form tile by tile, bit for bit.
  * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k gemm_dp4a
  */
+#include "gemm_tile.cuh"
 #include "quants.cuh"
 
 #define GEMM_THREADS 256
@@ -36,11 +37,6 @@
 #define GEMM_TT 32          /* tokens per tile */
 #define GEMM_DP4A_SUBS 4    /* 32-element sub-blocks per step */
 #define GEMM_DP4A_PAD 33    /* ints per row of Wq and Xq: 8 * GEMM_DP4A_SUBS + 1 (rows start in different banks) */
-
-/* A block's token tile (as gemm_f32.cu): expert e, tokens [t0, t0 + n); in shared memory, read where used. */
-struct gemm_dp4a_tile {
-    int e, t0, n;
-};
 
 struct gemm_dp4a_smem {
     int wq[GEMM_ROWS][GEMM_DP4A_PAD];           /* W words: [row][8 sub + k] */
@@ -72,7 +68,7 @@ __device__ __forceinline__ void gemm_dp4a_word(const uint8_t *LE_RESTRICT W, int
 template <class T>
 __device__ __forceinline__ void gemm_dp4a_stage(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
                                                 int nrows, int nsub, size_t row_bytes, int r0,
-                                                const gemm_dp4a_tile &tl, int st, gemm_dp4a_smem &sm) {
+                                                const le_gemm_tile &tl, int st, gemm_dp4a_smem &sm) {
     const int tid = threadIdx.x, k = tid % 8, g = tid / 8;
     const int nsb = min(GEMM_DP4A_SUBS, nsub - GEMM_DP4A_SUBS * st); /* the last step may be partial */
     if (LE_HAS_MANY_REGS) {
@@ -154,7 +150,7 @@ __device__ __forceinline__ void gemm_dp4a_sub(const gemm_dp4a_smem &sm, int rw, 
 
 template <class T>
 __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
-                                          float *LE_RESTRICT Y, int nrows, int ncols, const gemm_dp4a_tile &tl,
+                                          float *LE_RESTRICT Y, int nrows, int ncols, const le_gemm_tile &tl,
                                           long long expert_bytes, gemm_dp4a_smem &sm) {
     const int tid = threadIdx.x, lane = tid % 32;
     const int rw = 16 * (tid / 32) + lane % 4, tt = lane / 4; /* rows rw + 4i, tokens tt + 8j of the tile */
@@ -168,7 +164,7 @@ __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const bl
             for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
         for (int st = 0; st < nstep; st++) {
             __syncthreads(); /* the previous step is consumed */
-            gemm_dp4a_stage<T>(W + (size_t)tl.e * (size_t)expert_bytes, xq, nrows, nsub, row_bytes, r0, tl, st, sm);
+            gemm_dp4a_stage<T>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, st, sm);
             __syncthreads();
 #pragma unroll 1
             for (int sb = 0; sb < min(GEMM_DP4A_SUBS, nsub - GEMM_DP4A_SUBS * st); sb++) gemm_dp4a_sub(sm, rw, tt, sb, acc);
@@ -189,27 +185,15 @@ __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const bl
     extern "C" __global__ void name(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows, int ncols, \
                                     int ntok) {                                                           \
         __shared__ gemm_dp4a_smem sm;                                                                     \
-        __shared__ gemm_dp4a_tile tl;                                                                     \
-        if (threadIdx.x == 0) {                                                                           \
-            tl.e = 0;                                                                                     \
-            tl.t0 = blockIdx.y * GEMM_TT;                                                                 \
-            tl.n = min(GEMM_TT, ntok - tl.t0);                                                            \
-        }                                                                                                 \
-        __syncthreads();                                                                                  \
+        __shared__ le_gemm_tile tl;                                                                       \
+        le_gemm_tile_plain(tl, ntok, GEMM_TT);                                                            \
         gemm_dp4a<T>(W, xq, Y, nrows, ncols, tl, 0, sm);                                                  \
     }                                                                                                     \
     extern "C" __global__ void name##_ids(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows,      \
                                           int ncols, const int *tiles, long long expert_bytes) {          \
         __shared__ gemm_dp4a_smem sm;                                                                     \
-        __shared__ gemm_dp4a_tile tl; /* (expert, first pair, count) */                                   \
-        if (threadIdx.x == 0) {                                                                           \
-            tl.e = tiles[3 * blockIdx.y];                                                                 \
-            tl.t0 = tiles[3 * blockIdx.y + 1];                                                            \
-            tl.n = tiles[3 * blockIdx.y + 2];                                                             \
-        }                                                                                                 \
-        __syncthreads();                                                                                  \
-        if (tl.n <= 0) return; /* an empty tile (moe_sort pads its list to a fixed length) */             \
-        gemm_dp4a<T>(W, xq, Y, nrows, ncols, tl, expert_bytes, sm);                                       \
+        __shared__ le_gemm_tile tl;                                                                       \
+        if (le_gemm_tile_ids(tl, tiles)) gemm_dp4a<T>(W, xq, Y, nrows, ncols, tl, expert_bytes, sm);      \
     }
 
 LE_GEMM_DP4A(gemm_dp4a_q4_0, le_t_q4_0)

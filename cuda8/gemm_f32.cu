@@ -32,6 +32,7 @@
  * (tests/tolerances.py GPU_GEMV_F32_REL).
  * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k gemm
  */
+#include "gemm_tile.cuh"
 #include "quants.cuh"
 
 #define GEMM_THREADS 256
@@ -143,19 +144,9 @@ __device__ __forceinline__ void gemm_fma4_n(float *acc, const float4 &w, const f
     }
 }
 
-/* A block's token tile, in shared memory and read where it is used rather than held in registers (Fermi's 63 are
- * all taken): expert e (weights at W + e * expert_bytes; 0 for the plain GEMM), tokens [t0, t0 + n). */
-struct gemm_tile {
-    int e, t0, n;
-};
-
-__device__ __forceinline__ const uint8_t *gemm_expert(const uint8_t *W, const gemm_tile &tl, long long expert_bytes) {
-    return W + (size_t)tl.e * (size_t)expert_bytes;
-}
-
 template <class T>
 __device__ __forceinline__ void gemm_f32(const uint8_t *LE_RESTRICT W, const float *LE_RESTRICT X,
-                                         float *LE_RESTRICT Y, int nrows, int ncols, const gemm_tile &tl,
+                                         float *LE_RESTRICT Y, int nrows, int ncols, const le_gemm_tile &tl,
                                          long long expert_bytes, float (*Ws)[GEMM_PAD], float (*Xs)[GEMM_PAD]) {
     const int tid = threadIdx.x, lane = tid % 32, rl = lane % 4, tl8 = lane / 4;
     const int wrow = 16 * (tid / 32) + rl; /* this thread's rows in the tile: wrow + 4 i */
@@ -170,7 +161,7 @@ __device__ __forceinline__ void gemm_f32(const uint8_t *LE_RESTRICT W, const flo
         gemm_stage<T> st;
         float4 xv;
         if (LE_HAS_MANY_REGS) {
-            st.load(gemm_expert(W, tl, expert_bytes), row_bytes, r0, nrows, 0, tid);
+            st.load(le_gemm_weights(W, tl, expert_bytes), row_bytes, r0, nrows, 0, tid);
             xv = gemm_load_x(X, ncols, tl.t0 + tl.n, tl.t0, 0, tid);
         }
         for (int s = 0; s < nsub; s++) {
@@ -178,13 +169,13 @@ __device__ __forceinline__ void gemm_f32(const uint8_t *LE_RESTRICT W, const flo
             if (LE_HAS_MANY_REGS) {
                 st.store(Ws, r0, nrows, tid);
             } else { /* 63 registers: no second step in flight, loaded just before the store */
-                gemm_copy<T>(gemm_expert(W, tl, expert_bytes), row_bytes, r0, nrows, s, Ws, tid);
+                gemm_copy<T>(le_gemm_weights(W, tl, expert_bytes), row_bytes, r0, nrows, s, Ws, tid);
                 xv = gemm_load_x(X, ncols, tl.t0 + tl.n, tl.t0, s, tid);
             }
             gemm_f4(Xs, tid / 8, 4 * (tid % 8)) = xv;
             __syncthreads();
             if (LE_HAS_MANY_REGS && s + 1 < nsub) { /* step s + 1's loads, in flight while step s computes */
-                st.load(gemm_expert(W, tl, expert_bytes), row_bytes, r0, nrows, s + 1, tid);
+                st.load(le_gemm_weights(W, tl, expert_bytes), row_bytes, r0, nrows, s + 1, tid);
                 xv = gemm_load_x(X, ncols, tl.t0 + tl.n, tl.t0, s + 1, tid);
             }
             if (LE_HAS_MANY_REGS) {
@@ -226,30 +217,18 @@ __device__ __forceinline__ void gemm_f32(const uint8_t *LE_RESTRICT W, const flo
 #define LE_GEMM_F32(name, T)                                                                              \
     extern "C" __global__ void name(const uint8_t *W, const float *X, float *Y, int nrows, int ncols,     \
                                     int ntok) {                                                           \
-        __shared__ __align__(16) float Ws[GEMM_ROWS][GEMM_PAD];                                             \
-        __shared__ __align__(16) float Xs[GEMM_TT][GEMM_PAD];                                               \
-        __shared__ gemm_tile tl;                                                                          \
-        if (threadIdx.x == 0) {                                                                           \
-            tl.e = 0;                                                                                     \
-            tl.t0 = blockIdx.y * GEMM_TT;                                                                 \
-            tl.n = min(GEMM_TT, ntok - tl.t0);                                                            \
-        }                                                                                                 \
-        __syncthreads();                                                                                  \
+        __shared__ __align__(16) float Ws[GEMM_ROWS][GEMM_PAD];                                           \
+        __shared__ __align__(16) float Xs[GEMM_TT][GEMM_PAD];                                             \
+        __shared__ le_gemm_tile tl;                                                                       \
+        le_gemm_tile_plain(tl, ntok, GEMM_TT);                                                            \
         gemm_f32<T>(W, X, Y, nrows, ncols, tl, 0, Ws, Xs);                                                \
     }                                                                                                     \
     extern "C" __global__ void name##_ids(const uint8_t *W, const float *X, float *Y, int nrows, int ncols, \
                                           const int *tiles, long long expert_bytes) {                     \
-        __shared__ __align__(16) float Ws[GEMM_ROWS][GEMM_PAD];                                             \
-        __shared__ __align__(16) float Xs[GEMM_TT][GEMM_PAD];                                               \
-        __shared__ gemm_tile tl; /* (expert, first pair, count): tokens [p0, p0 + cnt) of the sorted pairs */ \
-        if (threadIdx.x == 0) {                                                                           \
-            tl.e = tiles[3 * blockIdx.y];                                                                 \
-            tl.t0 = tiles[3 * blockIdx.y + 1];                                                            \
-            tl.n = tiles[3 * blockIdx.y + 2];                                                             \
-        }                                                                                                 \
-        __syncthreads();                                                                                  \
-        if (tl.n <= 0) return; /* an empty tile (moe_sort pads its list to a fixed length) */             \
-        gemm_f32<T>(W, X, Y, nrows, ncols, tl, expert_bytes, Ws, Xs);                                     \
+        __shared__ __align__(16) float Ws[GEMM_ROWS][GEMM_PAD];                                           \
+        __shared__ __align__(16) float Xs[GEMM_TT][GEMM_PAD];                                             \
+        __shared__ le_gemm_tile tl;                                                                       \
+        if (le_gemm_tile_ids(tl, tiles)) gemm_f32<T>(W, X, Y, nrows, ncols, tl, expert_bytes, Ws, Xs);    \
     }
 
 LE_GEMM_F32(gemm_f32_q4_0, le_t_q4_0)

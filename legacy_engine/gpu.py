@@ -42,7 +42,7 @@ INCLUDE_DIR = ROOT / "native" / "include"
 
 SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "conv1d", "gdn", "attention",
            "moe_route", "moe_sort", "argmax", "elementwise", "rope", "get_rows", "moe_combine")
-HEADERS = ("compat.cuh", "quants.cuh")          # in cuda8/
+HEADERS = ("compat.cuh", "quants.cuh", "gemm_tile.cuh")   # in cuda8/
 SHARED_HEADERS = ("le_blocks.h",)               # in native/include/
 
 # tier -> the LE_FORCE_TIER value, and the lowest arch whose own path it is
