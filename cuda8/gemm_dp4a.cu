@@ -63,14 +63,13 @@ __device__ __forceinline__ void gemm_dp4a_word(const uint8_t *LE_RESTRICT W, int
     }
 }
 
-/* Step st (sub-blocks GEMM_DP4A_SUBS st …) of the weights and activations into shared memory. Four words' loads
- * in flight at a time where registers allow, one at a time with 63. */
+/* Step st (its nsb sub-blocks from GEMM_DP4A_SUBS st on; fewer in the last step) of the weights and activations
+ * into shared memory. Four words' loads in flight at a time where registers allow, one at a time with 63. */
 template <class T>
 __device__ __forceinline__ void gemm_dp4a_stage(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
                                                 int nrows, int nsub, size_t row_bytes, int r0,
-                                                const le_gemm_tile &tl, int st, gemm_dp4a_smem &sm) {
+                                                const le_gemm_tile &tl, int st, int nsb, gemm_dp4a_smem &sm) {
     const int tid = threadIdx.x, k = tid % 8, g = tid / 8;
-    const int nsb = min(GEMM_DP4A_SUBS, nsub - GEMM_DP4A_SUBS * st); /* the last step may be partial */
     if (LE_HAS_MANY_REGS) {
 #pragma unroll 4
         for (int i = 0; i < 16; i++) gemm_dp4a_word<T>(W, nrows, row_bytes, r0, st, nsb, i, k, g, sm);
@@ -163,11 +162,13 @@ __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const bl
 #pragma unroll
             for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
         for (int st = 0; st < nstep; st++) {
+            const int nsb = min(GEMM_DP4A_SUBS, nsub - GEMM_DP4A_SUBS * st); /* the last step may be partial */
             __syncthreads(); /* the previous step is consumed */
-            gemm_dp4a_stage<T>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, st, sm);
+            gemm_dp4a_stage<T>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, st, nsb,
+                               sm);
             __syncthreads();
 #pragma unroll 1
-            for (int sb = 0; sb < min(GEMM_DP4A_SUBS, nsub - GEMM_DP4A_SUBS * st); sb++) gemm_dp4a_sub(sm, rw, tt, sb, acc);
+            for (int sb = 0; sb < nsb; sb++) gemm_dp4a_sub(sm, rw, tt, sb, acc);
         }
 #pragma unroll
         for (int j = 0; j < 4; j++) {

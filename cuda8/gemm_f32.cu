@@ -9,7 +9,8 @@
  *     W: [n_expert] experts of [nrows, ncols] at W + e * expert_bytes; X: [pairs, ncols] f32 rows sorted by
  *     expert (gathered per (token, expert) pair), Y: [pairs, nrows]; tiles: int32 [n_tiles, 3] =
  *     (expert e, first pair p0, count <= 32; count 0: an empty tile, the block returns): one token tile of one
- *     expert each (expert_tiles on the host or moe_sort.cu on the GPU build them from the sorted routing), so every expert's weights are read once per 32 of its tokens, not once per token.
+ *     expert each (expert_tiles on the host or moe_sort.cu on the GPU build them from the sorted routing), so
+ *     every expert's weights are read once per 32 of its tokens, not once per token.
  *     launch: grid min(ceil(nrows/GEMM_ROWS), 65535) x n_tiles x 1 (n_tiles <= 65535); a tile runs gemm_f32's
  *     code on its expert's W for tokens [p0, p0 + cnt) (t0 = p0): the same arithmetic, bit for bit.
  * Tiled, GEMM_ROWS (128) rows x GEMM_TT (32) tokens per block, in steps of 32 columns:
@@ -90,7 +91,8 @@ template <> struct gemm_stage<le_t_f32w> {
     }
     __device__ __forceinline__ void store(float (*Ws)[GEMM_PAD], int, int, int tid) const {
 #pragma unroll
-        for (int i = 0; i < 4; i++) gemm_f4(Ws, tid / 8 + 32 * i, 4 * (tid % 8)) = make_float4(w[i][0], w[i][1], w[i][2], w[i][3]);
+        for (int i = 0; i < 4; i++)
+            gemm_f4(Ws, tid / 8 + 32 * i, 4 * (tid % 8)) = make_float4(w[i][0], w[i][1], w[i][2], w[i][3]);
     }
 };
 
@@ -126,7 +128,8 @@ __device__ __forceinline__ void gemm_copy<le_t_f32w>(const uint8_t *W, size_t ro
 
 /* This thread's 4 columns of step s's X tile: token t0 + tid / 8, columns 32 s + 4 (tid % 8) … (one float4: X is
  * 16-byte aligned and ncols % 32 == 0, gpu.py checks); tokens >= t_end read as 0. */
-__device__ __forceinline__ float4 gemm_load_x(const float *LE_RESTRICT X, int ncols, int t_end, int t0, int s, int tid) {
+__device__ __forceinline__ float4 gemm_load_x(const float *LE_RESTRICT X, int ncols, int t_end, int t0, int s,
+                                              int tid) {
     const int t = t0 + tid / 8;
     return t < t_end ? le_ldg((const float4 *)(X + (size_t)t * ncols + 32 * s + 4 * (tid % 8)))
                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);

@@ -27,7 +27,8 @@ __device__ __forceinline__ void le_gemm_tile_plain(le_gemm_tile &tl, int ntok, i
 }
 
 /* The block's weights: expert tl.e's matrix */
-__device__ __forceinline__ const uint8_t *le_gemm_weights(const uint8_t *W, const le_gemm_tile &tl, long long expert_bytes) {
+__device__ __forceinline__ const uint8_t *le_gemm_weights(const uint8_t *W, const le_gemm_tile &tl,
+                                                          long long expert_bytes) {
     return W + (size_t)tl.e * (size_t)expert_bytes;
 }
 

@@ -56,7 +56,8 @@ extern "C" __global__ void moe_sort(const int *LE_RESTRICT ids, int n_pairs, int
             tl[2] = min(MOE_SORT_TILE, cnt[e] - MOE_SORT_TILE * j);
         }
     }
-    for (int t = n_tiles + tid; t < max_tiles; t += MOE_SORT_THREADS) tiles[3 * t] = tiles[3 * t + 1] = tiles[3 * t + 2] = 0;
+    for (int t = n_tiles + tid; t < max_tiles; t += MOE_SORT_THREADS)
+        tiles[3 * t] = tiles[3 * t + 1] = tiles[3 * t + 2] = 0;
     __syncthreads(); /* fill[] is read above before the placement moves it */
     for (int c0 = 0; c0 < n_pairs; c0 += MOE_SORT_THREADS) {
         const int p = c0 + tid;

@@ -183,6 +183,9 @@ def format_machine_report(rep: dict) -> list[str]:
                                                  "--no-cuda-graphs)" if gpu["cuda_graphs"] else
                                                  "the driver lacks them (needs 11.4+): decode launches replayed "
                                                  "one by one"))
+        lines.append("  matmuls: dp4a tier int8 DP4A decode GEMVs and prefill GEMMs on Q8_1 activations (gemv_dp4a, "
+                     "gemm_dp4a; --gpu-f32 for f32), fermi/kepler tiers f32 (gemv_f32, gemm_f32); MoE prefill orders "
+                     "its routing on the GPU (moe_sort) when the host needs no ids")
         lines.append("  --vram SIZE budgets VRAM; a model over it runs split (`legacy-engine plan` shows the choice)")
     else:
         lines.append(f"GPU      none: {gpu['reason']}")

@@ -249,8 +249,8 @@ def gpu_flags(s) -> None:
     s.add_argument("--gpu-tier", choices=("fermi", "kepler", "dp4a"), default=None,
                    help="with --gpu: force a kernel tier (default: the GPU's own; a lower tier runs on any newer GPU)")
     s.add_argument("--gpu-f32", dest="gpu_int8", action="store_const", const=False, default=None,
-                   help="with --gpu: f32 decode GEMVs and prefill GEMMs instead of the int8 DP4A ones (default: DP4A on "
-                        "the dp4a tier)")
+                   help="with --gpu: f32 decode GEMVs and prefill GEMMs instead of the int8 DP4A ones (default: "
+                        "DP4A on the dp4a tier)")
     s.add_argument("--vram", dest="gpu_vram", default=None, metavar="SIZE",
                    help="with --gpu: VRAM budget, e.g. 6GiB (default: free VRAM minus 512 MiB). A model that does not "
                         "fit runs split: routed experts streamed per layer for GPU prefill, hot ones pinned, decode "

@@ -971,30 +971,27 @@ class Kernels:
 
     def gemm_f32(self, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
         """Y[ntok, nrows] = X[ntok, ncols] f32 times W[nrows, ncols]^T."""
-        suffix = self._weights(qtype, W, nrows, ncols, "gemm_f32")
-        if not 0 < ntok <= GEMM_TT * MAX_GRID:
-            raise ValueError(f"gemm_f32: ntok = {ntok} outside 1…{GEMM_TT * MAX_GRID}")
         _need(X, 4 * ncols * ntok, "gemm_f32 X")
         _aligned16(X, "gemm_f32 X")
-        _need(Y, 4 * nrows * ntok, "gemm_f32 Y")
-        self.modules["gemm_f32"].kernel(f"gemm_f32_{suffix}").launch(
-            (self._grid(-(-nrows // GEMM_ROWS)), -(-ntok // GEMM_TT), 1), (GEMM_THREADS, 1, 1),
-            [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
-            stream=stream)
+        self._gemm("gemm_f32", qtype, W, X, Y, nrows, ncols, ntok, stream)
 
     def gemm_dp4a(self, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
         """Y[ntok, nrows] = xq[ntok, ncols/32] (block_q8_1 rows from one quantize_q8_1 of the [ntok, ncols] f32
         activations) times W[nrows, ncols]^T, in int8 (W4A8/W8A8)."""
         if qtype == F32:
             raise ValueError("gemm_dp4a: f32 weights have no int8 path (use gemm_f32)")
-        suffix = self._weights(qtype, W, nrows, ncols, "gemm_dp4a")
-        if not 0 < ntok <= GEMM_TT * MAX_GRID:
-            raise ValueError(f"gemm_dp4a: ntok = {ntok} outside 1…{GEMM_TT * MAX_GRID}")
         _need(xq, ntok * (ncols // 32) * Q8_1_BYTES, "gemm_dp4a xq")
-        _need(Y, 4 * nrows * ntok, "gemm_dp4a Y")
-        self.modules["gemm_dp4a"].kernel(f"gemm_dp4a_{suffix}").launch(
+        self._gemm("gemm_dp4a", qtype, W, xq, Y, nrows, ncols, ntok, stream)
+
+    def _gemm(self, mod: str, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream) -> None:
+        """The launch both prefill GEMMs share (same tiles, same arguments); X is checked by the caller."""
+        suffix = self._weights(qtype, W, nrows, ncols, mod)
+        if not 0 < ntok <= GEMM_TT * MAX_GRID:
+            raise ValueError(f"{mod}: ntok = {ntok} outside 1…{GEMM_TT * MAX_GRID}")
+        _need(Y, 4 * nrows * ntok, f"{mod} Y")
+        self.modules[mod].kernel(f"{mod}_{suffix}").launch(
             (self._grid(-(-nrows // GEMM_ROWS)), -(-ntok // GEMM_TT), 1), (GEMM_THREADS, 1, 1),
-            [("ptr", _ptr(W)), ("ptr", _ptr(xq)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
+            [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
             stream=stream)
 
     @staticmethod

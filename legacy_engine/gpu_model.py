@@ -581,15 +581,13 @@ class GpuModel:
         k = self.k
         if n > 1 and self.int8_prefill and w.qtype != gpu.F32:
             if xq is None:
-                xq = self._buf("xq_mm", n * w.ncols // 32 * gpu.Q8_1_BYTES).ptr
-                k.quantize_q8_1(x, xq, n * w.ncols)
+                xq = self._q8_1(x, n * w.ncols, "xq_mm")
             k.gemm_dp4a(w.qtype, w.ptr, xq, y, w.nrows, w.ncols, n)
         elif n > 1:
             k.gemm_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols, n)
         elif self.int8 and w.qtype != gpu.F32:
             if xq is None:
-                xq = self._buf("xq", w.ncols // 32 * gpu.Q8_1_BYTES).ptr
-                k.quantize_q8_1(x, xq, w.ncols)
+                xq = self._q8_1(x, w.ncols, "xq")
             k.gemv_dp4a(w.qtype, w.ptr, xq, y, w.nrows, w.ncols)
         else:
             k.gemv_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols)
@@ -599,8 +597,12 @@ class GpuModel:
         input, else None."""
         if not (self.int8_prefill if n > 1 else self.int8):
             return None
-        xq = self._buf(name, n * ncols // 32 * gpu.Q8_1_BYTES).ptr
-        self.k.quantize_q8_1(x, xq, n * ncols)
+        return self._q8_1(x, n * ncols, name)
+
+    def _q8_1(self, x: int, n_el: int, name: str) -> int:
+        """x[n_el] f32 (rows of a multiple of 32) quantised to Q8_1 in scratch buffer `name` -> its address."""
+        xq = self._buf(name, n_el // 32 * gpu.Q8_1_BYTES).ptr
+        self.k.quantize_q8_1(x, xq, n_el)
         return xq
 
     def _gdn(self, L: dict, h: int, n: int, st: "GpuState", si: int, y: int) -> None:
@@ -848,9 +850,7 @@ class GpuModel:
         if int8:
             x, xs = xq, E // 32
             if x is None:         # several rows: quantise each (tokens, or gathered pairs)
-                rows = pairs // x_group
-                x = self._buf("xq_tok", rows * E // 32 * gpu.Q8_1_BYTES).ptr
-                k.quantize_q8_1(x_rows, x, rows * E)
+                x = self._q8_1(x_rows, pairs // x_group * E, "xq_tok")
         for wname, o in (("gate_exps", g), ("up_exps", u)):
             w = L[wname]
             k.gemv_ids(w.qtype, addr[wname], x, o, w.nrows, w.ncols, eids, pairs, w.expert_bytes, x_group, xs,
@@ -860,9 +860,7 @@ class GpuModel:
         int8d = self.int8 and w.qtype != gpu.F32
         xd, xds = g, ff
         if int8d:
-            xd = self._buf("xq_down", pairs * ff // 32 * gpu.Q8_1_BYTES).ptr
-            k.quantize_q8_1(g, xd, pairs * ff)
-            xds = ff // 32
+            xd, xds = self._q8_1(g, pairs * ff, "xq_down"), ff // 32
         k.gemv_ids(w.qtype, addr["down_exps"], xd, out, w.nrows, w.ncols, eids, pairs, w.expert_bytes, 1, xds,
                    int8=int8d)
 
@@ -897,8 +895,7 @@ class GpuModel:
         int8 = self.int8_prefill and L["gate_exps"].qtype != gpu.F32
         x = xg
         if int8:       # one Q8_1 copy of the gathered rows for gate and up
-            x = self._buf("xq_tok", pairs * E // 32 * gpu.Q8_1_BYTES).ptr
-            k.quantize_q8_1(xg, x, pairs * E)
+            x = self._q8_1(xg, pairs * E, "xq_tok")
         for wname, out in (("gate_exps", g), ("up_exps", u)):
             w = L[wname]
             k.gemm_ids(w.qtype, base + w.ptr, x, out, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs,
@@ -908,8 +905,7 @@ class GpuModel:
         int8d = self.int8_prefill and w.qtype != gpu.F32
         xd = g
         if int8d:
-            xd = self._buf("xq_down", pairs * ff // 32 * gpu.Q8_1_BYTES).ptr
-            k.quantize_q8_1(g, xd, pairs * ff)
+            xd = self._q8_1(g, pairs * ff, "xq_down")
         k.gemm_ids(w.qtype, base + w.ptr, xd, xg, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs,
                    int8=int8d)
 
@@ -1070,9 +1066,10 @@ class GpuModel:
             streamed = (f"; routed experts streamed from host RAM ({self.host_pinned_why}), {n_pin} of "
                         f"{self.hparams.n_expert * len(self._stage_layout)} pinned in VRAM")
         budget = f" (budget {self.budget / 2**30:.2f} GiB: {self.footprint.describe()})" if self.budget else ""
-        return (f"GPU {self.device['name']} ({self.k.name} kernels, {'int8 DP4A' if self.int8 else 'f32'} decode "
-                f"GEMVs, {'int8 DP4A' if self.int8_prefill else 'f32'} prefill GEMMs), weights {self.vram_bytes / 2**30:.2f} GiB in VRAM{budget}{streamed}; decode CUDA graphs "
-                f"{self.graphs_why}{conv}")
+        kind = lambda on: "int8 DP4A" if on else "f32"   # noqa: E731
+        return (f"GPU {self.device['name']} ({self.k.name} kernels, {kind(self.int8)} decode GEMVs, "
+                f"{kind(self.int8_prefill)} prefill GEMMs), weights {self.vram_bytes / 2**30:.2f} GiB in "
+                f"VRAM{budget}{streamed}; decode CUDA graphs {self.graphs_why}{conv}")
 
 
 def model_faults(model) -> dict:

@@ -139,7 +139,8 @@ def scratch_bytes(hp, n: int, int8: bool, logit_rows: int) -> int:
         if hp.n_ff_shexp:
             b += 2 * 4 * n * hp.n_ff_shexp + 4 * n * E + 4 * n
         # sorted pairs: gathered rows, ids/token/inverse, tiles (moe_sort's padded list), routing counts
-        b += 4 * pairs * E + 3 * 4 * pairs + 12 * (-(-pairs // 32) + min(hp.n_expert, pairs)) + 4 * hp.n_layer * hp.n_expert
+        b += 4 * pairs * E + 3 * 4 * pairs + 12 * (-(-pairs // 32) + min(hp.n_expert, pairs))
+        b += 4 * hp.n_layer * hp.n_expert
         if int8:
             b += (pairs * E + pairs * ff) // 32 * gpu.Q8_1_BYTES
     else:
@@ -242,7 +243,7 @@ class Machine:
     gpu_tier: str = ""
     vram_free: int = 0                   # bytes free on the device when measured
     link_gbps: float = 0.0               # host -> device from page-locked memory
-    gpu_gemm_tflops: float = 0.0         # prefill GEMM on Q4_K, 512 tokens (int8 gemm_dp4a on the dp4a tier, else gemm_f32)
+    gpu_gemm_tflops: float = 0.0         # prefill GEMM on Q4_K, 512 tokens (gemm_dp4a on the dp4a tier, else gemm_f32)
     gpu_gemv_gbps: float = 0.0           # decode GEMV weight streaming (the tier's decode kernel, Q4_K)
     gpu_launch_us: float = 0.0           # per kernel inside a decode step (graph replay)
     simulated_link: bool = False

@@ -838,18 +838,23 @@ def test_events_time_a_kernel(gpu_device):
 
 
 
+def plan_kernels(graph: bool) -> "gpu.Kernels":
+    """The kepler kernels for the launch-plan tests; skips where the driver lacks graphs (graph) or the tier."""
+    if graph and not gpu.graphs_available():
+        pytest.skip("the driver has no CUDA graphs")
+    try:
+        return gpu.Kernels("kepler", NATIVE_ARCH)
+    except UnavailableError as e:
+        pytest.skip(str(e))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True], ids=["replay", "graph"])
 def test_launch_plan_replays_in_order(gpu_device, graph):
     """A recorded chain of dependent adds (x <- x + d, 40 times) replayed from a LaunchPlan, launch by launch or as
     one CUDA graph, runs every launch once and in order, after an upload on the default stream and before a
     download there: exact in f32 (small integers)."""
-    if graph and not gpu.graphs_available():
-        pytest.skip("the driver has no CUDA graphs")
-    try:
-        k = gpu.Kernels("kepler", NATIVE_ARCH)
-    except UnavailableError as e:
-        pytest.skip(str(e))
+    k = plan_kernels(graph)
     n, steps = 4096, 40
     d = np.arange(n, dtype=np.float32) % 7
     with gpu.Buffer.from_array(np.zeros(n, np.float32)) as bx, gpu.Buffer.from_array(d) as bd:
@@ -872,12 +877,7 @@ def test_launch_plan_replays_in_order(gpu_device, graph):
 def test_launch_plan_runs_host_steps_between_segments(gpu_device, graph):
     """Host steps (gpu.host_step) split a plan: each replay runs segment 1, the host step (which reads x, as the
     hybrid decode reads the routing, and writes a value the next segment adds), then segment 2, in that order."""
-    if graph and not gpu.graphs_available():
-        pytest.skip("the driver has no CUDA graphs")
-    try:
-        k = gpu.Kernels("kepler", NATIVE_ARCH)
-    except UnavailableError as e:
-        pytest.skip(str(e))
+    k = plan_kernels(graph)
     n = 4096
     d = np.arange(n, dtype=np.float32) % 5
     seen = []

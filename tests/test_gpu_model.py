@@ -533,6 +533,14 @@ def test_budget_holds_under_ballast(gpu_device, tiny_file, cpu_model):
         ballast.free()
 
 
+def greedy(m, st, logits, steps: int) -> list[int]:
+    """The argmax of the last row of `logits`, then `steps` greedy decode steps of model m on state st."""
+    out = [int(np.argmax(logits[-1]))]
+    for _ in range(steps):
+        out.append(int(np.argmax(m.forward(st, [out[-1]])[-1])))
+    return out
+
+
 def test_split_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
     """The split engine (GPU prefill with streamed, partly pinned experts under a small budget; CPU decode) and
     the CPU engine produce the same greedy tokens; the prompt ran on the GPU, the decode steps on the CPU."""
@@ -545,12 +553,7 @@ def test_split_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
         runs = {}
         for name, m in (("split", split), ("cpu", cpu)):
             st = m.new_state(N_CTX)
-            tok = int(np.argmax(m.forward(st, prompt)[-1]))
-            out = [tok]
-            for _ in range(30):
-                tok = int(np.argmax(m.forward(st, [tok])[-1]))
-                out.append(tok)
-            runs[name] = out
+            runs[name] = greedy(m, st, m.forward(st, prompt), 30)
         assert runs["split"] == runs["cpu"]
         assert split.passes == {"gpu": 1, "cpu": 30, "hybrid": 0}
     finally:
@@ -602,12 +605,7 @@ def test_split_hybrid_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
         for name, m in (("split", split), ("cpu", cpu)):
             st = m.new_state(N_CTX)
             m.forward(st, prompt[:44])
-            tok = int(np.argmax(m.forward(st, prompt[44:])[-1]))         # 6 tokens: below min_gpu_tokens
-            out = [tok]
-            for _ in range(30):
-                tok = int(np.argmax(m.forward(st, [tok])[-1]))
-                out.append(tok)
-            runs[name] = out
+            runs[name] = greedy(m, st, m.forward(st, prompt[44:]), 30)   # 6 tokens: below min_gpu_tokens
             if name == "split":
                 assert isinstance(st, GpuState)
         assert runs["split"] == runs["cpu"]

@@ -43,49 +43,48 @@ def expert(model, layer: int, e: int, x: np.ndarray) -> np.ndarray:
     return w("ffn_down_exps") @ act
 
 
-@pytest.mark.parametrize("int8", [False, True])
+def token(rng, hp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A random token's hidden state, its top-k experts and their weights (summing to 1)."""
+    x = rng.standard_normal(hp.n_embd).astype(np.float32)
+    ids = rng.choice(hp.n_expert, hp.n_expert_used, replace=False).astype(np.int32)
+    return x, ids, rng.dirichlet(np.ones(hp.n_expert_used)).astype(np.float32)
+
+
+@pytest.fixture(params=[False, True], ids=["f32", "int8"])
+def int8(request, model):
+    """The CPU model on its f32 or integer path for one test (back to the default, integer, after)."""
+    model.native.set_int8(request.param)
+    yield request.param
+    model.native.set_int8(True)
+
+
 def test_moe_routed_matches_reference(model, int8):
     hp = model.hparams
     rng = np.random.default_rng(3)
-    model.native.set_int8(int8)
-    try:
-        for layer in range(hp.n_layer):
-            x = rng.standard_normal(hp.n_embd).astype(np.float32)
-            ids = rng.choice(hp.n_expert, hp.n_expert_used, replace=False).astype(np.int32)
-            wts = rng.dirichlet(np.ones(hp.n_expert_used)).astype(np.float32)
-            for masked in ([], [1], [0, 2]):          # the GPU's pinned experts are masked (-1)
-                m_ids = ids.copy()
-                m_ids[masked] = -1
-                got = model.native.moe_routed(layer, x, m_ids, wts)
-                ref = sum(float(w) * expert(model, layer, int(e), x.astype(np.float64))
-                          for e, w in zip(m_ids, wts) if e >= 0)
-                tol = (ROUTED_INT8_REL if int8 and model.file.tensors[f"blk.{layer}.ffn_down_exps.weight"].type
-                       else ROUTED_F32_REL)
-                assert np.abs(got - ref).max() <= tol * np.abs(ref).max(), (layer, masked)
-            all_masked = model.native.moe_routed(layer, x, np.full_like(ids, -1), wts)
-            assert not all_masked.any()
-    finally:
-        model.native.set_int8(True)
+    for layer in range(hp.n_layer):
+        x, ids, wts = token(rng, hp)
+        for masked in ([], [1], [0, 2]):          # the GPU's pinned experts are masked (-1)
+            m_ids = ids.copy()
+            m_ids[masked] = -1
+            got = model.native.moe_routed(layer, x, m_ids, wts)
+            ref = sum(float(w) * expert(model, layer, int(e), x.astype(np.float64))
+                      for e, w in zip(m_ids, wts) if e >= 0)
+            tol = (ROUTED_INT8_REL if int8 and model.file.tensors[f"blk.{layer}.ffn_down_exps.weight"].type
+                   else ROUTED_F32_REL)
+            assert np.abs(got - ref).max() <= tol * np.abs(ref).max(), (layer, masked)
+        all_masked = model.native.moe_routed(layer, x, np.full_like(ids, -1), wts)
+        assert not all_masked.any()
 
 
-@pytest.mark.parametrize("int8", [False, True])
 def test_moe_routed_masks_add_up(model, int8):
     """The hybrid decode splits one token's experts between the GPU (pinned) and the CPU: the parts add up."""
-    hp = model.hparams
-    rng = np.random.default_rng(5)
-    model.native.set_int8(int8)
-    try:
-        x = rng.standard_normal(hp.n_embd).astype(np.float32)
-        ids = rng.choice(hp.n_expert, hp.n_expert_used, replace=False).astype(np.int32)
-        wts = rng.dirichlet(np.ones(hp.n_expert_used)).astype(np.float32)
-        whole = model.native.moe_routed(1, x, ids, wts)
-        a, b = ids.copy(), ids.copy()
-        a[::2], b[1::2] = -1, -1
-        parts = model.native.moe_routed(1, x, a, wts) + model.native.moe_routed(1, x, b, wts)
-        assert np.abs(whole - parts).max() <= ROUTED_SPLIT_REL * np.abs(whole).max()
-        assert np.abs(whole - model.native.moe_routed(1, x, a, wts)).max() > 0.05 * np.abs(whole).max()
-    finally:
-        model.native.set_int8(True)
+    x, ids, wts = token(np.random.default_rng(5), model.hparams)
+    whole = model.native.moe_routed(1, x, ids, wts)
+    a, b = ids.copy(), ids.copy()
+    a[::2], b[1::2] = -1, -1
+    parts = model.native.moe_routed(1, x, a, wts) + model.native.moe_routed(1, x, b, wts)
+    assert np.abs(whole - parts).max() <= ROUTED_SPLIT_REL * np.abs(whole).max()
+    assert np.abs(whole - model.native.moe_routed(1, x, a, wts)).max() > 0.05 * np.abs(whole).max()
 
 
 def test_moe_routed_refuses_bad_arguments(model):
