@@ -2,7 +2,8 @@
 prediction and to llama.cpp's offload settings on the same file.
 
     legacy-engine bench split MODEL.gguf --vram 6GiB [--prompt 512,2048] [--gen 32] [--ballast] [--simulate-link GBPS]
-                                         [--llama PATH] [--ncmoe 30,40] [--plot FILE.png] [--json]
+                                         [--llama PATH] [--ncmoe 30,40,cpu] [--llama-flags F]
+                                         [--plot FILE.png] [--json]
 
 Strategies (planner.py): cpu (prefill and decode on the CPU), stream (GPU prefill with routed experts streamed
 from host RAM, pinned ones in VRAM, CPU decode: the split `run --gpu --vram` uses when the model does not fit),
@@ -12,7 +13,7 @@ empty state, last logits), decode tok/s (gen steps after the prompt), where the 
 copied, copy GB/s, GPU compute and the rest), and the planner's predictions beside the measurements.
 --ballast allocates VRAM until only the budget is free (the budget then is all there is: an overrun would fail).
 llama.cpp rows: llama-bench -ngl 99 with -ncmoe N (N layers' experts on the CPU) and CPU-only (-ngl 0), same file
-and threads. --plot writes prefill/decode tok/s against prompt length per strategy (matplotlib).
+and threads; --llama-flags adds flags to each (`-ub 2048` copies a layer's experts once per 2048-token pass). --plot writes prefill/decode tok/s against prompt length per strategy (matplotlib).
 """
 from __future__ import annotations
 
@@ -48,12 +49,14 @@ def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | 
     return row
 
 
-def bench_llama(binary: str, path: str, prompts, gen: int, threads: int, ngl: int, ncmoe: int | None) -> dict:
-    """A llama-bench row of the split table (bench_gpu.bench_llama with -ngl/-ncmoe/-t); a failed run is a row
-    that says why."""
+def bench_llama(binary: str, path: str, prompts, gen: int, threads: int, ngl: int, ncmoe: int | None,
+                extra=()) -> dict:
+    """A llama-bench row of the split table (bench_gpu.bench_llama with -ngl/-ncmoe/-t and `extra` flags such as
+    -ub 2048); a failed run is a row that says why."""
     from .bench_gpu import bench_llama as run_llama
-    name = f"llama.cpp -ngl {ngl}" + (f" -ncmoe {ncmoe}" if ncmoe is not None else "")
+    name = " ".join([f"llama.cpp -ngl {ngl}"] + ([f"-ncmoe {ncmoe}"] if ncmoe is not None else []) + list(extra))
     flags = ["-ngl", str(ngl), "-t", str(threads)] + (["-ncmoe", str(ncmoe)] if ncmoe is not None else [])
+    flags += list(extra)
     try:
         row = run_llama(binary, path, prompts, gen, 2, flags, name)
     except UnavailableError as e:
@@ -63,9 +66,10 @@ def bench_llama(binary: str, path: str, prompts, gen: int, threads: int, ngl: in
 
 
 def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: int = 1, ballast: bool = False,
-                simulate_link: float | None = None, llama: str | None = None, ncmoe=(30, 40),
+                simulate_link: float | None = None, llama: str | None = None, ncmoe=(30, 40, None),
                 threads: int | None = None,
-                cpu_max_prompt: int | None = 512, strategies=("cpu", "stream", "hybrid", "resident"), log=None) -> dict:
+                cpu_max_prompt: int | None = 512, strategies=("cpu", "stream", "hybrid", "resident"), log=None,
+                llama_flags=()) -> dict:
     import dataclasses
 
     from .gpu_model import GpuModel
@@ -84,9 +88,10 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
     res = {"model": str(path), "vram": vram, "prompts": prompts, "gen": gen, "threads": threads, "rows": [],
            "ballast": ballast}
     if llama:
-        for n in list(ncmoe) + [None]:
+        for n in ncmoe:                             # None: CPU only (-ngl 0)
             log(f"llama.cpp {'-ncmoe ' + str(n) if n is not None else 'CPU only'} …")
-            res["rows"].append(bench_llama(llama, path, prompts, gen, threads, 99 if n is not None else 0, n))
+            res["rows"].append(bench_llama(llama, path, prompts, gen, threads, 99 if n is not None else 0, n,
+                                           llama_flags))
     m = planner.measure(threads, log=log)
     if simulate_link:
         m = dataclasses.replace(m, link_gbps=simulate_link, simulated_link=True)
@@ -236,7 +241,10 @@ def add_parser(sub) -> None:
     sp.add_argument("--ballast", action="store_true", help="allocate VRAM until only the budget is free")
     sp.add_argument("--simulate-link", type=float, default=None, metavar="GBPS", help="pace expert copies to GBPS")
     sp.add_argument("--llama", default=None, metavar="PATH", help="a llama-bench binary built with CUDA")
-    sp.add_argument("--ncmoe", default="30,40", help="llama.cpp -ncmoe values (30,40)")
+    sp.add_argument("--ncmoe", default="30,40,cpu", type=parse_ncmoe,
+                    help="llama.cpp rows: -ngl 99 -ncmoe N per number, 'cpu' for CPU only (-ngl 0) (30,40,cpu)")
+    sp.add_argument("--llama-flags", default="", metavar="FLAGS",
+                    help="more llama-bench flags for every llama.cpp row, e.g. '-ub 2048 -mmp 0' (none)")
     sp.add_argument("--cpu-max-prompt", type=int, default=512,
                     help="longest prompt the cpu strategy prefills (slow: ~1 pass per token; longer ones show only "
                          "the prediction) (512)")
@@ -247,12 +255,26 @@ def add_parser(sub) -> None:
     sp.add_argument("--json", action="store_true", help="print JSON")
 
 
+def parse_ncmoe(text: str) -> list:
+    """'30,40,cpu' -> [30, 40, None] (None: the CPU-only row)."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if part == "cpu":
+            out.append(None)
+        elif part:
+            if not part.isdigit():
+                raise ValueError(f"--ncmoe takes layer counts and 'cpu', not {part!r}")
+            out.append(int(part))
+    return out
+
+
 def main(args) -> int:
     import sys
     res = bench_split(args.model, planner.parse_size(args.vram), [int(p) for p in args.prompt.split(",") if p],
                       args.gen, args.reps, args.ballast, args.simulate_link, args.llama,
-                      [int(n) for n in args.ncmoe.split(",") if n], args.threads, args.cpu_max_prompt,
-                      tuple(args.strategies.split(",")), log=lambda s: print(s, file=sys.stderr, flush=True))
+                      args.ncmoe, args.threads, args.cpu_max_prompt,
+                      tuple(args.strategies.split(",")), log=lambda s: print(s, file=sys.stderr, flush=True),
+                      llama_flags=tuple(args.llama_flags.split()))
     if args.json:
         print(json.dumps(res, indent=1, default=float))
     else:

@@ -745,3 +745,30 @@ def test_bench_decode_llama_bench_row_and_bytes_per_token(bench_file, tmp_path):
     assert "output.weight" not in mf.tensors
     routed = exps * hp.n_expert_used // hp.n_expert
     assert res["footprint"]["decode_bytes"] == sum(t.n_bytes for t in ts) - exps + routed
+
+
+def test_bench_split_cli_runs_cpu_and_llama_rows(bench_file, tmp_path, capsys):
+    """`bench split` end to end on the CPU: the cpu strategy's row, and one llama-bench row per --ncmoe entry
+    ('cpu': -ngl 0) with --llama-flags passed to each (a stand-in binary records its arguments)."""
+    import json
+    import stat
+    import sys
+
+    from legacy_engine.cli import main
+    log = tmp_path / "argv.jsonl"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+                    "print(json.dumps([dict(n_prompt=8, n_gen=0, avg_ts=40.0), dict(n_prompt=0, n_gen=2, avg_ts=20.0)]))\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    assert main(["bench", "split", bench_file, "--vram", "1GiB", "--prompt", "8", "--gen", "2", "--threads", "1",
+                 "--strategies", "cpu", "--llama", str(fake), "--ncmoe", "3,cpu", "--llama-flags", "-ub 2048",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = {r["strategy"]: r for r in res["rows"]}
+    assert set(rows) == {"cpu", "llama.cpp -ngl 99 -ncmoe 3 -ub 2048", "llama.cpp -ngl 0 -ub 2048"}
+    assert rows["cpu"]["pp"]["8"] > 0 and rows["cpu"]["tg"] > 0
+    assert rows["llama.cpp -ngl 0 -ub 2048"]["pp"] == {"8": 40.0} and rows["llama.cpp -ngl 0 -ub 2048"]["tg"] == 20.0
+    argv = [json.loads(ln) for ln in log.read_text().splitlines()]
+    assert [a[a.index("-ngl") + 1] for a in argv] == ["99", "0"]
+    assert all(a[a.index("-ub") + 1] == "2048" and a[a.index("-t") + 1] == "1" for a in argv)
+    assert "-ncmoe" in argv[0] and "-ncmoe" not in argv[1]
