@@ -10,7 +10,8 @@ two CUDA events. Bytes counted: the weight bytes, read once (x and y are < 0.1 %
 Roofline: the device's peak memory bandwidth from cuDeviceGetAttribute (2 x memory clock x bus width; DDR), and
 a measured device-to-device copy (cuMemcpyDtoD of 1 GiB, read + write bytes). Legacy variants (fermi-sm35 …) are
 JIT-compiled for the card they run on: their numbers are the legacy code path on this card, not an old card's.
-GEMM: Y = X W^T with X [128 tokens, 4096] against a 4096 x 4096 matrix, gemm_f32 and gemm_dp4a (X as Q8_1):
+GEMM: Y = X W^T with X [128 tokens, 4096] against a 4096 x 4096 matrix, gemm_f32, gemm_dp4a (X as Q8_1) and
+gemm_mma (the same on tensor cores, where the variant has them):
 GFLOP/s (2 flops per weight per token). Prefill (--ops prefill): bench_prefill's doc.
 Layer ops (--ops layer), Qwen3.5-35B-A3B shapes: decode attention over 32k cached tokens (16 query heads, 2 KV heads,
 head 256: bytes = K and V of the 32k tokens once, although each query head re-reads its KV head, from L2 at best),
@@ -105,7 +106,7 @@ def bench(kernels: list[gpu.Kernels], mib: int, reps: int) -> list[dict]:
             with gpu.Buffer.from_array(weights(qtype, n, n)) as bw:
                 for k in kernels:
                     k.quantize_q8_1(bX, bXq, ntok * n)
-                    for op, act in (("gemm_f32", bX), ("gemm_dp4a", bXq)):
+                    for op, act in (("gemm_f32", bX), ("gemm_dp4a", bXq)) + ((("gemm_mma", bXq),) if k.has_mma else ()):
                         fn = getattr(k, op)
                         ms = time_ms(lambda: fn(qtype, bw, act, bY, n, n, ntok), max(2, reps // 4))
                         rows.append({"variant": k.name, "op": op, "type": tn, "rows": n, "ntok": ntok, "ms": ms,
@@ -174,7 +175,7 @@ def bench_prefill(kernels: list[gpu.Kernels], reps: int) -> list[dict]:
     """A pp2048 pass's matmuls at Qwen3.5-35B-A3B shapes, Q4_K weights (zeros: the kernels' time does not depend on
     the values): the GDN input projection (12288 x 2048, 2048 tokens) dense, and the routed experts' gate (512 x
     2048) and down (2048 x 512) as grouped GEMMs over 2048 x 8 pairs routed uniformly over 256 experts, each in f32
-    (gemm_f32) and int8 (gemm_dp4a on Q8_1 activations); the Q8_1 quantiser and moe_sort (the grouped GEMMs' work
+    (gemm_f32) and int8 (gemm_dp4a on Q8_1 activations, and gemm_mma where the variant has tensor cores); the Q8_1 quantiser and moe_sort (the grouped GEMMs' work
     list) beside them."""
     rng = np.random.default_rng(4)
     q4k, n_tok, n_exp, k_used = 12, 2048, 256, 8
@@ -198,17 +199,19 @@ def bench_prefill(kernels: list[gpu.Kernels], reps: int) -> list[dict]:
         meta, cnt = zeros(4 * 3 * P + 12 * mt), zeros(4 * n_exp)
         for k in kernels:
             r, c = 12288, 2048
-            for op, act in (("gemm_f32", X), ("gemm_dp4a", Xq)):
+            for op, act in (("gemm_f32", X), ("gemm_dp4a", Xq)) + ((("gemm_mma", Xq),) if k.has_mma else ()):
                 fn = getattr(k, op)
                 ms = time_ms(lambda: fn(q4k, W, act, Y, r, c, n_tok), max(2, reps // 4))
                 rows.append({"variant": k.name, "op": op, "type": f"{r}x{c}", "ms": ms, "bytes": wbytes(r, c),
                              "flops": 2.0 * r * c * n_tok})
             for r, c in ((512, 2048), (2048, 512)):
                 eb = wbytes(r, c)
-                for int8, act in ((False, X), (True, Xq)):
-                    ms = time_ms(lambda: k.gemm_ids(q4k, W, act, Y, r, c, bt, len(tiles), eb, P, int8=int8),
+                forms = ((False, False, X), (True, False, Xq)) + (((True, True, Xq),) if k.has_mma else ())
+                for int8, mma, act in forms:
+                    ms = time_ms(lambda: k.gemm_ids(q4k, W, act, Y, r, c, bt, len(tiles), eb, P, int8=int8, mma=mma),
                                  max(2, reps // 4))
-                    rows.append({"variant": k.name, "op": "gemm_dp4a_ids" if int8 else "gemm_ids", "type": f"{r}x{c}",
+                    op = ("gemm_mma_ids" if mma else "gemm_dp4a_ids") if int8 else "gemm_ids"
+                    rows.append({"variant": k.name, "op": op, "type": f"{r}x{c}",
                                  "ms": ms, "bytes": n_exp * eb, "flops": 2.0 * r * c * P})
             ms = time_ms(lambda: k.quantize_q8_1(X, Xq, n_tok * 2048), reps)
             rows.append({"variant": k.name, "op": "quantize_q8_1", "type": f"{n_tok}x2048", "ms": ms,

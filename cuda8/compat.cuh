@@ -6,7 +6,8 @@
  * Tiers (the code path a kernel takes), lowest first:
  *   fermi   sm_20+  no warp shuffles (shared memory + __syncthreads), no __ldg, no __dp4a
  *   kepler  sm_30+  warp shuffles; __ldg from sm_35 (LE_CC_LDG)
- *   dp4a    sm_61+  __dp4a (4 int8 products per instruction) for the W4A8/W8A8 kernels
+ *   dp4a    sm_61+  __dp4a (4 int8 products per instruction) for the W4A8/W8A8 kernels;
+ *                   from sm_75 also the int8 tensor-core mma (gemm_mma.cu), where the toolchain knows it
  * The tier is the PTX target's compute capability, lowered at compile time by
  * -DLE_FORCE_TIER=<tier>: LE_CC_FERMI (200), LE_CC_KEPLER (300), LE_CC_LDG (350) or LE_CC_DP4A
  * (610). That is how the Fermi path (which no toolkit we can run targets any more) is compiled
@@ -39,6 +40,8 @@
 #define LE_CC_FP16 530   /* sm_53: __half arithmetic (not used: fp16 is converted from raw bits) */
 #define LE_CC_DP4A 610   /* sm_61: __dp4a */
 #define LE_CC_VOLTA 700  /* sm_70: independent thread scheduling */
+#define LE_CC_TURING 750 /* sm_75: int8 tensor cores (mma.sync m8n8k16 .s8) */
+#define LE_CC_AMPERE 800 /* sm_80: mma.sync m16n8k16 .s8 (two m8n8k16 in one instruction) */
 
 #ifdef __CUDA_ARCH__
 #define LE_ARCH __CUDA_ARCH__
@@ -74,6 +77,10 @@
 #else
 #define LE_CUDACC_VERSION 0
 #endif
+
+/* int8 mma.sync: PTX ISA 6.4 (CUDA 10.1) for m8n8k16 on sm_75, 7.0 (CUDA 11.0) for m16n8k16 on sm_80 */
+#define LE_HAS_MMA_INT8 (LE_CC >= LE_CC_TURING && LE_CUDACC_VERSION >= 1001)
+#define LE_HAS_MMA_16816 (LE_CC >= LE_CC_AMPERE && LE_CUDACC_VERSION >= 1100)
 
 #define LE_WARP 32
 /* A block-sized scratch array for the reduction helpers. */
@@ -138,6 +145,29 @@ __device__ __forceinline__ int le_dp4a(int a, int b, int c) {
     return c;
 #endif
 }
+
+/* One warp's int8 tensor-core product D[16 x 8] = A[16 x 16] B[16 x 8] (s8 x s8 -> s32, D starts at 0), with
+ * g = lane / 4, t = lane % 4:  a0 = A[g][4t .. 4t+3], a1 = A[g+8][4t .. 4t+3] (4 bytes each, k ascending),
+ * b = B[4t .. 4t+3][g];  d[0], d[1] = D[g][2t], D[g][2t+1];  d[2], d[3] = D[g+8][2t], D[g+8][2t+1].
+ * sm_80+: one m16n8k16; sm_75: two m8n8k16 (rows g and g+8). Integer sums: exact, the same as le_dp4a's.
+ * Only where LE_HAS_MMA_INT8 (every lane of the warp must call it). */
+#if LE_HAS_MMA_INT8
+__device__ __forceinline__ void le_mma_s8_16x8x16(int *d, int a0, int a1, int b) {
+#if LE_HAS_MMA_16816
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+                 "{%7, %7, %7, %7};"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b), "r"(0));
+#else
+    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0, %1}, {%2}, {%3}, {%4, %4};"
+                 : "=r"(d[0]), "=r"(d[1])
+                 : "r"(a0), "r"(b), "r"(0));
+    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0, %1}, {%2}, {%3}, {%4, %4};"
+                 : "=r"(d[2]), "=r"(d[3])
+                 : "r"(a1), "r"(b), "r"(0));
+#endif
+}
+#endif
 
 /* ---- warp exchange --------------------------------------------------------------------------- */
 
@@ -283,6 +313,7 @@ __device__ __forceinline__ void le_block_argmax(float &v, int &i, float *scratch
 #define LE_FEATURE_LDG 2
 #define LE_FEATURE_DP4A 4
 #define LE_FEATURE_SYNC 8
+#define LE_FEATURE_MMA 16
 
 /* The MoE GEMVs' skipped pairs: a negative expert id (the hybrid decode runs that expert on the CPU) makes the
  * pair's output row zero and its block do nothing else. e is uniform over the block, so the whole block returns
@@ -304,7 +335,8 @@ extern "C" __global__ void le_tier_probe(int *out) {
         out[2] = LE_CUDACC_VERSION;
         out[3] = (LE_HAS_SHFL ? LE_FEATURE_SHFL : 0) | (LE_HAS_LDG ? LE_FEATURE_LDG : 0) |
                  (LE_HAS_DP4A ? LE_FEATURE_DP4A : 0) |
-                 (LE_HAS_SHFL && LE_HAS_SYNC_INTRINSICS ? LE_FEATURE_SYNC : 0);
+                 (LE_HAS_SHFL && LE_HAS_SYNC_INTRINSICS ? LE_FEATURE_SYNC : 0) |
+                 (LE_HAS_MMA_INT8 ? LE_FEATURE_MMA : 0);
     }
 }
 

@@ -69,7 +69,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                 simulate_link: float | None = None, llama: str | None = None, ncmoe=(30, 40, None),
                 threads: int | None = None,
                 cpu_max_prompt: int | None = 512, strategies=("cpu", "stream", "hybrid", "resident"), log=None,
-                llama_flags=()) -> dict:
+                llama_flags=(), mma: bool | None = None) -> dict:
     import dataclasses
 
     from .gpu_model import GpuModel
@@ -121,6 +121,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                 continue
             log(f"{name} …")
             grouped = {"": {}, "pairs": {"grouped_experts": False}, "grouped": {"grouped_experts": True}}[form]
+            grouped["mma"] = mma
             if base in ("stream", "hybrid"):
                 gm = GpuModel(model, vram=vram, stream_experts=True, pinned=st0.pinned, n_ctx=n_ctx,
                               chunk=st0.chunk, simulate_link=simulate_link, cpu_experts=base == "hybrid", **grouped)
@@ -251,6 +252,8 @@ def add_parser(sub) -> None:
     sp.add_argument("--strategies", default="cpu,stream,hybrid,resident",
                     help="which to run (cpu,stream,hybrid,resident); stream/pairs, stream/grouped (and resident/…) force "
                          "the routed experts' form: one GEMV per (token, expert) pair, or grouped GEMMs")
+    sp.add_argument("--no-mma", dest="mma", action="store_const", const=False, default=None,
+                    help="int8 prefill GEMMs with DP4A instead of the tensor cores (default: tensor cores from sm_75)")
     sp.add_argument("--plot", default=None, metavar="FILE.png", help="write the tok/s plot (needs matplotlib)")
     sp.add_argument("--json", action="store_true", help="print JSON")
 
@@ -274,7 +277,7 @@ def main(args) -> int:
                       args.gen, args.reps, args.ballast, args.simulate_link, args.llama,
                       args.ncmoe, args.threads, args.cpu_max_prompt,
                       tuple(args.strategies.split(",")), log=lambda s: print(s, file=sys.stderr, flush=True),
-                      llama_flags=tuple(args.llama_flags.split()))
+                      llama_flags=tuple(args.llama_flags.split()), mma=args.mma)
     if args.json:
         print(json.dumps(res, indent=1, default=float))
     else:

@@ -174,18 +174,21 @@ def format_machine_report(rep: dict) -> list[str]:
     if gpu["available"]:
         v = gpu["driver_version"]
         lines.append(f"GPU      CUDA driver {v // 1000}.{v % 1000 // 10}, {gpu['device_count']} device(s)")
+        from .gpu import MMA_ARCH
         from .gpu_model import default_tier
         for i, d in enumerate(gpu["devices"]):
             lines.append(f"  [{i}] {d['name']}  sm_{d['cc_major']}{d['cc_minor']}  "
                          f"{d['total_mem'] / 2**30:.1f} GiB  {d['multiprocessors']} SMs  "
-                         f"tier {default_tier(10 * d['cc_major'] + d['cc_minor'])} (`--gpu-tier` forces a lower one)")
+                         f"tier {default_tier(10 * d['cc_major'] + d['cc_minor'])} (`--gpu-tier` forces a lower one)"
+                         + (", int8 tensor cores" if 10 * d["cc_major"] + d["cc_minor"] >= MMA_ARCH else ""))
         lines.append("  decode CUDA graphs: " + ("the driver has them (used except on the fermi tier; "
                                                  "--no-cuda-graphs)" if gpu["cuda_graphs"] else
                                                  "the driver lacks them (needs 11.4+): decode launches replayed "
                                                  "one by one"))
-        lines.append("  matmuls: dp4a tier int8 DP4A decode GEMVs and prefill GEMMs on Q8_1 activations (gemv_dp4a, "
-                     "gemm_dp4a; --gpu-f32 for f32), fermi/kepler tiers f32 (gemv_f32, gemm_f32); MoE prefill orders "
-                     "its routing on the GPU (moe_sort) when the host needs no ids")
+        lines.append("  matmuls: dp4a tier int8 DP4A decode GEMVs (gemv_dp4a) and int8 prefill GEMMs on Q8_1 "
+                     f"activations, on tensor cores from sm_{MMA_ARCH} (gemm_mma; --gpu-no-mma: gemm_dp4a), with DP4A "
+                     "below (gemm_dp4a); --gpu-f32 for f32; fermi/kepler tiers f32 (gemv_f32, gemm_f32); MoE prefill "
+                     "orders its routing on the GPU (moe_sort) when the host needs no ids")
         lines.append("  --vram SIZE budgets VRAM; a model over it runs split (`legacy-engine plan` shows the choice)")
     else:
         lines.append(f"GPU      none: {gpu['reason']}")

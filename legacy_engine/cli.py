@@ -242,7 +242,8 @@ def load_flags(s) -> None:
 
 
 def gpu_flags(s) -> None:
-    """--gpu, --gpu-tier, --gpu-f32, --no-cuda-graphs: for the commands that generate (run, chat, demo, serve)."""
+    """--gpu, --gpu-tier, --gpu-f32, --gpu-no-mma, --no-cuda-graphs: for the commands that generate (run, chat,
+    demo, serve)."""
     s.add_argument("--gpu", action="store_true",
                    help="GPU-resident mode: the whole model in VRAM, prefill and decode on the GPU (needs an NVIDIA "
                         "driver; kernels built on first use, see `legacy-engine build-kernels`)")
@@ -251,6 +252,9 @@ def gpu_flags(s) -> None:
     s.add_argument("--gpu-f32", dest="gpu_int8", action="store_const", const=False, default=None,
                    help="with --gpu: f32 decode GEMVs and prefill GEMMs instead of the int8 DP4A ones (default: "
                         "DP4A on the dp4a tier)")
+    s.add_argument("--gpu-no-mma", dest="gpu_mma", action="store_const", const=False, default=None,
+                   help="with --gpu: int8 prefill GEMMs with DP4A instead of the tensor cores (default: tensor cores "
+                        "from sm_75, e.g. T4; for cards whose tensor cores are throttled)")
     s.add_argument("--vram", dest="gpu_vram", default=None, metavar="SIZE",
                    help="with --gpu: VRAM budget, e.g. 6GiB (default: free VRAM minus 512 MiB). A model that does not "
                         "fit runs split: routed experts streamed per layer for GPU prefill, hot ones pinned, decode "
@@ -268,7 +272,7 @@ def engine_kwargs(args) -> dict:
     """The Engine arguments of load_flags (and -t/--threads, -c/--ctx where the command has them)."""
     kw = dict(mmap=args.mmap, numa=args.numa, pin=args.pin, gpu=getattr(args, "gpu", False),
               gpu_tier=getattr(args, "gpu_tier", None), gpu_int8=getattr(args, "gpu_int8", None),
-              gpu_graphs=getattr(args, "gpu_graphs", None))
+              gpu_graphs=getattr(args, "gpu_graphs", None), gpu_mma=getattr(args, "gpu_mma", None))
     decode = getattr(args, "gpu_decode", None)
     if decode is not None:
         kw["gpu_decode"] = decode
@@ -277,8 +281,9 @@ def engine_kwargs(args) -> dict:
         from .planner import parse_size
         kw["gpu_vram"] = parse_size(vram)
     if (kw["gpu_tier"] or kw["gpu_int8"] is not None or kw["gpu_graphs"] is not None or vram is not None
-            or decode is not None) and not kw["gpu"]:
-        raise SystemExit("error: --gpu-tier, --gpu-f32, --vram, --decode and --no-cuda-graphs need --gpu")
+            or decode is not None or kw["gpu_mma"] is not None) and not kw["gpu"]:
+        raise SystemExit("error: --gpu-tier, --gpu-f32, --gpu-no-mma, --vram, --decode and --no-cuda-graphs need "
+                         "--gpu")
     if getattr(args, "threads", None) is not None:
         kw["n_threads"] = args.threads
     if getattr(args, "ctx", None) is not None:

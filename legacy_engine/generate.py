@@ -54,11 +54,11 @@ class Engine:
                  mmap: bool = True, numa: str = "off", pin: bool = True, gpu: bool = False,
                  gpu_tier: str | None = None, gpu_int8: bool | None = None, gpu_graphs: bool | None = None,
                  gpu_vram: int | None = None, gpu_min_tokens: int | None = None, gpu_decode: str = "auto",
-                 progress=None):
+                 gpu_mma: bool | None = None, progress=None):
         """mmap, numa: where the weights live; pin: worker threads pinned (Model's arguments of the same names).
         gpu: GPU-resident mode (gpu_model.GpuModel: the whole model in VRAM, prefill and decode on the GPU;
         gpu_tier 'fermi' | 'kepler' | 'dp4a' forces a kernel tier, gpu_int8 the DP4A decode GEMVs, gpu_graphs
-        CUDA graphs for decode steps; None = GpuModel's defaults; gpu_vram the VRAM budget in bytes, default
+        CUDA graphs for decode steps, gpu_mma the int8 prefill GEMMs on tensor cores; None = GpuModel's defaults; gpu_vram the VRAM budget in bytes, default
         free minus a margin: a model that does not fit runs split, planner.gpu_placement: experts streamed for GPU
         prefill of passes >= gpu_min_tokens, hot ones pinned; gpu_decode 'cpu', 'hybrid' (routed experts not pinned
         on the CPU, the rest on the GPU) or 'auto' (the planner's faster));
@@ -74,6 +74,7 @@ class Engine:
             pl = self.placement = gpu_placement(self.cpu_model, gpu_vram, n_ctx, int8=gpu_tier in (None, "dp4a"),
                                                 min_gpu_tokens=gpu_min_tokens, decode=gpu_decode)
             self.gpu = self.model = GpuModel(self.cpu_model, tier=gpu_tier, int8=gpu_int8, graphs=gpu_graphs,
+                                             mma=None if gpu_mma is None or gpu_int8 is False else gpu_mma,
                                              progress=progress, vram=pl.budget, stream_experts=pl.stream,
                                              pinned=pl.pinned, n_ctx=n_ctx, chunk=pl.chunk,
                                              cpu_experts=pl.stream and pl.decode == "hybrid")

@@ -40,14 +40,22 @@ ROOT = Path(__file__).resolve().parent.parent
 CUDA_DIR = ROOT / "cuda8"
 INCLUDE_DIR = ROOT / "native" / "include"
 
-SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "conv1d", "gdn", "attention",
-           "moe_route", "moe_sort", "argmax", "elementwise", "rope", "get_rows", "moe_combine")
-HEADERS = ("compat.cuh", "quants.cuh", "gemm_tile.cuh")   # in cuda8/
+SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "gemm_mma", "conv1d", "gdn",
+           "attention", "moe_route", "moe_sort", "argmax", "elementwise", "rope", "get_rows", "moe_combine")
+HEADERS = ("compat.cuh", "quants.cuh", "gemm_tile.cuh", "gemm_q8.cuh")   # in cuda8/
 SHARED_HEADERS = ("le_blocks.h",)               # in native/include/
 
 # tier -> the LE_FORCE_TIER value, and the lowest arch whose own path it is
 TIERS = {"fermi": ("LE_CC_FERMI", 20), "kepler": ("LE_CC_LDG", 30), "dp4a": (None, 61)}
 TIER_CC = {"fermi": 200, "kepler": 350, "dp4a": 610}
+# The int8 tensor-core GEMM (gemm_mma.cu): the dp4a tier from this arch on (compat.cuh LE_HAS_MMA_INT8: mma.sync
+# m8n8k16 .s8 on sm_75, m16n8k16 from sm_80); every toolchain that targets compute_75 knows the instruction.
+MMA_ARCH = 75
+
+
+def has_mma(tier: str, arch: int) -> bool:
+    """Whether the variant (tier, arch) carries gemm_mma's kernels."""
+    return tier == "dp4a" and arch >= MMA_ARCH
 # The legacy variants: built by NVRTC 11.8 (compute_35) and 12.9 (compute_61/70) here and carried.
 LEGACY_VARIANTS = (("fermi", 35), ("kepler", 35), ("dp4a", 61), ("dp4a", 70))
 
@@ -860,6 +868,7 @@ class Kernels:
         self.arch = device_arch(_native().gpu_current_device()) if arch is None else int(arch)
         self.tier = tier
         check_variant(tier, self.arch)
+        self.has_mma = has_mma(tier, self.arch)     # gemm_mma's kernels (tensor cores) are in this variant
         self.modules: dict[str, Module] = {}
         self.origins: dict[str, str] = {}
         for name in SOURCES:
@@ -876,7 +885,8 @@ class Kernels:
         with Buffer(16, "probe") as out:
             self.modules[source].kernel("le_tier_probe").launch((1, 1, 1), (32, 1, 1), [("ptr", out)])
             v = out.download(dtype=np.int32, count=4)
-        feats = [f for bit, f in ((1, "shfl"), (2, "ldg"), (4, "dp4a"), (8, "sync")) if v[3] & bit]
+        feats = [f for bit, f in ((1, "shfl"), (2, "ldg"), (4, "dp4a"), (8, "sync"),
+                                                  (16, "mma")) if v[3] & bit]
         return {"arch": int(v[0]), "tier_cc": int(v[1]), "compiler": int(v[2]), "features": feats}
 
     @staticmethod
@@ -983,6 +993,16 @@ class Kernels:
         _need(xq, ntok * (ncols // 32) * Q8_1_BYTES, "gemm_dp4a xq")
         self._gemm("gemm_dp4a", qtype, W, xq, Y, nrows, ncols, ntok, stream)
 
+    def gemm_mma(self, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
+        """gemm_dp4a on tensor cores (same arguments, same bits); only where has_mma (dp4a tier, sm_75+)."""
+        if not self.has_mma:
+            raise UnavailableError(f"gemm_mma: the {self.name} kernels have no int8 mma (the dp4a tier at "
+                                   f"compute_{MMA_ARCH}+ has)")
+        if qtype == F32:
+            raise ValueError("gemm_mma: f32 weights have no int8 path (use gemm_f32)")
+        _need(xq, ntok * (ncols // 32) * Q8_1_BYTES, "gemm_mma xq")
+        self._gemm("gemm_mma", qtype, W, xq, Y, nrows, ncols, ntok, stream)
+
     def _gemm(self, mod: str, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream) -> None:
         """The launch both prefill GEMMs share (same tiles, same arguments); X is checked by the caller."""
         suffix = self._weights(qtype, W, nrows, ncols, mod)
@@ -1007,14 +1027,17 @@ class Kernels:
         return np.asarray(out, dtype=np.int32).reshape(-1, 3)
 
     def gemm_ids(self, qtype: int, W, X, Y, nrows: int, ncols: int, tiles, n_tiles: int, expert_bytes: int,
-                 n_pairs: int, stream: Stream | None = None, int8: bool = False) -> None:
+                 n_pairs: int, stream: Stream | None = None, int8: bool = False, mma: bool = False) -> None:
         """The grouped expert GEMM: for each tile (e, p0, cnt) of `tiles` (device int32 [n_tiles, 3], from
         expert_tiles), Y[p0:p0+cnt] = X[p0:p0+cnt] W_e^T with W_e at W + e * expert_bytes; X [n_pairs, ncols]
-        f32 rows sorted by expert, or with int8 their block_q8_1 rows [n_pairs, ncols/32] (gemm_dp4a_*_ids);
-        Y [n_pairs, nrows]."""
-        what = "gemm_dp4a_ids" if int8 else "gemm_ids"
+        f32 rows sorted by expert, or with int8 their block_q8_1 rows [n_pairs, ncols/32] (gemm_dp4a_*_ids, or
+        with mma too gemm_mma_*_ids); Y [n_pairs, nrows]."""
+        mod = ("gemm_mma" if mma else "gemm_dp4a") if int8 else "gemm_f32"
+        what = f"{mod}_ids" if int8 else "gemm_ids"
+        if mma and not (int8 and self.has_mma):
+            raise UnavailableError(f"gemm_mma_ids: needs int8 and a variant with the int8 mma, not {self.name}")
         if int8 and qtype == F32:
-            raise ValueError("gemm_dp4a_ids: f32 weights have no int8 path")
+            raise ValueError(f"{what}: f32 weights have no int8 path")
         suffix = self._weights(qtype, W, nrows, ncols, what)
         if not 0 < n_tiles <= MAX_GRID:
             raise ValueError(f"{what}: n_tiles = {n_tiles} outside 1…{MAX_GRID}")
@@ -1025,7 +1048,6 @@ class Kernels:
             _aligned16(X, f"{what} X")
         _need(Y, 4 * nrows * n_pairs, f"{what} Y")
         _need(tiles, 12 * n_tiles, f"{what} tiles")
-        mod = "gemm_dp4a" if int8 else "gemm_f32"
         self.modules[mod].kernel(f"{mod}_{suffix}_ids").launch(
             (self._grid(-(-nrows // GEMM_ROWS)), n_tiles, 1), (GEMM_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols),

@@ -90,7 +90,7 @@ class GpuModel:
                  stream_experts: bool = False, pinned: dict | None = None, vram: int | None = None,
                  n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, simulate_link: float | None = None,
                  sort_pairs: bool = True, save_routing: bool = True, grouped_experts: bool = True,
-                 cpu_experts: bool = False, int8_prefill: bool | None = None):
+                 cpu_experts: bool = False, int8_prefill: bool | None = None, mma: bool | None = None):
         """model: a loaded Model (its file's tensors are uploaded; the CPU model stays usable).
         tier: 'fermi' | 'kepler' | 'dp4a' (default: the GPU's own, default_tier); arch: the PTX target
         (compute capability x10, default the GPU's: 35, 61 or 70 run the legacy PTX on a newer card);
@@ -98,6 +98,8 @@ class GpuModel:
         int8_prefill: passes of several tokens run the quantised weights as int8 GEMMs too (gemm_dp4a: activations
         quantised to Q8_1 once per input, as decode does), default = int8. The f32 GEMM (gemm_f32) is the
         alternative: 1.3-1.4x slower on an H100 (q4_K, same run), no activation rounding.
+        mma: the int8 GEMMs on tensor cores (gemm_mma: the same bits as gemm_dp4a), default on where the kernels
+        have it (dp4a tier, sm_75+: T4 and newer); False keeps gemm_dp4a (a card whose tensor cores are throttled).
         plan: decode steps replay a recorded LaunchPlan (the first step of a state records it; the token and
         position go to the GPU, every argument stays fixed): ~1 µs of Python per launch instead of ~30.
         graphs: the plan also runs as one CUDA graph (one host call per token). Default: on where the driver has
@@ -139,6 +141,11 @@ class GpuModel:
         self.k = gpu.Kernels(self.tier, dev_arch if arch is None else arch, toolchain)
         self.int8 = (self.tier == "dp4a") if int8 is None else bool(int8)
         self.int8_prefill = self.int8 if int8_prefill is None else bool(int8_prefill)
+        if mma and not (self.int8_prefill and self.k.has_mma):
+            raise UnavailableError(f"mma: the int8 tensor-core GEMM needs int8 prefill and the dp4a tier at "
+                                   f"compute_{gpu.MMA_ARCH}+, not {self.k.name} "
+                                   f"(int8 prefill {'on' if self.int8_prefill else 'off'})")
+        self.mma = self.int8_prefill and self.k.has_mma if mma is None else bool(mma)
         self.model = model
         self.file = model.file
         self._faults = model_faults(model)
@@ -582,7 +589,7 @@ class GpuModel:
         if n > 1 and self.int8_prefill and w.qtype != gpu.F32:
             if xq is None:
                 xq = self._q8_1(x, n * w.ncols, "xq_mm")
-            k.gemm_dp4a(w.qtype, w.ptr, xq, y, w.nrows, w.ncols, n)
+            (k.gemm_mma if self.mma else k.gemm_dp4a)(w.qtype, w.ptr, xq, y, w.nrows, w.ncols, n)
         elif n > 1:
             k.gemm_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols, n)
         elif self.int8 and w.qtype != gpu.F32:
@@ -899,7 +906,7 @@ class GpuModel:
         for wname, out in (("gate_exps", g), ("up_exps", u)):
             w = L[wname]
             k.gemm_ids(w.qtype, base + w.ptr, x, out, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs,
-                       int8=int8)
+                       int8=int8, mma=int8 and self.mma)
         k.swiglu(g, u, g, pairs * ff)
         w = L["down_exps"]
         int8d = self.int8_prefill and w.qtype != gpu.F32
@@ -907,7 +914,7 @@ class GpuModel:
         if int8d:
             xd = self._q8_1(g, pairs * ff, "xq_down")
         k.gemm_ids(w.qtype, base + w.ptr, xd, xg, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs,
-                   int8=int8d)
+                   int8=int8d, mma=int8d and self.mma)
 
     # ------------------------------------------------------------------ forward
 
@@ -1067,8 +1074,9 @@ class GpuModel:
                         f"{self.hparams.n_expert * len(self._stage_layout)} pinned in VRAM")
         budget = f" (budget {self.budget / 2**30:.2f} GiB: {self.footprint.describe()})" if self.budget else ""
         kind = lambda on: "int8 DP4A" if on else "f32"   # noqa: E731
+        gemm = "int8 tensor-core (mma)" if self.mma else kind(self.int8_prefill)
         return (f"GPU {self.device['name']} ({self.k.name} kernels, {kind(self.int8)} decode GEMVs, "
-                f"{kind(self.int8_prefill)} prefill GEMMs), weights {self.vram_bytes / 2**30:.2f} GiB in "
+                f"{gemm} prefill GEMMs), weights {self.vram_bytes / 2**30:.2f} GiB in "
                 f"VRAM{budget}{streamed}; decode CUDA graphs {self.graphs_why}{conv}")
 
 

@@ -223,15 +223,16 @@ GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 5
 # here 2 pool jobs per layer and token on ~7-14 MB each). The rest, less the GPU's share at the GEMV rate (1.2-1.3 ms),
 # is host work per MoE layer: a device->host read that waits for the layer's ~17 decode kernels, two host->device
 # copies, two graph launches, ~10 µs of numpy: 232 µs (uniform) and 161 µs (skewed), 200 µs taken.
-# The split's state handoff (SplitModel.forward, stream strategy: GDN states and KV rows to the GPU before a pass and
-# back after, through pageable copies and Python bytes), bytes both ways / seconds. Measured as the pass's wall time
-# less its GPU time (bench split, 35B-A3B Q4_K_M under 6 GiB, pp2048, five runs on H100/H200 2026-11-25: 0.235-0.422 s
-# for 2 x (67 + 153) MB): 1.0-1.9 GB/s, median 1.5. The hybrid strategy keeps the state on the GPU: no handoff.
-SPLIT_HANDOFF_GBPS = 1.5
+# The split's state handoff (SplitModel.forward, stream strategy: the GDN states (and KV rows so far) to the GPU
+# before a pass, the states and the pass's KV rows back after, through one page-locked staging buffer), bytes moved /
+# seconds: benchmarks/bench_split_handoff.py, 35B-A3B Q4_K_M under 6 GiB, pp2048, H100 2026-11-25 (fourth session):
+# from_cpu 66 MB in 14.2 ms, to_cpu_rows 150 MB in 30.7 ms: 4.8 GB/s (the pageable Python-bytes path it replaced:
+# 328 ms, 0.66 GB/s). The hybrid strategy keeps the state on the GPU: no handoff.
+SPLIT_HANDOFF_GBPS = 4.8
 HYBRID_CPU_EFF = 0.47
 HYBRID_HOST_S_PER_LAYER = 200e-6
 MACHINE_FILE = "machine.json"
-PROBE_VERSION = 2   # part of the cache key: 2 = the GEMM probe times the prefill's own GEMM (gemm_dp4a on dp4a)
+PROBE_VERSION = 3   # part of the cache key: 3 = the GEMM probe times the prefill's own GEMM (gemm_mma / gemm_dp4a)
 
 
 @dataclasses.dataclass
@@ -243,7 +244,7 @@ class Machine:
     gpu_tier: str = ""
     vram_free: int = 0                   # bytes free on the device when measured
     link_gbps: float = 0.0               # host -> device from page-locked memory
-    gpu_gemm_tflops: float = 0.0         # prefill GEMM on Q4_K, 512 tokens (gemm_dp4a on the dp4a tier, else gemm_f32)
+    gpu_gemm_tflops: float = 0.0         # prefill GEMM on Q4_K, 512 tokens (gemm_mma / gemm_dp4a on dp4a, else gemm_f32)
     gpu_gemv_gbps: float = 0.0           # decode GEMV weight streaming (the tier's decode kernel, Q4_K)
     gpu_launch_us: float = 0.0           # per kernel inside a decode step (graph replay)
     simulated_link: bool = False
@@ -297,7 +298,8 @@ def _gpu_probes(tier: str | None = None) -> dict:
         if tier == "dp4a":       # the prefill's GEMM there: int8 on Q8_1 activations (gpu_model int8_prefill)
             with gpu.Buffer(ntok * cols // 32 * gpu.Q8_1_BYTES, "probe Xq") as xqm:
                 k.quantize_q8_1(X, xqm, ntok * cols)
-                t = timed(lambda: k.gemm_dp4a(q4k, W, xqm, Y, rows_mm, cols, ntok), 5)
+                gemm = k.gemm_mma if k.has_mma else k.gemm_dp4a
+                t = timed(lambda: gemm(q4k, W, xqm, Y, rows_mm, cols, ntok), 5)
         else:
             t = timed(lambda: k.gemm_f32(q4k, W, X, Y, rows_mm, cols, ntok), 5)
         out["gpu_gemm_tflops"] = 2 * rows_mm * cols * ntok / t / 1e12
@@ -486,7 +488,7 @@ def _gpu_prefill(m: Machine, file, fp_decode, n: int, chunk: int, stream: bool, 
     if not stream or not hp.n_expert:
         return compute, parts
     # the split hands the sequence over both ways: GDN states and the new KV rows (SplitModel.forward)
-    handoff = 2 * (state_bytes(hp, 0) + state_bytes(hp, n)) / (SPLIT_HANDOFF_GBPS * 1e9)
+    handoff = (state_bytes(hp, 0) + state_bytes(hp, n)) / (SPLIT_HANDOFF_GBPS * 1e9)   # up, then down
     copy_total, total = 0.0, handoff
     # bytes a chunk copies per layer when it routes to every expert: the unpinned experts
     unpinned = {i: (hp.n_expert - len(pinned.get(i, ()))) * (full // hp.n_expert)

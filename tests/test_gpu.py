@@ -123,17 +123,19 @@ ENTRIES = {"rmsnorm": {"rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1"},
            "moe_combine": {"moe_combine_f32"}}
 
 
-def expected_entries(name: str) -> set[str]:
+def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
     """The entry points of a source: per weight type (f32 weights too, except the int8 GEMV), the MoE `_ids`
-    forms of the GEMVs."""
+    forms of the GEMVs; gemm_mma's only where the variant has the int8 mma (gpu.has_mma)."""
     suffixes = [tname(t) for t in TYPES]
+    if name == "gemm_mma" and not gpu.has_mma(tier, arch):
+        return {b"le_tier_probe"}
     if name in ("gemv_f32", "gemv_dp4a"):
         if name == "gemv_f32":
             suffixes.append("f32")
         out = {f"{name}_{s}" for s in suffixes} | {f"{name}_{s}_ids" for s in suffixes}
     elif name == "gemm_f32":
         out = {f"{name}_{s}" for s in suffixes + ["f32"]} | {f"{name}_{s}_ids" for s in suffixes + ["f32"]}
-    elif name == "gemm_dp4a":
+    elif name in ("gemm_dp4a", "gemm_mma"):
         out = {f"{name}_{s}" for s in suffixes} | {f"{name}_{s}_ids" for s in suffixes}
     elif name == "get_rows":
         out = {f"{name}_{s}" for s in suffixes + ["f32"]}
@@ -146,7 +148,7 @@ def expected_entries(name: str) -> set[str]:
 def test_every_source_is_known():
     """SOURCES lists every cuda8/*.cu (so the build, lint, ptxas and probe tests cover it) and each has its entries."""
     assert {p.stem for p in gpu.CUDA_DIR.glob("*.cu")} == set(gpu.SOURCES)
-    assert set(gpu.SOURCES) - {"gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "get_rows"} == set(ENTRIES)
+    assert set(gpu.SOURCES) - {"gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "gemm_mma", "get_rows"} == set(ENTRIES)
 
 
 # launch constants of gpu.py that must equal the #defines of a cuda8 source
@@ -157,7 +159,7 @@ LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
                     "moe_sort": ("MOE_SORT_THREADS", "MOE_SORT_MAX_E", "MOE_SORT_TILE"), "argmax": ("ARGMAX_THREADS", "ARGMAX_MAX_PARTS"),
                     "elementwise": ("EW_THREADS",), "rmsnorm": ("RMSNORM_THREADS",),
                     "gemv_f32": ("GEMV_THREADS",), "gemm_f32": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT"),
-                    "gemm_dp4a": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT"),
+                    "gemm_q8.cuh": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT"),
                     "rope": ("ROPE_THREADS", "ROPE_MAX_HD"), "get_rows": ("GET_ROWS_THREADS",),
                     "moe_combine": ("MOE_COMBINE_THREADS",)}
 
@@ -165,7 +167,7 @@ LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
 @pytest.mark.cpu
 def test_launch_constants_match_sources():
     for name, consts in LAUNCH_CONSTANTS.items():
-        text = (gpu.CUDA_DIR / f"{name}.cu").read_text(encoding="utf-8")
+        text = (gpu.CUDA_DIR / (name if name.endswith(".cuh") else f"{name}.cu")).read_text(encoding="utf-8")
         defs = dict(re.findall(r"^#define\s+(\w+)\s+(\d+)\b", text, flags=re.M))
         for c in consts:
             assert int(defs[c]) == getattr(gpu, c), f"{name}.cu {c} = {defs[c]}, gpu.py {getattr(gpu, c)}"
@@ -188,7 +190,23 @@ def test_ptx_nvcc(name, tier):
     path, tc = gpu.build_ptx(name, tier, arch, "nvcc")
     ptx = path.read_bytes()
     assert f".target sm_{arch}".encode() in ptx and tc.kind == "nvcc"
-    assert expected_entries(name) <= _entries(ptx)
+    assert expected_entries(name, tier, arch) <= _entries(ptx)
+
+
+@pytest.mark.cpu
+def test_gemm_mma_ptx_forms():
+    """gemm_mma's products: two mma m8n8k16 on sm_75 (Turing), one m16n8k16 from sm_80; the same source forced
+    to a lower tier holds no kernel."""
+    chains = [t for t in gpu.find_toolchains() if t.kind == "nvcc"]
+    if not chains or chains[0].archs[0] > gpu.MMA_ARCH:
+        pytest.skip("no nvcc that targets compute_75")
+    forms = {}
+    for arch in (75, 90):
+        ptx = gpu.build_ptx("gemm_mma", "dp4a", arch, "nvcc")[0].read_text()
+        forms[arch] = set(re.findall(r"mma\.sync\.aligned\.(m\d+n\d+k\d+)\.row\.col\.s32\.s8\.s8\.s32", ptx))
+    assert forms == {75: {"m8n8k16"}, 90: {"m16n8k16"}}
+    low = gpu.build_ptx("gemm_mma", "kepler", 75, "nvcc")[0].read_bytes()
+    assert b"mma.sync" not in low and _entries(low) == {b"le_tier_probe"}
 
 
 @pytest.mark.cpu
@@ -200,7 +218,7 @@ def test_ptx_nvrtc(name, tier, arch):
     path, tc = gpu.build_ptx(name, tier, arch, "nvrtc")
     ptx = path.read_bytes()
     assert f".target sm_{arch}".encode() in ptx and tc.kind == "nvrtc"
-    assert expected_entries(name) <= _entries(ptx)
+    assert expected_entries(name, tier, arch) <= _entries(ptx)
 
 
 def _tier_ptx(tier: str, arch: int, kind: str = "auto") -> dict[str, bytes]:
@@ -447,8 +465,9 @@ def test_tier_probe(kernels):
         want = {"fermi": 200, "kepler": 350 if kernels.arch >= 35 else kernels.arch * 10}.get(kernels.tier,
                                                                                               kernels.arch * 10)
         assert p["tier_cc"] == want, (name, p)
-        feats = set(p["features"]) - {"sync"}
+        feats = set(p["features"]) - {"sync", "mma"}
         assert feats == {"fermi": set(), "kepler": {"shfl", "ldg"}, "dp4a": {"shfl", "ldg", "dp4a"}}[kernels.tier]
+        assert ("mma" in p["features"]) == kernels.has_mma == (kernels.tier == "dp4a" and kernels.arch >= 75)
         assert ("sync" in p["features"]) == (kernels.tier != "fermi" and p["compiler"] >= 900)
     info = kernels.modules["gemv_f32"].kernel("gemv_f32_q4_K").info()
     assert info["ptx_version"] == kernels.arch and info["binary_version"] == NATIVE_ARCH and info["num_regs"] > 0
@@ -688,6 +707,75 @@ def test_gemm_dp4a_ids(kernels, qtype):
             kernels.gemm_dp4a(qtype, bw.ptr + e * eb, bq.ptr + p0 * qb, b1, nrows, ncols, cnt)
             ref = b1.download(dtype=np.float32, count=cnt * nrows).reshape(cnt, nrows)
             np.testing.assert_array_equal(Y[p0:p0 + cnt], ref, err_msg=f"tile ({e}, {p0}, {cnt})")
+
+
+# the variants with gemm_mma: sm_75's two m8n8k16 and the card's own (m16n8k16 from sm_80)
+MMA_VARIANTS = sorted({("dp4a", gpu.MMA_ARCH), ("dp4a", NATIVE_ARCH)})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=[tname(t) for t in TYPES])
+@pytest.mark.parametrize("kernels", MMA_VARIANTS, ids=[gpu.variant_name(*v) for v in MMA_VARIANTS], indirect=True)
+def test_gemm_mma(kernels, qtype):
+    """The tensor-core GEMM gives gemm_dp4a's bits (the same integer sums, the same f32 update): a partial row
+    tile, a partial last step of sub-blocks, one token, a partial token tile and several token tiles."""
+    rng = np.random.default_rng(900 + qtype)
+    for (nrows, ncols), ntok in zip(gemv_shapes(qtype) * 2, (1, 37, 70, 5)):
+        nrows += 40
+        nsub = ncols // 32
+        w = random_weights(rng, qtype, nrows, ncols)
+        X = rng.standard_normal((ntok, ncols)).astype(np.float32)
+        with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(X) as bx, \
+                gpu.Buffer(ntok * nsub * 36) as bq, gpu.Buffer(4 * nrows * ntok) as by:
+            kernels.quantize_q8_1(bx, bq, ntok * ncols)
+            kernels.gemm_dp4a(qtype, bw, bq, by, nrows, ncols, ntok)
+            ref = by.download(dtype=np.float32).reshape(ntok, nrows)
+            by.upload(np.full(ntok * nrows, np.nan, np.float32))
+            kernels.gemm_mma(qtype, bw, bq, by, nrows, ncols, ntok)
+            Y = by.download(dtype=np.float32).reshape(ntok, nrows)
+        assert np.isfinite(ref).all() and np.abs(ref).max() > 0
+        np.testing.assert_array_equal(Y, ref, err_msg=f"gemm_mma {tname(qtype)} {ntok}x{nrows}x{ncols}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=[tname(t) for t in TYPES])
+@pytest.mark.parametrize("kernels", MMA_VARIANTS, ids=[gpu.variant_name(*v) for v in MMA_VARIANTS], indirect=True)
+def test_gemm_mma_ids(kernels, qtype):
+    """The grouped tensor-core GEMM equals the grouped dp4a one bit for bit (an expert with no tokens, padded
+    empty tiles)."""
+    rng = np.random.default_rng(950 + qtype)
+    n_exp, nrows, ncols = 5, 72, 512
+    w, eb = expert_weights(rng, qtype, n_exp, nrows, ncols)
+    ids = np.sort(rng.integers(0, n_exp, 90)).astype(np.int32)
+    ids[ids == 3] = 4
+    ids = np.sort(ids)
+    n_pairs = ids.size
+    X = rng.standard_normal((n_pairs, ncols)).astype(np.float32)
+    tiles = np.concatenate([gpu.Kernels.expert_tiles(ids), np.zeros((2, 3), np.int32)])
+    with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(X) as bx, gpu.Buffer.from_array(tiles) as bt, \
+            gpu.Buffer(n_pairs * ncols // 32 * 36) as bq, gpu.Buffer(4 * n_pairs * nrows) as by:
+        kernels.quantize_q8_1(bx, bq, n_pairs * ncols)
+        Y = {}
+        for mma in (False, True):
+            by.upload(np.full(n_pairs * nrows, np.nan, np.float32))
+            kernels.gemm_ids(qtype, bw, bq, by, nrows, ncols, bt, len(tiles), eb, n_pairs, int8=True, mma=mma)
+            Y[mma] = by.download(dtype=np.float32).reshape(n_pairs, nrows)
+    assert np.isfinite(Y[False]).all()
+    np.testing.assert_array_equal(Y[True], Y[False])
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_gemm_mma_only_where_the_variant_has_it(kernels):
+    """Variants without the int8 mma (fermi, kepler, dp4a below sm_75) say so instead of launching."""
+    if kernels.has_mma:
+        assert "gemm_mma_q4_K" in kernels.modules["gemm_mma"].kernel("gemm_mma_q4_K").name
+        return
+    with gpu.Buffer(4096) as b:
+        with pytest.raises(UnavailableError, match="no int8 mma"):
+            kernels.gemm_mma(12, b, b, b, 32, 256, 1)
+        with pytest.raises(UnavailableError, match="gemm_mma_ids"):
+            kernels.gemm_ids(12, b, b, b, 32, 256, b, 1, 0, 1, int8=True, mma=True)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,89 @@
+/* gemm_q8.cuh — what the two int8 prefill GEMMs (gemm_dp4a.cu, gemm_mma.cu) share: the tile sizes, the shared
+ * memory of one step, its staging from global memory, and the f32 update of a sub-block's integer sums.
+ *
+ * A block computes GEMM_ROWS (128) rows x GEMM_TT (32) tokens of Y over steps of GEMM_Q8_SUBS (4) sub-blocks of 32
+ * columns (fewer in the last step when ncols % 128 != 0). Staging (gemm_q8_stage): thread tid copies word
+ * k = tid % 8 of 16 (row, sub-block) pairs of W (T::word: the int of 4 signed elements with its scale and min;
+ * eight lanes read one sub-block together) and word k of 4 Q8_1 blocks of token tid / 8; ints stay ints, the
+ * per-sub-block scales go beside them. Rows past nrows and tokens past the tile read row r0 / token t0 instead
+ * (their outputs are not stored).
+ * Shared rows are GEMM_Q8_PAD (36) ints apart: 36 = 4 mod 32 banks, so the mma fragments' reads (8 rows x 4
+ * consecutive words per warp) and the dp4a path's (4 rows, or 8 tokens, at one word) hit 32 different banks.
+ * Per (row, token) and sub-block the update is  acc + d8 * (d[0] * lo + d[1] * hi) - m * s8  (lo, hi: the integer
+ * sums of elements 0-15 and 16-31), with its roundings spelled out (gemm_q8_pair, gemm_q8_acc) so that every
+ * kernel and tier gives the same bits for the same integer sums.
+ */
+#ifndef LE_GEMM_Q8_CUH
+#define LE_GEMM_Q8_CUH
+
+#include "gemm_tile.cuh"
+#include "quants.cuh"
+
+#define GEMM_THREADS 256
+#define GEMM_ROWS 128       /* rows per tile: 8 warps x 16 */
+#define GEMM_TT 32          /* tokens per tile */
+#define GEMM_Q8_SUBS 4      /* 32-element sub-blocks per step */
+/* ints per row of Wq and Xq: 8 * GEMM_Q8_SUBS + 4 (see above); + 1 on the 63-register tiers, where 36's address
+ * arithmetic costs the registers that keep ptxas from spilling (rows still start in different banks) */
+#define GEMM_Q8_PAD (LE_HAS_MANY_REGS ? 36 : 33)
+
+struct gemm_q8_smem {
+    int wq[GEMM_ROWS][GEMM_Q8_PAD];           /* W words: [row][8 sub + k] */
+    float2 wd[GEMM_ROWS][GEMM_Q8_SUBS];       /* (d[0], d[1]) per row and sub-block */
+    float wm[GEMM_ROWS][GEMM_Q8_SUBS];        /* m */
+    int xq[GEMM_TT][GEMM_Q8_PAD];             /* Q8_1 words: [token][8 sub + k] */
+    float2 xd[GEMM_TT][GEMM_Q8_SUBS];         /* (d8, s8) */
+};
+
+/* Pair i (< 16) of this thread's (row, sub-block) pairs of step st: word k of row g + 32 (i % 4), sub-block i / 4. */
+template <class T>
+__device__ __forceinline__ void gemm_q8_word(const uint8_t *LE_RESTRICT W, int nrows, size_t row_bytes, int r0,
+                                               int st, int nsb, int i, int k, int g, gemm_q8_smem &sm) {
+    const int row = g + 32 * (i % 4), sb = i / 4;
+    if (sb >= nsb) return;
+    const int r = r0 + row < nrows ? r0 + row : r0;
+    float d, m;
+    sm.wq[row][8 * sb + k] = T::word(W + (size_t)r * row_bytes, GEMM_Q8_SUBS * st + sb, k, d, m);
+    if (k == 0) {
+        sm.wd[row][sb].x = d;
+        sm.wm[row][sb] = m;
+    } else if (k == 4) {
+        sm.wd[row][sb].y = d;
+    }
+}
+
+/* Step st (its nsb sub-blocks from GEMM_Q8_SUBS st on; fewer in the last step) of the weights and activations
+ * into shared memory. Four words' loads in flight at a time where registers allow, one at a time with 63. */
+template <class T>
+__device__ __forceinline__ void gemm_q8_stage(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
+                                                int nrows, int nsub, size_t row_bytes, int r0,
+                                                const le_gemm_tile &tl, int st, int nsb, gemm_q8_smem &sm) {
+    const int tid = threadIdx.x, k = tid % 8, g = tid / 8;
+    if (LE_HAS_MANY_REGS) {
+#pragma unroll 4
+        for (int i = 0; i < 16; i++) gemm_q8_word<T>(W, nrows, row_bytes, r0, st, nsb, i, k, g, sm);
+    } else {
+#pragma unroll 1
+        for (int i = 0; i < 16; i++) gemm_q8_word<T>(W, nrows, row_bytes, r0, st, nsb, i, k, g, sm);
+    }
+    const int t = g < tl.n ? tl.t0 + g : tl.t0;
+#pragma unroll
+    for (int sb = 0; sb < GEMM_Q8_SUBS; sb++) {
+        if (sb >= nsb) break;
+        const block_q8_1 *b = xq + (size_t)t * nsub + GEMM_Q8_SUBS * st + sb;
+        sm.xq[g][8 * sb + k] = le_ldg((const int *)b->qs + k); /* 4-aligned: blocks are 36 bytes */
+        if (k == 0) sm.xd[g][sb] = make_float2(le_ldg_half(&b->d), le_ldg_half(&b->s));
+    }
+}
+
+/* d[0] * lo + d[1] * hi, rounded as written (a product, then one fused multiply-add) */
+__device__ __forceinline__ float gemm_q8_pair(float2 d, int lo, int hi) {
+    return __fmaf_rn(d.y, (float)hi, __fmul_rn(d.x, (float)lo));
+}
+
+/* acc + d8 * p - m * s8 for x = (d8, s8): two fused multiply-adds in this order */
+__device__ __forceinline__ float gemm_q8_acc(float acc, float2 x, float p, float m) {
+    return __fmaf_rn(-m, x.y, __fmaf_rn(x.x, p, acc));
+}
+
+#endif
