@@ -183,7 +183,7 @@ def bench_prefill(kernels: list[gpu.Kernels], reps: int) -> list[dict]:
     wbytes = lambda r, c: r * (c // bs) * ts   # noqa: E731
     ids = np.concatenate([rng.choice(n_exp, k_used, replace=False) for _ in range(n_tok)]).astype(np.int32)
     order = np.argsort(ids, kind="stable")
-    tiles = gpu.Kernels.expert_tiles(ids[order])
+    tiles = {t: gpu.Kernels.expert_tiles(ids[order], t) for t in (gpu.GEMM_TT, gpu.GEMM_MMA_TT)}
     P = ids.size
     rows = []
     with contextlib.ExitStack() as stack:
@@ -194,7 +194,8 @@ def bench_prefill(kernels: list[gpu.Kernels], reps: int) -> list[dict]:
         big = max(4 * P * 2048, 4 * n_tok * 12288)
         X, Y, Xq = zeros(big), zeros(big), zeros(P * 2048 // 32 * 36)
         W = zeros(max(wbytes(12288, 2048), n_exp * wbytes(512, 2048)))
-        bt, bi = stack.enter_context(gpu.Buffer.from_array(tiles)), stack.enter_context(gpu.Buffer.from_array(ids))
+        bt = {t: stack.enter_context(gpu.Buffer.from_array(v)) for t, v in tiles.items()}
+        bi = stack.enter_context(gpu.Buffer.from_array(ids))
         mt = gpu.Kernels.sort_tiles_max(P, n_exp)
         meta, cnt = zeros(4 * 3 * P + 12 * mt), zeros(4 * n_exp)
         for k in kernels:
@@ -208,8 +209,9 @@ def bench_prefill(kernels: list[gpu.Kernels], reps: int) -> list[dict]:
                 eb = wbytes(r, c)
                 forms = ((False, False, X), (True, False, Xq)) + (((True, True, Xq),) if k.has_mma else ())
                 for int8, mma, act in forms:
-                    ms = time_ms(lambda: k.gemm_ids(q4k, W, act, Y, r, c, bt, len(tiles), eb, P, int8=int8, mma=mma),
-                                 max(2, reps // 4))
+                    t = gpu.Kernels.group_tile(int8, mma)
+                    ms = time_ms(lambda: k.gemm_ids(q4k, W, act, Y, r, c, bt[t], len(tiles[t]), eb, P, int8=int8,
+                                                    mma=mma), max(2, reps // 4))
                     op = ("gemm_mma_ids" if mma else "gemm_dp4a_ids") if int8 else "gemm_ids"
                     rows.append({"variant": k.name, "op": op, "type": f"{r}x{c}",
                                  "ms": ms, "bytes": n_exp * eb, "flops": 2.0 * r * c * P})

@@ -15,7 +15,7 @@
  *     code on its expert's W for tokens [p0, p0 + cnt) (t0 = p0): the same arithmetic, bit for bit.
  * Tiled, GEMM_ROWS (128) rows x GEMM_TT (32) tokens per block, in steps of 32 columns:
  *   - stage: thread tid holds word k = tid % 8 (4 columns) of rows tid / 8 + 32 i (i < 4): eight lanes read
- *     one row's sub-block together (T::word: the int and its scale and min), so a warp's load touches 4 rows;
+ *     one row's sub-block together (le_word: the int and its scale and min), so a warp's load touches 4 rows;
  *     and 4 consecutive columns (one float4) of token tid / 8 of X. Where registers allow (LE_HAS_MANY_REGS:
  *     sm_35+) step s + 1's loads are issued before step s computes, so their latency hides behind the
  *     arithmetic (with 63 registers each word goes to shared memory as soon as it is loaded);
@@ -54,7 +54,7 @@ __device__ __forceinline__ float4 &gemm_f4(float (*A)[GEMM_PAD], int row, int c)
 /* What a thread holds of one step's weights between the load and the store: word k = tid % 8 (columns 4k … 4k+3) of
  * the tile's rows tid / 8 + 32 m (m < 4). Eight consecutive lanes read one row's sub-block together (32
  * contiguous bytes for 4-bit types), so a warp's load touches 4 rows, not 32. Quant types keep the raw int (4
- * elements) with its scale and min (T::word, the same values as T::decode) and convert at the store; f32 keeps
+ * elements) with its scale and min (le_word, the same values as T::decode) and convert at the store; f32 keeps
  * the 4 floats. */
 template <class T> struct gemm_stage {
     int q[4];
@@ -63,7 +63,7 @@ template <class T> struct gemm_stage {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int row = r0 + tid / 8 + 32 * i;
-            if (row < nrows) q[i] = T::word(W + (size_t)row * row_bytes, s, tid % 8, d[i], m[i]);
+            if (row < nrows) q[i] = le_word<T>(W + (size_t)row * row_bytes, s, tid % 8, d[i], m[i]);
         }
     }
     __device__ __forceinline__ void store(float (*Ws)[GEMM_PAD], int r0, int nrows, int tid) const {
@@ -105,7 +105,7 @@ __device__ __forceinline__ void gemm_copy(const uint8_t *W, size_t row_bytes, in
     for (int i = 0; i < 4; i++) {
         const int row = r0 + tid / 8 + 32 * i;
         float d, m; /* a row past the end reads row r0 (values unused) */
-        const int q = T::word(W + (size_t)(row < nrows ? row : r0) * row_bytes, s, tid % 8, d, m);
+        const int q = le_word<T>(W + (size_t)(row < nrows ? row : r0) * row_bytes, s, tid % 8, d, m);
         gemm_f4(Ws, tid / 8 + 32 * i, 4 * (tid % 8)) =
             row < nrows ? make_float4(d * le_byte(q, 0) - m, d * le_byte(q, 1) - m, d * le_byte(q, 2) - m,
                                       d * le_byte(q, 3) - m)

@@ -1,13 +1,15 @@
 /* gemm_mma.cu — the int8 prefill GEMM on tensor cores (sm_75+): gemm_dp4a.cu's products by mma.sync.
  *
  *   gemm_mma_<type>(W, xq, Y, nrows, ncols, ntok)            as gemm_dp4a_<type>   type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
- *   gemm_mma_<type>_ids(W, xq, Y, nrows, ncols, tiles, expert_bytes)   as gemm_dp4a_<type>_ids
- *     same arguments, launch (GEMM_THREADS x 1 x 1, same grid), tiles, shared memory and staging (gemm_q8.cuh).
- * Compute: warp w owns rows 16w .. 16w+15 of the tile and all 32 tokens, as four 16 x 8 mma tiles; per
+ *     but GEMM_MMA_TT (64) tokens per block: grid min(ceil(nrows/GEMM_ROWS), 65535) x ceil(ntok/GEMM_MMA_TT) x 1
+ *   gemm_mma_<type>_ids(W, xq, Y, nrows, ncols, tiles, expert_bytes)   as gemm_dp4a_<type>_ids, but tiles of up
+ *     to GEMM_MMA_TT (64) pairs (moe_sort / expert_tiles with tile = 64)
+ *     same arguments, block (GEMM_THREADS x 1 x 1), shared memory and staging (gemm_q8.cuh).
+ * Compute: warp w owns rows 16w .. 16w+15 of the tile and all its TT tokens, as TT/8 16 x 8 mma tiles; per
  * sub-block two le_mma_s8_16x8x16 per token group (elements 0-15 and 16-31: the two scales of a K-quant
  * sub-block) give the integer sums lo, hi exactly as gemm_dp4a's dp4a loops do, and the f32 update is
  * gemm_q8.cuh's: the output equals gemm_dp4a's bit for bit. Lane (g = lane / 4, t = lane % 4) holds rows
- * 16w + g, 16w + g + 8 and tokens 8j + 2t, 8j + 2t + 1 (j < 4): the mma accumulator layout.
+ * 16w + g, 16w + g + 8 and tokens 8j + 2t, 8j + 2t + 1 (j < TT/8): the mma accumulator layout.
  * Per sub-block and warp: 8 mma (16 x 8 x 16) from 12 shared words per lane, against 128 dp4a from 64 words
  * per lane in gemm_dp4a.
  * Only where compat.cuh's LE_HAS_MMA_INT8 (dp4a tier at compute_75+, CUDA 10.1+): below that this file holds
@@ -21,13 +23,15 @@
 #if LE_HAS_MMA_INT8
 
 /* acc[j][c] += sub-block sb's term for the lane's rows (c < 2: 16w + g, else + 8) and tokens 8j + 2t + c % 2 */
-__device__ __forceinline__ void gemm_mma_sub(const gemm_q8_smem &sm, int r, int g, int t, int sb, float (*acc)[4]) {
+template <int TT>
+__device__ __forceinline__ void gemm_mma_sub(const gemm_q8_smem<TT> &sm, int r, int g, int t, int sb,
+                                             float (*acc)[4]) {
     const int a0l = sm.wq[r][8 * sb + t], a0h = sm.wq[r][8 * sb + 4 + t];
     const int a1l = sm.wq[r + 8][8 * sb + t], a1h = sm.wq[r + 8][8 * sb + 4 + t];
     const float2 d0 = sm.wd[r][sb], d1 = sm.wd[r + 8][sb];
     const float m0 = sm.wm[r][sb], m1 = sm.wm[r + 8][sb];
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < TT / 8; j++) {
         int lo[4], hi[4];
         le_mma_s8_16x8x16(lo, a0l, a1l, sm.xq[8 * j + g][8 * sb + t]);
         le_mma_s8_16x8x16(hi, a0h, a1h, sm.xq[8 * j + g][8 * sb + 4 + t]);
@@ -39,30 +43,31 @@ __device__ __forceinline__ void gemm_mma_sub(const gemm_q8_smem &sm, int r, int 
     }
 }
 
-template <class T>
+template <class T, int TT>
 __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
                                          float *LE_RESTRICT Y, int nrows, int ncols, const le_gemm_tile &tl,
-                                         long long expert_bytes, gemm_q8_smem &sm) {
+                                         long long expert_bytes, gemm_q8_smem<TT> &sm) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r = 16 * (threadIdx.x / 32) + g; /* the lane's first row in the tile; the second is r + 8 */
     const int nsub = ncols / 32, nstep = (nsub + GEMM_Q8_SUBS - 1) / GEMM_Q8_SUBS;
     const size_t row_bytes = le_row_bytes<T>(ncols);
     for (int r0 = blockIdx.x * GEMM_ROWS; r0 < nrows; r0 += gridDim.x * GEMM_ROWS) {
-        float acc[4][4];
+        float acc[TT / 8][4];
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < TT / 8; j++)
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[j][c] = 0.0f;
         for (int st = 0; st < nstep; st++) {
             const int nsb = min(GEMM_Q8_SUBS, nsub - GEMM_Q8_SUBS * st); /* the last step may be partial */
             __syncthreads(); /* the previous step is consumed */
-            gemm_q8_stage<T>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, st, nsb, sm);
+            gemm_q8_stage<T, TT>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, st, nsb,
+                                 sm);
             __syncthreads();
 #pragma unroll 1
-            for (int sb = 0; sb < nsb; sb++) gemm_mma_sub(sm, r, g, t, sb, acc);
+            for (int sb = 0; sb < nsb; sb++) gemm_mma_sub<TT>(sm, r, g, t, sb, acc);
         }
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < TT / 8; j++)
 #pragma unroll
             for (int c = 0; c < 4; c++) {
                 const int tok = 8 * j + 2 * t + c % 2, row = r0 + r + 8 * (c / 2);
@@ -74,16 +79,16 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const blo
 #define LE_GEMM_MMA(name, T)                                                                              \
     extern "C" __global__ void name(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows, int ncols, \
                                     int ntok) {                                                           \
-        __shared__ gemm_q8_smem sm;                                                                       \
+        __shared__ gemm_q8_smem<GEMM_MMA_TT> sm;                                                          \
         __shared__ le_gemm_tile tl;                                                                       \
-        le_gemm_tile_plain(tl, ntok, GEMM_TT);                                                            \
-        gemm_mma<T>(W, xq, Y, nrows, ncols, tl, 0, sm);                                                   \
+        le_gemm_tile_plain(tl, ntok, GEMM_MMA_TT);                                                        \
+        gemm_mma<T, GEMM_MMA_TT>(W, xq, Y, nrows, ncols, tl, 0, sm);                                      \
     }                                                                                                     \
     extern "C" __global__ void name##_ids(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows,      \
                                           int ncols, const int *tiles, long long expert_bytes) {          \
-        __shared__ gemm_q8_smem sm;                                                                       \
+        __shared__ gemm_q8_smem<GEMM_MMA_TT> sm;                                                          \
         __shared__ le_gemm_tile tl;                                                                       \
-        if (le_gemm_tile_ids(tl, tiles)) gemm_mma<T>(W, xq, Y, nrows, ncols, tl, expert_bytes, sm);       \
+        if (le_gemm_tile_ids(tl, tiles)) gemm_mma<T, GEMM_MMA_TT>(W, xq, Y, nrows, ncols, tl, expert_bytes, sm); \
     }
 
 LE_GEMM_MMA(gemm_mma_q4_0, le_t_q4_0)

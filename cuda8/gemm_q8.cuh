@@ -3,9 +3,11 @@
  *
  * A block computes GEMM_ROWS (128) rows x GEMM_TT (32) tokens of Y over steps of GEMM_Q8_SUBS (4) sub-blocks of 32
  * columns (fewer in the last step when ncols % 128 != 0). Staging (gemm_q8_stage): thread tid copies word
- * k = tid % 8 of 16 (row, sub-block) pairs of W (T::word: the int of 4 signed elements with its scale and min;
- * eight lanes read one sub-block together) and word k of 4 Q8_1 blocks of token tid / 8; ints stay ints, the
- * per-sub-block scales go beside them. Rows past nrows and tokens past the tile read row r0 / token t0 instead
+ * k = tid % 8 of 16 (row, sub-block) pairs of W (T::qword: the int of 4 signed elements; eight lanes read one
+ * sub-block together), the scales and min of 2 of the step's 512 (row, sub-block) pairs (T::scale: decoded once
+ * per sub-block, not per word; the 63-register tiers decode them with each word instead) and word k of 4 Q8_1 blocks of token tid / 8; ints stay ints, the per-sub-block
+ * scales go beside them. Tokens per tile: a template argument TT (GEMM_TT = 32; GEMM_MMA_TT = 64 for the
+ * tensor-core GEMM, whose limit is this staging: twice the tokens per staged weight word). Rows past nrows and tokens past the tile read row r0 / token t0 instead
  * (their outputs are not stored).
  * Shared rows are GEMM_Q8_PAD (36) ints apart: 36 = 4 mod 32 banks, so the mma fragments' reads (8 rows x 4
  * consecutive words per warp) and the dp4a path's (4 rows, or 8 tokens, at one word) hit 32 different banks.
@@ -21,29 +23,39 @@
 
 #define GEMM_THREADS 256
 #define GEMM_ROWS 128       /* rows per tile: 8 warps x 16 */
-#define GEMM_TT 32          /* tokens per tile */
+#define GEMM_TT 32          /* tokens per tile (the grouped GEMMs' tiles, moe_sort.cu's) */
+#define GEMM_MMA_TT 64      /* gemm_mma (plain and grouped): twice the tokens per staged weight */
 #define GEMM_Q8_SUBS 4      /* 32-element sub-blocks per step */
 /* ints per row of Wq and Xq: 8 * GEMM_Q8_SUBS + 4 (see above); + 1 on the 63-register tiers, where 36's address
  * arithmetic costs the registers that keep ptxas from spilling (rows still start in different banks) */
 #define GEMM_Q8_PAD (LE_HAS_MANY_REGS ? 36 : 33)
 
+template <int TT> /* tokens per tile: GEMM_TT, or GEMM_MMA_TT for gemm_mma's plain form */
 struct gemm_q8_smem {
     int wq[GEMM_ROWS][GEMM_Q8_PAD];           /* W words: [row][8 sub + k] */
     float2 wd[GEMM_ROWS][GEMM_Q8_SUBS];       /* (d[0], d[1]) per row and sub-block */
     float wm[GEMM_ROWS][GEMM_Q8_SUBS];        /* m */
-    int xq[GEMM_TT][GEMM_Q8_PAD];             /* Q8_1 words: [token][8 sub + k] */
-    float2 xd[GEMM_TT][GEMM_Q8_SUBS];         /* (d8, s8) */
+    int xq[TT][GEMM_Q8_PAD];                  /* Q8_1 words: [token][8 sub + k] */
+    float2 xd[TT][GEMM_Q8_SUBS];              /* (d8, s8) */
 };
 
-/* Pair i (< 16) of this thread's (row, sub-block) pairs of step st: word k of row g + 32 (i % 4), sub-block i / 4. */
-template <class T>
+/* Pair i (< 16) of this thread's (row, sub-block) pairs of step st: word k of row g + 32 (i % 4), sub-block i / 4.
+ * with_scales (the 63-register tiers): the word's scale and min too, stored by lanes 0 and 4 of the sub-block (the
+ * decode of each word is repeated, but a separate pass over the scales costs registers Fermi does not have). */
+template <class T, int TT>
 __device__ __forceinline__ void gemm_q8_word(const uint8_t *LE_RESTRICT W, int nrows, size_t row_bytes, int r0,
-                                               int st, int nsb, int i, int k, int g, gemm_q8_smem &sm) {
+                                             int st, int nsb, int i, int k, int g, bool with_scales,
+                                             gemm_q8_smem<TT> &sm) {
     const int row = g + 32 * (i % 4), sb = i / 4;
     if (sb >= nsb) return;
-    const int r = r0 + row < nrows ? r0 + row : r0;
+    const uint8_t *w = W + (size_t)(r0 + row < nrows ? r0 + row : r0) * row_bytes;
+    const int s = GEMM_Q8_SUBS * st + sb;
+    if (!with_scales) {
+        sm.wq[row][8 * sb + k] = T::qword(w, s, k);
+        return;
+    }
     float d, m;
-    sm.wq[row][8 * sb + k] = T::word(W + (size_t)r * row_bytes, GEMM_Q8_SUBS * st + sb, k, d, m);
+    sm.wq[row][8 * sb + k] = le_word<T>(w, s, k, d, m);
     if (k == 0) {
         sm.wd[row][sb].x = d;
         sm.wm[row][sb] = m;
@@ -52,27 +64,53 @@ __device__ __forceinline__ void gemm_q8_word(const uint8_t *LE_RESTRICT W, int n
     }
 }
 
+/* The scales of pair p (< GEMM_ROWS * GEMM_Q8_SUBS) of step st: row p % GEMM_ROWS, sub-block p / GEMM_ROWS; decoded
+ * once per sub-block (its 8 words take none) */
+template <class T, int TT>
+__device__ __forceinline__ void gemm_q8_scales(const uint8_t *LE_RESTRICT W, int nrows, size_t row_bytes, int r0,
+                                               int st, int nsb, int p, gemm_q8_smem<TT> &sm) {
+    const int row = p % GEMM_ROWS, sb = p / GEMM_ROWS;
+    if (sb >= nsb) return;
+    const uint8_t *w = W + (size_t)(r0 + row < nrows ? r0 + row : r0) * row_bytes;
+    const int s = GEMM_Q8_SUBS * st + sb;
+    float2 d;
+    T::scale(w, s, 0, d.x, sm.wm[row][sb]);
+    if (T::TWO_SCALES) {
+        float m;
+        T::scale(w, s, 1, d.y, m);
+    } else {
+        d.y = d.x;
+    }
+    sm.wd[row][sb] = d;
+}
+
 /* Step st (its nsb sub-blocks from GEMM_Q8_SUBS st on; fewer in the last step) of the weights and activations
  * into shared memory. Four words' loads in flight at a time where registers allow, one at a time with 63. */
-template <class T>
+template <class T, int TT>
 __device__ __forceinline__ void gemm_q8_stage(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
-                                                int nrows, int nsub, size_t row_bytes, int r0,
-                                                const le_gemm_tile &tl, int st, int nsb, gemm_q8_smem &sm) {
+                                              int nrows, int nsub, size_t row_bytes, int r0,
+                                              const le_gemm_tile &tl, int st, int nsb, gemm_q8_smem<TT> &sm) {
     const int tid = threadIdx.x, k = tid % 8, g = tid / 8;
     if (LE_HAS_MANY_REGS) {
 #pragma unroll 4
-        for (int i = 0; i < 16; i++) gemm_q8_word<T>(W, nrows, row_bytes, r0, st, nsb, i, k, g, sm);
+        for (int i = 0; i < 16; i++) gemm_q8_word<T, TT>(W, nrows, row_bytes, r0, st, nsb, i, k, g, false, sm);
+#pragma unroll
+        for (int p = tid; p < GEMM_ROWS * GEMM_Q8_SUBS; p += GEMM_THREADS)
+            gemm_q8_scales<T, TT>(W, nrows, row_bytes, r0, st, nsb, p, sm);
     } else {
 #pragma unroll 1
-        for (int i = 0; i < 16; i++) gemm_q8_word<T>(W, nrows, row_bytes, r0, st, nsb, i, k, g, sm);
+        for (int i = 0; i < 16; i++) gemm_q8_word<T, TT>(W, nrows, row_bytes, r0, st, nsb, i, k, g, true, sm);
     }
-    const int t = g < tl.n ? tl.t0 + g : tl.t0;
 #pragma unroll
-    for (int sb = 0; sb < GEMM_Q8_SUBS; sb++) {
-        if (sb >= nsb) break;
-        const block_q8_1 *b = xq + (size_t)t * nsub + GEMM_Q8_SUBS * st + sb;
-        sm.xq[g][8 * sb + k] = le_ldg((const int *)b->qs + k); /* 4-aligned: blocks are 36 bytes */
-        if (k == 0) sm.xd[g][sb] = make_float2(le_ldg_half(&b->d), le_ldg_half(&b->s));
+    for (int tg = g; tg < TT; tg += GEMM_THREADS / 8) {
+        const int t = tg < tl.n ? tl.t0 + tg : tl.t0;
+#pragma unroll
+        for (int sb = 0; sb < GEMM_Q8_SUBS; sb++) {
+            if (sb >= nsb) break;
+            const block_q8_1 *b = xq + (size_t)t * nsub + GEMM_Q8_SUBS * st + sb;
+            sm.xq[tg][8 * sb + k] = le_ldg((const int *)b->qs + k); /* 4-aligned: blocks are 36 bytes */
+            if (k == 0) sm.xd[tg][sb] = make_float2(le_ldg_half(&b->d), le_ldg_half(&b->s));
+        }
     }
 }
 

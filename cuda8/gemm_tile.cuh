@@ -4,7 +4,7 @@
  * of expert e (W + e * expert_bytes; e = 0 for the plain GEMM). The tile lives in shared memory and is read where it
  * is used rather than held in registers (Fermi's 63 are all taken by the accumulators and the staging).
  *   plain GEMM over ntok tokens:  block y takes tokens [tt * y, tt * y + tt) clipped to ntok
- *   grouped (_ids) GEMM:          block y takes tiles[y] = (expert, first pair, count); count 0 is an empty tile
+ *   grouped (_ids) GEMM:          block y takes tiles[y] = (expert, first pair, count <= tt); count 0: an empty tile
  *                                 (moe_sort.cu pads its list to a fixed length): the block has nothing to do
  * Both set the tile by thread 0 and synchronise the block: every thread must call them.
  */

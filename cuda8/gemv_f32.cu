@@ -38,7 +38,7 @@ __device__ __forceinline__ void gemv_f32(const uint8_t *LE_RESTRICT W, const flo
             const uint8_t *w = W + (size_t)row * row_bytes;
             for (int i = lane; i < 8 * nsub; i += LE_WARP) {
                 float d, m;
-                const int q = T::word(w, i / 8, i % 8, d, m);
+                const int q = le_word<T>(w, i / 8, i % 8, d, m);
                 const float4 xx = le_ldg((const float4 *)x + i); /* elements 4i..4i+3 */
                 acc += (d * le_byte(q, 0) - m) * xx.x;
                 acc += (d * le_byte(q, 1) - m) * xx.y;

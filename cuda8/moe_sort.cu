@@ -1,14 +1,15 @@
 /* moe_sort.cu — a pass's routing in expert order, made on the GPU: the work list of the grouped expert GEMMs
  * (gemm_*_ids) without reading the routing back to the host, so the host never waits for it.
  *
- *   moe_sort(ids, n_pairs, k, n_expert, eids, ptok, pinv, tiles, max_tiles, counts)
+ *   moe_sort(ids, n_pairs, k, n_expert, eids, ptok, pinv, tiles, max_tiles, counts, tile)
  *     ids: [n_pairs] int32, moe_route's [n_tok, k] flat, every id in [0, n_expert), n_expert <= MOE_SORT_MAX_E;
  *     out, with order = the pairs sorted by expert, stable (numpy argsort(kind="stable")):
  *       eids [n_pairs] = ids[order], ptok [n_pairs] = order / k (the token of each sorted pair),
  *       pinv [n_pairs]: pinv[order[q]] = q (where pair p went);
- *       tiles [max_tiles, 3] = (expert, first sorted pair, count <= MOE_SORT_TILE) for each expert's run cut
- *         in MOE_SORT_TILE pieces (gpu.Kernels.expert_tiles), then (0, 0, 0) up to max_tiles (an empty tile:
- *         the GEMM's block returns); max_tiles >= ceil(n_pairs / 32) + min(n_expert, n_pairs) (gpu.py checks);
+ *       tiles [max_tiles, 3] = (expert, first sorted pair, count <= tile) for each expert's run cut in pieces of
+ *         `tile` pairs (1 .. MOE_SORT_MAX_TILE: the grouped GEMM's tokens per block, 32, or 64 for gemm_mma;
+ *         gpu.Kernels.expert_tiles), then (0, 0, 0) up to max_tiles (an empty tile: the GEMM's block returns);
+ *         max_tiles >= ceil(n_pairs / tile) + min(n_expert, n_pairs) (gpu.py checks);
  *       counts [n_expert] int32 += the pairs of each expert (routing statistics, read when the pass is done).
  *     launch: block MOE_SORT_THREADS (256) x 1 x 1, grid 1 x 1 x 1
  * One block: per-expert counts by shared-memory atomics, an exclusive scan by one thread (n_expert steps),
@@ -23,10 +24,10 @@
 
 #define MOE_SORT_THREADS 256
 #define MOE_SORT_MAX_E 512 /* Qwen3.5 MoE: 256 (35B-A3B), 512 (397B) */
-#define MOE_SORT_TILE 32   /* = the GEMMs' GEMM_TT */
+#define MOE_SORT_MAX_TILE 64 /* = the largest grouped GEMM tile (gemm_q8.cuh GEMM_MMA_TT) */
 
 extern "C" __global__ void moe_sort(const int *LE_RESTRICT ids, int n_pairs, int k, int n_expert, int *eids, int *ptok,
-                                    int *pinv, int *tiles, int max_tiles, int *counts) {
+                                    int *pinv, int *tiles, int max_tiles, int *counts, int tile) {
     __shared__ int cnt[MOE_SORT_MAX_E], fill[MOE_SORT_MAX_E], toff[MOE_SORT_MAX_E];
     __shared__ int chunk[MOE_SORT_THREADS];
     __shared__ int n_tiles;
@@ -41,7 +42,7 @@ extern "C" __global__ void moe_sort(const int *LE_RESTRICT ids, int n_pairs, int
             fill[e] = at;
             toff[e] = t;
             at += cnt[e];
-            t += (cnt[e] + MOE_SORT_TILE - 1) / MOE_SORT_TILE;
+            t += (cnt[e] + tile - 1) / tile;
         }
         n_tiles = t;
     }
@@ -49,11 +50,11 @@ extern "C" __global__ void moe_sort(const int *LE_RESTRICT ids, int n_pairs, int
     /* tiles of each expert's run (fill[e] is still its first sorted pair), the empty ones after */
     for (int e = tid; e < n_expert; e += MOE_SORT_THREADS) {
         counts[e] += cnt[e];
-        for (int j = 0; MOE_SORT_TILE * j < cnt[e]; j++) {
+        for (int j = 0; tile * j < cnt[e]; j++) {
             int *tl = tiles + 3 * (toff[e] + j);
             tl[0] = e;
-            tl[1] = fill[e] + MOE_SORT_TILE * j;
-            tl[2] = min(MOE_SORT_TILE, cnt[e] - MOE_SORT_TILE * j);
+            tl[1] = fill[e] + tile * j;
+            tl[2] = min(tile, cnt[e] - tile * j);
         }
     }
     for (int t = n_tiles + tid; t < max_tiles; t += MOE_SORT_THREADS)

@@ -19,9 +19,11 @@
  *   IQ4_XS 256 el, 136 B, 4-aligned q = kvalues_iq4nl[nibble] (int8), d = d*(ls-32), m = 0
  * Only Q4_K and Q5_K have a min term; the int8 kernels take it from Q8_1's sum of x.
  *
- * decode(row, s, b) fills all of sub-block s; word(row, s, k, d, m) returns only its int k
- * (elements 4k..4k+3) with that int's scale and min: for kernels whose consecutive lanes take
- * consecutive words, so that weight and activation loads coalesce (gemv_f32.cu).
+ * decode(row, s, b) fills all of sub-block s; qword(row, s, k) returns only its int k (elements
+ * 4k..4k+3) and scale(row, s, h, d, m) the scale of its half h (elements 16h..16h+15; TWO_SCALES: only
+ * Q6_K's halves differ) and the min: for kernels whose consecutive lanes take consecutive words, so that
+ * weight and activation loads coalesce (gemv_f32.cu), and that decode a sub-block's scales once for all
+ * its words (gemm_q8.cuh). le_word<T> is the two together.
  */
 #ifndef LE_QUANTS_CUH
 #define LE_QUANTS_CUH
@@ -52,6 +54,14 @@ __device__ __forceinline__ void le_scale_min_k4(int j, const uint8_t *s, int *sc
     }
 }
 
+/* Q4_K / Q5_K (same header: d, dmin, 12 bytes of scales): d = d * sc, m = dmin * mn of sub-block j of block blk */
+__device__ __forceinline__ void le_scale_k4(const uint8_t *blk, int j, float &d, float &m) {
+    int sc, mn;
+    le_scale_min_k4(j, blk + 4, &sc, &mn);
+    d = le_ldg_half((const uint16_t *)blk) * sc;
+    m = le_ldg_half((const uint16_t *)blk + 1) * mn;
+}
+
 /* IQ4_NL/IQ4_XS grid: four 4-bit indices (one per byte of v, each < 16) -> four int8 values,
  * with two byte permutes (prmt, every chip) instead of four table loads. */
 __device__ __forceinline__ int le_iq4_lookup(int v) {
@@ -67,7 +77,7 @@ __device__ __forceinline__ int le_iq4_lookup(int v) {
 /* ---- one struct per type: BLOCK elements, BYTES per block, decode(row, s, out) ---------------- */
 
 struct le_t_q4_0 {
-    enum { BLOCK = QK4_0, BYTES = sizeof(block_q4_0) };
+    enum { BLOCK = QK4_0, BYTES = sizeof(block_q4_0), TWO_SCALES = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)s * BYTES;
         const float d = le_ldg_half((const uint16_t *)blk);
@@ -80,17 +90,18 @@ struct le_t_q4_0 {
         b.d[0] = b.d[1] = d;
         b.m = 0.0f;
     }
-    static __device__ __forceinline__ int word(const uint8_t *row, int s, int k, float &d, float &m) {
-        const uint8_t *blk = row + (size_t)s * BYTES;
-        d = le_ldg_half((const uint16_t *)blk);
+    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int, float &d, float &m) {
+        d = le_ldg_half((const uint16_t *)(row + (size_t)s * BYTES));
         m = 0.0f;
-        const int v = le_load_i32_a2(blk + 2 + 4 * (k & 3));
+    }
+    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
+        const int v = le_load_i32_a2(row + (size_t)s * BYTES + 2 + 4 * (k & 3));
         return le_sub_bytes((k < 4 ? v : v >> 4) & 0x0F0F0F0F, 0x08080808);
     }
 };
 
 struct le_t_q8_0 {
-    enum { BLOCK = QK8_0, BYTES = sizeof(block_q8_0) };
+    enum { BLOCK = QK8_0, BYTES = sizeof(block_q8_0), TWO_SCALES = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)s * BYTES;
         b.d[0] = b.d[1] = le_ldg_half((const uint16_t *)blk);
@@ -98,16 +109,17 @@ struct le_t_q8_0 {
         for (int k = 0; k < 8; k++) b.q[k] = le_load_i32_a2(blk + 2 + 4 * k);
         b.m = 0.0f;
     }
-    static __device__ __forceinline__ int word(const uint8_t *row, int s, int k, float &d, float &m) {
-        const uint8_t *blk = row + (size_t)s * BYTES;
-        d = le_ldg_half((const uint16_t *)blk);
+    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int, float &d, float &m) {
+        d = le_ldg_half((const uint16_t *)(row + (size_t)s * BYTES));
         m = 0.0f;
-        return le_load_i32_a2(blk + 2 + 4 * k);
+    }
+    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
+        return le_load_i32_a2(row + (size_t)s * BYTES + 2 + 4 * k);
     }
 };
 
 struct le_t_q4_K {
-    enum { BLOCK = QK_K, BYTES = sizeof(block_q4_K) };
+    enum { BLOCK = QK_K, BYTES = sizeof(block_q4_K), TWO_SCALES = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8; /* sub-block of the super-block */
@@ -121,19 +133,18 @@ struct le_t_q4_K {
         b.d[0] = b.d[1] = d * sc;
         b.m = dmin * mn;
     }
-    static __device__ __forceinline__ int word(const uint8_t *row, int s, int k, float &d, float &m) {
+    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int, float &d, float &m) {
+        le_scale_k4(row + (size_t)(s / 8) * BYTES, s % 8, d, m);
+    }
+    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8;
-        int sc, mn;
-        le_scale_min_k4(j, blk + 4, &sc, &mn);
-        d = le_ldg_half((const uint16_t *)blk) * sc;
-        m = le_ldg_half((const uint16_t *)blk + 1) * mn;
         return (le_load_i32_a4(blk + 16 + 32 * (j / 2) + 4 * k) >> (4 * (j & 1))) & 0x0F0F0F0F;
     }
 };
 
 struct le_t_q5_K {
-    enum { BLOCK = QK_K, BYTES = sizeof(block_q5_K) };
+    enum { BLOCK = QK_K, BYTES = sizeof(block_q5_K), TWO_SCALES = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8;
@@ -152,13 +163,12 @@ struct le_t_q5_K {
         b.d[0] = b.d[1] = d * sc;
         b.m = dmin * mn;
     }
-    static __device__ __forceinline__ int word(const uint8_t *row, int s, int k, float &d, float &m) {
+    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int, float &d, float &m) {
+        le_scale_k4(row + (size_t)(s / 8) * BYTES, s % 8, d, m);
+    }
+    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8;
-        int sc, mn;
-        le_scale_min_k4(j, blk + 4, &sc, &mn);
-        d = le_ldg_half((const uint16_t *)blk) * sc;
-        m = le_ldg_half((const uint16_t *)blk + 1) * mn;
         const int lo = (le_load_i32_a4(blk + 48 + 32 * (j / 2) + 4 * k) >> (4 * (j & 1))) & 0x0F0F0F0F;
         const int hi = ((le_load_i32_a4(blk + 16 + 4 * k) >> j) & 0x01010101) << 4;
         return lo | hi;
@@ -166,7 +176,7 @@ struct le_t_q5_K {
 };
 
 struct le_t_q6_K {
-    enum { BLOCK = QK_K, BYTES = sizeof(block_q6_K) };
+    enum { BLOCK = QK_K, BYTES = sizeof(block_q6_K), TWO_SCALES = 1 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8, n = j / 4, t = j % 4; /* half n of 128 elements, quarter t of it */
@@ -185,11 +195,14 @@ struct le_t_q6_K {
         b.d[1] = d * le_ldg(scales + 1); /* elements 16..31 */
         b.m = 0.0f;
     }
-    static __device__ __forceinline__ int word(const uint8_t *row, int s, int k, float &d, float &m) {
+    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int h, float &d, float &m) {
+        const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
+        d = le_ldg_half((const uint16_t *)(blk + 208)) * le_ldg((const int8_t *)(blk + 192) + 2 * (s % 8) + h);
+        m = 0.0f;
+    }
+    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8, n = j / 4, t = j % 4;
-        d = le_ldg_half((const uint16_t *)(blk + 208)) * le_ldg((const int8_t *)(blk + 192) + 8 * n + 2 * t + k / 4);
-        m = 0.0f;
         const int lo = (le_load_i32_a2(blk + 64 * n + 32 * (t & 1) + 4 * k) >> (4 * (t >> 1))) & 0x0F0F0F0F;
         const int hi = ((le_load_i32_a2(blk + 128 + 32 * n + 4 * k) >> (2 * t)) & 0x03030303) << 4;
         return le_sub_bytes(lo | hi, 0x20202020);
@@ -197,7 +210,7 @@ struct le_t_q6_K {
 };
 
 struct le_t_iq4_xs {
-    enum { BLOCK = QK_K, BYTES = sizeof(block_iq4_xs) };
+    enum { BLOCK = QK_K, BYTES = sizeof(block_iq4_xs), TWO_SCALES = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8;
@@ -214,17 +227,27 @@ struct le_t_iq4_xs {
         b.d[0] = b.d[1] = d * (ls - 32);
         b.m = 0.0f;
     }
-    static __device__ __forceinline__ int word(const uint8_t *row, int s, int k, float &d, float &m) {
+    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int, float &d, float &m) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8;
         const int scales_h = le_ldg((const uint16_t *)blk + 1);
         const int ls = ((le_ldg(blk + 4 + j / 2) >> (4 * (j % 2))) & 0xF) | (((scales_h >> (2 * j)) & 3) << 4);
         d = le_ldg_half((const uint16_t *)blk) * (ls - 32);
         m = 0.0f;
-        const int v = le_load_i32_a4(blk + 8 + 16 * j + 4 * (k & 3));
+    }
+    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
+        const int v = le_load_i32_a4(row + (size_t)(s / 8) * BYTES + 8 + 16 * (s % 8) + 4 * (k & 3));
         return le_iq4_lookup((k < 4 ? v : v >> 4) & 0x0F0F0F0F);
     }
 };
+
+/* Int k of sub-block s (elements 4k..4k+3) with that int's scale and min (elements 0-15 take scale h = 0, 16-31
+ * h = 1; only Q6_K has two): for kernels whose consecutive lanes take consecutive words. */
+template <class T>
+__device__ __forceinline__ int le_word(const uint8_t *row, int s, int k, float &d, float &m) {
+    T::scale(row, s, k / 4, d, m);
+    return T::qword(row, s, k);
+}
 
 /* The byte i of q as a signed value. */
 __device__ __forceinline__ int le_byte(int q, int i) { return (int)(signed char)(q >> (8 * i)); }

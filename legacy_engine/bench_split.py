@@ -87,11 +87,6 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
     threads = model.n_threads
     res = {"model": str(path), "vram": vram, "prompts": prompts, "gen": gen, "threads": threads, "rows": [],
            "ballast": ballast}
-    if llama:
-        for n in ncmoe:                             # None: CPU only (-ngl 0)
-            log(f"llama.cpp {'-ncmoe ' + str(n) if n is not None else 'CPU only'} …")
-            res["rows"].append(bench_llama(llama, path, prompts, gen, threads, 99 if n is not None else 0, n,
-                                           llama_flags))
     m = planner.measure(threads, log=log)
     if simulate_link:
         m = dataclasses.replace(m, link_gbps=simulate_link, simulated_link=True)
@@ -155,6 +150,11 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
     finally:
         if hold is not None:
             hold.free()
+    if llama:     # after ours: the same file, the same threads, the ballast freed (llama.cpp takes what -ncmoe needs)
+        for n in ncmoe:                             # None: CPU only (-ngl 0)
+            log(f"llama.cpp {'-ncmoe ' + str(n) if n is not None else 'CPU only'} …")
+            res["rows"].append(bench_llama(llama, path, prompts, gen, threads, 99 if n is not None else 0, n,
+                                           llama_flags))
     for r in res["rows"]:
         base = r["strategy"].split("/")[0]
         if base in ("cpu", "stream", "hybrid", "resident") and "error" not in r:

@@ -67,6 +67,7 @@ Q8_1_BYTES = 36
 
 GEMV_THREADS, GEMV_ROWS = 128, 4
 GEMM_THREADS, GEMM_ROWS, GEMM_TT = 256, 128, 32   # gemm_f32.cu: a block's tile is GEMM_ROWS rows x GEMM_TT tokens
+GEMM_MMA_TT = 64    # gemm_q8.cuh: tokens per block of gemm_mma, plain and grouped (its tiles: up to 64 pairs)
 RMSNORM_THREADS, Q8_THREADS = 256, 128
 MAX_GRID = 65535   # Fermi's grid x limit (y/z everywhere); kernels grid-stride beyond it
 # the #defines of the newer sources (tests check they agree with cuda8/)
@@ -75,7 +76,7 @@ GDN_THREADS, GDN_COLS, GDN_MAX_DK, GDN_NORM_THREADS, GDN_EW_THREADS = 256, 16, 1
 ATTN_THREADS, ATTN_WARPS, ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_MAX_HD = 128, 4, 256, 8, 256
 ATTN_MIN_KEYS_PER_SPLIT, ATTN_MAX_SPLIT = 128, 64       # decode split-K: launcher policy only
 MOE_THREADS, MOE_MAX_K = 256, 32
-MOE_SORT_THREADS, MOE_SORT_MAX_E, MOE_SORT_TILE = 256, 512, 32   # moe_sort.cu (tile = GEMM_TT)
+MOE_SORT_THREADS, MOE_SORT_MAX_E, MOE_SORT_MAX_TILE = 256, 512, 64   # moe_sort.cu (largest tile = GEMM_MMA_TT)
 MOE_WSUM_MIN = 6.103515625e-5                            # native/moe.c MOE_WSUM_MIN (llama.cpp's clamp)
 ARGMAX_THREADS, ARGMAX_MAX_PARTS = 256, 256
 EW_THREADS = 256
@@ -1001,37 +1002,46 @@ class Kernels:
         if qtype == F32:
             raise ValueError("gemm_mma: f32 weights have no int8 path (use gemm_f32)")
         _need(xq, ntok * (ncols // 32) * Q8_1_BYTES, "gemm_mma xq")
-        self._gemm("gemm_mma", qtype, W, xq, Y, nrows, ncols, ntok, stream)
+        self._gemm("gemm_mma", qtype, W, xq, Y, nrows, ncols, ntok, stream, GEMM_MMA_TT)
 
-    def _gemm(self, mod: str, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream) -> None:
-        """The launch both prefill GEMMs share (same tiles, same arguments); X is checked by the caller."""
+    def _gemm(self, mod: str, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream,
+              tt: int = GEMM_TT) -> None:
+        """The launch the prefill GEMMs share (same arguments; tt tokens per block); X is checked by the caller."""
         suffix = self._weights(qtype, W, nrows, ncols, mod)
-        if not 0 < ntok <= GEMM_TT * MAX_GRID:
-            raise ValueError(f"{mod}: ntok = {ntok} outside 1…{GEMM_TT * MAX_GRID}")
+        if not 0 < ntok <= tt * MAX_GRID:
+            raise ValueError(f"{mod}: ntok = {ntok} outside 1…{tt * MAX_GRID}")
         _need(Y, 4 * nrows * ntok, f"{mod} Y")
         self.modules[mod].kernel(f"{mod}_{suffix}").launch(
-            (self._grid(-(-nrows // GEMM_ROWS)), -(-ntok // GEMM_TT), 1), (GEMM_THREADS, 1, 1),
+            (self._grid(-(-nrows // GEMM_ROWS)), -(-ntok // tt), 1), (GEMM_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
             stream=stream)
 
     @staticmethod
-    def expert_tiles(sorted_ids: np.ndarray) -> np.ndarray:
-        """int32 [n_tiles, 3] (expert, first pair, count <= GEMM_TT) over pairs sorted by expert: each expert's
-        run cut into tiles of GEMM_TT (gemm_ids' work list)."""
+    def group_tile(int8: bool, mma: bool) -> int:
+        """Pairs per tile of the grouped GEMM gemm_ids(int8, mma) runs: its work list (expert_tiles, moe_sort) must
+        be cut with this tile."""
+        return GEMM_MMA_TT if int8 and mma else GEMM_TT
+
+    @staticmethod
+    def expert_tiles(sorted_ids: np.ndarray, tile: int = GEMM_TT) -> np.ndarray:
+        """int32 [n_tiles, 3] (expert, first pair, count <= tile) over pairs sorted by expert: each expert's
+        run cut into tiles of `tile` pairs (gemm_ids' work list; group_tile)."""
         ids = np.asarray(sorted_ids)
         if ids.size and (np.diff(ids) < 0).any():
             raise ValueError("expert_tiles: the ids must be sorted")
         starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if ids.size else np.zeros(0, dtype=np.int64)
         ends = np.r_[starts[1:], ids.size]
-        out = [(int(ids[a]), p, min(GEMM_TT, b - p)) for a, b in zip(starts, ends) for p in range(a, b, GEMM_TT)]
+        out = [(int(ids[a]), p, min(tile, b - p)) for a, b in zip(starts, ends) for p in range(a, b, tile)]
         return np.asarray(out, dtype=np.int32).reshape(-1, 3)
 
     def gemm_ids(self, qtype: int, W, X, Y, nrows: int, ncols: int, tiles, n_tiles: int, expert_bytes: int,
                  n_pairs: int, stream: Stream | None = None, int8: bool = False, mma: bool = False) -> None:
         """The grouped expert GEMM: for each tile (e, p0, cnt) of `tiles` (device int32 [n_tiles, 3], from
-        expert_tiles), Y[p0:p0+cnt] = X[p0:p0+cnt] W_e^T with W_e at W + e * expert_bytes; X [n_pairs, ncols]
-        f32 rows sorted by expert, or with int8 their block_q8_1 rows [n_pairs, ncols/32] (gemm_dp4a_*_ids, or
-        with mma too gemm_mma_*_ids); Y [n_pairs, nrows]."""
+        expert_tiles with tile = group_tile(int8, mma): 32 pairs, 64 for gemm_mma), Y[p0:p0+cnt] = X[p0:p0+cnt]
+        W_e^T with W_e at W + e * expert_bytes; X [n_pairs, ncols] f32 rows sorted by expert, or with int8 their
+        block_q8_1 rows [n_pairs, ncols/32] (gemm_dp4a_*_ids, or with mma too gemm_mma_*_ids); Y [n_pairs, nrows].
+        The tiles live on the device (no check of their counts here): a longer tile than the kernel's leaves pairs
+        uncomputed."""
         mod = ("gemm_mma" if mma else "gemm_dp4a") if int8 else "gemm_f32"
         what = f"{mod}_ids" if int8 else "gemm_ids"
         if mma and not (int8 and self.has_mma):
@@ -1222,22 +1232,24 @@ class Kernels:
              ("i32", k), ("f32", wsum_min)], stream=stream)
 
     @staticmethod
-    def sort_tiles_max(n_pairs: int, n_expert: int) -> int:
+    def sort_tiles_max(n_pairs: int, n_expert: int, tile: int = GEMM_TT) -> int:
         """Length of moe_sort's tile list: every full tile plus at most one partial tile per expert."""
-        return -(-n_pairs // MOE_SORT_TILE) + min(n_expert, n_pairs)
+        return -(-n_pairs // tile) + min(n_expert, n_pairs)
 
     def moe_sort(self, ids, n_pairs: int, k: int, n_expert: int, eids, ptok, pinv, tiles, max_tiles: int, counts,
-                 stream: Stream | None = None) -> None:
+                 stream: Stream | None = None, tile: int = GEMM_TT) -> None:
         """The routing ids [n_pairs] (moe_route's [n_tok, k], each in [0, n_expert)) in expert order, stable:
         eids = ids[order], ptok = order // k, pinv[order] = arange (int32 [n_pairs] each); tiles int32
-        [max_tiles, 3] = expert_tiles(eids) then (0, 0, 0) rows; counts int32 [n_expert] += pairs per expert.
-        max_tiles >= sort_tiles_max(n_pairs, n_expert). All on the GPU (the host never waits)."""
+        [max_tiles, 3] = expert_tiles(eids, tile) then (0, 0, 0) rows; counts int32 [n_expert] += pairs per expert.
+        max_tiles >= sort_tiles_max(n_pairs, n_expert, tile). All on the GPU (the host never waits)."""
         if not 0 < n_pairs <= MAX_PAIRS or not 0 < k <= MOE_MAX_K or not 0 < n_expert <= MOE_SORT_MAX_E:
             raise ValueError(f"moe_sort: n_pairs = {n_pairs} (1…{MAX_PAIRS}), k = {k}, n_expert = {n_expert} "
                              f"(1…{MOE_SORT_MAX_E})")
-        if not self.sort_tiles_max(n_pairs, n_expert) <= max_tiles <= MAX_GRID:
+        if not 0 < tile <= MOE_SORT_MAX_TILE:
+            raise ValueError(f"moe_sort: tile = {tile} outside 1…{MOE_SORT_MAX_TILE}")
+        if not self.sort_tiles_max(n_pairs, n_expert, tile) <= max_tiles <= MAX_GRID:
             raise ValueError(f"moe_sort: max_tiles = {max_tiles} outside "
-                             f"{self.sort_tiles_max(n_pairs, n_expert)}…{MAX_GRID}")
+                             f"{self.sort_tiles_max(n_pairs, n_expert, tile)}…{MAX_GRID}")
         for b, nb, what in ((ids, 4 * n_pairs, "ids"), (eids, 4 * n_pairs, "eids"), (ptok, 4 * n_pairs, "ptok"),
                             (pinv, 4 * n_pairs, "pinv"), (tiles, 12 * max_tiles, "tiles"),
                             (counts, 4 * n_expert, "counts")):
@@ -1246,7 +1258,7 @@ class Kernels:
             (1, 1, 1), (MOE_SORT_THREADS, 1, 1),
             [("ptr", _ptr(ids)), ("i32", n_pairs), ("i32", k), ("i32", n_expert), ("ptr", _ptr(eids)),
              ("ptr", _ptr(ptok)), ("ptr", _ptr(pinv)), ("ptr", _ptr(tiles)), ("i32", max_tiles),
-             ("ptr", _ptr(counts))], stream=stream)
+             ("ptr", _ptr(counts)), ("i32", tile)], stream=stream)
 
     @staticmethod
     def argmax_parts(n: int) -> int:

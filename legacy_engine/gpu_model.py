@@ -46,7 +46,6 @@ from .errors import EngineError, UnavailableError
 
 PREFILL_CHUNK = 512      # tokens per pass by default: bounds the scratch
 MAX_CHUNK = 4096         # the most a GpuModel may be asked for (n*k MoE pairs <= gpu.MAX_PAIRS is checked too)
-LOGIT_ROWS = 512         # logits computed per head pass (all_logits of a longer chunk runs the head in pieces)
 HANDOFF_PINNED_MAX = 1 << 30   # page-locked staging of a GPU <-> CPU state handoff up to 1 GiB (past it: pageable)
 
 
@@ -162,9 +161,10 @@ class GpuModel:
             if not 0 <= i < hp.n_layer or any(not 0 <= e < hp.n_expert for e in es):
                 raise ValueError(f"pinned: layer {i} experts {es[:4]}… outside {hp.n_layer} layers x {hp.n_expert}")
         from . import planner
+        self.logit_rows = planner.head_rows(self.chunk, self.stream)   # all_logits runs the head in such pieces
         self.footprint = planner.vram_footprint(self.file, stream_experts=self.stream, pinned=self.pinned,
                                                 n_ctx=n_ctx, chunk=self.chunk, int8=self.int8 or self.int8_prefill,
-                                                logit_rows=min(self.chunk, LOGIT_ROWS))
+                                                logit_rows=self.logit_rows)
         self.n_ctx_plan = int(n_ctx)
         self.budget = None
         if vram is not None:
@@ -722,10 +722,11 @@ class GpuModel:
             self._prefetch_all(self._next_moe(i), n)      # the next layer's copy overlaps this layer's experts
         x_tok, xg, eids, x_group = h, h, ids, kk
         if dev_sort:
-            n_tiles = gpu.Kernels.sort_tiles_max(pairs, ne)
+            n_tiles = gpu.Kernels.sort_tiles_max(pairs, ne, self._group_tile(L))
             mb = self._buf("pair_meta", 4 * (3 * pairs + 3 * n_tiles))
             eids, ptok, pinv, ptiles = mb.ptr, mb.ptr + 4 * pairs, mb.ptr + 8 * pairs, mb.ptr + 12 * pairs
-            k.moe_sort(ids, pairs, kk, ne, eids, ptok, pinv, ptiles, n_tiles, self._route_counts_dev(L["index"]))
+            k.moe_sort(ids, pairs, kk, ne, eids, ptok, pinv, ptiles, n_tiles, self._route_counts_dev(L["index"]),
+                       tile=self._group_tile(L))
             xg = self._buf("xg", 4 * pairs * E).ptr
             k.get_rows(gpu.F32, h, ptok, xg, pairs, E)
             x_tok, x_group = xg, 1
@@ -735,7 +736,8 @@ class GpuModel:
             order = np.argsort(used, kind="stable").astype(np.int32)
             inv = np.empty_like(order)
             inv[order] = np.arange(pairs, dtype=np.int32)
-            tiles = gpu.Kernels.expert_tiles(used[order]) if self.grouped else np.zeros((0, 3), np.int32)
+            tiles = (gpu.Kernels.expert_tiles(used[order], self._group_tile(L)) if self.grouped
+                     else np.zeros((0, 3), np.int32))
             meta = np.concatenate([used[order], order // kk, inv, tiles.reshape(-1)]).astype(np.int32)
             mb = self._buf("pair_meta", 4 * (3 * pairs + 3 * len(tiles)))
             mb.upload(meta)
@@ -894,19 +896,26 @@ class GpuModel:
             self._mm(L["sh_gate_inp"], h, shg, n, hq)
         return sh, shg
 
+    def _group_tile(self, L: dict) -> int:
+        """Pairs per tile of layer L's grouped expert GEMMs (their work list is cut to it): gemm_mma's 64 where all
+        three expert matrices run on it, else 32."""
+        mma = self.mma and all(L[w].qtype != gpu.F32 for w in ("gate_exps", "up_exps", "down_exps"))
+        return gpu.Kernels.group_tile(self.int8_prefill, mma)
+
     def _grouped_experts(self, L: dict, base: int, xg: int, g: int, u: int, pairs: int, tiles: int,
                          n_tiles: int) -> None:
         """Routed experts as grouped GEMMs over the pairs sorted by expert: xg [pairs, E] gathered rows in, the
         down projection's output back in xg [pairs, E] (sorted order); g, u [pairs, ff] scratch."""
         k, ff, E = self.k, self.hparams.n_ff_exp, self.hparams.n_embd
         int8 = self.int8_prefill and L["gate_exps"].qtype != gpu.F32
+        mma = self._group_tile(L) == gpu.GEMM_MMA_TT        # then every matrix here is int8
         x = xg
         if int8:       # one Q8_1 copy of the gathered rows for gate and up
             x = self._q8_1(xg, pairs * E, "xq_tok")
         for wname, out in (("gate_exps", g), ("up_exps", u)):
             w = L[wname]
             k.gemm_ids(w.qtype, base + w.ptr, x, out, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs,
-                       int8=int8, mma=int8 and self.mma)
+                       int8=int8, mma=mma)
         k.swiglu(g, u, g, pairs * ff)
         w = L["down_exps"]
         int8d = self.int8_prefill and w.qtype != gpu.F32
@@ -914,7 +923,7 @@ class GpuModel:
         if int8d:
             xd = self._q8_1(g, pairs * ff, "xq_down")
         k.gemm_ids(w.qtype, base + w.ptr, xd, xg, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs,
-                   int8=int8d, mma=int8d and self.mma)
+                   int8=int8d, mma=mma)
 
     # ------------------------------------------------------------------ forward
 
@@ -1016,8 +1025,8 @@ class GpuModel:
         self._mark("ffn rest")
         first = 0 if all_logits else n - 1
         outs = []
-        for r0 in range(first, n, LOGIT_ROWS):             # the head in pieces of LOGIT_ROWS rows (scratch bound)
-            n_out = min(LOGIT_ROWS, n - r0)
+        for r0 in range(first, n, self.logit_rows):        # the head in pieces of logit_rows rows (scratch bound)
+            n_out = min(self.logit_rows, n - r0)
             k.rmsnorm(x + 4 * r0 * E, self.out_norm, h, E, n_out, hp.rms_eps)
             logits = self._buf("logits", 4 * n_out * hp.n_vocab)
             self._mm(self.head, h, logits.ptr, n_out)

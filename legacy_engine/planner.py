@@ -121,6 +121,17 @@ class VramFootprint:
             f" = {self.total / GiB:.2f} GiB"
 
 
+# Rows of logits one head pass computes (gpu_model runs a longer all_logits request in pieces): 512 for a resident
+# model; 32 where experts stream, whose VRAM is better spent on pinned experts (each GiB pinned is a GiB less to copy
+# per pass; 512 rows of a 248k vocabulary are 0.47 GiB, the head's pieces cost ~0.15 ms each on an H100).
+LOGIT_ROWS, STREAM_LOGIT_ROWS = 512, 32
+
+
+def head_rows(chunk: int, stream: bool) -> int:
+    """Rows of logits per head pass of a GPU model with passes of `chunk` tokens."""
+    return min(chunk, STREAM_LOGIT_ROWS if stream else LOGIT_ROWS)
+
+
 def scratch_bytes(hp, n: int, int8: bool, logit_rows: int) -> int:
     """The named scratch buffers of one forward pass of n tokens (gpu_model's _buf calls), logits for logit_rows."""
     from . import gpu
@@ -166,7 +177,7 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
                    chunk: int = 512, int8: bool = True, logit_rows: int | None = None) -> VramFootprint:
     """What a GPU model of `file` allocates. stream_experts: routed experts stay in host RAM except `pinned`
     {layer: [expert ids]}; two staging buffers of the largest layer's experts. logit_rows: rows of logits a
-    prefill pass may return (default min(chunk, 512): gpu_model.LOGIT_ROWS per head pass)."""
+    head pass computes (default head_rows)."""
     hp = file.hparams
     pinned = pinned or {}
     exp_names = {n for i in range(hp.n_layer) for n in expert_tensors(file, i)}
@@ -189,7 +200,7 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
         parts["pinned experts"] = pin_total
         parts["expert staging (2 layers)"] = 2 * _round(layer_max)
     parts["state"] = state_bytes(hp, n_ctx)
-    rows = min(chunk, 512) if logit_rows is None else logit_rows      # gpu_model.LOGIT_ROWS
+    rows = head_rows(chunk, stream_experts) if logit_rows is None else logit_rows
     parts["scratch"] = (_round(scratch_bytes(hp, chunk, int8, rows)) + _round(scratch_bytes(hp, 1, int8, 1))
                         + SCRATCH_SLACK)
     return VramFootprint(parts, per_expert, layer_max)

@@ -15,6 +15,7 @@ Tolerances: tests/tolerances.py (GPU_*). Needs neither torch nor gguf.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -156,10 +157,10 @@ LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
                     "gdn": ("GDN_THREADS", "GDN_COLS", "GDN_MAX_DK", "GDN_NORM_THREADS", "GDN_EW_THREADS"),
                     "attention": ("ATTN_THREADS", "ATTN_WARPS", "ATTN_PREFILL_THREADS", "ATTN_QTILE", "ATTN_MAX_HD"),
                     "moe_route": ("MOE_THREADS", "MOE_MAX_K"),
-                    "moe_sort": ("MOE_SORT_THREADS", "MOE_SORT_MAX_E", "MOE_SORT_TILE"), "argmax": ("ARGMAX_THREADS", "ARGMAX_MAX_PARTS"),
+                    "moe_sort": ("MOE_SORT_THREADS", "MOE_SORT_MAX_E", "MOE_SORT_MAX_TILE"), "argmax": ("ARGMAX_THREADS", "ARGMAX_MAX_PARTS"),
                     "elementwise": ("EW_THREADS",), "rmsnorm": ("RMSNORM_THREADS",),
                     "gemv_f32": ("GEMV_THREADS",), "gemm_f32": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT"),
-                    "gemm_q8.cuh": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT"),
+                    "gemm_q8.cuh": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT", "GEMM_MMA_TT"),
                     "rope": ("ROPE_THREADS", "ROPE_MAX_HD"), "get_rows": ("GET_ROWS_THREADS",),
                     "moe_combine": ("MOE_COMBINE_THREADS",)}
 
@@ -569,6 +570,11 @@ def test_expert_tiles():
     ids = np.array([0, 0, 2] + [5] * 70 + [7], dtype=np.int32)
     t = gpu.Kernels.expert_tiles(ids)
     assert t.tolist() == [[0, 0, 2], [2, 2, 1], [5, 3, 32], [5, 35, 32], [5, 67, 6], [7, 73, 1]]
+    t64 = gpu.Kernels.expert_tiles(ids, gpu.GEMM_MMA_TT)
+    assert t64.tolist() == [[0, 0, 2], [2, 2, 1], [5, 3, 64], [5, 67, 6], [7, 73, 1]]
+    assert len(t64) <= gpu.Kernels.sort_tiles_max(ids.size, 8, gpu.GEMM_MMA_TT)
+    assert gpu.Kernels.group_tile(True, True) == gpu.GEMM_MMA_TT
+    assert gpu.Kernels.group_tile(True, False) == gpu.Kernels.group_tile(False, False) == gpu.GEMM_TT
     assert gpu.Kernels.expert_tiles(np.zeros(0, np.int32)).shape == (0, 3)
     with pytest.raises(ValueError, match="sorted"):
         gpu.Kernels.expert_tiles(np.array([3, 1], np.int32))
@@ -625,19 +631,19 @@ def test_moe_sort(kernels):
     rng = np.random.default_rng(31)
     cases = [(2048, 8, 256, rng.integers(0, 256, 2048 * 8)), (37, 4, 16, np.full(37 * 4, 5)),
              (3, 2, 512, rng.integers(0, 512, 6)), (300, 8, 64, rng.zipf(1.3, 2400) % 64)]
-    for n_tok, k, ne, raw in cases:
+    for (n_tok, k, ne, raw), tile in itertools.product(cases, (gpu.GEMM_TT, gpu.GEMM_MMA_TT)):
         ids = np.asarray(raw, dtype=np.int32)
-        P, mt = ids.size, gpu.Kernels.sort_tiles_max(ids.size, ne)
+        P, mt = ids.size, gpu.Kernels.sort_tiles_max(ids.size, ne, tile)
         order = np.argsort(ids, kind="stable")
         inv = np.empty(P, np.int64)
         inv[order] = np.arange(P)
-        want_tiles = gpu.Kernels.expert_tiles(ids[order])
+        want_tiles = gpu.Kernels.expert_tiles(ids[order], tile)
         counts0 = rng.integers(0, 100, ne).astype(np.int32)
         with gpu.Buffer.from_array(ids) as bi, gpu.Buffer(4 * P) as be, gpu.Buffer(4 * P) as bt, \
                 gpu.Buffer(4 * P) as bv, gpu.Buffer(12 * mt) as btl, gpu.Buffer.from_array(counts0) as bc:
             _native.gpu_memset8(btl.ptr, 0xAB, 12 * mt)
             for _ in range(2):
-                kernels.moe_sort(bi, P, k, ne, be, bt, bv, btl, mt, bc)
+                kernels.moe_sort(bi, P, k, ne, be, bt, bv, btl, mt, bc, tile=tile)
             np.testing.assert_array_equal(be.download(dtype=np.int32), ids[order])
             np.testing.assert_array_equal(bt.download(dtype=np.int32), order // k)
             np.testing.assert_array_equal(bv.download(dtype=np.int32), inv)
@@ -654,6 +660,8 @@ def test_moe_sort_checks_its_arguments():
         k.moe_sort(0, 16, 2, 513, 0, 0, 0, 0, 100, 0)
     with pytest.raises(ValueError, match="max_tiles"):
         k.moe_sort(0, 64, 8, 256, 0, 0, 0, 0, 2, 0)
+    with pytest.raises(ValueError, match="tile"):
+        k.moe_sort(0, 64, 8, 256, 0, 0, 0, 0, 300, 0, tile=65)
 
 
 @pytest.mark.gpu
@@ -720,7 +728,7 @@ def test_gemm_mma(kernels, qtype):
     """The tensor-core GEMM gives gemm_dp4a's bits (the same integer sums, the same f32 update): a partial row
     tile, a partial last step of sub-blocks, one token, a partial token tile and several token tiles."""
     rng = np.random.default_rng(900 + qtype)
-    for (nrows, ncols), ntok in zip(gemv_shapes(qtype) * 2, (1, 37, 70, 5)):
+    for (nrows, ncols), ntok in zip(gemv_shapes(qtype) * 2, (1, 37, 150, 64)):   # 64 = GEMM_MMA_TT: one full tile
         nrows += 40
         nsub = ncols // 32
         w = random_weights(rng, qtype, nrows, ncols)
@@ -741,24 +749,27 @@ def test_gemm_mma(kernels, qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=[tname(t) for t in TYPES])
 @pytest.mark.parametrize("kernels", MMA_VARIANTS, ids=[gpu.variant_name(*v) for v in MMA_VARIANTS], indirect=True)
 def test_gemm_mma_ids(kernels, qtype):
-    """The grouped tensor-core GEMM equals the grouped dp4a one bit for bit (an expert with no tokens, padded
-    empty tiles)."""
+    """The grouped tensor-core GEMM (tiles of up to 64 pairs) equals the grouped dp4a one (tiles of 32) bit for bit:
+    an expert with no tokens, one with more than 64 pairs, padded empty tiles."""
     rng = np.random.default_rng(950 + qtype)
     n_exp, nrows, ncols = 5, 72, 512
     w, eb = expert_weights(rng, qtype, n_exp, nrows, ncols)
-    ids = np.sort(rng.integers(0, n_exp, 90)).astype(np.int32)
+    ids = np.sort(rng.integers(0, n_exp, 200)).astype(np.int32)
     ids[ids == 3] = 4
     ids = np.sort(ids)
     n_pairs = ids.size
+    assert np.bincount(ids).max() > gpu.GEMM_MMA_TT
     X = rng.standard_normal((n_pairs, ncols)).astype(np.float32)
-    tiles = np.concatenate([gpu.Kernels.expert_tiles(ids), np.zeros((2, 3), np.int32)])
-    with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(X) as bx, gpu.Buffer.from_array(tiles) as bt, \
+    with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(X) as bx, \
             gpu.Buffer(n_pairs * ncols // 32 * 36) as bq, gpu.Buffer(4 * n_pairs * nrows) as by:
         kernels.quantize_q8_1(bx, bq, n_pairs * ncols)
         Y = {}
         for mma in (False, True):
+            tiles = np.concatenate([gpu.Kernels.expert_tiles(ids, gpu.Kernels.group_tile(True, mma)),
+                                    np.zeros((2, 3), np.int32)])
             by.upload(np.full(n_pairs * nrows, np.nan, np.float32))
-            kernels.gemm_ids(qtype, bw, bq, by, nrows, ncols, bt, len(tiles), eb, n_pairs, int8=True, mma=mma)
+            with gpu.Buffer.from_array(tiles) as bt:
+                kernels.gemm_ids(qtype, bw, bq, by, nrows, ncols, bt, len(tiles), eb, n_pairs, int8=True, mma=mma)
             Y[mma] = by.download(dtype=np.float32).reshape(n_pairs, nrows)
     assert np.isfinite(Y[False]).all()
     np.testing.assert_array_equal(Y[True], Y[False])

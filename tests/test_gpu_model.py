@@ -614,14 +614,17 @@ def test_split_hybrid_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
         gm.close()
 
 
-def test_long_pass_head_in_pieces(gpu_device, tiny_file, cpu_model):
-    """A pass longer than LOGIT_ROWS (chunk 600) with all logits: the head runs in pieces; equal to the CPU."""
-    from legacy_engine.gpu_model import LOGIT_ROWS, GpuModel
+@pytest.mark.parametrize("stream", [False, True], ids=["resident", "streamed"])
+def test_long_pass_head_in_pieces(stream, gpu_device, tiny_file, cpu_model):
+    """A pass longer than the head's rows (chunk 600 > 512 resident, > 32 streamed) with all logits: the head runs
+    in pieces; equal to the CPU."""
+    from legacy_engine.gpu_model import GpuModel
+    from legacy_engine.planner import LOGIT_ROWS, STREAM_LOGIT_ROWS
     cpu = cpu_model("moe")
-    gm = GpuModel(cpu, int8=False, chunk=600, n_ctx=640)
+    gm = GpuModel(cpu, int8=False, chunk=600, n_ctx=640, stream_experts=stream)
     try:
         ids = sequence(600, cpu.hparams.n_vocab)
-        assert len(ids) > LOGIT_ROWS
+        assert gm.logit_rows == (STREAM_LOGIT_ROWS if stream else LOGIT_ROWS) and len(ids) > gm.logit_rows
         got = gm.forward(gm.new_state(640), ids, all_logits=True)
         ref = cpu.forward(cpu.new_state(640), ids, all_logits=True)
         assert got.shape == ref.shape

@@ -109,11 +109,12 @@ def test_skewed_routing_makes_pins_pay():
 
 
 def test_slow_link_prefers_cpu_prefill():
-    """On PCIe Gen1 x1 (0.25 GB/s) streaming the experts costs more than prefilling without them: no pass streams
-    (the stream split prefills on the CPU, the hybrid one in hybrid steps), and the plan chosen copies nothing."""
-    ss = P.plan(A3B, CMP, 6 * P.GiB, prompt=2048, gen=256)
+    """On PCIe Gen1 x1 (0.25 GB/s) streaming the experts costs more than prefilling without them: no pass of a
+    1024-token prompt streams (the stream split prefills on the CPU, the hybrid one in hybrid steps), and the plan
+    chosen copies nothing. (Near 2048 tokens the ~67 s of copies start to beat the CPU's prefill of this machine.)"""
+    ss = P.plan(A3B, CMP, 6 * P.GiB, prompt=1024, gen=256)
     by = {s.name: s for s in ss}
-    assert by["stream"].min_gpu_tokens > 2048 and by["hybrid"].min_gpu_tokens > 2048
+    assert by["stream"].min_gpu_tokens > 1024 and by["hybrid"].min_gpu_tokens > 1024
     assert ss[0].name in ("cpu", "hybrid") and "copy" not in ss[0].prefill_parts
     assert by["stream"].prefill_s == by["cpu"].prefill_s
 
