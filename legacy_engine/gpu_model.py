@@ -397,11 +397,13 @@ class GpuModel:
         self._slot_free = [gpu.Event(), gpu.Event()]
         self._slot_ready = [gpu.Event(), gpu.Event()]
         self._slot_used = [False, False]
+        self._d2d: list[list] = [[], []]     # per slot: pinned experts' (dst, src, bytes) not yet copied in
 
     def _stage(self, i: int, want, wait: bool = True) -> int:
-        """Makes staging slot i % 2 hold experts `want` of layer i (copies on the copy stream, after the compute
-        that last read the slot); records the slot's ready event, and (wait) makes the default stream wait for it.
-        -> the slot's device address."""
+        """Makes staging slot i % 2 hold experts `want` of layer i (host copies on the copy stream, after the
+        compute that last read the slot); records the slot's ready event, and (wait) makes the default stream wait
+        for it and copies the pinned experts in there (device to device, runs of consecutive pins in one copy: on
+        the copy stream they stalled its host copies behind the SMs' work). -> the slot's device address."""
         from . import _native
         s = i % 2
         layer, have = self._staged[s]
@@ -433,8 +435,12 @@ class GpuModel:
                     if e is None:
                         break
                     if e in pins:
-                        src = self._pin_store[i].ptr + pin_off + pins[e] * eb
-                        _native.gpu_copy_dtod(dst0 + off + e * eb, src, eb, h)
+                        dst, src = dst0 + off + e * eb, self._pin_store[i].ptr + pin_off + pins[e] * eb
+                        d2d = self._d2d[s]
+                        if d2d and d2d[-1][0] + d2d[-1][2] == dst and d2d[-1][1] + d2d[-1][2] == src:
+                            d2d[-1][2] += eb                  # the next pin of a run: one copy
+                        else:
+                            d2d.append([dst, src, eb])
                         self.stream_stats["d2d_bytes"] += eb
                     else:
                         run = [e]
@@ -453,6 +459,9 @@ class GpuModel:
             e1 = gpu.Event()
             e1.record()
             self._stalls.append((e0, e1))
+            for dst, src, nb in self._d2d[s]:        # ordered after the slot's last reader on this stream
+                _native.gpu_copy_dtod(dst, src, nb, _native.ffi.NULL)
+            self._d2d[s] = []
         return self._staging[s].ptr
 
     def _ids_buf(self, ids: int, pairs: int) -> np.ndarray:
