@@ -190,3 +190,16 @@ def test_info_shows_the_cached_probe(tmp_path):
     saved = {"threads=2,gpu=0": dataclasses.asdict(NO_GPU)}
     (tmp_path / P.MACHINE_FILE).write_text(__import__("json").dumps(saved))
     assert "threads=2,gpu=0: CPU 90.0 GB/s read" in info()
+
+
+def test_streamed_models_keep_fewer_logit_rows():
+    """A streamed model runs the head in STREAM_LOGIT_ROWS pieces, so its scratch holds that many rows of logits, not
+    LOGIT_ROWS: the difference goes to pinned experts."""
+    hp = A3B.hparams
+    res = P.vram_footprint(A3B, n_ctx=4096, chunk=2048)
+    st = P.vram_footprint(A3B, stream_experts=True, n_ctx=4096, chunk=2048)
+    assert P.head_rows(2048, False) == P.LOGIT_ROWS and P.head_rows(2048, True) == P.STREAM_LOGIT_ROWS
+    assert P.head_rows(16, True) == 16
+    saved = res.parts["scratch"] - st.parts["scratch"]
+    # the scratch total is rounded to the allocation granularity (planner._round): within a few MiB
+    assert saved == pytest.approx(4 * (P.LOGIT_ROWS - P.STREAM_LOGIT_ROWS) * hp.n_vocab, abs=4 * 2**20)
