@@ -28,7 +28,8 @@
 
 /* acc[i][j] += sub-block sb's term for rows rw + 4i, tokens tt + 8j. Wide: all 32 int sums live at once
  * (sm_35+); lean (63 registers): one token and one half of the sub-block at a time, W words re-read per token. */
-__device__ __forceinline__ void gemm_dp4a_sub(const gemm_q8_smem<GEMM_TT> &sm, int rw, int tt, int sb, float (*acc)[4]) {
+__device__ __forceinline__ void gemm_dp4a_sub(const gemm_q8_smem<GEMM_TT> &sm, int rw, int tt, int sb,
+                                              float (*acc)[4]) {
     if (LE_HAS_MANY_REGS) {
         int lo[4][4], hi[4][4];
 #pragma unroll
@@ -84,10 +85,11 @@ __device__ __forceinline__ void gemm_dp4a_sub(const gemm_q8_smem<GEMM_TT> &sm, i
     }
 }
 
-template <class T>
+template <class T, int TT> /* TT = GEMM_TT: the lane mapping below covers 32 tokens */
 __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
                                           float *LE_RESTRICT Y, int nrows, int ncols, const le_gemm_tile &tl,
-                                          long long expert_bytes, gemm_q8_smem<GEMM_TT> &sm) {
+                                          long long expert_bytes, gemm_q8_smem<TT> &sm) {
+    static_assert(TT == GEMM_TT, "gemm_dp4a: 32 tokens per block");
     const int tid = threadIdx.x, lane = tid % 32;
     const int rw = 16 * (tid / 32) + lane % 4, tt = lane / 4; /* rows rw + 4i, tokens tt + 8j of the tile */
     const int nsub = ncols / 32, nstep = (nsub + GEMM_Q8_SUBS - 1) / GEMM_Q8_SUBS;
@@ -101,8 +103,8 @@ __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const bl
         for (int st = 0; st < nstep; st++) {
             const int nsb = min(GEMM_Q8_SUBS, nsub - GEMM_Q8_SUBS * st); /* the last step may be partial */
             __syncthreads(); /* the previous step is consumed */
-            gemm_q8_stage<T, GEMM_TT>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, st, nsb,
-                               sm);
+            gemm_q8_stage<T, TT>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, st, nsb,
+                                 sm);
             __syncthreads();
 #pragma unroll 1
             for (int sb = 0; sb < nsb; sb++) gemm_dp4a_sub(sm, rw, tt, sb, acc);
@@ -119,20 +121,7 @@ __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const bl
     }
 }
 
-#define LE_GEMM_DP4A(name, T)                                                                             \
-    extern "C" __global__ void name(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows, int ncols, \
-                                    int ntok) {                                                           \
-        __shared__ gemm_q8_smem<GEMM_TT> sm;                                                                     \
-        __shared__ le_gemm_tile tl;                                                                       \
-        le_gemm_tile_plain(tl, ntok, GEMM_TT);                                                            \
-        gemm_dp4a<T>(W, xq, Y, nrows, ncols, tl, 0, sm);                                                  \
-    }                                                                                                     \
-    extern "C" __global__ void name##_ids(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows,      \
-                                          int ncols, const int *tiles, long long expert_bytes) {          \
-        __shared__ gemm_q8_smem<GEMM_TT> sm;                                                                     \
-        __shared__ le_gemm_tile tl;                                                                       \
-        if (le_gemm_tile_ids(tl, tiles)) gemm_dp4a<T>(W, xq, Y, nrows, ncols, tl, expert_bytes, sm);      \
-    }
+#define LE_GEMM_DP4A(name, T) LE_GEMM_Q8_KERNELS(name, gemm_dp4a, T, GEMM_TT)
 
 LE_GEMM_DP4A(gemm_dp4a_q4_0, le_t_q4_0)
 LE_GEMM_DP4A(gemm_dp4a_q8_0, le_t_q8_0)

@@ -76,20 +76,7 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const blo
     }
 }
 
-#define LE_GEMM_MMA(name, T)                                                                              \
-    extern "C" __global__ void name(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows, int ncols, \
-                                    int ntok) {                                                           \
-        __shared__ gemm_q8_smem<GEMM_MMA_TT> sm;                                                          \
-        __shared__ le_gemm_tile tl;                                                                       \
-        le_gemm_tile_plain(tl, ntok, GEMM_MMA_TT);                                                        \
-        gemm_mma<T, GEMM_MMA_TT>(W, xq, Y, nrows, ncols, tl, 0, sm);                                      \
-    }                                                                                                     \
-    extern "C" __global__ void name##_ids(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows,      \
-                                          int ncols, const int *tiles, long long expert_bytes) {          \
-        __shared__ gemm_q8_smem<GEMM_MMA_TT> sm;                                                          \
-        __shared__ le_gemm_tile tl;                                                                       \
-        if (le_gemm_tile_ids(tl, tiles)) gemm_mma<T, GEMM_MMA_TT>(W, xq, Y, nrows, ncols, tl, expert_bytes, sm); \
-    }
+#define LE_GEMM_MMA(name, T) LE_GEMM_Q8_KERNELS(name, gemm_mma, T, GEMM_MMA_TT)
 
 LE_GEMM_MMA(gemm_mma_q4_0, le_t_q4_0)
 LE_GEMM_MMA(gemm_mma_q8_0, le_t_q8_0)
