@@ -379,3 +379,22 @@ def test_info_reports_numa_and_thp():
         assert "one node: --numa interleave|node:0 is a no-op here" in r.stdout
     r = _cli("info", env={"LE_NUMA_LIB": ABSENT})
     assert "NUMA     off: libnuma not found" in r.stdout and "treated as 1 node" in r.stdout
+
+
+def test_info_names_each_gpus_prefill_gemm():
+    """The GPU lines of `info` (a described report: this machine has no GPU): the int8 tensor cores from sm_75 (T4),
+    none on sm_70 (a CMP 100-210 runs DP4A), the matmul kernels per tier and the flags that change them."""
+    from legacy_engine import caps
+    rep = caps.machine_report()
+    rep["gpu"] = {"available": True, "driver_version": 12080, "device_count": 2, "cuda_graphs": True,
+                  "devices": [{"name": "Tesla T4", "cc_major": 7, "cc_minor": 5, "total_mem": 16 << 30,
+                               "multiprocessors": 40},
+                              {"name": "CMP 100-210", "cc_major": 7, "cc_minor": 0, "total_mem": 16 << 30,
+                               "multiprocessors": 80}]}
+    lines = caps.format_machine_report(rep)
+    t4 = next(ln for ln in lines if "Tesla T4" in ln)
+    cmp_ = next(ln for ln in lines if "CMP 100-210" in ln)
+    assert "tier dp4a" in t4 and t4.endswith("int8 tensor cores")
+    assert "tier dp4a" in cmp_ and "tensor cores" not in cmp_
+    mm = next(ln for ln in lines if "matmuls:" in ln)
+    assert "gemm_mma" in mm and "--gpu-no-mma" in mm and "gemm_dp4a" in mm and "--gpu-f32" in mm
