@@ -989,20 +989,21 @@ class Kernels:
     def gemm_dp4a(self, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
         """Y[ntok, nrows] = xq[ntok, ncols/32] (block_q8_1 rows from one quantize_q8_1 of the [ntok, ncols] f32
         activations) times W[nrows, ncols]^T, in int8 (W4A8/W8A8)."""
-        if qtype == F32:
-            raise ValueError("gemm_dp4a: f32 weights have no int8 path (use gemm_f32)")
-        _need(xq, ntok * (ncols // 32) * Q8_1_BYTES, "gemm_dp4a xq")
-        self._gemm("gemm_dp4a", qtype, W, xq, Y, nrows, ncols, ntok, stream)
+        self._gemm_q8("gemm_dp4a", qtype, W, xq, Y, nrows, ncols, ntok, stream, GEMM_TT)
 
     def gemm_mma(self, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
         """gemm_dp4a on tensor cores (same arguments, same bits); only where has_mma (dp4a tier, sm_75+)."""
         if not self.has_mma:
             raise UnavailableError(f"gemm_mma: the {self.name} kernels have no int8 mma (the dp4a tier at "
                                    f"compute_{MMA_ARCH}+ has)")
+        self._gemm_q8("gemm_mma", qtype, W, xq, Y, nrows, ncols, ntok, stream, GEMM_MMA_TT)
+
+    def _gemm_q8(self, mod: str, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream, tt: int) -> None:
+        """The int8 GEMMs' checks (quantised weights, xq of ntok Q8_1 rows), then their launch."""
         if qtype == F32:
-            raise ValueError("gemm_mma: f32 weights have no int8 path (use gemm_f32)")
-        _need(xq, ntok * (ncols // 32) * Q8_1_BYTES, "gemm_mma xq")
-        self._gemm("gemm_mma", qtype, W, xq, Y, nrows, ncols, ntok, stream, GEMM_MMA_TT)
+            raise ValueError(f"{mod}: f32 weights have no int8 path (use gemm_f32)")
+        _need(xq, ntok * (ncols // 32) * Q8_1_BYTES, f"{mod} xq")
+        self._gemm(mod, qtype, W, xq, Y, nrows, ncols, ntok, stream, tt)
 
     def _gemm(self, mod: str, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream,
               tt: int = GEMM_TT) -> None:

@@ -69,7 +69,7 @@ class SplitModel:
         if state.pos + ids.size > state.n_ctx:      # checked before the first step: nothing runs
             raise ValueError(f"{ids.size} tokens at position {state.pos} exceed the context of {state.n_ctx}")
         outs = []
-        for j, t in enumerate(ids):
+        for j in range(ids.size):
             last = j == ids.size - 1
             out = self.gm.forward(state, ids[j:j + 1], want_logits=want_logits and (all_logits or last))
             self.passes["hybrid"] += 1

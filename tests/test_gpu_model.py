@@ -541,19 +541,27 @@ def greedy(m, st, logits, steps: int) -> list[int]:
     return out
 
 
+def split_vs_cpu(cpu, gm, prompt, steps: int, first: int | None = None):
+    """SplitModel(cpu, gm, min_gpu_tokens=8) and the CPU engine each prefill `prompt` (prompt[:first] as a pass of its
+    own first, when given) and decode `steps` greedy tokens -> (split, {engine: tokens}, {engine: state})."""
+    from legacy_engine.split import SplitModel
+    split = SplitModel(cpu, gm, min_gpu_tokens=8)
+    runs, states = {}, {}
+    for name, m in (("split", split), ("cpu", cpu)):
+        st = states[name] = m.new_state(N_CTX)
+        if first is not None:
+            m.forward(st, prompt[:first])
+        runs[name] = greedy(m, st, m.forward(st, prompt[first or 0:]), steps)
+    return split, runs, states
+
+
 def test_split_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
     """The split engine (GPU prefill with streamed, partly pinned experts under a small budget; CPU decode) and
     the CPU engine produce the same greedy tokens; the prompt ran on the GPU, the decode steps on the CPU."""
-    from legacy_engine.split import SplitModel
     cpu = cpu_model("moe")
     gm = _stream_model(cpu, {1: [2, 3], 4: [0]}, 16)
     try:
-        split = SplitModel(cpu, gm, min_gpu_tokens=8)
-        prompt = sequence(50, cpu.hparams.n_vocab)
-        runs = {}
-        for name, m in (("split", split), ("cpu", cpu)):
-            st = m.new_state(N_CTX)
-            runs[name] = greedy(m, st, m.forward(st, prompt), 30)
+        split, runs, _ = split_vs_cpu(cpu, gm, sequence(50, cpu.hparams.n_vocab), 30)
         assert runs["split"] == runs["cpu"]
         assert split.passes == {"gpu": 1, "cpu": 30, "hybrid": 0}
     finally:
@@ -595,19 +603,12 @@ def test_split_hybrid_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
     """SplitModel over a hybrid GPU model: the sequence stays on the GPU (GpuState); the prompt runs streamed, a
     short follow-up pass and the decode steps run as hybrid steps; the greedy tokens equal the CPU engine's."""
     from legacy_engine.gpu_model import GpuState
-    from legacy_engine.split import SplitModel
     cpu = cpu_model("moe")
     gm = _stream_model(cpu, {1: [2, 3], 4: [0]}, 16, cpu_experts=True, save_routing=False)
     try:
-        split = SplitModel(cpu, gm, min_gpu_tokens=8)
-        prompt = sequence(50, cpu.hparams.n_vocab)
-        runs = {}
-        for name, m in (("split", split), ("cpu", cpu)):
-            st = m.new_state(N_CTX)
-            m.forward(st, prompt[:44])
-            runs[name] = greedy(m, st, m.forward(st, prompt[44:]), 30)   # 6 tokens: below min_gpu_tokens
-            if name == "split":
-                assert isinstance(st, GpuState)
+        # the follow-up pass: 6 tokens, below min_gpu_tokens
+        split, runs, states = split_vs_cpu(cpu, gm, sequence(50, cpu.hparams.n_vocab), 30, first=44)
+        assert isinstance(states["split"], GpuState)
         assert runs["split"] == runs["cpu"]
         assert split.passes == {"gpu": 1, "cpu": 0, "hybrid": 36}
     finally:
