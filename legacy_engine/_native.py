@@ -195,6 +195,37 @@ class NativeModel:
                                 ffi.from_buffer("float[]", out)), "le_moe_routed")
         return out
 
+    def _chan(self, chan):
+        if isinstance(chan, np.ndarray):
+            if chan.dtype != np.int32 or not chan.flags.c_contiguous or not chan.flags.writeable:
+                raise ValueError("chan: a writable contiguous int32 array")
+            return ffi.from_buffer("int32_t[]", chan)
+        return ffi.cast("int32_t *", chan)
+
+    def hybrid_serve(self, chan, seq: int, layers: np.ndarray, counts: np.ndarray | None = None,
+                     timeout_s: float = 60.0, stats: np.ndarray | None = None) -> None:
+        """The hybrid decode's CPU side for token `seq`: serves slots `layers` (int32, in order) of `chan` (a cffi
+        pointer to page-locked memory the GPU shares, or an int32 numpy array; layout le_hybrid.h) as they become
+        READY (le_hybrid_serve). counts: int64 [n_layer, n_expert] routing counts added to; stats: float64 [4]
+        (wait s, expert s, experts, layers) added to. NativeError (timed out) when a layer's routing does not come
+        in timeout_s; every slot not served is then released (the GPU's waits end)."""
+        lay = np.ascontiguousarray(layers, dtype=np.int32)
+        cnt = ffi.NULL
+        if counts is not None:
+            if counts.dtype != np.int64 or not counts.flags.c_contiguous:
+                raise ValueError("counts: a contiguous int64 array")
+            cnt = ffi.from_buffer("int64_t[]", counts)
+        st = ffi.NULL if stats is None else ffi.from_buffer("double[]", stats)
+        check(lib.le_hybrid_serve(self.ptr, self._chan(chan), int(seq) & 0x7FFFFFFF,
+                                  ffi.from_buffer("int32_t[]", lay), lay.size, cnt, float(timeout_s), st),
+              "le_hybrid_serve")
+
+    def hybrid_release(self, chan, seq: int, layers: np.ndarray) -> None:
+        """DONE = seq in slots `layers` (le_hybrid_release): the GPU's waits of token seq end unserved."""
+        lay = np.ascontiguousarray(layers, dtype=np.int32)
+        check(lib.le_hybrid_release(self.ptr, self._chan(chan), int(seq) & 0x7FFFFFFF,
+                                    ffi.from_buffer("int32_t[]", lay), lay.size), "le_hybrid_release")
+
     def pin_threads(self, cpus: list[int]) -> None:
         """Worker i (1..n-1) -> cpus[i % len(cpus)]; thread 0 (the caller) stays unpinned."""
         arr = ffi.new("int[]", [int(c) for c in cpus])

@@ -41,9 +41,12 @@ CUDA_DIR = ROOT / "cuda8"
 INCLUDE_DIR = ROOT / "native" / "include"
 
 SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "gemm_mma", "conv1d", "gdn",
-           "attention", "moe_route", "moe_sort", "argmax", "elementwise", "rope", "get_rows", "moe_combine")
+           "attention", "moe_route", "moe_sort", "argmax", "elementwise", "rope", "get_rows", "moe_combine",
+           "hybrid_sync")
 HEADERS = ("compat.cuh", "quants.cuh", "gemm_tile.cuh", "gemm_q8.cuh")   # in cuda8/
-SHARED_HEADERS = ("le_blocks.h",)               # in native/include/
+SHARED_HEADERS = ("le_blocks.h", "le_hybrid.h")  # in native/include/
+ATTR_UNIFIED_ADDRESSING = 41    # CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: host pointers usable in kernels
+HYBRID_THREADS = 256            # cuda8/hybrid_sync.cu
 
 # tier -> the LE_FORCE_TIER value, and the lowest arch whose own path it is
 TIERS = {"fermi": ("LE_CC_FERMI", 20), "kepler": ("LE_CC_LDG", 30), "dp4a": (None, 61)}
@@ -1341,6 +1344,32 @@ class Kernels:
             (self._grid(-(-n * E // MOE_COMBINE_THREADS)), 1, 1), (MOE_COMBINE_THREADS, 1, 1),
             [("ptr", _ptr(y)), ("ptr", _ptr(w)), ("ptr", _ptr(sh)), ("ptr", _ptr(shgate)), ("ptr", _ptr(out)),
              ("i32", n), ("i32", k), ("i32", E)], stream=stream)
+
+    def hybrid_publish(self, h, ids, w, pin_idx, meta, slot: int, chan: int, E: int, k: int,
+                       stream: Stream | None = None) -> None:
+        """The hybrid decode's routing into the host channel (cuda8/hybrid_sync.cu): h [E], ids/w [k] (moe_route)
+        into `slot`, READY = chan's SEQ; meta [k gids | k + 1 weights] (device) from pin_idx [n_expert] (None:
+        nothing pinned). slot, chan: device-visible addresses of page-locked host memory (le_hybrid.h)."""
+        if not 0 < k <= min(MOE_MAX_K, HYBRID_THREADS) or E <= 0:
+            raise ValueError(f"hybrid_publish: E = {E}, k = {k}")
+        _need(h, 4 * E, "hybrid_publish h")
+        _need(meta, 4 * (2 * k + 1), "hybrid_publish meta")
+        self.modules["hybrid_sync"].kernel("hybrid_publish_f32").launch(
+            (1, 1, 1), (HYBRID_THREADS, 1, 1),
+            [("ptr", _ptr(h)), ("ptr", _ptr(ids)), ("ptr", _ptr(w)), ("ptr", _ptr(pin_idx)), ("ptr", _ptr(meta)),
+             ("ptr", int(slot)), ("ptr", int(chan)), ("i32", E), ("i32", k)], stream=stream)
+
+    def hybrid_wait(self, slot: int, chan: int, row, E: int, k: int, max_cycles: int,
+                    stream: Stream | None = None) -> None:
+        """Waits (on the GPU) until the CPU marks `slot` DONE for chan's SEQ, then row [E] (device) = its ROW; NaN
+        after max_cycles clock cycles without it."""
+        if E <= 0 or k <= 0 or max_cycles <= 0:
+            raise ValueError(f"hybrid_wait: E = {E}, k = {k}, max_cycles = {max_cycles}")
+        _need(row, 4 * E, "hybrid_wait row")
+        self.modules["hybrid_sync"].kernel("hybrid_wait_f32").launch(
+            (1, 1, 1), (HYBRID_THREADS, 1, 1),
+            [("ptr", int(slot)), ("ptr", int(chan)), ("ptr", _ptr(row)), ("i32", E), ("i32", k),
+             ("i64", int(max_cycles))], stream=stream)
 
     def swiglu(self, g, u, out, n: int, stream: Stream | None = None) -> None:
         """out[n] = SiLU(g) * u (out may be g or u)."""

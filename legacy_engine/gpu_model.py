@@ -47,6 +47,35 @@ from .errors import EngineError, UnavailableError
 PREFILL_CHUNK = 512      # tokens per pass by default: bounds the scratch
 MAX_CHUNK = 4096         # the most a GpuModel may be asked for (n*k MoE pairs <= gpu.MAX_PAIRS is checked too)
 HANDOFF_PINNED_MAX = 1 << 30   # page-locked staging of a GPU <-> CPU state handoff up to 1 GiB (past it: pageable)
+# The hybrid decode's waits on each other (a healthy layer takes well under a second; a cold page cache, seconds):
+# the host's for a layer's routing, the GPU's for the CPU's row (clock cycles: 2^36 is 34-69 s at 1-2 GHz). Past
+# them the host raises and the GPU writes a NaN row, so neither side can hang the other.
+HYBRID_TIMEOUT_S = 30.0
+HYBRID_WAIT_CYCLES = 1 << 36
+
+
+class HybridLayout:
+    """native/include/le_hybrid.h in Python: word offsets of the hybrid decode's channel (tests/test_hybrid_serve.py
+    serves through it, so a mismatch with the C macros fails there)."""
+    SEQ, HEADER, READY, DONE, H = 0, 16, 0, 16, 32
+
+    def __init__(self, E: int, k: int, n_layer: int):
+        self.E, self.k, self.n_layer = E, k, n_layer
+        self.seq, self.ready, self.done, self.h = self.SEQ, self.READY, self.DONE, self.H
+        self.ids = self.H + E
+        self.cpu_ids = self.ids + k
+        self.wts = self.ids + 2 * k
+        self.row = (self.ids + 3 * k + 15) // 16 * 16
+        self.slot_words = self.row + (E + 15) // 16 * 16
+        self.channel_words = self.HEADER + n_layer * self.slot_words
+
+    def slot_offset(self, layer: int) -> int:
+        return self.HEADER + layer * self.slot_words
+
+    def slot(self, chan: np.ndarray, layer: int) -> np.ndarray:
+        """Layer's slot as a view of the int32 channel array."""
+        o = self.slot_offset(layer)
+        return chan[o:o + self.slot_words]
 
 
 def default_tier(arch: int) -> str:
@@ -182,7 +211,7 @@ class GpuModel:
         # streamed-expert accounting (stream_report), and the host's wait for the routing (sorted pairs too)
         self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0, "copy_stall_s": 0.0, "ids_wait_s": 0.0}
         # the hybrid decode: MoE layer steps, experts run on the CPU, seconds in le_moe_routed and in the routing read
-        self.hybrid_stats = {"steps": 0, "cpu_experts": 0, "cpu_s": 0.0, "read_s": 0.0}
+        self._hybrid_stats = {"steps": 0, "cpu_experts": 0, "cpu_s": 0.0, "read_s": 0.0}
         self._stalls: list = []
         # routing statistics, counted where the host reads the routing anyway (streamed or sorted passes);
         # close() adds them to the model file's saved counts (planner.save_routing), which choose the pins
@@ -190,13 +219,15 @@ class GpuModel:
         self._counts_dev, self._counts_layers = None, set()     # moe_sort's device counts (_route_counts_dev)
         self._handoff = None                                     # page-locked staging of GpuState's handoff
         self.converted: list[str] = []     # "name (TYPE)" of tensors dequantised to f32 at upload
-        self._bufs: dict[str, gpu.Buffer] = {}
+        self._bufs: dict[str, tuple] = {}      # resident tensor -> (device address, type on the GPU)
+        self._weights: gpu.Buffer | None = None
         self.vram_bytes = 0
         try:
             self._upload_all(progress)
         except BaseException:
-            for b in list(self._bufs.values()) + self._staging + list(getattr(self, "_pin_store", {}).values()):
-                b.free()
+            for b in [self._weights] + self._staging + list(getattr(self, "_pin_store", {}).values()):
+                if b is not None:
+                    b.free()
             if self._host is not None:
                 from . import _native
                 _native.gpu_host_unregister(self._host[0])
@@ -210,7 +241,7 @@ class GpuModel:
         # a streamed step syncs with the host to stage its experts: not replayable; a hybrid step's host work is
         # made of host steps, which a plan replays between its segments
         self.plan = plan and (not self.stream or self.cpu_experts)
-        self._hy = None           # the hybrid decode's host arrays (_ffn_hybrid)
+        self._hy = None           # the hybrid decode's channel (_hy_channel)
         have = gpu.graphs_available()
         if graphs and not have:
             raise UnavailableError("CUDA graphs requested but the driver lacks them (needs CUDA 11.4+)")
@@ -230,24 +261,25 @@ class GpuModel:
     # ------------------------------------------------------------------ weights
 
     def _upload(self, name: str) -> tuple[int, int]:
-        """Uploads tensor `name` once -> (device address, ggml type as stored on the GPU)."""
+        """Uploads tensor `name` once into its place in the weight allocation -> (device address, ggml type as
+        stored on the GPU)."""
         if name in self._bufs:
-            b = self._bufs[name]
-            return b.ptr, b.qtype
+            return self._bufs[name]
+        from . import _native
         t = self.file.tensors[name]
         data = self.file.gguf.data(name)
         qtype = t.type
         if qtype != gpu.F32 and qtype not in gpu.GPU_TYPES:
-            from . import _native
             n_el = int(np.prod(t.ne))
             data = _native.dequantize_row(qtype, data, n_el)
             self.converted.append(f"{name} ({_native.type_traits(qtype)['name']})")
             qtype = gpu.F32
-        b = gpu.Buffer.from_array(np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8), name)
-        b.qtype = qtype
-        self._bufs[name] = b
-        self.vram_bytes += b.nbytes
-        return b.ptr, qtype
+        raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        ptr = self._weights.ptr + self._woff[name]
+        if raw.nbytes:
+            _native.gpu_copy_htod(ptr, raw, raw.nbytes)
+        self._bufs[name] = (ptr, qtype)
+        return ptr, qtype
 
     def _w(self, name: str, rows: tuple[int, int] | None = None, expert_rows: tuple[int, int] | None = None) -> _W:
         """The weight `name` ([ne1, ne0] or [ne2, ne1, ne0]); rows: a row range of a fused 2-D tensor;
@@ -284,11 +316,13 @@ class GpuModel:
 
     def _upload_all(self, progress) -> None:
         hp, T = self.hparams, self.file.tensors
-        from .planner import expert_tensors
+        from .planner import expert_tensors, resident_names, weight_layout
         self._exp_names = {n for i in range(hp.n_layer) for n in expert_tensors(self.file, i)} if self.stream else set()
-        names = [n for n in T if (n.startswith("blk.") and int(n.split(".")[1]) < hp.n_layer
-                                  or n in ("token_embd.weight", "output_norm.weight", "output.weight"))
-                 and n not in self._exp_names]
+        names = resident_names(self.file, self.stream)
+        # every resident tensor in one allocation (planner.weight_layout: the footprint counts the same bytes)
+        self._woff, total = weight_layout(self.file, names)
+        self._weights = gpu.Buffer(max(total, 256), "weights")
+        self.vram_bytes += self._weights.nbytes
         it = progress(names) if progress else names
         for n in it:
             self._upload(n)
@@ -772,24 +806,27 @@ class GpuModel:
     # ------------------------------------------------------------------ hybrid decode
 
     def _ffn_hybrid(self, L: dict, h: int, hq, y: int) -> None:
-        """One token's MoE block split between the GPU and the CPU (cpu_experts). Device buffers:
-        hy_out [E h | kk ids | kk weights] (read by the host in one copy) and
-        hy_in [kk GPU ids (index in the pin store, -1: the CPU's) | kk+1 weights | pad | (kk+1) x E rows], whose
-        row 0 is the CPU's weighted sum (weight 1) and rows 1..kk the pinned experts' outputs (zero for the CPU's):
-        one moe_combine adds them and the shared expert."""
+        """One token's MoE block split between the GPU and the CPU (cpu_experts), exchanged through the channel
+        (HybridLayout, page-locked host memory both sides read and write): hybrid_publish puts h and the routing in
+        layer i's slot and makes hy_meta [kk GPU ids (index in the pin store, -1: the CPU's) | kk + 1 weights]; the
+        GPU runs the shared and pinned experts (rows 1..kk of hy_rows [(kk + 1), E], zero for the CPU's) while the
+        CPU runs the others (le_hybrid_serve); hybrid_wait brings the CPU's weighted sum into row 0 (weight 1); one
+        moe_combine adds them and the shared expert. No host step: a token is one launch sequence."""
         hp, k = self.hparams, self.k
         E, kk, ne, ff = hp.n_embd, hp.n_expert_used, hp.n_expert, hp.n_ff_exp
         i = L["index"]
         pinned = bool(self.pinned.get(i))
-        yo = -(-4 * (2 * kk + 1) // 16) * 16                        # rows 16-byte aligned
-        ho = self._buf("hy_out", 4 * (E + 2 * kk))
-        hi = self._buf("hy_in", yo + 4 * (kk + 1) * E)
+        hy = self._hy_channel()
+        chan, slot = hy["ptr"], hy["ptr"] + 4 * hy["layout"].slot_offset(i)
+        meta = self._buf("hy_meta", 4 * (2 * kk + 1)).ptr
+        rows = self._buf("hy_rows", 4 * (kk + 1) * E).ptr
+        ids = self._buf("hy_ids", 4 * kk).ptr
+        wts = self._buf("hy_wts", 4 * kk).ptr
         logits = self._buf("router", 4 * ne).ptr
         self._mm(L["router"], h, logits, 1, hq)
-        k.moe_route(logits, ho.ptr + 4 * E, ho.ptr + 4 * (E + kk), 1, ne, kk)
-        k.get_rows(gpu.F32, h, self._zero_index().ptr, ho.ptr, 1, E)      # h beside the routing: one copy
-        gpu.host_step(functools.partial(self._hybrid_read, i, ho, hi))
-        # queued before the CPU's experts run, so the GPU computes these meanwhile
+        k.moe_route(logits, ids, wts, 1, ne, kk)
+        k.hybrid_publish(h, ids, wts, hy["pin_idx"].ptr + 4 * i * ne if pinned else None, meta, slot, chan, E, kk)
+        # queued before the wait, so the GPU computes these while the CPU runs its experts
         sh, shg = self._shared_expert(L, h, hq, 1)
         if pinned:
             store, names = self._pin_store[i].ptr, L["exp_tensor"]
@@ -797,63 +834,63 @@ class GpuModel:
                     for w in ("gate_exps", "up_exps", "down_exps")}
             g = self._buf("eg", 4 * kk * ff).ptr
             u = self._buf("eu", 4 * kk * ff).ptr
-            self._pair_gemvs(L, addr, h, hq, g, u, hi.ptr + yo + 4 * E, hi.ptr, kk, kk)
-        gpu.host_step(functools.partial(self._hybrid_cpu, i, hi, yo))
-        k.moe_combine(hi.ptr + yo, hi.ptr + 4 * kk, sh, shg, y, 1, kk + 1 if pinned else 1, E)
-
-    def _zero_index(self) -> gpu.Buffer:
-        if "zero_index" not in self._scratch:
-            self._scratch["zero_index"] = gpu.Buffer.from_array(np.zeros(4, dtype=np.int32), "index 0")
-        return self._scratch["zero_index"]
-
-    def _hybrid_read(self, i: int, ho: gpu.Buffer, hi: gpu.Buffer) -> None:
-        """Host step 1 of a hybrid MoE layer: the routing and h from the GPU; the GPU's share (pinned experts) up."""
-        from . import _native
-        hp = self.hparams
-        E, kk = hp.n_embd, hp.n_expert_used
-        if self._hy is None:        # page-locked: the per-layer copies go straight to/from DMA
-            sizes = {"out": E + 2 * kk, "meta": 2 * kk + 1, "row": E, "cpu_ids": kk}
-            pb = gpu.PinnedBuffer(4 * sum(sizes.values()))
-            self._hy, at = {"buf": pb}, 0
-            for name, n in sizes.items():
-                self._hy[name] = pb.array[4 * at:4 * (at + n)].view(np.int32 if name == "cpu_ids" else np.float32)
-                at += n
-        hy = self._hy
-        out = hy["out"]
-        t0 = time.perf_counter()
-        _native.gpu_copy_dtoh(out, ho.ptr, out.nbytes)
-        self.hybrid_stats["read_s"] += time.perf_counter() - t0
-        ids, wts = out[E:E + kk].view(np.int32), out[E + kk:]
-        gids = self._pin_idx[i][ids]
-        meta = hy["meta"]
-        meta[:kk] = gids.view(np.float32)
-        meta[kk] = 1.0
-        meta[kk + 1:] = np.where(gids >= 0, wts, 0.0)
-        np.copyto(hy["cpu_ids"], np.where(gids < 0, ids, -1))
-        if self.pinned.get(i):
-            _native.gpu_copy_htod(hi.ptr, meta, meta.nbytes)
+            self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * E, meta, kk, kk)
+        k.hybrid_wait(slot, chan, rows, E, kk, HYBRID_WAIT_CYCLES)
+        k.moe_combine(rows, meta + 4 * kk, sh, shg, y, 1, kk + 1 if pinned else 1, E)
+        if self.graphs:
+            self._hy_serve([i])     # the recording pass (a replay is one graph launch, then every layer is served)
         else:
-            _native.gpu_copy_htod(hi.ptr + 4 * kk, meta[kk:kk + 1], 4)
-        c = self.route_counts.setdefault(i, np.zeros(hp.n_expert, dtype=np.int64))
-        c[ids] += 1
-        self.hybrid_stats["steps"] += 1
-        self.hybrid_stats["cpu_experts"] += int((gids < 0).sum())
+            gpu.host_step(functools.partial(self._hy_serve, [i]))   # replayed after this layer's launches
 
-    def _hybrid_cpu(self, i: int, hi: gpu.Buffer, yo: int) -> None:
-        """Host step 2: the CPU runs the unpinned experts (while the GPU runs the shared and pinned ones) and sends
-        their weighted sum to row 0."""
-        from . import _native
-        hp = self.hparams
-        E, kk = hp.n_embd, hp.n_expert_used
+    def _hy_channel(self) -> dict:
+        """The hybrid decode's channel (page-locked, device-visible through unified addressing), its layout, the
+        device table of pin indices [n_layer, n_expert] (-1: not pinned), the MoE layers in order."""
+        if self._hy is None:
+            from . import _native
+            hp = self.hparams
+            if not _native.gpu_attribute(gpu.ATTR_UNIFIED_ADDRESSING):
+                raise UnavailableError("the hybrid decode needs unified addressing (a 64-bit host and driver): the "
+                                       "GPU reads and writes its host channel directly")
+            lay = HybridLayout(hp.n_embd, hp.n_expert_used, hp.n_layer)
+            pb = gpu.PinnedBuffer(4 * lay.channel_words)
+            arr = pb.array.view(np.int32)
+            arr[:] = 0
+            table = np.full((hp.n_layer, hp.n_expert), -1, dtype=np.int32)
+            for i, idx in self._pin_idx.items():
+                table[i] = idx
+            self._hy = {"buf": pb, "arr": arr, "ptr": int(_native.ffi.cast("uintptr_t", pb.ptr)), "layout": lay,
+                        "pin_idx": gpu.Buffer.from_array(table, "hybrid pin indices"), "seq": 0,
+                        "layers": np.array([L["index"] for L in self.layers if "router" in L], dtype=np.int32),
+                        "counts": np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64), "stats": np.zeros(4)}
+        return self._hy
+
+    def _hy_next(self) -> None:
+        """A new token's sequence number into the channel (before its launches)."""
+        hy = self._hy_channel()
+        hy["seq"] = hy["seq"] % 0x7FFFFFFF + 1
+        hy["arr"][HybridLayout.SEQ] = hy["seq"]
+
+    def _hy_serve(self, layers) -> None:
+        """The CPU's experts of `layers` for the current token (le_hybrid_serve: waits for each layer's routing)."""
         hy = self._hy
-        row = hy["row"]
-        t0 = time.perf_counter()
-        if (hy["cpu_ids"] >= 0).any():
-            self.model.native.moe_routed(i, hy["out"][:E], hy["cpu_ids"], hy["out"][E + kk:], row)
-        else:
-            row[:] = 0.0
-        self.hybrid_stats["cpu_s"] += time.perf_counter() - t0
-        _native.gpu_copy_htod(hi.ptr + yo, row, row.nbytes)
+        self.model.native.hybrid_serve(hy["buf"].ptr, hy["seq"], layers, counts=hy["counts"],
+                                       timeout_s=HYBRID_TIMEOUT_S, stats=hy["stats"])
+
+    def _hy_flush(self) -> None:
+        """The channel's counts and timings into route_counts and hybrid_stats."""
+        hy = self._hy
+        if hy is None:
+            return
+        c, st = hy["counts"], hy["stats"]
+        for i in np.flatnonzero(c.any(axis=1)):
+            self.route_counts.setdefault(int(i), np.zeros(self.hparams.n_expert, dtype=np.int64))[:] += c[i]
+        hs = self._hybrid_stats
+        hs["read_s"] += st[0]
+        hs["cpu_s"] += st[1]
+        hs["cpu_experts"] += int(st[2])
+        hs["steps"] += int(st[3])
+        c[:] = 0
+        st[:] = 0
 
     def _pair_gemvs(self, L: dict, addr: dict, x_rows: int, xq, g: int, u: int, out: int, eids: int, pairs: int,
                     x_group: int) -> None:
@@ -984,7 +1021,19 @@ class GpuModel:
             with gpu.record() as launches:
                 self._forward_chunk(st, None, False, True, planned=True)
             st._plan, st._plan_gen = gpu.LaunchPlan(launches, graph=self.graphs), self._gen
+        elif self.cpu_experts and self.graphs:
+            self._hy_next()
+            hy = self._hy
+            try:
+                st._plan.replay()
+            except BaseException:
+                self.model.native.hybrid_release(hy["buf"].ptr, hy["seq"], hy["layers"])
+                raise
+            self._hy_serve(hy["layers"])        # each layer as the GPU publishes its routing
+            st._pos += 1
         else:
+            if self.cpu_experts:
+                self._hy_next()
             st._plan.replay()
             st._pos += 1
         logits = self._scratch["d:logits"]
@@ -998,6 +1047,8 @@ class GpuModel:
         hp, k = self.hparams, self.k
         n, E = (1 if planned else ids.size), hp.n_embd
         self._tag = "d" if n == 1 else "p"
+        if n == 1 and self.cpu_experts:
+            self._hy_next()
         if planned:
             idb = st.io
         else:
@@ -1052,18 +1103,22 @@ class GpuModel:
         from . import _native
         gpu.synchronize()
         pins = list(getattr(self, "_pin_store", {}).values())
-        for b in list(self._bufs.values()) + list(self._scratch.values()) + self._retired + self._staging + pins:
-            b.free()
+        for b in [self._weights] + list(self._scratch.values()) + self._retired + self._staging + pins:
+            if b is not None:
+                b.free()
         if self._rope is not None:
             self._rope.free()
         self._bufs, self._scratch, self._retired, self._rope, self._staging, self._pin_store = {}, {}, [], None, [], {}
+        self._weights = None
         self._counts_dev, self._counts_layers = None, set()
         if self._handoff is not None:
             self._handoff.free()
             self._handoff = None
         if self._hy is not None:
+            self._hy_flush()
             hy, self._hy = self._hy, None
             hy["buf"].free()
+            hy["pin_idx"].free()
         if self._host is not None:
             _native.gpu_host_unregister(self._host[0])
             self._host = None
@@ -1072,9 +1127,17 @@ class GpuModel:
             self.budget = None
         self.flush_routing()
 
+    @property
+    def hybrid_stats(self) -> dict:
+        """The hybrid decode so far: MoE layer steps, experts run on the CPU, seconds in them (cpu_s) and waiting
+        for the GPU's routing (read_s)."""
+        self._hy_flush()
+        return self._hybrid_stats
+
     def flush_routing(self) -> None:
         """Adds the routing counts gathered so far to the file's saved statistics (save_routing) and clears them;
         close() calls it, and the Engine at exit."""
+        self._hy_flush()
         if self.route_counts and self.save_routing:
             from .planner import save_routing
             try:

@@ -57,8 +57,32 @@ SCRATCH_SLACK = 32 * MiB
 ALLOC_GRANULE = 2 * MiB
 
 
+WEIGHT_ALIGN = 256           # each resident tensor's offset inside the one weight allocation (cuMemAlloc's own)
+
+
 def _round(n: int) -> int:
     return -(-int(n) // ALLOC_GRANULE) * ALLOC_GRANULE if n > 0 else 0
+
+
+def weight_layout(file, names) -> tuple[dict, int]:
+    """Offsets of tensors `names` inside one device allocation (each WEIGHT_ALIGN-aligned, as stored on the GPU:
+    gpu_tensor_bytes) -> ({name: offset}, total bytes). One allocation: as ~600 separate ones (norms, biases, the
+    GDN's small vectors) each rounded to the driver's 2 MiB page they were ~1 GiB of a 35B-A3B's 6 GiB budget."""
+    offs, at = {}, 0
+    for n in names:
+        offs[n] = at
+        at += -(-gpu_tensor_bytes(file.tensors[n]) // WEIGHT_ALIGN) * WEIGHT_ALIGN
+    return offs, at
+
+
+def resident_names(file, stream_experts: bool = False) -> list:
+    """The tensors a GPU model of `file` keeps in VRAM, in file order: every layer's (MTP layers excepted: not run)
+    and the embedding, output norm and head; without the routed experts when they stream."""
+    hp = file.hparams
+    exp = {n for i in range(hp.n_layer) for n in expert_tensors(file, i)} if stream_experts else set()
+    return [n for n in file.tensors
+            if (n.startswith("blk.") and int(n.split(".")[1]) < hp.n_layer
+                or n in ("token_embd.weight", "output_norm.weight", "output.weight")) and n not in exp]
 
 
 def parse_size(text: str) -> int:
@@ -180,15 +204,7 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
     head pass computes (default head_rows)."""
     hp = file.hparams
     pinned = pinned or {}
-    exp_names = {n for i in range(hp.n_layer) for n in expert_tensors(file, i)}
-    resident = 0
-    for name, t in file.tensors.items():
-        layer = name.split(".")[1] if name.startswith("blk.") else None
-        if layer is not None and int(layer) >= hp.n_layer:
-            continue                                       # MTP layers are not run
-        if stream_experts and name in exp_names:
-            continue
-        resident += _round(gpu_tensor_bytes(t))
+    resident = _round(weight_layout(file, resident_names(file, stream_experts))[1])
     per_expert, layer_max, pin_total = {}, 0, 0
     for i, full in layer_expert_bytes(file).items():
         per_expert[i] = full // hp.n_expert

@@ -16,6 +16,7 @@ const char *le_strerror(int code) {
     case LE_ERR_UNAVAILABLE: return "unavailable";
     case LE_ERR_DEVICE: return "device error";
     case LE_ERR_FORMAT: return "format error";
+    case LE_ERR_TIMEOUT: return "timed out";
     default: return "unknown status code";
     }
 }

@@ -169,6 +169,57 @@ def test_moe_combine(kernels):
         assert_close_sum(bo.download(dtype=np.float32).reshape(n, E), ref, mag, k + 8, "moe_combine shared")
 
 
+@variant_params()
+def test_hybrid_sync(kernels):
+    """hybrid_publish / hybrid_wait (cuda8/hybrid_sync.cu) against the channel layout (gpu_model.HybridLayout =
+    le_hybrid.h): the slot holds h, ids, cpu_ids, weights and READY = SEQ; meta holds the pin indices and the
+    weights of the pinned ones (1 for the CPU's row); the wait copies ROW once DONE == SEQ, and gives NaN when the
+    CPU never answers (a bounded spin, so a dead host cannot hang the stream)."""
+    from legacy_engine import _native
+    from legacy_engine.gpu_model import HybridLayout
+    rng = np.random.default_rng(21)
+    E, k, ne, n_layer = 300, 5, 40, 3
+    lay = HybridLayout(E, k, n_layer)
+    h = rng.standard_normal(E).astype(np.float32)
+    ids = rng.choice(ne, k, replace=False).astype(np.int32)
+    w = rng.dirichlet(np.ones(k)).astype(np.float32)
+    pin = np.full(ne, -1, dtype=np.int32)
+    pin[ids[[1, 3]]] = [0, 7]
+    pb = gpu.PinnedBuffer(4 * lay.channel_words)
+    try:
+        chan = pb.array.view(np.int32)
+        chan[:] = 0
+        chan[lay.seq] = 9
+        cp = int(_native.ffi.cast("uintptr_t", pb.ptr))
+        slot = cp + 4 * lay.slot_offset(2)
+        with gpu.Buffer.from_array(h) as bh, gpu.Buffer.from_array(ids) as bi, gpu.Buffer.from_array(w) as bw, \
+                gpu.Buffer.from_array(pin) as bp, gpu.Buffer(4 * (2 * k + 1)) as bm, gpu.Buffer(4 * E) as br:
+            for table in (bp, None):
+                kernels.hybrid_publish(bh, bi, bw, table, bm, slot, cp, E, k)
+                gpu.synchronize()
+                s = lay.slot(chan, 2)
+                gids = pin[ids] if table is not None else np.full(k, -1)
+                assert s[lay.ready] == 9
+                np.testing.assert_array_equal(s[lay.h:lay.h + E].view(np.float32), h)
+                np.testing.assert_array_equal(s[lay.ids:lay.ids + k], ids)
+                np.testing.assert_array_equal(s[lay.cpu_ids:lay.cpu_ids + k], np.where(gids >= 0, -1, ids))
+                np.testing.assert_array_equal(s[lay.wts:lay.wts + k].view(np.float32), w)
+                m = bm.download(dtype=np.int32)
+                np.testing.assert_array_equal(m[:k], gids)
+                np.testing.assert_array_equal(m[k:].view(np.float32), np.r_[1.0, np.where(gids >= 0, w, 0)])
+                assert not lay.slot(chan, 1).any()                      # the other slots untouched
+            row = rng.standard_normal(E).astype(np.float32)
+            s[lay.row:lay.row + E] = row.view(np.int32)
+            s[lay.done] = 9
+            kernels.hybrid_wait(slot, cp, br, E, k, 1 << 36)
+            np.testing.assert_array_equal(br.download(dtype=np.float32), row)
+            chan[lay.seq] = 10                                           # a token the CPU never serves
+            kernels.hybrid_wait(slot, cp, br, E, k, 1 << 20)
+            assert np.isnan(br.download(dtype=np.float32)).all()
+    finally:
+        pb.free()
+
+
 # ================================================================================================ whole models
 
 KINDS = ("dense", "dense_tied", "moe", "moe_hv_eq_hk")
@@ -571,9 +622,10 @@ def test_split_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
 @pytest.mark.parametrize("graphs", [False, True], ids=["replay", "graph"])
 def test_hybrid_decode_matches_cpu(graphs, gpu_device, tiny_file, cpu_model):
     """The hybrid decode (cpu_experts): a streamed prefill, then decode steps whose routed experts are split
-    between the GPU (pinned: some of layer 0 and 3, all of layer 7) and the CPU (le_moe_routed), replayed from a
-    launch plan with two host steps per MoE layer (as CUDA graph segments or launch by launch): the CPU engine's
-    logits within the f32 bar; every MoE layer of every step went through the host steps; routing counted."""
+    between the GPU (pinned: some of layer 0 and 3, all of layer 7) and the CPU (le_hybrid_serve through the
+    channel), replayed from a launch plan (one CUDA graph per token, the CPU serving every layer after its launch;
+    or launch by launch with one host step per MoE layer): the CPU engine's logits within the f32 bar; every MoE
+    layer of every step was served; routing counted."""
     if graphs and not gpu.graphs_available():
         pytest.skip("the driver has no CUDA graphs")
     cpu = cpu_model("moe")
@@ -590,7 +642,7 @@ def test_hybrid_decode_matches_cpu(graphs, gpu_device, tiny_file, cpu_model):
         d = float(np.abs(got.astype(np.float64) - ref).max())
         print(f"\nhybrid ({'graph' if graphs else 'replay'}): max|Δ| {d:.2e}; {gm.hybrid_stats}")
         assert d <= tol.LOGIT_ABS_F32
-        assert st._plan is not None and st._plan.host_steps == 2 * hp.n_layer
+        assert st._plan is not None and st._plan.host_steps == (0 if graphs else hp.n_layer)
         assert gm.hybrid_stats["steps"] == 20 * hp.n_layer
         # layer 7 is all on the GPU; the other layers send most of their experts to the CPU
         assert 0 < gm.hybrid_stats["cpu_experts"] < 20 * (hp.n_layer - 1) * hp.n_expert_used

@@ -12,7 +12,8 @@ typedef enum {
     LE_ERR_NO_MEMORY = 3,     /* an allocation failed */
     LE_ERR_UNAVAILABLE = 4,   /* an optional library (libnuma, libcuda) is absent */
     LE_ERR_DEVICE = 5,        /* a driver call failed; the message names the call */
-    LE_ERR_FORMAT = 6         /* malformed input data */
+    LE_ERR_FORMAT = 6,        /* malformed input data */
+    LE_ERR_TIMEOUT = 7        /* a wait for the other side (the GPU) ran out of time */
 } le_status;
 
 const char *le_strerror(int code);

@@ -1,0 +1,72 @@
+/* hybrid_sync.cu — the GPU's half of the hybrid decode's per-layer exchange with the CPU, through a channel in
+ * page-locked host memory that both sides read and write directly (layout: native/include/le_hybrid.h).
+ * No host step per layer: a whole decode token is one launch sequence (one CUDA graph), and the CPU serves
+ * the layers as they come (native/hybrid.c le_hybrid_serve).
+ *
+ * Reference: the host-side version it replaces (gpu_model._ffn_hybrid before 2026-11-25e) and native/hybrid.c:
+ *   hybrid_publish_f32(h, ids, w, pin_idx, meta, slot, chan, E, k)
+ *     h: [E] device, the layer's normed input;  ids, w: [k] moe_route's choice (device);
+ *     pin_idx: [n_expert] int32, expert -> its index among the layer's pinned experts, -1 where not pinned
+ *       (NULL: none pinned);
+ *     meta: device [k gids | k + 1 weights]: gids[s] = pin_idx[ids[s]]; weights[0] = 1 (the CPU's row),
+ *       weights[1 + s] = w[s] where gids[s] >= 0, else 0 (the pinned experts' GEMVs skip gid < 0 and moe_combine
+ *       sums rows 0..k with these weights);
+ *     slot: the layer's slot in the channel (host memory, device-visible): H, IDS, CPU_IDS (ids[s] where
+ *       gids[s] < 0, else -1), WTS, then READY = chan[SEQ] after a system-wide fence.
+ *     launch: block HYBRID_THREADS (256) x 1 x 1, grid 1 x 1 x 1
+ *   hybrid_wait_f32(slot, chan, row, E, k, max_cycles)
+ *     spins (thread 0, volatile reads of host memory) until slot DONE == chan[SEQ], then row[E] (device) = the
+ *     slot's ROW. Gives up after max_cycles clock cycles (the host failed or went away) and writes NaN rows, so a
+ *     lost CPU shows as NaN logits and the stream is never stuck.
+ *     launch: block HYBRID_THREADS (256) x 1 x 1, grid 1 x 1 x 1
+ * Every access to the channel is volatile (the CPU writes it while kernels run: nothing may be cached).
+ * Tiers: all (zero-copy reads and writes of page-locked memory and __threadfence_system are sm_20's; clock64
+ * too). Needs unified addressing (64-bit host, every CUDA 8+ driver): gpu_model checks the device attribute.
+ * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k hybrid_sync
+ */
+#include "compat.cuh"
+#include "le_hybrid.h"
+
+#define HYBRID_THREADS 256
+
+extern "C" __global__ void hybrid_publish_f32(const float *LE_RESTRICT h, const int *LE_RESTRICT ids,
+                                              const float *LE_RESTRICT w, const int *LE_RESTRICT pin_idx,
+                                              int *LE_RESTRICT meta, volatile int *slot, const volatile int *chan,
+                                              int E, int k) {
+    volatile float *sh = (volatile float *)(slot + LE_HY_H);
+    for (int e = threadIdx.x; e < E; e += HYBRID_THREADS) sh[e] = h[e];
+    if (threadIdx.x < k) {
+        const int s = threadIdx.x, id = ids[s];
+        const int g = pin_idx ? pin_idx[id] : -1;
+        float *mw = (float *)(meta + k);
+        meta[s] = g;
+        mw[1 + s] = g >= 0 ? w[s] : 0.0f;
+        if (s == 0) mw[0] = 1.0f;
+        slot[LE_HY_IDS(E) + s] = id;
+        slot[LE_HY_CPU_IDS(E, k) + s] = g >= 0 ? -1 : id;
+        ((volatile float *)slot)[LE_HY_WTS(E, k) + s] = w[s];
+    }
+    __threadfence_system(); /* this thread's channel writes reach host memory before READY does */
+    __syncthreads();
+    if (threadIdx.x == 0) slot[LE_HY_READY] = chan[LE_HY_SEQ];
+}
+
+extern "C" __global__ void hybrid_wait_f32(const volatile int *slot, const volatile int *chan,
+                                           float *LE_RESTRICT row, int E, int k, long long max_cycles) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        const int seq = chan[LE_HY_SEQ];
+        const long long t0 = clock64();
+        ok = 1;
+        while (slot[LE_HY_DONE] != seq) {
+            if (clock64() - t0 > max_cycles) {
+                ok = 0;
+                break;
+            }
+        }
+        __threadfence(); /* the row is read after DONE was seen */
+    }
+    __syncthreads();
+    const volatile float *src = (const volatile float *)(slot + LE_HY_ROW(E, k));
+    for (int e = threadIdx.x; e < E; e += HYBRID_THREADS) row[e] = ok ? src[e] : __int_as_float(0x7fc00000);
+}
