@@ -40,13 +40,37 @@ def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | 
             model.forward(st, ids[:p])
         t = statistics.median(_times(prefill, reps))
         row["pp"][p], row["pp_s"][p] = p / t, t
-    st.reset()
-    model.forward(st, ids[:prompts[0] + 1])           # and one step untimed (a GPU decode records its plan there)
-    t0 = time.perf_counter()
-    for t in ids[prompts[0] + 1:prompts[0] + 1 + gen]:
-        model.forward(st, [t])
-    row["tg"] = gen / (time.perf_counter() - t0)
+    runs, steal = [], []
+    for _ in range(max(1, reps)):      # decode: gen steps after a prompt, reps times (the median is reported)
+        st.reset()
+        model.forward(st, ids[:prompts[0] + 1])       # and one step untimed (a GPU decode records its plan there)
+        c0, t0 = _cpu_times(), time.perf_counter()
+        for t in ids[prompts[0] + 1:prompts[0] + 1 + gen]:
+            model.forward(st, [t])
+        runs.append(gen / (time.perf_counter() - t0))
+        steal.append(_steal_share(c0, _cpu_times()))
+    row["tg"], row["tg_runs"] = statistics.median(runs), runs
+    if steal[0] is not None:
+        row["cpu_steal"] = max(steal)        # a virtual machine's host taking the CPUs: decode numbers then vary
     return row
+
+
+def _cpu_times() -> list | None:
+    """The machine's aggregate CPU times (/proc/stat 'cpu' line: user nice system idle iowait irq softirq steal),
+    or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            return [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def _steal_share(a: list | None, b: list | None) -> float | None:
+    """The share of CPU time the hypervisor stole between two _cpu_times() readings."""
+    if a is None or b is None or len(a) < 8 or len(b) < 8:
+        return None
+    d = [y - x for x, y in zip(a, b)]
+    return d[7] / sum(d) if sum(d) > 0 else 0.0
 
 
 def bench_llama(binary: str, path: str, prompts, gen: int, threads: int, ngl: int, ncmoe: int | None,
@@ -128,8 +152,8 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             try:
                 gm.profile()
                 row = dict(strategy=name, describe=gm.describe(), **_measure(runner, prompts, gen, reps, n_ctx))
-                # the GPU prefills: (reps + 1) per prompt length (warm-up included), and the decode's own prompt
-                n_runs = (reps + 1) * len(prompts) + 1
+                # the GPU prefills: (reps + 1) per prompt length (warm-up included), and each decode run's prompt
+                n_runs = (reps + 1) * len(prompts) + max(1, reps)
                 row["gpu_phases_per_prefill_s"] = {k: v / n_runs for k, v in gm.profile_report().items()}
                 if base == "hybrid" and gm.hybrid_stats["steps"]:
                     hs = gm.hybrid_stats
@@ -188,6 +212,9 @@ def print_split(res: dict) -> None:
             line += f"{r['pred_pp'][p]:>8.0f}" if "pred_pp" in r else f"{'':>8}"
         line += f"{r['tg']:>9.2f}" + (f"{r['pred_tg']:>8.1f}" if "pred_tg" in r else "")
         print(line)
+        if len(r.get("tg_runs", ())) > 1:
+            steal = f"; the hypervisor took up to {100 * r['cpu_steal']:.1f} % of the CPUs" if "cpu_steal" in r else ""
+            print(f"{'':<28}decode runs (median above): " + ", ".join(f"{v:.1f}" for v in r["tg_runs"]) + steal)
         if "per_prefill" in r:
             pp = r["per_prefill"]
             print(f"{'':<28}per prefill (mean over prompts): expert copies {pp['h2d_gib']:.2f} GiB, GPU waiting for "
