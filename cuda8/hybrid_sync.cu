@@ -4,15 +4,17 @@
  * the layers as they come (native/hybrid.c le_hybrid_serve).
  *
  * Reference: the host-side version it replaces (gpu_model._ffn_hybrid before 2026-11-25e) and native/hybrid.c:
- *   hybrid_publish_f32(h, ids, w, pin_idx, meta, slot, chan, E, k)
+ *   hybrid_publish_f32(h, ids, w, pin_idx, n_link, meta, slot, chan, E, k)
  *     h: [E] device, the layer's normed input;  ids, w: [k] moe_route's choice (device);
  *     pin_idx: [n_expert] int32, expert -> its index among the layer's pinned experts, -1 where not pinned
- *       (NULL: none pinned);
- *     meta: device [k gids | k + 1 weights]: gids[s] = pin_idx[ids[s]]; weights[0] = 1 (the CPU's row),
- *       weights[1 + s] = w[s] where gids[s] >= 0, else 0 (the pinned experts' GEMVs skip gid < 0 and moe_combine
- *       sums rows 0..k with these weights);
- *     slot: the layer's slot in the channel (host memory, device-visible): H, IDS, CPU_IDS (ids[s] where
- *       gids[s] < 0, else -1), WTS, then READY = chan[SEQ] after a system-wide fence.
+ *       (NULL: none pinned);  n_link: how many of the experts not pinned (the first in slot order) the GPU reads
+ *       in place from the host's page-locked weight map instead of leaving them to the CPU;
+ *     meta: device [k gids | k lids | 2k + 1 weights]: gids[s] = pin_idx[ids[s]]; lids[s] = ids[s] for the n_link
+ *       experts read over the link, else -1; weights[0] = 1 (the CPU's row), weights[1 + s] = w[s] where
+ *       gids[s] >= 0, weights[1 + k + s] = w[s] where lids[s] >= 0, else 0 (the GEMVs skip ids < 0 and
+ *       moe_combine sums rows 0..2k with these weights);
+ *     slot: the layer's slot in the channel (host memory, device-visible): H, IDS, CPU_IDS (ids[s] where the
+ *       CPU runs it, else -1), WTS, then READY = chan[SEQ] after a system-wide fence.
  *     launch: block HYBRID_THREADS (256) x 1 x 1, grid 1 x 1 x 1
  *   hybrid_wait_f32(slot, chan, row, E, k, max_cycles)
  *     spins (thread 0, volatile reads of host memory) until slot DONE == chan[SEQ], then row[E] (device) = the
@@ -30,7 +32,7 @@
 #define HYBRID_THREADS 256
 
 extern "C" __global__ void hybrid_publish_f32(const float *LE_RESTRICT h, const int *LE_RESTRICT ids,
-                                              const float *LE_RESTRICT w, const int *LE_RESTRICT pin_idx,
+                                              const float *LE_RESTRICT w, const int *LE_RESTRICT pin_idx, int n_link,
                                               int *LE_RESTRICT meta, volatile int *slot, const volatile int *chan,
                                               int E, int k) {
     volatile float *sh = (volatile float *)(slot + LE_HY_H);
@@ -38,12 +40,17 @@ extern "C" __global__ void hybrid_publish_f32(const float *LE_RESTRICT h, const 
     if (threadIdx.x < k) {
         const int s = threadIdx.x, id = ids[s];
         const int g = pin_idx ? pin_idx[id] : -1;
-        float *mw = (float *)(meta + k);
+        int rank = 0; /* experts not pinned in the slots before s */
+        for (int j = 0; j < s; j++) rank += (pin_idx ? pin_idx[ids[j]] : -1) < 0;
+        const int l = g < 0 && rank < n_link ? id : -1;
+        float *mw = (float *)(meta + 2 * k);
         meta[s] = g;
+        meta[k + s] = l;
         mw[1 + s] = g >= 0 ? w[s] : 0.0f;
+        mw[1 + k + s] = l >= 0 ? w[s] : 0.0f;
         if (s == 0) mw[0] = 1.0f;
         slot[LE_HY_IDS(E) + s] = id;
-        slot[LE_HY_CPU_IDS(E, k) + s] = g >= 0 ? -1 : id;
+        slot[LE_HY_CPU_IDS(E, k) + s] = g >= 0 || l >= 0 ? -1 : id;
         ((volatile float *)slot)[LE_HY_WTS(E, k) + s] = w[s];
     }
     __threadfence_system(); /* this thread's channel writes reach host memory before READY does */

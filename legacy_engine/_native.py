@@ -576,6 +576,13 @@ def gpu_host_register(host_addr: int, nbytes: int, read_only: bool) -> None:
                "le_gpu_host_register")
 
 
+def gpu_host_device_pointer(host_addr: int) -> int:
+    """The device address of a host address inside page-locked memory (allocated or registered)."""
+    out = ffi.new("uint64_t *")
+    _gpu_check(lib.le_gpu_host_device_pointer(ffi.cast("void *", host_addr), out), "le_gpu_host_device_pointer")
+    return int(out[0])
+
+
 def gpu_host_unregister(host_addr: int) -> None:
     _gpu_check(lib.le_gpu_host_unregister(ffi.cast("void *", host_addr)), "le_gpu_host_unregister")
 

@@ -8,7 +8,8 @@ prediction and to llama.cpp's offload settings on the same file.
 Strategies (planner.py): cpu (prefill and decode on the CPU), stream (GPU prefill with routed experts streamed
 from host RAM, pinned ones in VRAM, CPU decode: the split `run --gpu --vram` uses when the model does not fit),
 hybrid (the same prefill; decode steps with attention, GDN, shared and pinned experts on the GPU and the other
-routed experts on the CPU), resident (all in VRAM; only when it fits the budget). For each: prefill tok/s per prompt length (one pass from an
+routed experts on the CPU; hybrid/linkN: the GPU also runs N of each layer's experts that are not pinned, reading
+them in place over the link), resident (all in VRAM; only when it fits the budget). For each: prefill tok/s per prompt length (one pass from an
 empty state, last logits), decode tok/s (gen steps after the prompt), where the prefill time went (expert bytes
 copied, copy GB/s, GPU compute and the rest), and the planner's predictions beside the measurements.
 --ballast allocates VRAM until only the budget is free (the budget then is all there is: an overrun would fail).
@@ -132,8 +133,11 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             res["rows"].append(row)
         for name in [s for s in strategies if s.split("/")[0] in ("stream", "hybrid", "resident")]:
             base, _, form = name.partition("/")     # stream/pairs, stream/grouped: the routed experts' form
+            link = 0                                  # hybrid/linkN: N experts per layer read over the link
+            if base == "hybrid" and form.startswith("link") and form[4:].isdigit():
+                form, link = "", int(form[4:])
             if form not in ("", "pairs", "grouped"):
-                raise ValueError(f"strategy {name}: the form after / is pairs or grouped")
+                raise ValueError(f"strategy {name}: the form after / is pairs or grouped (hybrid: also linkN)")
             st0 = preds[prompts[-1]][base]
             if not st0.fits:
                 res["rows"].append({"strategy": name, "error": f"does not fit: {st0.why}"})
@@ -143,7 +147,8 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             grouped["mma"] = mma
             if base in ("stream", "hybrid"):
                 gm = GpuModel(model, vram=vram, stream_experts=True, pinned=st0.pinned, n_ctx=n_ctx,
-                              chunk=st0.chunk, simulate_link=simulate_link, cpu_experts=base == "hybrid", **grouped)
+                              chunk=st0.chunk, simulate_link=simulate_link, cpu_experts=base == "hybrid",
+                              link_experts=link, **grouped)
                 # every measured prompt on the GPU, decode steps on the CPU (the split as run --gpu runs it)
                 runner = SplitModel(model, gm, min_gpu_tokens=min(prompts))
             else:

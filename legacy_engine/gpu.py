@@ -1345,19 +1345,20 @@ class Kernels:
             [("ptr", _ptr(y)), ("ptr", _ptr(w)), ("ptr", _ptr(sh)), ("ptr", _ptr(shgate)), ("ptr", _ptr(out)),
              ("i32", n), ("i32", k), ("i32", E)], stream=stream)
 
-    def hybrid_publish(self, h, ids, w, pin_idx, meta, slot: int, chan: int, E: int, k: int,
+    def hybrid_publish(self, h, ids, w, pin_idx, n_link: int, meta, slot: int, chan: int, E: int, k: int,
                        stream: Stream | None = None) -> None:
         """The hybrid decode's routing into the host channel (cuda8/hybrid_sync.cu): h [E], ids/w [k] (moe_route)
-        into `slot`, READY = chan's SEQ; meta [k gids | k + 1 weights] (device) from pin_idx [n_expert] (None:
-        nothing pinned). slot, chan: device-visible addresses of page-locked host memory (le_hybrid.h)."""
-        if not 0 < k <= min(MOE_MAX_K, HYBRID_THREADS) or E <= 0:
-            raise ValueError(f"hybrid_publish: E = {E}, k = {k}")
+        into `slot`, READY = chan's SEQ; meta [k gids | k lids | 2k + 1 weights] (device) from pin_idx [n_expert]
+        (None: nothing pinned) and n_link (the first n_link experts not pinned are the GPU's, read over the link).
+        slot, chan: device-visible addresses of page-locked host memory (le_hybrid.h)."""
+        if not 0 < k <= min(MOE_MAX_K, HYBRID_THREADS) or E <= 0 or not 0 <= n_link <= k:
+            raise ValueError(f"hybrid_publish: E = {E}, k = {k}, n_link = {n_link}")
         _need(h, 4 * E, "hybrid_publish h")
-        _need(meta, 4 * (2 * k + 1), "hybrid_publish meta")
+        _need(meta, 4 * (4 * k + 1), "hybrid_publish meta")
         self.modules["hybrid_sync"].kernel("hybrid_publish_f32").launch(
             (1, 1, 1), (HYBRID_THREADS, 1, 1),
-            [("ptr", _ptr(h)), ("ptr", _ptr(ids)), ("ptr", _ptr(w)), ("ptr", _ptr(pin_idx)), ("ptr", _ptr(meta)),
-             ("ptr", int(slot)), ("ptr", int(chan)), ("i32", E), ("i32", k)], stream=stream)
+            [("ptr", _ptr(h)), ("ptr", _ptr(ids)), ("ptr", _ptr(w)), ("ptr", _ptr(pin_idx)), ("i32", n_link),
+             ("ptr", _ptr(meta)), ("ptr", int(slot)), ("ptr", int(chan)), ("i32", E), ("i32", k)], stream=stream)
 
     def hybrid_wait(self, slot: int, chan: int, row, E: int, k: int, max_cycles: int,
                     stream: Stream | None = None) -> None:

@@ -118,7 +118,8 @@ class GpuModel:
                  stream_experts: bool = False, pinned: dict | None = None, vram: int | None = None,
                  n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, simulate_link: float | None = None,
                  sort_pairs: bool = True, save_routing: bool = True, grouped_experts: bool = True,
-                 cpu_experts: bool = False, int8_prefill: bool | None = None, mma: bool | None = None):
+                 cpu_experts: bool = False, int8_prefill: bool | None = None, mma: bool | None = None,
+                 link_experts: int = 0):
         """model: a loaded Model (its file's tensors are uploaded; the CPU model stays usable).
         tier: 'fermi' | 'kepler' | 'dp4a' (default: the GPU's own, default_tier); arch: the PTX target
         (compute capability x10, default the GPU's: 35, 61 or 70 run the legacy PTX on a newer card);
@@ -151,10 +152,13 @@ class GpuModel:
         stream/grouped,stream/pairs`).
         cpu_experts (with stream_experts): the hybrid decode. One-token steps run attention/GDN, the router, the
         shared expert and the pinned experts on the GPU and the other routed experts on the CPU (the CPU model's
-        le_moe_routed on its threads): per MoE layer the host reads the normed hidden state and the routing (one
-        copy), queues the shared and pinned experts, runs its experts while the GPU runs those, sends their sum
-        back (one copy), and the GPU combines. The steps replay as a launch plan with these host steps between
-        its segments (a CUDA graph each).
+        le_moe_routed on its threads). Per MoE layer the GPU publishes the normed hidden state and the routing in a
+        channel of page-locked host memory (hybrid_publish), runs the shared and pinned experts, and waits
+        (hybrid_wait) for the row the CPU writes there (le_hybrid_serve, spinning on the channel): no host step,
+        a token is one launch sequence (one CUDA graph).
+        link_experts (hybrid decode): per layer and token, the GPU also runs this many of the experts that are not
+        pinned, reading their weights in place from the page-locked host map over the link while the CPU runs the
+        rest (the link's bandwidth added to the CPU's); 0: the CPU runs every expert not pinned.
         save_routing: close() adds the routing counts of this model's passes to the file's saved statistics
         (planner.load_routing), from which the next placement pins the hottest experts.
         simulate_link: GB/s; streamed expert copies are paced to it (the host waits until a copy would have
@@ -185,6 +189,11 @@ class GpuModel:
         if cpu_experts and not self.stream:
             raise ValueError("cpu_experts (the hybrid decode) needs stream_experts and a MoE model")
         self.cpu_experts = bool(cpu_experts)
+        if not 0 <= int(link_experts) <= (hp.n_expert_used if hp.n_expert else 0):
+            raise ValueError(f"link_experts = {link_experts}: 0 … n_expert_used")
+        if link_experts and not cpu_experts:
+            raise ValueError("link_experts is a setting of the hybrid decode (cpu_experts=True)")
+        self.link_experts = int(link_experts)
         self.pinned = {int(i): sorted(set(int(e) for e in v)) for i, v in (pinned or {}).items()} if self.stream else {}
         for i, es in self.pinned.items():
             if not 0 <= i < hp.n_layer or any(not 0 <= e < hp.n_expert for e in es):
@@ -400,6 +409,7 @@ class GpuModel:
         self._stage_layout: dict[int, list] = {}     # layer -> [(host address, tensor bytes, expert bytes, offset,
         #                                               offset of the tensor's pinned experts in the pin store)]
         self._stage_offset: dict[str, int] = {}
+        self._host_addr: dict[str, int] = {}          # expert tensor -> its host address in the weight map
         self._pin_store: dict[int, gpu.Buffer] = {}  # layer -> pinned experts of every tensor, tensor-major
         self._pin_off: dict[str, int] = {}            # expert tensor -> offset of its pinned experts in the store
         self._pin_idx: dict[int, np.ndarray] = {}     # layer -> [n_expert] int32: index in the store or -1
@@ -414,6 +424,7 @@ class GpuModel:
                 self._pin_off[name] = pin_off
                 pin_parts += [data[e * eb:(e + 1) * eb] for e in es]
                 self._stage_offset[name] = off
+                self._host_addr[name] = _native.host_address(data)
                 off += int(t.n_bytes)
                 pin_off += len(es) * eb
             if lay:
@@ -818,25 +829,37 @@ class GpuModel:
         pinned = bool(self.pinned.get(i))
         hy = self._hy_channel()
         chan, slot = hy["ptr"], hy["ptr"] + 4 * hy["layout"].slot_offset(i)
-        meta = self._buf("hy_meta", 4 * (2 * kk + 1)).ptr
-        rows = self._buf("hy_rows", 4 * (kk + 1) * E).ptr
+        link = self.link_experts
+        meta = self._buf("hy_meta", 4 * (4 * kk + 1)).ptr
+        fresh = f"{self._tag}:hy_rows" not in self._scratch
+        rows = self._buf("hy_rows", 4 * (2 * kk + 1) * E).ptr
+        if fresh:      # rows a layer does not compute (no pins here, no link experts) stay zero, at weight 0
+            from . import _native
+            _native.gpu_memset8(rows, 0, 4 * (2 * kk + 1) * E)
         ids = self._buf("hy_ids", 4 * kk).ptr
         wts = self._buf("hy_wts", 4 * kk).ptr
         logits = self._buf("router", 4 * ne).ptr
         self._mm(L["router"], h, logits, 1, hq)
         k.moe_route(logits, ids, wts, 1, ne, kk)
-        k.hybrid_publish(h, ids, wts, hy["pin_idx"].ptr + 4 * i * ne if pinned else None, meta, slot, chan, E, kk)
+        k.hybrid_publish(h, ids, wts, hy["pin_idx"].ptr + 4 * i * ne if pinned else None, link, meta, slot, chan,
+                         E, kk)
         # queued before the wait, so the GPU computes these while the CPU runs its experts
         sh, shg = self._shared_expert(L, h, hq, 1)
-        if pinned:
-            store, names = self._pin_store[i].ptr, L["exp_tensor"]
+        names = L["exp_tensor"]
+        g = self._buf("eg", 4 * kk * ff).ptr
+        u = self._buf("eu", 4 * kk * ff).ptr
+        if pinned:         # rows 1..kk: the pinned experts (gids: index in the pin store)
+            store = self._pin_store[i].ptr
             addr = {w: store + self._pin_off[names[w]] + L[w].ptr - self._stage_offset[names[w]]
                     for w in ("gate_exps", "up_exps", "down_exps")}
-            g = self._buf("eg", 4 * kk * ff).ptr
-            u = self._buf("eu", 4 * kk * ff).ptr
             self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * E, meta, kk, kk)
+        if link:           # rows kk+1..2kk: experts read in place from the host map (lids: expert ids)
+            addr = {w: hy["host_dev"][names[w]] + L[w].ptr - self._stage_offset[names[w]]
+                    for w in ("gate_exps", "up_exps", "down_exps")}
+            self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * (1 + kk) * E, meta + 4 * kk, kk, kk)
         k.hybrid_wait(slot, chan, rows, E, kk, HYBRID_WAIT_CYCLES)
-        k.moe_combine(rows, meta + 4 * kk, sh, shg, y, 1, kk + 1 if pinned else 1, E)
+        n_rows = 1 + kk * (2 if link else 1 if pinned else 0)
+        k.moe_combine(rows, meta + 8 * kk, sh, shg, y, 1, n_rows, E)
         if self.graphs:
             self._hy_serve([i])     # the recording pass (a replay is one graph launch, then every layer is served)
         else:
@@ -858,7 +881,15 @@ class GpuModel:
             table = np.full((hp.n_layer, hp.n_expert), -1, dtype=np.int32)
             for i, idx in self._pin_idx.items():
                 table[i] = idx
+            host_dev = {}
+            if self.link_experts:
+                if self._host is None:
+                    raise UnavailableError(f"link_experts: the weight map is {self.host_pinned_why}; the GPU can "
+                                           "read experts in place only from page-locked memory")
+                dev0 = _native.gpu_host_device_pointer(self._map_base)
+                host_dev = {n: dev0 + (a - self._map_base) for n, a in self._host_addr.items()}
             self._hy = {"buf": pb, "arr": arr, "ptr": int(_native.ffi.cast("uintptr_t", pb.ptr)), "layout": lay,
+                        "host_dev": host_dev,
                         "pin_idx": gpu.Buffer.from_array(table, "hybrid pin indices"), "seq": 0,
                         "layers": np.array([L["index"] for L in self.layers if "router" in L], dtype=np.int32),
                         "counts": np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64), "stats": np.zeros(4)}

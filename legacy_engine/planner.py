@@ -243,13 +243,17 @@ CPU_PREFILL_GAIN = 1.0       # CPU prefill tok/s / CPU decode tok/s (one integer
 GPU_PREFILL_EFF = 0.66
 GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 544 for 24 layers + head ≈ 22.5/layer
 #                                     on the 0.8B incl. quantise/route; 14 is the MoE-free GDN average)
-# The hybrid decode (gpu_model._ffn_hybrid), calibrated on `bench split --strategies hybrid` (35B-A3B Q4_K_M, 6 GiB,
-# H100 + 16 cores reading 107.8 GB/s, 2026-11-25, nothing else running): uniform routing 21.8 ms per token, of which
-# le_moe_routed 11.3 ms for 0.573 GB of expert weights; skewed (--router-skew 1.2, pins from the saved counts) 13.3 ms,
-# le_moe_routed 5.6 ms for 0.285 GB. Both 50.9 GB/s: 0.47 of the read bandwidth (whole CPU decode steps reach 0.62;
-# here 2 pool jobs per layer and token on ~7-14 MB each). The rest, less the GPU's share at the GEMV rate (1.2-1.3 ms),
-# is host work per MoE layer: a device->host read that waits for the layer's ~17 decode kernels, two host->device
-# copies, two graph launches, ~10 µs of numpy: 232 µs (uniform) and 161 µs (skewed), 200 µs taken.
+# The hybrid decode (gpu_model._ffn_hybrid: the GPU and the CPU exchange each MoE layer through a host channel that
+# both read and write directly, a token is one CUDA graph), calibrated on `bench split --strategies hybrid --reps 3`
+# (35B-A3B Q4_K_M, 6 GiB, H100 + 16 cores reading 52.3 GB/s, 2026-11-25 fifth session, the quietest run: 0.5 % of the
+# CPUs taken by the hypervisor): skewed routing (--router-skew 1.2) 10.8 ms per token at 12 threads, of which the
+# CPU's 98 experts 5.96 ms (0.187 GB: 31 GB/s = 0.60 of the probe's read bandwidth), the host waiting for each
+# layer's routing 4.21 ms (the GPU's chain from one layer's CPU row to the next layer's routing: ~20 kernels), the
+# rest 0.66 ms; uniform routing 16.8 ms for 278 experts (0.53 GB, 0.61). The per-layer cost below is that chain less
+# the GPU's own share (its GEMV weights at the GEMV rate, ~1.2 ms) plus the rest, per MoE layer. HYBRID_CPU_EFF stays
+# at the first calibration's 0.47 (host steps then, a machine whose probe read 107.8 GB/s): the two machines'
+# probes disagree more than the kernels do, and 0.47 keeps the prediction on the safe side. A few % of hypervisor
+# steal halves these numbers (bench split reports it per run).
 # The split's state handoff (SplitModel.forward, stream strategy: the GDN states (and KV rows so far) to the GPU
 # before a pass, the states and the pass's KV rows back after, through one page-locked staging buffer), bytes moved /
 # seconds: benchmarks/bench_split_handoff.py, 35B-A3B Q4_K_M under 6 GiB, pp2048, H100 2026-11-25 (fourth session):
@@ -257,7 +261,7 @@ GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 5
 # 328 ms, 0.66 GB/s). The hybrid strategy keeps the state on the GPU: no handoff.
 SPLIT_HANDOFF_GBPS = 4.8
 HYBRID_CPU_EFF = 0.47
-HYBRID_HOST_S_PER_LAYER = 200e-6
+HYBRID_HOST_S_PER_LAYER = 90e-6
 MACHINE_FILE = "machine.json"
 PROBE_VERSION = 3   # part of the cache key: 3 = the GEMM probe times the prefill's own GEMM (gemm_mma / gemm_dp4a)
 
@@ -488,7 +492,8 @@ def pinned_share(file, pins: dict, counts: dict | None = None) -> float:
 def _hybrid_decode(m: Machine, file, fpd, pins: dict, counts: dict | None) -> tuple[float, dict]:
     """Seconds per token of the hybrid decode and its parts: the GPU's share (dense weights, shared expert, head,
     pinned experts at the GEMV rate, launches), the CPU's (unpinned routed experts at the CPU decode rate) and the
-    host steps between them; they run one after the other (only the shared/pinned experts overlap the CPU)."""
+    per-layer exchange between them (the GPU's chain to the next routing); they run one after the other (only the
+    shared/pinned experts overlap the CPU)."""
     hp = file.hparams
     n_moe = len(layer_expert_bytes(file))
     share = pinned_share(file, pins, counts)

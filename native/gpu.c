@@ -80,6 +80,7 @@ static struct {
     CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
     CUresult (*cuMemHostRegister)(void *, size_t, unsigned);
     CUresult (*cuMemHostUnregister)(void *);
+    CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr *, void *, unsigned);
     CUresult (*cuEventCreate)(CUevent *, unsigned);
     CUresult (*cuEventDestroy)(CUevent);
     CUresult (*cuEventRecord)(CUevent, CUstream);
@@ -172,6 +173,7 @@ static int load_driver(void) {
     LOAD(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync");
     LOAD(cuMemHostRegister, "cuMemHostRegister_v2", "cuMemHostRegister");
     LOAD(cuMemHostUnregister, "cuMemHostUnregister", NULL);
+    LOAD(cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer");
     LOAD(cuEventCreate, "cuEventCreate", NULL);
     LOAD(cuEventDestroy, "cuEventDestroy_v2", "cuEventDestroy");
     LOAD(cuEventRecord, "cuEventRecord", NULL);
@@ -572,10 +574,11 @@ int le_gpu_host_free(void *p) {
     return LE_OK;
 }
 
-/* Page-locks existing host memory (a weight map) for asynchronous copies. The range is widened
- * to whole pages. read_only: the memory is mapped read-only (a file map): the driver is told so
- * (CU_MEMHOSTREGISTER_READ_ONLY, driver 11.1+). */
-enum { CU_MEMHOSTREGISTER_READ_ONLY = 0x08 };
+/* Page-locks existing host memory (a weight map) for asynchronous copies, and maps it into the
+ * device's address space (DEVICEMAP: kernels may read it in place, the hybrid decode's experts read
+ * over the link). The range is widened to whole pages. read_only: the memory is mapped read-only
+ * (a file map): the driver is told so (CU_MEMHOSTREGISTER_READ_ONLY, driver 11.1+). */
+enum { CU_MEMHOSTREGISTER_DEVICEMAP = 0x02, CU_MEMHOSTREGISTER_READ_ONLY = 0x08 };
 
 static void page_range(void *p, size_t bytes, void **base, size_t *len) {
     const uintptr_t a = (uintptr_t)p & ~(uintptr_t)4095, e = ((uintptr_t)p + bytes + 4095) & ~(uintptr_t)4095;
@@ -589,8 +592,18 @@ int le_gpu_host_register(void *p, size_t bytes, int read_only) {
     void *base;
     size_t len;
     page_range(p, bytes, &base, &len);
-    CUresult rc = cu.cuMemHostRegister(base, len, read_only ? CU_MEMHOSTREGISTER_READ_ONLY : 0);
+    CUresult rc = cu.cuMemHostRegister(base, len,
+                                       CU_MEMHOSTREGISTER_DEVICEMAP | (read_only ? CU_MEMHOSTREGISTER_READ_ONLY : 0));
     if (rc != 0) CU_FAIL(rc, "cuMemHostRegister(%zu bytes%s)", len, read_only ? ", read-only" : "");
+    return LE_OK;
+}
+
+int le_gpu_host_device_pointer(void *p, uint64_t *out) {
+    if (!p || !out) return LE_FAIL(LE_ERR_INVALID_ARG, "le_gpu_host_device_pointer: a NULL argument");
+    READY("le_gpu_host_device_pointer");
+    CUdeviceptr d = 0;
+    CU_CHECK(cu.cuMemHostGetDevicePointer(&d, p, 0));
+    *out = (uint64_t)d;
     return LE_OK;
 }
 

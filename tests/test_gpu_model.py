@@ -172,8 +172,8 @@ def test_moe_combine(kernels):
 @variant_params()
 def test_hybrid_sync(kernels):
     """hybrid_publish / hybrid_wait (cuda8/hybrid_sync.cu) against the channel layout (gpu_model.HybridLayout =
-    le_hybrid.h): the slot holds h, ids, cpu_ids, weights and READY = SEQ; meta holds the pin indices and the
-    weights of the pinned ones (1 for the CPU's row); the wait copies ROW once DONE == SEQ, and gives NaN when the
+    le_hybrid.h): the slot holds h, ids, cpu_ids, weights and READY = SEQ; meta holds the pin indices, the ids the
+    GPU reads over the link (the first n_link not pinned) and the weights of each group (1 for the CPU's row); the wait copies ROW once DONE == SEQ, and gives NaN when the
     CPU never answers (a bounded spin, so a dead host cannot hang the stream)."""
     from legacy_engine import _native
     from legacy_engine.gpu_model import HybridLayout
@@ -193,20 +193,26 @@ def test_hybrid_sync(kernels):
         cp = int(_native.ffi.cast("uintptr_t", pb.ptr))
         slot = cp + 4 * lay.slot_offset(2)
         with gpu.Buffer.from_array(h) as bh, gpu.Buffer.from_array(ids) as bi, gpu.Buffer.from_array(w) as bw, \
-                gpu.Buffer.from_array(pin) as bp, gpu.Buffer(4 * (2 * k + 1)) as bm, gpu.Buffer(4 * E) as br:
-            for table in (bp, None):
-                kernels.hybrid_publish(bh, bi, bw, table, bm, slot, cp, E, k)
+                gpu.Buffer.from_array(pin) as bp, gpu.Buffer(4 * (4 * k + 1)) as bm, gpu.Buffer(4 * E) as br:
+            for table, n_link in ((bp, 0), (None, 0), (bp, 2), (None, k)):
+                m = np.full(4 * k + 1, -7, dtype=np.int32)
+                bm.upload(m)
+                kernels.hybrid_publish(bh, bi, bw, table, n_link, bm, slot, cp, E, k)
                 gpu.synchronize()
                 s = lay.slot(chan, 2)
                 gids = pin[ids] if table is not None else np.full(k, -1)
+                lids = np.where((gids < 0) & (np.cumsum(gids < 0) <= n_link), ids, -1)   # the first n_link unpinned
                 assert s[lay.ready] == 9
                 np.testing.assert_array_equal(s[lay.h:lay.h + E].view(np.float32), h)
                 np.testing.assert_array_equal(s[lay.ids:lay.ids + k], ids)
-                np.testing.assert_array_equal(s[lay.cpu_ids:lay.cpu_ids + k], np.where(gids >= 0, -1, ids))
+                np.testing.assert_array_equal(s[lay.cpu_ids:lay.cpu_ids + k],
+                                              np.where((gids >= 0) | (lids >= 0), -1, ids))
                 np.testing.assert_array_equal(s[lay.wts:lay.wts + k].view(np.float32), w)
                 m = bm.download(dtype=np.int32)
                 np.testing.assert_array_equal(m[:k], gids)
-                np.testing.assert_array_equal(m[k:].view(np.float32), np.r_[1.0, np.where(gids >= 0, w, 0)])
+                np.testing.assert_array_equal(m[k:2 * k], lids)
+                np.testing.assert_array_equal(m[2 * k:].view(np.float32),
+                                              np.r_[1.0, np.where(gids >= 0, w, 0), np.where(lids >= 0, w, 0)])
                 assert not lay.slot(chan, 1).any()                      # the other slots untouched
             row = rng.standard_normal(E).astype(np.float32)
             s[lay.row:lay.row + E] = row.view(np.int32)
@@ -619,19 +625,21 @@ def test_split_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
         gm.close()
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["replay", "graph"])
-def test_hybrid_decode_matches_cpu(graphs, gpu_device, tiny_file, cpu_model):
+@pytest.mark.parametrize("graphs,link", [(False, 0), (True, 0), (True, 1), (False, 1)],
+                         ids=["replay", "graph", "graph-link1", "replay-link1"])
+def test_hybrid_decode_matches_cpu(graphs, link, gpu_device, tiny_file, cpu_model):
     """The hybrid decode (cpu_experts): a streamed prefill, then decode steps whose routed experts are split
     between the GPU (pinned: some of layer 0 and 3, all of layer 7) and the CPU (le_hybrid_serve through the
     channel), replayed from a launch plan (one CUDA graph per token, the CPU serving every layer after its launch;
-    or launch by launch with one host step per MoE layer): the CPU engine's logits within the f32 bar; every MoE
-    layer of every step was served; routing counted."""
+    or launch by launch with one host step per MoE layer); link1: the GPU also runs one expert per layer that is
+    not pinned, reading it in place from the page-locked host map. The CPU engine's logits within the f32 bar;
+    every MoE layer of every step was served; routing counted."""
     if graphs and not gpu.graphs_available():
         pytest.skip("the driver has no CUDA graphs")
     cpu = cpu_model("moe")
     hp = cpu.hparams
     pinned = {0: [0, 5, 6], 3: [1], 7: list(range(hp.n_expert))}
-    gm = _stream_model(cpu, pinned, 16, save_routing=False, cpu_experts=True, graphs=graphs)
+    gm = _stream_model(cpu, pinned, 16, save_routing=False, cpu_experts=True, graphs=graphs, link_experts=link)
     try:
         assert gm.plan and gm.graphs == graphs
         ids = sequence(80, hp.n_vocab)
@@ -644,8 +652,10 @@ def test_hybrid_decode_matches_cpu(graphs, gpu_device, tiny_file, cpu_model):
         assert d <= tol.LOGIT_ABS_F32
         assert st._plan is not None and st._plan.host_steps == (0 if graphs else hp.n_layer)
         assert gm.hybrid_stats["steps"] == 20 * hp.n_layer
-        # layer 7 is all on the GPU; the other layers send most of their experts to the CPU
-        assert 0 < gm.hybrid_stats["cpu_experts"] < 20 * (hp.n_layer - 1) * hp.n_expert_used
+        # layer 7 is all on the GPU; the other layers send most of their experts to the CPU (less the link's)
+        assert 0 < gm.hybrid_stats["cpu_experts"] <= 20 * (hp.n_layer - 1) * (hp.n_expert_used - link)
+        if not link:
+            assert gm.hybrid_stats["cpu_experts"] > 20 * (hp.n_layer - 1) * (hp.n_expert_used - 1) // 2
         assert all(int(c.sum()) == 80 * hp.n_expert_used for c in gm.route_counts.values())
     finally:
         gm.close()

@@ -78,9 +78,12 @@ int le_gpu_copy_dtoh_async(void *dst, uint64_t src, size_t bytes, le_gpu_stream 
 int le_gpu_host_alloc(void **out, size_t bytes);
 int le_gpu_host_free(void *p);
 /* Page-locks existing host memory [p, p+bytes) (widened to whole pages) so that async copies from it
- * run at full link speed; read_only for a read-only map (driver 11.1+). Unregister with the same p. */
+ * run at full link speed, and maps it for the device (kernels may read it in place); read_only for a
+ * read-only map (driver 11.1+). Unregister with the same p. */
 int le_gpu_host_register(void *p, size_t bytes, int read_only);
 int le_gpu_host_unregister(void *p);
+/* The device address of host address p inside page-locked memory (le_gpu_host_alloc, or registered). */
+int le_gpu_host_device_pointer(void *p, uint64_t *out);
 
 /* ---- streams and events ------------------------------------------------------------- */
 
