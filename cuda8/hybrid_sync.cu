@@ -9,8 +9,9 @@
  *     pin_idx: [n_expert] int32, expert -> its index among the layer's pinned experts, -1 where not pinned
  *       (NULL: none pinned);  n_link: how many of the experts not pinned (the first in slot order) the GPU reads
  *       in place from the host's page-locked weight map instead of leaving them to the CPU;
- *     meta: device [k gids | k lids | 2k + 1 weights]: gids[s] = pin_idx[ids[s]]; lids[s] = ids[s] for the n_link
- *       experts read over the link, else -1; weights[0] = 1 (the CPU's row), weights[1 + s] = w[s] where
+ *     meta: device [k gids | k lids | k lslots | 2k + 1 weights]: gids[s] = pin_idx[ids[s]]; lids[s] = ids[s] for
+ *       the n_link experts read over the link, else -1, lslots[s] their rank 0..n_link-1 (their place in the
+ *       link staging buffer, hybrid_fetch), else -1; weights[0] = 1 (the CPU's row), weights[1 + s] = w[s] where
  *       gids[s] >= 0, weights[1 + k + s] = w[s] where lids[s] >= 0, else 0 (the GEMVs skip ids < 0 and
  *       moe_combine sums rows 0..2k with these weights);
  *     slot: the layer's slot in the channel (host memory, device-visible): H, IDS, CPU_IDS (ids[s] where the
@@ -30,6 +31,7 @@
 #include "le_hybrid.h"
 
 #define HYBRID_THREADS 256
+#define HYBRID_FETCH_BLOCKS 64
 
 extern "C" __global__ void hybrid_publish_f32(const float *LE_RESTRICT h, const int *LE_RESTRICT ids,
                                               const float *LE_RESTRICT w, const int *LE_RESTRICT pin_idx, int n_link,
@@ -43,9 +45,10 @@ extern "C" __global__ void hybrid_publish_f32(const float *LE_RESTRICT h, const 
         int rank = 0; /* experts not pinned in the slots before s */
         for (int j = 0; j < s; j++) rank += (pin_idx ? pin_idx[ids[j]] : -1) < 0;
         const int l = g < 0 && rank < n_link ? id : -1;
-        float *mw = (float *)(meta + 2 * k);
+        float *mw = (float *)(meta + 3 * k);
         meta[s] = g;
         meta[k + s] = l;
+        meta[2 * k + s] = l >= 0 ? rank : -1;
         mw[1 + s] = g >= 0 ? w[s] : 0.0f;
         mw[1 + k + s] = l >= 0 ? w[s] : 0.0f;
         if (s == 0) mw[0] = 1.0f;
@@ -56,6 +59,28 @@ extern "C" __global__ void hybrid_publish_f32(const float *LE_RESTRICT h, const 
     __threadfence_system(); /* this thread's channel writes reach host memory before READY does */
     __syncthreads();
     if (threadIdx.x == 0) slot[LE_HY_READY] = chan[LE_HY_SEQ];
+}
+
+extern "C" __global__ void hybrid_fetch_u8(const int *LE_RESTRICT lids, const int *LE_RESTRICT lslots, int k,
+                                           const uint4 *src0, uint4 *dst0, long long eb0, const uint4 *src1,
+                                           uint4 *dst1, long long eb1, const uint4 *src2, uint4 *dst2, long long eb2) {
+    const int s = blockIdx.y, t = blockIdx.z;
+    const int id = lids[s];
+    const long long eb = t == 0 ? eb0 : t == 1 ? eb1 : eb2;
+    if (id < 0 || eb <= 0) return;
+    const long long n = eb / 16;
+    const uint4 *src = (t == 0 ? src0 : t == 1 ? src1 : src2) + (long long)id * n;
+    uint4 *dst = (t == 0 ? dst0 : t == 1 ? dst1 : dst2) + (long long)lslots[s] * n;
+    const long long step = (long long)HYBRID_FETCH_BLOCKS * HYBRID_THREADS;
+    long long i = (long long)blockIdx.x * HYBRID_THREADS + threadIdx.x;
+    for (; i + 3 * step < n; i += 4 * step) { /* four independent loads before the stores */
+        const uint4 a = src[i], b = src[i + step], c = src[i + 2 * step], d = src[i + 3 * step];
+        dst[i] = a;
+        dst[i + step] = b;
+        dst[i + 2 * step] = c;
+        dst[i + 3 * step] = d;
+    }
+    for (; i < n; i += step) dst[i] = src[i];
 }
 
 extern "C" __global__ void hybrid_wait_f32(const volatile int *slot, const volatile int *chan,

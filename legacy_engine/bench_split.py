@@ -145,8 +145,13 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             log(f"{name} …")
             grouped = {"": {}, "pairs": {"grouped_experts": False}, "grouped": {"grouped_experts": True}}[form]
             grouped["mma"] = mma
+            pins = st0.pinned
+            if link:       # room for the link staging: the pins refilled under what is left
+                fp0 = planner.vram_footprint(model.file, stream_experts=True, n_ctx=n_ctx, chunk=st0.chunk,
+                                             int8=m.gpu_tier == "dp4a", link_experts=link)
+                pins = planner.choose_pins(model.file, vram - fp0.total, counts)
             if base in ("stream", "hybrid"):
-                gm = GpuModel(model, vram=vram, stream_experts=True, pinned=st0.pinned, n_ctx=n_ctx,
+                gm = GpuModel(model, vram=vram, stream_experts=True, pinned=pins, n_ctx=n_ctx,
                               chunk=st0.chunk, simulate_link=simulate_link, cpu_experts=base == "hybrid",
                               link_experts=link, **grouped)
                 # every measured prompt on the GPU, decode steps on the CPU (the split as run --gpu runs it)

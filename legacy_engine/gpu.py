@@ -46,7 +46,7 @@ SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "gem
 HEADERS = ("compat.cuh", "quants.cuh", "gemm_tile.cuh", "gemm_q8.cuh")   # in cuda8/
 SHARED_HEADERS = ("le_blocks.h", "le_hybrid.h")  # in native/include/
 ATTR_UNIFIED_ADDRESSING = 41    # CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: host pointers usable in kernels
-HYBRID_THREADS = 256            # cuda8/hybrid_sync.cu
+HYBRID_THREADS, HYBRID_FETCH_BLOCKS = 256, 64   # cuda8/hybrid_sync.cu
 
 # tier -> the LE_FORCE_TIER value, and the lowest arch whose own path it is
 TIERS = {"fermi": ("LE_CC_FERMI", 20), "kepler": ("LE_CC_LDG", 30), "dp4a": (None, 61)}
@@ -1348,17 +1348,33 @@ class Kernels:
     def hybrid_publish(self, h, ids, w, pin_idx, n_link: int, meta, slot: int, chan: int, E: int, k: int,
                        stream: Stream | None = None) -> None:
         """The hybrid decode's routing into the host channel (cuda8/hybrid_sync.cu): h [E], ids/w [k] (moe_route)
-        into `slot`, READY = chan's SEQ; meta [k gids | k lids | 2k + 1 weights] (device) from pin_idx [n_expert]
-        (None: nothing pinned) and n_link (the first n_link experts not pinned are the GPU's, read over the link).
+        into `slot`, READY = chan's SEQ; meta [k gids | k lids | k lslots | 2k + 1 weights] (device) from pin_idx
+        [n_expert] (None: nothing pinned) and n_link (the first n_link experts not pinned are the GPU's, fetched
+        over the link into slots 0..n_link-1 of a staging buffer: hybrid_fetch).
         slot, chan: device-visible addresses of page-locked host memory (le_hybrid.h)."""
         if not 0 < k <= min(MOE_MAX_K, HYBRID_THREADS) or E <= 0 or not 0 <= n_link <= k:
             raise ValueError(f"hybrid_publish: E = {E}, k = {k}, n_link = {n_link}")
         _need(h, 4 * E, "hybrid_publish h")
-        _need(meta, 4 * (4 * k + 1), "hybrid_publish meta")
+        _need(meta, 4 * (5 * k + 1), "hybrid_publish meta")
         self.modules["hybrid_sync"].kernel("hybrid_publish_f32").launch(
             (1, 1, 1), (HYBRID_THREADS, 1, 1),
             [("ptr", _ptr(h)), ("ptr", _ptr(ids)), ("ptr", _ptr(w)), ("ptr", _ptr(pin_idx)), ("i32", n_link),
              ("ptr", _ptr(meta)), ("ptr", int(slot)), ("ptr", int(chan)), ("i32", E), ("i32", k)], stream=stream)
+
+    def hybrid_fetch(self, lids, lslots, k: int, tensors, stream: Stream | None = None) -> None:
+        """Copies the experts lids[s] >= 0 (device int32 [k]) of up to three tensors, [(src, dst, expert bytes)]
+        (src: device-visible host memory, dst: VRAM, all multiples of 16 bytes), from src + id * eb to
+        dst + lslots[s] * eb, with a copy kernel (cuda8/hybrid_sync.cu)."""
+        if not 0 < len(tensors) <= 3 or not 0 < k <= MOE_MAX_K:
+            raise ValueError(f"hybrid_fetch: {len(tensors)} tensors, k = {k}")
+        args = []
+        for src, dst, eb in list(tensors) + [(0, 0, 0)] * (3 - len(tensors)):
+            if eb and (eb % 16 or int(src) % 16 or _ptr(dst) % 16):
+                raise ValueError(f"hybrid_fetch: expert bytes {eb} and addresses must be multiples of 16")
+            args += [("ptr", int(src)), ("ptr", _ptr(dst)), ("i64", int(eb))]
+        self.modules["hybrid_sync"].kernel("hybrid_fetch_u8").launch(
+            (HYBRID_FETCH_BLOCKS, k, 3), (HYBRID_THREADS, 1, 1),
+            [("ptr", _ptr(lids)), ("ptr", _ptr(lslots)), ("i32", k)] + args, stream=stream)
 
     def hybrid_wait(self, slot: int, chan: int, row, E: int, k: int, max_cycles: int,
                     stream: Stream | None = None) -> None:

@@ -202,7 +202,7 @@ class GpuModel:
         self.logit_rows = planner.head_rows(self.chunk, self.stream)   # all_logits runs the head in such pieces
         self.footprint = planner.vram_footprint(self.file, stream_experts=self.stream, pinned=self.pinned,
                                                 n_ctx=n_ctx, chunk=self.chunk, int8=self.int8 or self.int8_prefill,
-                                                logit_rows=self.logit_rows)
+                                                logit_rows=self.logit_rows, link_experts=self.link_experts)
         self.n_ctx_plan = int(n_ctx)
         self.budget = None
         if vram is not None:
@@ -410,6 +410,7 @@ class GpuModel:
         #                                               offset of the tensor's pinned experts in the pin store)]
         self._stage_offset: dict[str, int] = {}
         self._host_addr: dict[str, int] = {}          # expert tensor -> its host address in the weight map
+        self._stage_names: dict[int, list] = {}       # layer -> its expert tensors, in _stage_layout's order
         self._pin_store: dict[int, gpu.Buffer] = {}  # layer -> pinned experts of every tensor, tensor-major
         self._pin_off: dict[str, int] = {}            # expert tensor -> offset of its pinned experts in the store
         self._pin_idx: dict[int, np.ndarray] = {}     # layer -> [n_expert] int32: index in the store or -1
@@ -429,6 +430,7 @@ class GpuModel:
                 pin_off += len(es) * eb
             if lay:
                 self._stage_layout[i] = lay
+                self._stage_names[i] = expert_tensors(self.file, i)
                 self._pin_idx[i] = np.full(hp.n_expert, -1, dtype=np.int32)
                 self._pin_idx[i][es] = np.arange(len(es), dtype=np.int32)
                 layer_max = max(layer_max, off)
@@ -819,10 +821,12 @@ class GpuModel:
     def _ffn_hybrid(self, L: dict, h: int, hq, y: int) -> None:
         """One token's MoE block split between the GPU and the CPU (cpu_experts), exchanged through the channel
         (HybridLayout, page-locked host memory both sides read and write): hybrid_publish puts h and the routing in
-        layer i's slot and makes hy_meta [kk GPU ids (index in the pin store, -1: the CPU's) | kk + 1 weights]; the
-        GPU runs the shared and pinned experts (rows 1..kk of hy_rows [(kk + 1), E], zero for the CPU's) while the
-        CPU runs the others (le_hybrid_serve); hybrid_wait brings the CPU's weighted sum into row 0 (weight 1); one
-        moe_combine adds them and the shared expert. No host step: a token is one launch sequence."""
+        layer i's slot and makes hy_meta [kk gids (index in the pin store, -1: not pinned) | kk lids (the experts
+        fetched over the link, link_experts of them) | kk lslots (their place in hy_link) | 2kk + 1 weights]; the GPU
+        fetches the link experts (hybrid_fetch), runs the shared, pinned (rows 1..kk of hy_rows [2kk + 1, E]) and
+        link experts (rows kk+1..2kk) while the CPU runs the others (le_hybrid_serve); hybrid_wait brings the CPU's
+        weighted sum into row 0 (weight 1); one moe_combine adds them and the shared expert. No host step: a token
+        is one launch sequence."""
         hp, k = self.hparams, self.k
         E, kk, ne, ff = hp.n_embd, hp.n_expert_used, hp.n_expert, hp.n_ff_exp
         i = L["index"]
@@ -830,7 +834,7 @@ class GpuModel:
         hy = self._hy_channel()
         chan, slot = hy["ptr"], hy["ptr"] + 4 * hy["layout"].slot_offset(i)
         link = self.link_experts
-        meta = self._buf("hy_meta", 4 * (4 * kk + 1)).ptr
+        meta = self._buf("hy_meta", 4 * (5 * kk + 1)).ptr
         fresh = f"{self._tag}:hy_rows" not in self._scratch
         rows = self._buf("hy_rows", 4 * (2 * kk + 1) * E).ptr
         if fresh:      # rows a layer does not compute (no pins here, no link experts) stay zero, at weight 0
@@ -843,9 +847,17 @@ class GpuModel:
         k.moe_route(logits, ids, wts, 1, ne, kk)
         k.hybrid_publish(h, ids, wts, hy["pin_idx"].ptr + 4 * i * ne if pinned else None, link, meta, slot, chan,
                          E, kk)
+        names = L["exp_tensor"]
+        if link:           # the link experts' weights into VRAM first (a copy kernel: the link's full rate)
+            at, tensors, staged = 0, [], {}
+            lbuf = self._buf("hy_link", link * max(sum(t[2] for t in la) for la in self._stage_layout.values())).ptr
+            for name, (_host, _tb, eb, _off, _po) in zip(self._stage_names[i], self._stage_layout[i]):
+                tensors.append((hy["host_dev"][name], lbuf + at, eb))
+                staged[name] = lbuf + at
+                at += link * eb
+            k.hybrid_fetch(meta + 4 * kk, meta + 8 * kk, kk, tensors)
         # queued before the wait, so the GPU computes these while the CPU runs its experts
         sh, shg = self._shared_expert(L, h, hq, 1)
-        names = L["exp_tensor"]
         g = self._buf("eg", 4 * kk * ff).ptr
         u = self._buf("eu", 4 * kk * ff).ptr
         if pinned:         # rows 1..kk: the pinned experts (gids: index in the pin store)
@@ -853,13 +865,13 @@ class GpuModel:
             addr = {w: store + self._pin_off[names[w]] + L[w].ptr - self._stage_offset[names[w]]
                     for w in ("gate_exps", "up_exps", "down_exps")}
             self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * E, meta, kk, kk)
-        if link:           # rows kk+1..2kk: experts read in place from the host map (lids: expert ids)
-            addr = {w: hy["host_dev"][names[w]] + L[w].ptr - self._stage_offset[names[w]]
+        if link:           # rows kk+1..2kk: the fetched experts (lslots: their place in the link staging)
+            addr = {w: staged[names[w]] + L[w].ptr - self._stage_offset[names[w]]
                     for w in ("gate_exps", "up_exps", "down_exps")}
-            self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * (1 + kk) * E, meta + 4 * kk, kk, kk)
+            self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * (1 + kk) * E, meta + 8 * kk, kk, kk)
         k.hybrid_wait(slot, chan, rows, E, kk, HYBRID_WAIT_CYCLES)
         n_rows = 1 + kk * (2 if link else 1 if pinned else 0)
-        k.moe_combine(rows, meta + 8 * kk, sh, shg, y, 1, n_rows, E)
+        k.moe_combine(rows, meta + 12 * kk, sh, shg, y, 1, n_rows, E)
         if self.graphs:
             self._hy_serve([i])     # the recording pass (a replay is one graph launch, then every layer is served)
         else:

@@ -198,10 +198,12 @@ def state_bytes(hp, n_ctx: int) -> int:
 
 
 def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = None, n_ctx: int = 4096,
-                   chunk: int = 512, int8: bool = True, logit_rows: int | None = None) -> VramFootprint:
+                   chunk: int = 512, int8: bool = True, logit_rows: int | None = None,
+                   link_experts: int = 0) -> VramFootprint:
     """What a GPU model of `file` allocates. stream_experts: routed experts stay in host RAM except `pinned`
     {layer: [expert ids]}; two staging buffers of the largest layer's experts. logit_rows: rows of logits a
-    head pass computes (default head_rows)."""
+    head pass computes (default head_rows). link_experts: the hybrid decode's staging of experts fetched per
+    layer over the link (GpuModel link_experts)."""
     hp = file.hparams
     pinned = pinned or {}
     resident = _round(weight_layout(file, resident_names(file, stream_experts))[1])
@@ -215,6 +217,8 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
     if stream_experts:
         parts["pinned experts"] = pin_total
         parts["expert staging (2 layers)"] = 2 * _round(layer_max)
+        if link_experts:
+            parts["link staging"] = _round(link_experts * max(per_expert.values()))
     parts["state"] = state_bytes(hp, n_ctx)
     rows = head_rows(chunk, stream_experts) if logit_rows is None else logit_rows
     parts["scratch"] = (_round(scratch_bytes(hp, chunk, int8, rows)) + _round(scratch_bytes(hp, 1, int8, 1))

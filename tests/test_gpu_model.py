@@ -193,9 +193,9 @@ def test_hybrid_sync(kernels):
         cp = int(_native.ffi.cast("uintptr_t", pb.ptr))
         slot = cp + 4 * lay.slot_offset(2)
         with gpu.Buffer.from_array(h) as bh, gpu.Buffer.from_array(ids) as bi, gpu.Buffer.from_array(w) as bw, \
-                gpu.Buffer.from_array(pin) as bp, gpu.Buffer(4 * (4 * k + 1)) as bm, gpu.Buffer(4 * E) as br:
+                gpu.Buffer.from_array(pin) as bp, gpu.Buffer(4 * (5 * k + 1)) as bm, gpu.Buffer(4 * E) as br:
             for table, n_link in ((bp, 0), (None, 0), (bp, 2), (None, k)):
-                m = np.full(4 * k + 1, -7, dtype=np.int32)
+                m = np.full(5 * k + 1, -7, dtype=np.int32)
                 bm.upload(m)
                 kernels.hybrid_publish(bh, bi, bw, table, n_link, bm, slot, cp, E, k)
                 gpu.synchronize()
@@ -211,7 +211,8 @@ def test_hybrid_sync(kernels):
                 m = bm.download(dtype=np.int32)
                 np.testing.assert_array_equal(m[:k], gids)
                 np.testing.assert_array_equal(m[k:2 * k], lids)
-                np.testing.assert_array_equal(m[2 * k:].view(np.float32),
+                np.testing.assert_array_equal(m[2 * k:3 * k], np.where(lids >= 0, np.cumsum(lids >= 0) - 1, -1))
+                np.testing.assert_array_equal(m[3 * k:].view(np.float32),
                                               np.r_[1.0, np.where(gids >= 0, w, 0), np.where(lids >= 0, w, 0)])
                 assert not lay.slot(chan, 1).any()                      # the other slots untouched
             row = rng.standard_normal(E).astype(np.float32)
@@ -224,6 +225,41 @@ def test_hybrid_sync(kernels):
             assert np.isnan(br.download(dtype=np.float32)).all()
     finally:
         pb.free()
+
+
+@variant_params()
+def test_hybrid_fetch(kernels):
+    """hybrid_fetch (cuda8/hybrid_sync.cu): the link experts' bytes of three tensors (experts of 4 x 16,384 + 37
+    words of 16 bytes: the copy's four-load loop and its tail; 64 and 4,096 bytes: short ones) from page-locked
+    host memory to their slots in VRAM, exactly."""
+    from legacy_engine import _native
+    rng = np.random.default_rng(22)
+    ne, k = 12, 5
+    ebs = (16 * (4 * gpu.HYBRID_FETCH_BLOCKS * gpu.HYBRID_THREADS + 37), 64, 4096)
+    lids = np.array([3, -1, 11, 0, -1], dtype=np.int32)
+    lslots = np.array([0, -1, 1, 2, -1], dtype=np.int32)
+    hosts = [gpu.PinnedBuffer(ne * eb) for eb in ebs]
+    try:
+        for hb in hosts:
+            hb.array[:] = rng.integers(0, 256, hb.nbytes, dtype=np.uint8)
+        with gpu.Buffer.from_array(lids) as bl, gpu.Buffer.from_array(lslots) as bs, \
+                gpu.Buffer(3 * ebs[0]) as d0, gpu.Buffer(3 * ebs[1]) as d1, gpu.Buffer(3 * ebs[2]) as d2:
+            dsts = (d0, d1, d2)
+            for d in dsts:
+                _native.gpu_memset8(d.ptr, 0, d.nbytes)
+            kernels.hybrid_fetch(bl, bs, k, [(_native.gpu_host_device_pointer(int(_native.ffi.cast("uintptr_t", hb.ptr))),
+                                              d, eb) for hb, d, eb in zip(hosts, dsts, ebs)])
+            for hb, d, eb in zip(hosts, dsts, ebs):
+                got = d.download().reshape(3, eb)
+                src = hb.array.reshape(ne, eb)
+                for e, sl in zip(lids, lslots):
+                    if e >= 0:
+                        np.testing.assert_array_equal(got[sl], src[e])
+            with pytest.raises(ValueError, match="multiples of 16"):
+                kernels.hybrid_fetch(bl, bs, k, [(0, d0, 24)])
+    finally:
+        for hb in hosts:
+            hb.free()
 
 
 # ================================================================================================ whole models
