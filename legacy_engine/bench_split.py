@@ -133,7 +133,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             res["rows"].append(row)
         for name in [s for s in strategies if s.split("/")[0] in ("stream", "hybrid", "resident")]:
             base, _, form = name.partition("/")     # stream/pairs, stream/grouped: the routed experts' form
-            link = 0                                  # hybrid/linkN: N experts per layer read over the link
+            link = None                               # hybrid/linkN: N experts per layer fetched over the link
             if base == "hybrid" and form.startswith("link") and form[4:].isdigit():
                 form, link = "", int(form[4:])
             if form not in ("", "pairs", "grouped"):
@@ -146,7 +146,9 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             grouped = {"": {}, "pairs": {"grouped_experts": False}, "grouped": {"grouped_experts": True}}[form]
             grouped["mma"] = mma
             pins = st0.pinned
-            if link:       # room for the link staging: the pins refilled under what is left
+            if link is None or base != "hybrid":
+                link = st0.link_experts if base == "hybrid" else 0       # the planner's
+            elif link != st0.link_experts:     # room for this link staging: the pins refilled under what is left
                 fp0 = planner.vram_footprint(model.file, stream_experts=True, n_ctx=n_ctx, chunk=st0.chunk,
                                              int8=m.gpu_tier == "dp4a", link_experts=link)
                 pins = planner.choose_pins(model.file, vram - fp0.total, counts)
@@ -162,6 +164,8 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             try:
                 gm.profile()
                 row = dict(strategy=name, describe=gm.describe(), **_measure(runner, prompts, gen, reps, n_ctx))
+                if base == "hybrid":
+                    row["link_experts"] = link
                 # the GPU prefills: (reps + 1) per prompt length (warm-up included), and each decode run's prompt
                 n_runs = (reps + 1) * len(prompts) + max(1, reps)
                 row["gpu_phases_per_prefill_s"] = {k: v / n_runs for k, v in gm.profile_report().items()}
@@ -233,7 +237,8 @@ def print_split(res: dict) -> None:
             print(f"{'':<28}{r['describe']}")
         if "hybrid_per_token" in r:
             h = r["hybrid_per_token"]
-            print(f"{'':<28}hybrid decode per token: {h['cpu_experts']:.0f} experts on the CPU taking "
+            print(f"{'':<28}hybrid decode per token: {r.get('link_experts', 0)} per layer fetched over the link, "
+                  f"{h['cpu_experts']:.0f} experts on the CPU taking "
                   f"{1e3 * h['cpu_s']:.2f} ms, host waiting for the GPU's routing {1e3 * h['read_s']:.2f} ms")
         if r.get("gpu_phases_per_prefill_s"):
             ph = r["gpu_phases_per_prefill_s"]

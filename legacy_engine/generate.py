@@ -77,7 +77,8 @@ class Engine:
                                              mma=None if gpu_mma is None or gpu_int8 is False else gpu_mma,
                                              progress=progress, vram=pl.budget, stream_experts=pl.stream,
                                              pinned=pl.pinned, n_ctx=n_ctx, chunk=pl.chunk,
-                                             cpu_experts=pl.stream and pl.decode == "hybrid")
+                                             cpu_experts=pl.stream and pl.decode == "hybrid",
+                                             link_experts=pl.link_experts if pl.stream and pl.decode == "hybrid" else 0)
             if pl.stream:
                 self.model = SplitModel(self.cpu_model, self.gpu, pl.min_gpu_tokens)
             import atexit

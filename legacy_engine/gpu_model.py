@@ -1196,6 +1196,9 @@ class GpuModel:
             n_pin = sum(len(v) for v in self.pinned.values())
             streamed = (f"; routed experts streamed from host RAM ({self.host_pinned_why}), {n_pin} of "
                         f"{self.hparams.n_expert * len(self._stage_layout)} pinned in VRAM")
+            if self.cpu_experts:
+                streamed += (f"; hybrid decode ({self.link_experts} experts per layer fetched over the link, the "
+                             "rest not pinned on the CPU)")
         budget = f" (budget {self.budget / 2**30:.2f} GiB: {self.footprint.describe()})" if self.budget else ""
         kind = lambda on: "int8 DP4A" if on else "f32"   # noqa: E731
         gemm = "int8 tensor-core (mma)" if self.mma else kind(self.int8_prefill)

@@ -266,6 +266,15 @@ GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 5
 SPLIT_HANDOFF_GBPS = 4.8
 HYBRID_CPU_EFF = 0.47
 HYBRID_HOST_S_PER_LAYER = 90e-6
+# The hybrid decode's link experts (GpuModel link_experts: per layer, some experts that are not pinned are fetched
+# into VRAM by a copy kernel and run on the GPU while the CPU runs the rest). Same machine and file, pp512/tg32 x3:
+# uniform routing 62.5 tok/s with none, 83.4 / 87.3 / 83.3 / 76.9 with 1-4 per layer (the GPU's chain grows past 2:
+# ~55 µs per 1.9 MB expert, 36 GB/s of the link's 52: LINK_FETCH_EFF 0.7); skewed routing (2.15 unpinned experts
+# per layer) 125 with none, 116 / 107 with 1 / 2. The count balancing the CPU's share against the link's is
+# under-committed by LINK_COMMIT: the unpinned experts per layer vary token to token, and a layer whose GPU share
+# finishes last delays the next layer.
+LINK_FETCH_EFF = 0.7
+LINK_COMMIT = 0.8
 MACHINE_FILE = "machine.json"
 PROBE_VERSION = 3   # part of the cache key: 3 = the GEMM probe times the prefill's own GEMM (gemm_mma / gemm_dp4a)
 
@@ -446,6 +455,7 @@ class Strategy:
     min_gpu_tokens: int = 0
     chunk: int = 512                # tokens per GPU pass (streamed: each pass copies the experts it routes to)
     decode_parts: dict = dataclasses.field(default_factory=dict)      # where the decode time goes (hybrid)
+    link_experts: int = 0           # hybrid: experts per layer the GPU fetches over the link (GpuModel link_experts)
 
     def total_s(self, gen: int) -> float:
         return self.prefill_s + gen * self.decode_s_per_tok
@@ -493,11 +503,26 @@ def pinned_share(file, pins: dict, counts: dict | None = None) -> float:
     return float(np.mean(shares))
 
 
-def _hybrid_decode(m: Machine, file, fpd, pins: dict, counts: dict | None) -> tuple[float, dict]:
+def choose_link(m: Machine, file, pins: dict, counts: dict | None) -> int:
+    """Experts per MoE layer the hybrid decode fetches over the link (LINK_COMMIT of the count that balances the
+    CPU's time on the rest against the link's on these)."""
+    hp = file.hparams
+    per = list(layer_expert_bytes(file).values())
+    if not per or not m.has_gpu or m.link_gbps <= 0 or m.cpu_read_gbps <= 0:
+        return 0
+    eb = sum(per) / len(per) / hp.n_expert
+    u = hp.n_expert_used * (1 - pinned_share(file, pins, counts))        # experts per layer not pinned
+    t_cpu = eb / (m.cpu_read_gbps * 1e9 * HYBRID_CPU_EFF)
+    t_link = eb / (m.link_gbps * 1e9 * LINK_FETCH_EFF)
+    return max(0, min(hp.n_expert_used, int(LINK_COMMIT * u * t_cpu / (t_cpu + t_link))))
+
+
+def _hybrid_decode(m: Machine, file, fpd, pins: dict, counts: dict | None, link: int = 0) -> tuple[float, dict]:
     """Seconds per token of the hybrid decode and its parts: the GPU's share (dense weights, shared expert, head,
-    pinned experts at the GEMV rate, launches), the CPU's (unpinned routed experts at the CPU decode rate) and the
-    per-layer exchange between them (the GPU's chain to the next routing); they run one after the other (only the
-    shared/pinned experts overlap the CPU)."""
+    pinned experts at the GEMV rate, launches), the routed experts that are not pinned (per layer the longer of the
+    CPU's share at the CPU decode rate and the `link` experts fetched over the link) and the per-layer exchange
+    between them (the GPU's chain to the next routing); they run one after the other (only the shared, pinned and
+    link experts overlap the CPU)."""
     hp = file.hparams
     n_moe = len(layer_expert_bytes(file))
     share = pinned_share(file, pins, counts)
@@ -505,8 +530,14 @@ def _hybrid_decode(m: Machine, file, fpd, pins: dict, counts: dict | None) -> tu
     gpu = ((fpd.decode_bytes - experts + share * experts) / (m.gpu_gemv_gbps * 1e9)
            + GPU_DECODE_LAUNCHES_PER_LAYER * hp.n_layer * m.gpu_launch_us * 1e-6)
     cpu = (1 - share) * experts / (m.cpu_read_gbps * 1e9 * HYBRID_CPU_EFF)
+    if link and n_moe:
+        u = hp.n_expert_used * (1 - share)
+        eb = experts / n_moe / hp.n_expert_used            # bytes of one routed expert's work (per token and layer)
+        per_layer = max(max(u - link, 0.0) * eb / (m.cpu_read_gbps * 1e9 * HYBRID_CPU_EFF),
+                        min(link, u) * eb / (m.link_gbps * 1e9 * LINK_FETCH_EFF))
+        cpu = n_moe * per_layer
     host = n_moe * HYBRID_HOST_S_PER_LAYER
-    return gpu + cpu + host, {"gpu": gpu, "cpu": cpu, "host": host, "pinned_share": share}
+    return gpu + cpu + host, {"gpu": gpu, "cpu": cpu, "host": host, "pinned_share": share, "link_experts": link}
 
 
 def _cpu_times(m: Machine, decode_bytes: int) -> tuple[float, float]:
@@ -594,15 +625,26 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
             if prompt < st.min_gpu_tokens:       # the split runs short prompts on the CPU
                 st.prefill_s, st.prefill_parts = prompt * cpu_pre, {"cpu": prompt * cpu_pre}
             out.append(st)
-            # the same placement with the hybrid decode: short passes run as hybrid steps, token by token
-            hyb, hparts = _hybrid_decode(m, file, fpd, pins, counts)
-            hy = dataclasses.replace(st, name="hybrid", decode_s_per_tok=hyb, decode_parts=hparts,
+            # the same placement with the hybrid decode: short passes run as hybrid steps, token by token; with
+            # link experts, their staging comes out of the pins
+            link = choose_link(m, file, pins, counts)
+            hpins, hfp = pins, fp
+            if link:
+                fpl = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=c, int8=int8, link_experts=link)
+                hpins = choose_pins(file, budget - fpl.total, counts)
+                hfp = vram_footprint(file, stream_experts=True, pinned=hpins, n_ctx=n_ctx, chunk=c, int8=int8,
+                                     link_experts=link)
+            hpre, hpre_parts = (pre, parts) if hpins is pins else _gpu_prefill(m, file, fpd, prompt, c, True, hpins)
+            hyb, hparts = _hybrid_decode(m, file, fpd, hpins, counts, link)
+            link_why = (f", {link} more per layer fetched over the link to the GPU" if link else "")
+            hy = dataclasses.replace(st, name="hybrid", decode_s_per_tok=hyb, decode_parts=hparts, pinned=hpins,
+                                     vram=hfp.total, link_experts=link,
                                      why=st.why + f"; decode hybrid: {hparts['pinned_share']:.0%} of the routed "
-                                     "experts' work on the GPU (pinned), the rest on the CPU")
-            hy.min_gpu_tokens = crossover(m, file, fpd, c, pins, hyb)
+                                     f"experts' work on the GPU (pinned){link_why}, the rest on the CPU")
+            hy.min_gpu_tokens = crossover(m, file, fpd, c, hpins, hyb)
             # the same passes without the handoff: the hybrid split keeps the sequence on the GPU
-            hy.prefill_s = pre - parts["handoff"]
-            hy.prefill_parts = dict(parts, handoff=0.0, total=parts["total"] - parts["handoff"])
+            hy.prefill_s = hpre - hpre_parts["handoff"]
+            hy.prefill_parts = dict(hpre_parts, handoff=0.0, total=hpre_parts["total"] - hpre_parts["handoff"])
             if prompt < hy.min_gpu_tokens:
                 hy.prefill_s, hy.prefill_parts = prompt * hyb, {"hybrid steps": prompt * hyb}
             out.append(hy)
@@ -742,6 +784,7 @@ class Placement:
     why: str
     chunk: int = 512
     decode: str = "gpu"         # resident: "gpu"; streamed: "cpu" (CPU decode) or "hybrid" (GpuModel cpu_experts)
+    link_experts: int = 0       # hybrid: GpuModel link_experts
 
 
 DECODES = ("auto", "cpu", "hybrid")
@@ -787,8 +830,9 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool 
         dec_why = f"decode {decode} (asked)"
     if decode == "hybrid":
         st = hy
-    pins, chunk = st.pinned, st.chunk
-    fps = vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, chunk=chunk, int8=int8)
+    pins, chunk, link = st.pinned, st.chunk, st.link_experts if decode == "hybrid" else 0
+    fps = vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, chunk=chunk, int8=int8,
+                         link_experts=link)
     if min_gpu_tokens is None:
         min_gpu_tokens = st.min_gpu_tokens
     n_pin = sum(len(v) for v in pins.values())
@@ -796,8 +840,9 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool 
     return Placement(True, budget, pins, int(min_gpu_tokens), fps,
                      f"streamed experts ({n_pin} pinned, {how}): {fps.describe()} in a budget of "
                      f"{budget / GiB:.2f} GiB; "
-                     f"GPU prefill for passes of >= {min_gpu_tokens} tokens ({chunk} per pass); {dec_why}",
-                     chunk, decode)
+                     f"GPU prefill for passes of >= {min_gpu_tokens} tokens ({chunk} per pass); {dec_why}"
+                     + (f", {link} experts per layer fetched over the link" if link else ""),
+                     chunk, decode, link)
 
 
 # ================================================================================================ routing statistics

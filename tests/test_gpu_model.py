@@ -543,7 +543,8 @@ def test_session_and_snapshot_cache_on_gpu(gpu_device, tiny_file, cpu_model):
 def _stream_model(cpu, pinned, chunk, vram=None, **kw):
     from legacy_engine import planner
     from legacy_engine.gpu_model import GpuModel
-    fp = planner.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=chunk, int8=False)
+    fp = planner.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=chunk, int8=False,
+                                link_experts=kw.get("link_experts", 0))
     return GpuModel(cpu, int8=False, stream_experts=True, pinned=pinned, chunk=chunk, n_ctx=N_CTX,
                     vram=fp.total if vram is None else vram, **kw)
 
