@@ -189,7 +189,9 @@ def format_machine_report(rep: dict) -> list[str]:
                      f"activations, on tensor cores from sm_{MMA_ARCH} (gemm_mma; --gpu-no-mma: gemm_dp4a), with DP4A "
                      "below (gemm_dp4a); --gpu-f32 for f32; fermi/kepler tiers f32 (gemv_f32, gemm_f32); MoE prefill "
                      "orders its routing on the GPU (moe_sort) when the host needs no ids")
-        lines.append("  --vram SIZE budgets VRAM; a model over it runs split (`legacy-engine plan` shows the choice)")
+        lines.append("  --vram SIZE budgets VRAM; a model over it runs split (`legacy-engine plan` shows the choice): "
+                     "streamed prefill, hybrid decode through a page-locked channel the GPU and CPU both poll (needs "
+                     "unified addressing: a 64-bit driver), the planner's link experts fetched over PCIe")
     else:
         lines.append(f"GPU      none: {gpu['reason']}")
     return lines
