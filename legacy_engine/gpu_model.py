@@ -157,8 +157,9 @@ class GpuModel:
         (hybrid_wait) for the row the CPU writes there (le_hybrid_serve, spinning on the channel): no host step,
         a token is one launch sequence (one CUDA graph).
         link_experts (hybrid decode): per layer and token, the GPU also runs this many of the experts that are not
-        pinned, reading their weights in place from the page-locked host map over the link while the CPU runs the
-        rest (the link's bandwidth added to the CPU's); 0: the CPU runs every expert not pinned.
+        pinned, fetching their weights from the page-locked host map over the link into a small VRAM staging
+        (hybrid_fetch) while the CPU runs the rest (the link's bandwidth added to the CPU's); 0: the CPU runs every
+        expert not pinned. The planner chooses it (planner.choose_link).
         save_routing: close() adds the routing counts of this model's passes to the file's saved statistics
         (planner.load_routing), from which the next placement pins the hottest experts.
         simulate_link: GB/s; streamed expert copies are paced to it (the host waits until a copy would have
