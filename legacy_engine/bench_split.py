@@ -149,9 +149,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             if link is None or base != "hybrid":
                 link = st0.link_experts if base == "hybrid" else 0       # the planner's
             elif link != st0.link_experts:     # room for this link staging: the pins refilled under what is left
-                fp0 = planner.vram_footprint(model.file, stream_experts=True, n_ctx=n_ctx, chunk=st0.chunk,
-                                             int8=m.gpu_tier == "dp4a", link_experts=link)
-                pins = planner.choose_pins(model.file, vram - fp0.total, counts)
+                pins, _ = planner.fill_pins(model.file, vram, n_ctx, st0.chunk, m.gpu_tier == "dp4a", counts, link)
             if base in ("stream", "hybrid"):
                 gm = GpuModel(model, vram=vram, stream_experts=True, pinned=pins, n_ctx=n_ctx,
                               chunk=st0.chunk, simulate_link=simulate_link, cpu_experts=base == "hybrid",

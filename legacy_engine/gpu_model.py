@@ -851,7 +851,7 @@ class GpuModel:
         names = L["exp_tensor"]
         if link:           # the link experts' weights into VRAM first (a copy kernel: the link's full rate)
             at, tensors, staged = 0, [], {}
-            lbuf = self._buf("hy_link", link * max(sum(t[2] for t in la) for la in self._stage_layout.values())).ptr
+            lbuf = self._buf("hy_link", link * max(self.footprint.expert_bytes.values())).ptr   # its planned size
             for name, (_host, _tb, eb, _off, _po) in zip(self._stage_names[i], self._stage_layout[i]):
                 tensors.append((hy["host_dev"][name], lbuf + at, eb))
                 staged[name] = lbuf + at
@@ -1065,20 +1065,18 @@ class GpuModel:
             with gpu.record() as launches:
                 self._forward_chunk(st, None, False, True, planned=True)
             st._plan, st._plan_gen = gpu.LaunchPlan(launches, graph=self.graphs), self._gen
-        elif self.cpu_experts and self.graphs:
-            self._hy_next()
-            hy = self._hy
+        else:
+            serve_all = self.cpu_experts and self.graphs     # else the plan's host steps serve layer by layer
+            if self.cpu_experts:
+                self._hy_next()
             try:
                 st._plan.replay()
             except BaseException:
-                self.model.native.hybrid_release(hy["buf"].ptr, hy["seq"], hy["layers"])
+                if serve_all:
+                    self.model.native.hybrid_release(self._hy["buf"].ptr, self._hy["seq"], self._hy["layers"])
                 raise
-            self._hy_serve(hy["layers"])        # each layer as the GPU publishes its routing
-            st._pos += 1
-        else:
-            if self.cpu_experts:
-                self._hy_next()
-            st._plan.replay()
+            if serve_all:
+                self._hy_serve(self._hy["layers"])      # each layer as the GPU publishes its routing
             st._pos += 1
         logits = self._scratch["d:logits"]
         out = logits.download(dtype=np.float32, count=hp.n_vocab).reshape(1, hp.n_vocab)

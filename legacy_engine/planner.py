@@ -485,6 +485,17 @@ def choose_pins(file, budget_bytes: int, counts: dict | None = None) -> dict:
     return {i: sorted(v) for i, v in sorted(pins.items())}
 
 
+def fill_pins(file, budget: int, n_ctx: int, chunk: int, int8: bool, counts: dict | None = None,
+              link_experts: int = 0) -> tuple[dict, VramFootprint]:
+    """The pins (choose_pins) that fill what `budget` leaves after everything else a streamed model of `file`
+    allocates (passes of `chunk` tokens, link_experts' staging) -> (pins, the footprint with them); no pins, and a
+    footprint over the budget, when even none fit."""
+    fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=chunk, int8=int8, link_experts=link_experts)
+    pins = choose_pins(file, budget - fp0.total, counts) if fp0.total <= budget else {}
+    return pins, vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, chunk=chunk, int8=int8,
+                                link_experts=link_experts)
+
+
 def pinned_share(file, pins: dict, counts: dict | None = None) -> float:
     """The expected share of routed-expert work that lands on pinned experts (uniform routing: pins per layer /
     n_expert; with routing counts, the pinned experts' share of them), averaged over the MoE layers."""
@@ -607,11 +618,9 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
         for c in STREAM_CHUNKS:                # a longer pass copies each layer's experts fewer times, pins fewer
             if c * hp.n_expert_used > 65535:
                 continue
-            fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=c, int8=int8)
-            if fp0.total > budget:
+            pins, fp = fill_pins(file, budget, n_ctx, c, int8, counts)
+            if fp.total > budget:
                 continue
-            pins = choose_pins(file, budget - fp0.total, counts)
-            fp = vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, chunk=c, int8=int8)
             pre, parts = _gpu_prefill(m, file, fpd, prompt, c, True, pins)
             if best is None or pre < best[0]:
                 best = (pre, parts, c, pins, fp)
@@ -628,12 +637,7 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
             # the same placement with the hybrid decode: short passes run as hybrid steps, token by token; with
             # link experts, their staging comes out of the pins
             link = choose_link(m, file, pins, counts)
-            hpins, hfp = pins, fp
-            if link:
-                fpl = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=c, int8=int8, link_experts=link)
-                hpins = choose_pins(file, budget - fpl.total, counts)
-                hfp = vram_footprint(file, stream_experts=True, pinned=hpins, n_ctx=n_ctx, chunk=c, int8=int8,
-                                     link_experts=link)
+            hpins, hfp = fill_pins(file, budget, n_ctx, c, int8, counts, link) if link else (pins, fp)
             hpre, hpre_parts = (pre, parts) if hpins is pins else _gpu_prefill(m, file, fpd, prompt, c, True, hpins)
             hyb, hparts = _hybrid_decode(m, file, fpd, hpins, counts, link)
             link_why = (f", {link} more per layer fetched over the link to the GPU" if link else "")
