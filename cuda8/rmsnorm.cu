@@ -6,6 +6,13 @@
  *     x: [nrows, ncols] f32, w: [ncols] f32 or NULL (no weight), y: [nrows, ncols] f32 (may be x)
  *     launch: block RMSNORM_THREADS (256) x 1 x 1, grid min(nrows, 65535) x 1 x 1 (rows are
  *     grid-strided, so any nrows works within Fermi's 65535 grid limit).
+ *   add_rmsnorm_f32(x, y, w, h, hq, ncols, nrows, eps)     a layer's residual add, the next norm and the Q8_1 of
+ *     its output in one launch (a decode token runs 2 per layer: 4 launches fewer than add + rmsnorm + quantize)
+ *     x: [nrows, ncols] f32, x += y (y: [nrows, ncols] f32, or NULL: x as it is);  h = rmsnorm(x) * w, [nrows,
+ *     ncols] f32 (not x);  hq: NULL, or [nrows * ncols / 32] block_q8_1 of h (ncols % 32 == 0) in the layout of
+ *     quantize_q8_1.cu.  The same expressions and reductions as add_f32 (elementwise.cu), rmsnorm_f32 and
+ *     quantize_q8_1 in sequence, so bit-identical to them (tests/test_gpu.py test_add_rmsnorm).
+ *     launch: as rmsnorm_f32
  * Tiers: all (fermi: the block sum is a shared-memory tree; kepler+: shuffles). The weights
  * of Qwen3.5 norms already hold 1 + w (the converter adds the 1), so this is the plain form.
  * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k rmsnorm
@@ -33,5 +40,48 @@ extern "C" __global__ void rmsnorm_f32(const float *x, const float *w, float *y,
         } else {
             for (int i = threadIdx.x; i < ncols; i += RMSNORM_THREADS) yr[i] = xr[i] * scale;
         }
+    }
+}
+
+extern "C" __global__ void add_rmsnorm_f32(float *x, const float *y, const float *LE_RESTRICT w, float *h,
+                                           block_q8_1 *hq, int ncols, int nrows, float eps) {
+    LE_SCRATCH(scratch, RMSNORM_THREADS);
+    const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP;
+    for (int row = blockIdx.x; row < nrows; row += gridDim.x) {
+        float *xr = x + (size_t)row * ncols, *hr = h + (size_t)row * ncols;
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < ncols; i += RMSNORM_THREADS) {
+            float v = xr[i];
+            if (y) {
+                v = v + y[(size_t)row * ncols + i];
+                xr[i] = v;
+            }
+            ss += v * v;
+        }
+        ss = le_block_sum(ss, scratch);
+        const float scale = 1.0f / sqrtf(ss / ncols + eps);
+        for (int i = threadIdx.x; i < ncols; i += RMSNORM_THREADS)
+            hr[i] = w ? xr[i] * scale * le_ldg(w + i) : xr[i] * scale;
+        if (!hq) continue;
+        __syncthreads(); /* the row's h is written (and the block sum's scratch read) before the warps quantise it */
+        const int nb = ncols / QK8_1;
+        /* one warp per block of 32, as quantize_q8_1; the bound is the block's (fermi reductions need every thread) */
+        for (int base = 0; base < nb; base += RMSNORM_THREADS / LE_WARP) {
+            const int ib = base + warp;
+            const float xi = ib < nb ? hr[ib * QK8_1 + lane] : 0.0f;
+            const float amax = le_warp_max(fabsf(xi), scratch);
+            const float sum = le_warp_sum(xi, scratch);
+            const float d = amax / 127;
+            const int q = amax == 0.0f ? 0 : (int)roundf(xi / d);
+            if (ib < nb) {
+                block_q8_1 *o = hq + (size_t)row * nb + ib;
+                o->qs[lane] = (int8_t)q;
+                if (lane == 0) {
+                    o->d = le_float_to_half(d);
+                    o->s = le_float_to_half(sum);
+                }
+            }
+        }
+        __syncthreads(); /* fermi: the warp sums' scratch is free before the next row's block sum */
     }
 }

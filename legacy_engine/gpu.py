@@ -907,6 +907,19 @@ class Kernels:
             [("ptr", _ptr(x)), ("ptr", _ptr(w)), ("ptr", _ptr(y)), ("i32", ncols), ("i32", nrows), ("f32", eps)],
             stream=stream)
 
+    def add_rmsnorm(self, x, y, w, h, hq, ncols: int, nrows: int, eps: float, stream: Stream | None = None) -> None:
+        """x [nrows, ncols] += y (None: no add); h = rmsnorm(x) * w (w None: no weight); hq: None, or h as
+        [nrows * ncols / 32] block_q8_1 (GPU layout). One launch, bit-identical to add, rmsnorm, quantize_q8_1."""
+        if hq is not None and ncols % 32:
+            raise ValueError(f"add_rmsnorm: ncols = {ncols} is not a multiple of 32 (Q8_1 blocks)")
+        for b, nb, what in ((x, 4 * ncols * nrows, "x"), (y, 4 * ncols * nrows, "y"), (w, 4 * ncols, "w"),
+                            (h, 4 * ncols * nrows, "h"), (hq, ncols * nrows // 32 * Q8_1_BYTES, "hq")):
+            _need(b, nb, f"add_rmsnorm {what}")
+        self.modules["rmsnorm"].kernel("add_rmsnorm_f32").launch(
+            (self._grid(nrows), 1, 1), (RMSNORM_THREADS, 1, 1),
+            [("ptr", _ptr(x)), ("ptr", _ptr(y)), ("ptr", _ptr(w)), ("ptr", _ptr(h)), ("ptr", _ptr(hq)),
+             ("i32", ncols), ("i32", nrows), ("f32", eps)], stream=stream)
+
     def quantize_q8_1(self, x, y, n: int, stream: Stream | None = None) -> None:
         """x: [n] f32 (n % 32 == 0) -> y: [n/32] block_q8_1, GPU layout (d, s = sum of x)."""
         if n % 32:

@@ -52,6 +52,13 @@ HANDOFF_PINNED_MAX = 1 << 30   # page-locked staging of a GPU <-> CPU state hand
 # them the host raises and the GPU writes a NaN row, so neither side can hang the other.
 HYBRID_TIMEOUT_S = 30.0
 HYBRID_WAIT_CYCLES = 1 << 36
+# The hybrid decode's channels (page-locked host memory) are kept for the process and reused by the next model,
+# never freed: with the channel freed at close() and a new one allocated, a model made after others in one process
+# saw its GPU wait miss the CPU's DONE for a whole timeout (test_gpu_model.py run in order, 2026-11-25; a GPU may
+# hold lines of system memory in its L2). Token numbers (SEQ) count on across models, so no word left from an
+# earlier token can match a new one.
+_HY_POOL: list = []           # [PinnedBuffer], the channels not in use
+_HY_SEQ = [0]
 
 
 class HybridLayout:
@@ -641,7 +648,7 @@ class GpuModel:
     # ------------------------------------------------------------------ ops
 
     def _mm(self, w: _W, x: int, y: int, n: int, xq: int | None = None) -> None:
-        """y[n, w.nrows] = x[n, w.ncols] W^T. xq: x already quantised to Q8_1 (n rows; from _quantized)."""
+        """y[n, w.nrows] = x[n, w.ncols] W^T. xq: x already quantised to Q8_1 (n rows; from add_rmsnorm, _hq)."""
         k = self.k
         if n > 1 and self.int8_prefill and w.qtype != gpu.F32:
             if xq is None:
@@ -656,12 +663,14 @@ class GpuModel:
         else:
             k.gemv_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols)
 
-    def _quantized(self, x: int, ncols: int, n: int, name: str = "xq") -> int | None:
-        """Q8_1 of x[n, ncols] for the int8 GEMVs (one token) or GEMMs (several, int8_prefill) that share the
-        input, else None."""
+    def _hq(self, n: int) -> int | None:
+        """The buffer add_rmsnorm writes the normed h [n, E] into as Q8_1, for the int8 GEMVs (one token) or GEMMs
+        (several, int8_prefill) that read h; None on the f32 paths. A name of its own: _mm's "xq" (the other
+        inputs' Q8_1) must not overwrite it while a block still reads h (the hybrid's pinned experts after the
+        shared expert's down)."""
         if not (self.int8_prefill if n > 1 else self.int8):
             return None
-        return self._q8_1(x, n * ncols, name)
+        return self._buf("hq", n * self.hparams.n_embd // 32 * gpu.Q8_1_BYTES).ptr
 
     def _q8_1(self, x: int, n_el: int, name: str) -> int:
         """x[n_el] f32 (rows of a multiple of 32) quantised to Q8_1 in scratch buffer `name` -> its address."""
@@ -669,7 +678,7 @@ class GpuModel:
         self.k.quantize_q8_1(x, xq, n_el)
         return xq
 
-    def _gdn(self, L: dict, h: int, n: int, st: "GpuState", si: int, y: int) -> None:
+    def _gdn(self, L: dict, h: int, hq, n: int, st: "GpuState", si: int, y: int) -> None:
         hp, k = self.hparams, self.k
         E, Hk, Hv, dk = hp.n_embd, hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state
         dv = hp.ssm_d_inner // Hv
@@ -680,7 +689,6 @@ class GpuModel:
         o = self._buf("o", 4 * n * hp.ssm_d_inner).ptr
         beta = self._buf("beta", 4 * n * Hv).ptr
         g = self._buf("g", 4 * n * Hv).ptr
-        hq = self._quantized(h, E, n)
         self._mm(L["qkv"], h, qkv, n, hq)
         self._mm(L["z"], h, z, n, hq)
         self._mm(L["beta"], h, beta, n, hq)
@@ -692,7 +700,7 @@ class GpuModel:
         k.gdn_gated_rmsnorm(o, z, L["ssm_norm"], o, n * Hv, dv, hp.rms_eps)
         self._mm(L["out"], o, y, n)
 
-    def _attention_planned(self, L: dict, h: int, st: "GpuState", si: int, y: int) -> None:
+    def _attention_planned(self, L: dict, h: int, hq, st: "GpuState", si: int, y: int) -> None:
         """One token whose position is the device int st.io[1]: every argument independent of the position."""
         hp, k = self.hparams, self.k
         E, hd, nh, nkv = hp.n_embd, hp.head_dim, hp.n_head, hp.n_head_kv
@@ -701,7 +709,6 @@ class GpuModel:
         o = self._buf("ao", 4 * nh * hd).ptr
         kb, vb = self._buf("kb", 4 * kvw).ptr, self._buf("vb", 4 * kvw).ptr
         kc, vc, pos_dev = st.k_ptr(si), st.v_ptr(si), st.io.ptr + 4
-        hq = self._quantized(h, E, 1)
         self._mm(L["q"], h, qg, 1, hq)
         self._mm(L["k"], h, kb, 1, hq)
         self._mm(L["v"], h, vb, 1, hq)
@@ -714,7 +721,7 @@ class GpuModel:
         k.attention_decode(qg, kc, vc, o, part, st.n_ctx, nh, nkv, hd, n_split=n_split, pos_dev=pos_dev)
         self._mm(L["o"], o, y, 1)
 
-    def _attention(self, L: dict, h: int, n: int, st: "GpuState", si: int, y: int) -> None:
+    def _attention(self, L: dict, h: int, hq, n: int, st: "GpuState", si: int, y: int) -> None:
         hp, k = self.hparams, self.k
         E, hd, nh, nkv = hp.n_embd, hp.head_dim, hp.n_head, hp.n_head_kv
         qw, kvw, pos = nh * 2 * hd, nkv * hd, st.pos
@@ -722,7 +729,6 @@ class GpuModel:
         o = self._buf("ao", 4 * n * nh * hd).ptr
         kc, vc = st.k_ptr(si), st.v_ptr(si)
         kn, vn = kc + 4 * pos * kvw, vc + 4 * pos * kvw   # this batch's cache rows
-        hq = self._quantized(h, E, n)
         self._mm(L["q"], h, qg, n, hq)
         self._mm(L["k"], h, kn, n, hq)
         self._mm(L["v"], h, vn, n, hq)
@@ -737,10 +743,9 @@ class GpuModel:
             k.attention_prefill(qg, kc, vc, o, n, pos, nh, nkv, hd)
         self._mm(L["o"], o, y, n)
 
-    def _ffn(self, L: dict, h: int, n: int, y: int) -> None:
+    def _ffn(self, L: dict, h: int, hq, n: int, y: int) -> None:
         hp, k = self.hparams, self.k
         E = hp.n_embd
-        hq = self._quantized(h, E, n)
         if not hp.n_expert:
             ff = hp.n_ff
             g = self._buf("ffg", 4 * n * ff).ptr
@@ -888,8 +893,12 @@ class GpuModel:
                 raise UnavailableError("the hybrid decode needs unified addressing (a 64-bit host and driver): the "
                                        "GPU reads and writes its host channel directly")
             lay = HybridLayout(hp.n_embd, hp.n_expert_used, hp.n_layer)
-            pb = gpu.PinnedBuffer(4 * lay.channel_words)
-            arr = pb.array.view(np.int32)
+            pb = next((b for b in _HY_POOL if b.nbytes >= 4 * lay.channel_words), None)
+            if pb is None:
+                pb = gpu.PinnedBuffer(4 * lay.channel_words)
+            else:
+                _HY_POOL.remove(pb)
+            arr = pb.array.view(np.int32)[:lay.channel_words]
             arr[:] = 0
             table = np.full((hp.n_layer, hp.n_expert), -1, dtype=np.int32)
             for i, idx in self._pin_idx.items():
@@ -911,7 +920,7 @@ class GpuModel:
     def _hy_next(self) -> None:
         """A new token's sequence number into the channel (before its launches)."""
         hy = self._hy_channel()
-        hy["seq"] = hy["seq"] % 0x7FFFFFFF + 1
+        _HY_SEQ[0] = hy["seq"] = _HY_SEQ[0] % 0x7FFFFFFF + 1
         hy["arr"][HybridLayout.SEQ] = hy["seq"]
 
     def _hy_serve(self, layers) -> None:
@@ -1103,21 +1112,24 @@ class GpuModel:
             self._prefetch_all(self._next_moe(-1), n)
         k.get_rows(self.embd.qtype, self.embd.ptr, idb.ptr, x, n, E)
         self._mark("embed")
+        hq = self._hq(n)        # h's Q8_1 (int8 paths): each add_rmsnorm writes it with h
+        k.add_rmsnorm(x, None, self.layers[0]["attn_norm"], h, hq, E, n, hp.rms_eps)
         for i, L in enumerate(self.layers):
             si = st.index[i]
-            k.rmsnorm(x, L["attn_norm"], h, E, n, hp.rms_eps)
             if hp.recurrent[i]:
-                self._gdn(L, h, n, st, si, y)
+                self._gdn(L, h, hq, n, st, si, y)
                 self._mark("gdn")
             elif planned:
-                self._attention_planned(L, h, st, si, y)
+                self._attention_planned(L, h, hq, st, si, y)
             else:
-                self._attention(L, h, n, st, si, y)
+                self._attention(L, h, hq, n, st, si, y)
                 self._mark("attention")
-            k.add(x, y, x, n * E)
-            k.rmsnorm(x, L["post_norm"], h, E, n, hp.rms_eps)
-            self._ffn(L, h, n, y)
-            k.add(x, y, x, n * E)
+            k.add_rmsnorm(x, y, L["post_norm"], h, hq, E, n, hp.rms_eps)      # residual add, norm, Q8_1: one launch
+            self._ffn(L, h, hq, n, y)
+            if i + 1 < len(self.layers):
+                k.add_rmsnorm(x, y, self.layers[i + 1]["attn_norm"], h, hq, E, n, hp.rms_eps)
+            else:
+                k.add(x, y, x, n * E)
             self._mark("ffn rest")
         st._pos += n
         if not want:
@@ -1159,7 +1171,7 @@ class GpuModel:
         if self._hy is not None:
             self._hy_flush()
             hy, self._hy = self._hy, None
-            hy["buf"].free()
+            _HY_POOL.append(hy["buf"])          # kept for the next model (see _HY_POOL)
             hy["pin_idx"].free()
         if self._host is not None:
             _native.gpu_host_unregister(self._host[0])

@@ -180,7 +180,7 @@ def scratch_bytes(hp, n: int, int8: bool, logit_rows: int) -> int:
             b += (pairs * E + pairs * ff) // 32 * gpu.Q8_1_BYTES
     else:
         b += 2 * 4 * n * hp.n_ff
-    if int8:       # Q8_1 rows of n tokens: a shared input (xq) and a matmul's own (xq_mm), with room to spare
+    if int8:       # Q8_1 rows of n tokens: the normed h (hq), another shared input (xq), a matmul's own (xq_mm)
         b += 4 * n * max(E, hp.ssm_d_inner, hp.n_ff, hp.n_ff_shexp, hp.n_ff_exp, hp.n_head * hp.head_dim) // 32 \
             * gpu.Q8_1_BYTES
     return b + 4 * logit_rows * hp.n_vocab

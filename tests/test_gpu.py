@@ -115,7 +115,7 @@ def _entries(ptx: bytes) -> set[bytes]:
     return set(re.findall(rb"\.entry\s+(\w+)", ptx))
 
 
-ENTRIES = {"rmsnorm": {"rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1"},
+ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1"},
            "conv1d": {"conv1d_silu_f32", "conv1d_state_f32"},
            "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
            "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32", "attn_kv_store_f32"},
@@ -492,6 +492,34 @@ def test_rmsnorm(kernels):
         err = np.abs(y - ref) / np.abs(ref)
         assert err.max() <= tol.GPU_RMSNORM_REL, (nrows, ncols, err.max())
         assert np.array_equal(y, y2)
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_add_rmsnorm(kernels):
+    """add_rmsnorm_f32 bit-equals add_f32, rmsnorm_f32 and quantize_q8_1 in sequence (each tested against its own
+    reference above): x += y in place, h, and h's Q8_1; without y, without w, without hq; rows grid-strided."""
+    rng = np.random.default_rng(3)
+    for nrows, ncols, with_y, with_w, with_q in ((1, 2048, True, True, True), (3, 96, True, False, True),
+                                                 (2, 1000, False, True, False), (70000, 64, True, True, True)):
+        x = (rng.standard_normal((nrows, ncols)) * rng.uniform(0.1, 10, (nrows, 1))).astype(np.float32)
+        y = rng.standard_normal((nrows, ncols)).astype(np.float32)
+        w = rng.uniform(0.5, 1.5, ncols).astype(np.float32)
+        x[0, :32] = -y[0, :32]                     # a block of zeros after the add: d = 0, q = 0
+        n, qb = nrows * ncols, nrows * ncols // 32 * 36
+        with gpu.Buffer.from_array(x) as bx, gpu.Buffer.from_array(x) as bx2, gpu.Buffer.from_array(y) as by, \
+                gpu.Buffer.from_array(w) as bw, gpu.Buffer(4 * n) as bh, gpu.Buffer(4 * n) as bh2, \
+                gpu.Buffer(max(qb, 256)) as bq, gpu.Buffer(max(qb, 256)) as bq2:
+            kernels.add_rmsnorm(bx, by if with_y else None, bw if with_w else None, bh, bq if with_q else None,
+                                ncols, nrows, 1e-6)
+            if with_y:
+                kernels.add(bx2, by, bx2, n)
+            kernels.rmsnorm(bx2, bw if with_w else None, bh2, ncols, nrows, 1e-6)
+            if with_q:
+                kernels.quantize_q8_1(bh2, bq2, n)
+            for a, b in ((bx, bx2), (bh, bh2)) + (((bq, bq2),) if with_q else ()):
+                got, want = a.download(dtype=np.uint8), b.download(dtype=np.uint8)
+                assert np.array_equal(got, want), (nrows, ncols, with_y, with_w, with_q)
 
 
 @pytest.mark.gpu
@@ -1396,6 +1424,14 @@ def test_moe_route(kernels):
         err = np.abs(w.astype(np.float64) - w_ref)
         assert (err <= (2 * k + MOE_W_EXTRA) * U * w_ref).all(), f"weights: max rel err {np.max(err / w_ref):.3g}"
     assert moe_route_ref(np.zeros((1, 20000), np.float32), 1)[1][0, 0] > 0.8   # the clamp case clamps
+    for n_expert in (256, 2000):        # a NaN logit (a broken hidden state): every id INT_MAX, in both forms
+        lg = grid(rng.standard_normal((2, n_expert)))
+        lg[1, 5] = np.nan
+        with gpu.Buffer.from_array(lg) as bl, gpu.Buffer(4 * 2 * 8) as bi, gpu.Buffer(4 * 2 * 8) as bw:
+            kernels.moe_route(bl, bi, bw, 2, n_expert, 8)
+            ids = bi.download(dtype=np.int32).reshape(2, 8)
+        np.testing.assert_array_equal(ids[0], moe_route_ref(lg[:1], 8)[0][0])
+        assert (ids[1] == np.iinfo(np.int32).max).all(), ids[1]
 
 
 @pytest.mark.gpu

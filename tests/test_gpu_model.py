@@ -370,13 +370,15 @@ def kl_stats(ref: np.ndarray, x: np.ndarray) -> dict:
     return dict(compare(ref, x), kl_p50=float(np.quantile(kl, lo)), kl_p90=float(np.quantile(kl, hi)))
 
 
-def quant_gate(path, tier: str, arch: int, faults: dict | None = None) -> tuple[list[str], str]:
+def quant_gate(path, tier: str, arch: int, faults: dict | None = None, make=None) -> tuple[list[str], str]:
     """(why the GPU run of `path` fails the quantised gate, empty if it passes; a one-line report). The GPU model
-    runs with `faults` injected (negative controls); the CPU reference and baseline never do."""
+    runs with `faults` injected (negative controls); the CPU reference and baseline never do. make(cpu model) ->
+    the GpuModel to gate (default: resident, of tier/arch)."""
     from legacy_engine.gpu_model import GpuModel
     cpu = Model(path, n_threads=4, pin=False)
     try:
-        gm = GpuModel(Model(path, n_threads=4, pin=False, _faults=faults) if faults else cpu, tier=tier, arch=arch)
+        gm = (make(cpu) if make else
+              GpuModel(Model(path, n_threads=4, pin=False, _faults=faults) if faults else cpu, tier=tier, arch=arch))
     except gpu.UnavailableError as e:
         (pytest.fail if STRICT else pytest.skip)(f"{gpu.variant_name(tier, arch)}: {e}")
     assert not gm.converted, f"{path}: tensors dequantised at upload: {gm.converted}"
@@ -540,12 +542,12 @@ def test_session_and_snapshot_cache_on_gpu(gpu_device, tiny_file, cpu_model):
 # ================================================================================================ issue 6: streamed
 # experts, the VRAM budget, the split (GPU prefill, CPU decode)
 
-def _stream_model(cpu, pinned, chunk, vram=None, **kw):
+def _stream_model(cpu, pinned, chunk, vram=None, int8=False, **kw):
     from legacy_engine import planner
     from legacy_engine.gpu_model import GpuModel
-    fp = planner.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=chunk, int8=False,
+    fp = planner.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=chunk, int8=int8,
                                 link_experts=kw.get("link_experts", 0))
-    return GpuModel(cpu, int8=False, stream_experts=True, pinned=pinned, chunk=chunk, n_ctx=N_CTX,
+    return GpuModel(cpu, int8=int8, stream_experts=True, pinned=pinned, chunk=chunk, n_ctx=N_CTX,
                     vram=fp.total if vram is None else vram, **kw)
 
 
@@ -696,6 +698,22 @@ def test_hybrid_decode_matches_cpu(graphs, link, gpu_device, tiny_file, cpu_mode
         assert all(int(c.sum()) == 80 * hp.n_expert_used for c in gm.route_counts.values())
     finally:
         gm.close()
+
+
+@pytest.mark.parametrize("link", [0, 1], ids=["link0", "link1"])
+def test_hybrid_int8_decode_on_quantized_file(link, gpu_device, quant_file):
+    """The hybrid decode on the int8 (DP4A) paths of a Q8_0 file (the f32 tiny models above never take them):
+    streamed prefill, pinned experts on two layers (some, all), the other experts on the CPU's integer kernels (and
+    one per layer over the link); held to the quantised gate (KL to the CPU's f32 path at the level of the CPU's
+    own integer path). It caught h's Q8_1 overwritten by the shared expert's before the pinned and link experts
+    read it (2026-11-25)."""
+    def make(cpu):
+        moe = [i for i in range(cpu.hparams.n_layer) if f"blk.{i}.ffn_gate_exps.weight" in cpu.file.tensors]
+        pinned = {moe[0]: [0, 1, 2], moe[-1]: list(range(cpu.hparams.n_expert))}
+        return _stream_model(cpu, pinned, 16, save_routing=False, cpu_experts=True, link_experts=link, int8=True)
+    fails, report = quant_gate(quant_file("moe", "q8_0"), "dp4a", NATIVE_ARCH, make=make)
+    print(f"\nhybrid int8 link{link} {report}")
+    assert not fails, fails
 
 
 def test_split_hybrid_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
