@@ -17,7 +17,7 @@
  *     slot: the layer's slot in the channel (host memory, device-visible): H, IDS, CPU_IDS (ids[s] where the
  *       CPU runs it, else -1), WTS, then READY = chan[SEQ] after a system-wide fence.
  *     launch: block HYBRID_THREADS (256) x 1 x 1, grid 1 x 1 x 1
- *   hybrid_wait_f32(slot, chan, row, E, k, max_cycles)
+ *   hybrid_wait_f32(slot, chan, row, E, k, max_cycles)      E % 4 == 0 (the row is copied in 16-byte words)
  *     spins (thread 0, volatile reads of host memory) until slot DONE == chan[SEQ], then row[E] (device) = the
  *     slot's ROW. Gives up after max_cycles clock cycles (the host failed or went away) and writes NaN rows, so a
  *     lost CPU shows as NaN logits and the stream is never stuck.
@@ -32,6 +32,17 @@
 
 #define HYBRID_THREADS 256
 #define HYBRID_FETCH_BLOCKS 64
+#define HYBRID_ROW_LOADS 4 /* 16-byte loads in flight per thread in hybrid_wait's copy (E <= 4096 in one round) */
+
+/* A volatile 16-byte load (the channel's memory changes under the kernel; p 16-byte aligned). */
+__device__ __forceinline__ float4 le_ld_volatile_f4(const float *p) {
+    float4 v;
+    asm volatile("ld.volatile.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
 
 extern "C" __global__ void hybrid_publish_f32(const float *LE_RESTRICT h, const int *LE_RESTRICT ids,
                                               const float *LE_RESTRICT w, const int *LE_RESTRICT pin_idx, int n_link,
@@ -99,6 +110,25 @@ extern "C" __global__ void hybrid_wait_f32(const volatile int *slot, const volat
         __threadfence(); /* the row is read after DONE was seen */
     }
     __syncthreads();
-    const volatile float *src = (const volatile float *)(slot + LE_HY_ROW(E, k));
-    for (int e = threadIdx.x; e < E; e += HYBRID_THREADS) row[e] = ok ? src[e] : __int_as_float(0x7fc00000);
+    /* the row crosses the bus: each thread issues all its loads (16-byte words) before any store, so the copy
+     * costs one round trip of the bus, not one per element a thread holds (a load then its store: 8 round trips
+     * a layer at E = 2048) */
+    const float *src = (const float *)(slot + LE_HY_ROW(E, k));
+    float4 *row4 = (float4 *)row;
+    const int n4 = E / 4;
+    float4 nan4;
+    nan4.x = nan4.y = nan4.z = nan4.w = __int_as_float(0x7fc00000);
+    for (int base = threadIdx.x; base < n4; base += HYBRID_ROW_LOADS * HYBRID_THREADS) {
+        float4 v[HYBRID_ROW_LOADS];
+#pragma unroll
+        for (int u = 0; u < HYBRID_ROW_LOADS; u++) {
+            const int i = base + u * HYBRID_THREADS;
+            if (i < n4) v[u] = le_ld_volatile_f4(src + 4 * i);
+        }
+#pragma unroll
+        for (int u = 0; u < HYBRID_ROW_LOADS; u++) {
+            const int i = base + u * HYBRID_THREADS;
+            if (i < n4) row4[i] = ok ? v[u] : nan4;
+        }
+    }
 }

@@ -1393,8 +1393,9 @@ class Kernels:
                     stream: Stream | None = None) -> None:
         """Waits (on the GPU) until the CPU marks `slot` DONE for chan's SEQ, then row [E] (device) = its ROW; NaN
         after max_cycles clock cycles without it."""
-        if E <= 0 or k <= 0 or max_cycles <= 0:
-            raise ValueError(f"hybrid_wait: E = {E}, k = {k}, max_cycles = {max_cycles}")
+        if E <= 0 or E % 4 or k <= 0 or max_cycles <= 0:
+            raise ValueError(f"hybrid_wait: E = {E} (a multiple of 4: 16-byte words), k = {k}, max_cycles = "
+                             f"{max_cycles}")
         _need(row, 4 * E, "hybrid_wait row")
         self.modules["hybrid_sync"].kernel("hybrid_wait_f32").launch(
             (1, 1, 1), (HYBRID_THREADS, 1, 1),
