@@ -3,7 +3,7 @@ prediction and to llama.cpp's offload settings on the same file.
 
     legacy-engine bench split MODEL.gguf --vram 6GiB [--prompt 512,2048] [--gen 32] [--ballast] [--simulate-link GBPS]
                                          [--llama PATH] [--ncmoe 30,40,cpu] [--llama-flags F]
-                                         [--plot FILE.png] [--json]
+                                         [--no-mmap] [--plot FILE.png] [--json]
 
 Strategies (planner.py): cpu (prefill and decode on the CPU), stream (GPU prefill with routed experts streamed
 from host RAM, pinned ones in VRAM, CPU decode: the split `run --gpu --vram` uses when the model does not fit),
@@ -94,7 +94,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                 simulate_link: float | None = None, llama: str | None = None, ncmoe=(30, 40, None),
                 threads: int | None = None,
                 cpu_max_prompt: int | None = 512, strategies=("cpu", "stream", "hybrid", "resident"), log=None,
-                llama_flags=(), mma: bool | None = None) -> dict:
+                llama_flags=(), mma: bool | None = None, mmap: bool = True) -> dict:
     import dataclasses
 
     from .gpu_model import GpuModel
@@ -108,10 +108,10 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
         raise UnavailableError(f"--ballast needs a GPU: {why}")
     prompts = sorted(prompts)
     n_ctx = max(prompts) + gen + 8
-    model = Model(path, threads, pin=True)
+    model = Model(path, threads, mmap=mmap, pin=True)
     threads = model.n_threads
     res = {"model": str(path), "vram": vram, "prompts": prompts, "gen": gen, "threads": threads, "rows": [],
-           "ballast": ballast}
+           "ballast": ballast, "mmap": mmap, "huge_bytes": model.load_report["huge_bytes"]}
     m = planner.measure(threads, log=log)
     if simulate_link:
         m = dataclasses.replace(m, link_gbps=simulate_link, simulated_link=True)
@@ -210,6 +210,8 @@ def print_split(res: dict) -> None:
     print(f"{res['model']}: VRAM budget {res['vram'] / 2**30:.2f} GiB"
           + (f" (ballast: {res['free_after_ballast'] / 2**30:.2f} GiB left free)" if res.get("ballast") else "")
           + f", {res['threads']} threads; link {m['link_gbps']:.2f} GB/s"
+          + ("" if res.get("mmap", True) else
+             f"; weights in anonymous memory ({res.get('huge_bytes', 0) / 2**30:.2f} GiB in huge pages)")
           + ("; pins from saved routing counts" if res.get("routing_counts") else "")
           + (" (simulated)" if m["simulated_link"] else ""))
     print(f"{'strategy':<28}" + "".join(f"{'pp' + str(p):>10}{'pred':>8}" for p in ps) + f"{'tg' + str(res['gen']):>9}"
@@ -292,6 +294,9 @@ def add_parser(sub) -> None:
     sp.add_argument("--strategies", default="cpu,stream,hybrid,resident",
                     help="which to run (cpu,stream,hybrid,resident); stream/pairs, stream/grouped (and resident/…) force "
                          "the routed experts' form: one GEMV per (token, expert) pair, or grouped GEMMs")
+    sp.add_argument("--no-mmap", dest="mmap", action="store_false",
+                    help="read the weights into anonymous memory (huge pages: the CPU's experts read faster, "
+                         "benchmarks/bench_moe_routed.py; own RAM) instead of the file map (default)")
     sp.add_argument("--no-mma", dest="mma", action="store_const", const=False, default=None,
                     help="int8 prefill GEMMs with DP4A instead of the tensor cores (default: tensor cores from sm_75)")
     sp.add_argument("--plot", default=None, metavar="FILE.png", help="write the tok/s plot (needs matplotlib)")
@@ -317,7 +322,7 @@ def main(args) -> int:
                       args.gen, args.reps, args.ballast, args.simulate_link, args.llama,
                       args.ncmoe, args.threads, args.cpu_max_prompt,
                       tuple(args.strategies.split(",")), log=lambda s: print(s, file=sys.stderr, flush=True),
-                      llama_flags=tuple(args.llama_flags.split()), mma=args.mma)
+                      llama_flags=tuple(args.llama_flags.split()), mma=args.mma, mmap=args.mmap)
     if args.json:
         print(json.dumps(res, indent=1, default=float))
     else:

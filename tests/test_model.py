@@ -772,3 +772,12 @@ def test_bench_split_cli_runs_cpu_and_llama_rows(bench_file, tmp_path, capsys):
     assert [a[a.index("-ngl") + 1] for a in argv] == ["99", "0"]
     assert all(a[a.index("-ub") + 1] == "2048" and a[a.index("-t") + 1] == "1" for a in argv)
     assert "-ncmoe" in argv[0] and "-ncmoe" not in argv[1]
+    assert res["mmap"] is True
+    # --no-mmap: the weights read into anonymous memory, said in the result and the table's header
+    assert main(["bench", "split", bench_file, "--vram", "1GiB", "--prompt", "8", "--gen", "2", "--threads", "1",
+                 "--strategies", "cpu", "--no-mmap", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["mmap"] is False and res["rows"][0]["tg"] > 0
+    from legacy_engine.bench_split import print_split
+    print_split(res)
+    assert "weights in anonymous memory" in capsys.readouterr().out
