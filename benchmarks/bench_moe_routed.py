@@ -6,7 +6,8 @@ the machine's read bandwidth, for 1..8 experts a call, the file map against anon
 
 Each call takes a random MoE layer and random distinct experts (the working set of a real decode: a 35B-A3B layer's
 experts are ~470 MB, far past any cache), x random; the median µs of the timed calls (after a third as warm-up) and
-GB/s = expert bytes read / time. `map`: the weights in the file's memory map (4 KiB page-cache pages, the default of
+GB/s = expert bytes read / time; the C core's phase clocks split a call into the gate/up job and the down job (their
+means; the rest is the serial quantisation and bookkeeping). `map`: the weights in the file's memory map (4 KiB page-cache pages, the default of
 `run`), every page faulted in first (MADV_POPULATE_READ: as the hybrid decode's page-locked map is; a first touch
 would cost a fault per 4 KiB and show as slowness that is not the kernels'); `anon`: read into anonymous memory with MADV_HUGEPAGE (`--no-mmap`), `huge MiB` says how much the kernel
 really backed with 2 MiB pages. The read bandwidth beside is legacy_engine.bench.read_bandwidth at the same thread
@@ -44,6 +45,8 @@ def measure(path: str, threads: int, mmap: bool, experts: list[int], calls: int,
         for k in experts:
             ts, bs = [], []
             for c in range(calls):
+                if c == calls // 3:
+                    m.native.set_profile(True)      # the C core's phase clocks over the timed calls
                 i = layers[rng.integers(len(layers))]
                 ids = rng.choice(hp.n_expert, k, replace=False).astype(np.int32)
                 t0 = time.perf_counter()
@@ -52,7 +55,10 @@ def measure(path: str, threads: int, mmap: bool, experts: list[int], calls: int,
                 if c >= calls // 3:
                     ts.append(dt)
                     bs.append(k * eb[i])
-            row[k] = {"us": float(np.median(ts) * 1e6), "gbps": float(sum(bs) / sum(ts) / 1e9)}
+            prof = m.native.profile()
+            m.native.set_profile(False)
+            row[k] = {"us": float(np.median(ts) * 1e6), "gbps": float(sum(bs) / sum(ts) / 1e9),
+                      "gate_up_us": 1e6 * prof["ffn_gate_up"] / len(ts), "down_us": 1e6 * prof["ffn_down"] / len(ts)}
         return row
     finally:
         del m
@@ -83,11 +89,11 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"{'pages':<6}{'threads':>8}{'huge MiB':>10}{'read GB/s':>10}"
-          + "".join(f"{f'{k} exp: µs':>12}{'GB/s':>7}{'%':>5}" for k in experts))
+          + "".join(f"{f'{k} exp: µs':>12}{'GB/s':>7}{'%':>5}{'g+u/down µs':>13}" for k in experts))
     for r in rows:
         print(f"{r['pages']:<6}{r['threads']:>8}{r['huge_mib']:>10}{r['read_gbps']:>10.1f}"
               + "".join(f"{r[k]['us']:>12.0f}{r[k]['gbps']:>7.1f}{100 * r[k]['gbps'] / r['read_gbps']:>5.0f}"
-                        for k in experts))
+                        f"{r[k]['gate_up_us']:>7.0f}/{r[k]['down_us']:<5.0f}" for k in experts))
     return 0
 
 
