@@ -52,11 +52,10 @@ HANDOFF_PINNED_MAX = 1 << 30   # page-locked staging of a GPU <-> CPU state hand
 # them the host raises and the GPU writes a NaN row, so neither side can hang the other.
 HYBRID_TIMEOUT_S = 30.0
 HYBRID_WAIT_CYCLES = 1 << 36
-# The hybrid decode's channels (page-locked host memory) are kept for the process and reused by the next model,
-# never freed: with the channel freed at close() and a new one allocated, a model made after others in one process
-# saw its GPU wait miss the CPU's DONE for a whole timeout (test_gpu_model.py run in order, 2026-11-25; a GPU may
-# hold lines of system memory in its L2). Token numbers (SEQ) count on across models, so no word left from an
-# earlier token can match a new one.
+# The hybrid decode's channels (page-locked host memory) are kept for the process and reused by the next model, and
+# token numbers (SEQ) count on across models: no flag left in a channel by an earlier model's token can equal a new
+# token's. Added (2026-11-25f) when test_gpu_model.py run in order failed test_hybrid_decode_matches_cpu[replay]
+# with a NaN row (not alone); this alone did not cure it, that session's changes together did: cause not found.
 _HY_POOL: list = []           # [PinnedBuffer], the channels not in use
 _HY_SEQ = [0]
 
