@@ -23,14 +23,15 @@
  * window, so one thread keeps few misses in flight: the hardware streamer alone gave one thread 7.1 GB/s of Q4_K
  * (AVX-512 VNNI) of the ~16 it can read; fetching the lines LE_PREFETCH_BYTES ahead of each block: 11.4 GB/s
  * (Sapphire Rapids, one thread, 256 MiB; 512 / 1024 / 2048 / 4096 bytes ahead: 10.4 / 10.9 / 11.4 / 10.1).
- * `lines` 64-byte lines from block + LE_PREFETCH_BYTES: at least the block's stride (a K-quant block is 144-210
- * bytes), so consecutive blocks' windows leave no gap. Past a row's end the lines are the next row's (a GEMV's
- * next); a prefetch never faults. SSE1: every tier. */
+ * Called once per step of a block loop with the step's bytes (`stride`: one K-quant block of 144-210 bytes, or 2-4
+ * small blocks): the 64-byte lines covering [block + LE_PREFETCH_BYTES, + stride rounded up to lines), so the
+ * windows of consecutive steps leave no gap. Past a row's end the lines are the next row's (a GEMV's next); a
+ * prefetch never faults. SSE1: every tier. */
 #define LE_PREFETCH_BYTES 2048
 
-static inline void le_prefetch_ahead(const void *block, int lines) {
+static inline void le_prefetch_ahead(const void *block, size_t stride) {
     const char *p = (const char *)block + LE_PREFETCH_BYTES;
-    for (int l = 0; l < lines; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+    for (size_t l = 0; l < (stride + 63) / 64; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
 }
 
 /* IEEE half -> float, exact for every input, without F16C (the SSSE3 tier): exponent and

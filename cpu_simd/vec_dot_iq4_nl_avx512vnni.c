@@ -27,7 +27,7 @@ void vec_dot_iq4_nl_q8_0_avx512vnni(int64_t n, float *s, const void *vx, const v
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t ib = 0;
     for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, (int)((2 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m256i p0 = grid_dot(grid, x[ib].qs, y[ib].qs);
         const __m256i p1 = grid_dot(grid, x[ib + 1].qs, y[ib + 1].qs);
         const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(y[ib].d) * _cvtsh_ss(x[ib].d));
@@ -52,7 +52,7 @@ void vec_dot_mxfp4_q8_0_avx512vnni(int64_t n, float *s, const void *vx, const vo
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t ib = 0;
     for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, (int)((2 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m256i p0 = grid_dot(grid, x[ib].qs, y[ib].qs);
         const __m256i p1 = grid_dot(grid, x[ib + 1].qs, y[ib + 1].qs);
         const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(y[ib].d) * le_e8m0_half(x[ib].e));

@@ -32,7 +32,7 @@ void vec_dot_iq4_nl_q8_0_ssse3(int64_t n, float *s, const void *vx, const void *
     __m128 acc = _mm_setzero_ps();
     int64_t ib = 0;
     for (; ib + 4 <= nb; ib += 4) {
-        le_prefetch_ahead(x + ib, (int)((4 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 4 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m128i sums = le_hsum4_epi32(grid_dot(grid, x[ib].qs, y[ib].qs), grid_dot(grid, x[ib + 1].qs, y[ib + 1].qs),
                                             grid_dot(grid, x[ib + 2].qs, y[ib + 2].qs),
                                             grid_dot(grid, x[ib + 3].qs, y[ib + 3].qs));
@@ -56,7 +56,7 @@ void vec_dot_mxfp4_q8_0_ssse3(int64_t n, float *s, const void *vx, const void *v
     __m128 acc = _mm_setzero_ps();
     int64_t ib = 0;
     for (; ib + 4 <= nb; ib += 4) {
-        le_prefetch_ahead(x + ib, (int)((4 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 4 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m128i sums = le_hsum4_epi32(grid_dot(grid, x[ib].qs, y[ib].qs), grid_dot(grid, x[ib + 1].qs, y[ib + 1].qs),
                                             grid_dot(grid, x[ib + 2].qs, y[ib + 2].qs),
                                             grid_dot(grid, x[ib + 3].qs, y[ib + 3].qs));

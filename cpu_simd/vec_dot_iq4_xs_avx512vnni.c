@@ -28,7 +28,7 @@ void vec_dot_iq4_xs_q8_K_avx512vnni(int64_t n, float *s, const void *vx, const v
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, (int)((sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         const __m256i scales = _mm256_broadcastsi128_si256(le_iq4_xs_scales(&x[i]));
         const uint8_t *qs = x[i].qs;
         const int8_t *q8 = y[i].qs;

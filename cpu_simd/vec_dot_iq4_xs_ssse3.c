@@ -19,7 +19,7 @@ void vec_dot_iq4_xs_q8_K_ssse3(int64_t n, float *s, const void *vx, const void *
     const __m128i grid = _mm_loadu_si128((const __m128i *)le_kvalues_iq4nl);
     __m128 acc = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, (int)((sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         const uint8_t *qs = x[i].qs;
         const int8_t *q8 = y[i].qs;
         __m128i sumi = _mm_setzero_si128();

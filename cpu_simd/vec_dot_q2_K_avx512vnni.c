@@ -30,7 +30,7 @@ void vec_dot_q2_K_q8_K_avx512vnni(int64_t n, float *s, const void *vx, const voi
     __m256 acc = _mm256_setzero_ps();
     __m256 acc_m = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, (int)((sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         const float dall = y[i].d * _cvtsh_ss(x[i].d);
         const float dmin = y[i].d * _cvtsh_ss(x[i].dmin);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);

@@ -18,7 +18,7 @@ void vec_dot_q2_K_q8_K_ssse3(int64_t n, float *s, const void *vx, const void *vy
     const __m128i m3 = _mm_set1_epi8(3), m4 = _mm_set1_epi8(0x0f), zero = _mm_setzero_si128();
     __m128 acc = _mm_setzero_ps(), acc_m = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, (int)((sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         const float dall = y[i].d * le_h2f(x[i].d);
         const float dmin = y[i].d * le_h2f(x[i].dmin);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);

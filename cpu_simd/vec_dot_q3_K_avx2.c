@@ -33,7 +33,7 @@ void vec_dot_q3_K_q8_K_avx2(int64_t n, float *s, const void *vx, const void *vy)
     const __m256i one = _mm256_set1_epi8(1);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, (int)((sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         /* s_g - 32 as int16: lanes 0..7 groups 0..7, 8..15 groups 8..15 */
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(le_q3_K_scales(x[i].scales), _mm_set1_epi8(32)));
         const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)y[i].bsums));

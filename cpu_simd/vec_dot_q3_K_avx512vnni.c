@@ -26,7 +26,7 @@ void vec_dot_q3_K_q8_K_avx512vnni(int64_t n, float *s, const void *vx, const voi
     const __m512i m3 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, (int)((sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         const __m128i s8 = _mm_sub_epi8(le_q3_K_scales(x[i].scales), _mm_set1_epi8(32));   /* -32..31 */
         const __m512i sc16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(s8));
         /* the constant part, -4 * sum_g s_g * bsum_g, in the low 8 lanes */

@@ -20,7 +20,7 @@ void vec_dot_q3_K_q8_K_ssse3(int64_t n, float *s, const void *vx, const void *vy
     const __m128i m3 = _mm_set1_epi8(3), one = _mm_set1_epi8(1);
     __m128 acc = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, (int)((sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         const __m128i s8 = _mm_sub_epi8(le_q3_K_scales(x[i].scales), _mm_set1_epi8(32));   /* -32..31 */
         int16_t sc[16];
         const __m128i s_lo = le_cvtepi8_epi16_lo(s8), s_hi = le_cvtepi8_epi16_lo(_mm_srli_si128(s8, 8));

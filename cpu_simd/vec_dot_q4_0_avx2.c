@@ -38,7 +38,7 @@ void vec_dot_q4_0_q8_0_avx2(int64_t n, float *s, const void *vx, const void *vy)
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t ib = 0;
     for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, (int)((2 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m256i p0 = dot_offset(le_nibbles_32(x[ib].qs),
                                       _mm256_loadu_si256((const __m256i *)y[ib].qs), 8);
         const __m256i p1 = dot_offset(le_nibbles_32(x[ib + 1].qs),
@@ -65,7 +65,7 @@ void vec_dot_q4_1_q8_1_avx2(int64_t n, float *s, const void *vx, const void *vy)
     float summs0 = 0, summs1 = 0;                             /* sums of m * s */
     int64_t ib = 0;
     for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, (int)((2 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m256i p0 = le_dot_u8_256(le_nibbles_32(x[ib].qs),
                                          _mm256_loadu_si256((const __m256i *)y[ib].qs));
         const __m256i p1 = le_dot_u8_256(le_nibbles_32(x[ib + 1].qs),
@@ -93,7 +93,7 @@ void vec_dot_q5_0_q8_0_avx2(int64_t n, float *s, const void *vx, const void *vy)
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t ib = 0;
     for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, (int)((2 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m256i p0 = dot_offset(q5_codes(x[ib].qs, x[ib].qh),
                                       _mm256_loadu_si256((const __m256i *)y[ib].qs), 16);
         const __m256i p1 = dot_offset(q5_codes(x[ib + 1].qs, x[ib + 1].qh),
@@ -120,7 +120,7 @@ void vec_dot_q5_1_q8_1_avx2(int64_t n, float *s, const void *vx, const void *vy)
     float summs0 = 0, summs1 = 0;
     int64_t ib = 0;
     for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, (int)((2 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m256i p0 = le_dot_u8_256(q5_codes(x[ib].qs, x[ib].qh),
                                          _mm256_loadu_si256((const __m256i *)y[ib].qs));
         const __m256i p1 = le_dot_u8_256(q5_codes(x[ib + 1].qs, x[ib + 1].qh),

@@ -38,7 +38,7 @@ void vec_dot_q4_0_q8_0_avx512vnni(int64_t n, float *s, const void *vx, const voi
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t ib = 0;
     for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, (int)((2 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m256i p0 = dot_offset(le_nibbles_32(x[ib].qs), y[ib].qs, 8);
         const __m256i p1 = dot_offset(le_nibbles_32(x[ib + 1].qs), y[ib + 1].qs, 8);
         const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(x[ib].d) * _cvtsh_ss(y[ib].d));
@@ -63,7 +63,7 @@ void vec_dot_q4_1_q8_1_avx512vnni(int64_t n, float *s, const void *vx, const voi
     float summs0 = 0, summs1 = 0;                             /* sums of m * s, two chains */
     int64_t ib = 0;
     for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, (int)((2 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m256i p0 = dot_offset(le_nibbles_32(x[ib].qs), y[ib].qs, 0);
         const __m256i p1 = dot_offset(le_nibbles_32(x[ib + 1].qs), y[ib + 1].qs, 0);
         const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(x[ib].d) * _cvtsh_ss(y[ib].d));
@@ -89,7 +89,7 @@ void vec_dot_q5_0_q8_0_avx512vnni(int64_t n, float *s, const void *vx, const voi
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t ib = 0;
     for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, (int)((2 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m256i p0 = dot_offset(q5_codes(x[ib].qs, x[ib].qh), y[ib].qs, 16);
         const __m256i p1 = dot_offset(q5_codes(x[ib + 1].qs, x[ib + 1].qh), y[ib + 1].qs, 16);
         const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(x[ib].d) * _cvtsh_ss(y[ib].d));
@@ -114,7 +114,7 @@ void vec_dot_q5_1_q8_1_avx512vnni(int64_t n, float *s, const void *vx, const voi
     float summs0 = 0, summs1 = 0;                             /* sums of m * s, two chains */
     int64_t ib = 0;
     for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, (int)((2 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m256i p0 = dot_offset(q5_codes(x[ib].qs, x[ib].qh), y[ib].qs, 0);
         const __m256i p1 = dot_offset(q5_codes(x[ib + 1].qs, x[ib + 1].qh), y[ib + 1].qs, 0);
         const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(x[ib].d) * _cvtsh_ss(y[ib].d));

@@ -63,7 +63,7 @@ void vec_dot_q4_0_q8_0_ssse3(int64_t n, float *s, const void *vx, const void *vy
     __m128 acc = _mm_setzero_ps();
     int64_t ib = 0;
     for (; ib + 4 <= nb; ib += 4) {
-        le_prefetch_ahead(x + ib, (int)((4 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 4 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m128i sums = le_hsum4_epi32(q4_dot(x[ib].qs, y[ib].qs, 8), q4_dot(x[ib + 1].qs, y[ib + 1].qs, 8),
                                             q4_dot(x[ib + 2].qs, y[ib + 2].qs, 8), q4_dot(x[ib + 3].qs, y[ib + 3].qs, 8));
         const __m128 d = _mm_mul_ps(le_h2f_x4(le_halves_x4(&x[ib], sizeof *x, 0)),
@@ -87,7 +87,7 @@ void vec_dot_q4_1_q8_1_ssse3(int64_t n, float *s, const void *vx, const void *vy
     __m128 acc_m = _mm_setzero_ps();
     int64_t ib = 0;
     for (; ib + 4 <= nb; ib += 4) {
-        le_prefetch_ahead(x + ib, (int)((4 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 4 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m128i sums = le_hsum4_epi32(q4_dot(x[ib].qs, y[ib].qs, 0), q4_dot(x[ib + 1].qs, y[ib + 1].qs, 0),
                                             q4_dot(x[ib + 2].qs, y[ib + 2].qs, 0), q4_dot(x[ib + 3].qs, y[ib + 3].qs, 0));
         const __m128 d = _mm_mul_ps(le_h2f_x4(le_halves_x4(&x[ib], sizeof *x, 0)),
@@ -113,7 +113,7 @@ void vec_dot_q5_0_q8_0_ssse3(int64_t n, float *s, const void *vx, const void *vy
     __m128 acc = _mm_setzero_ps();
     int64_t ib = 0;
     for (; ib + 4 <= nb; ib += 4) {
-        le_prefetch_ahead(x + ib, (int)((4 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 4 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m128i sums = le_hsum4_epi32(q5_dot(x[ib].qs, x[ib].qh, y[ib].qs, 16), q5_dot(x[ib + 1].qs, x[ib + 1].qh, y[ib + 1].qs, 16),
                                             q5_dot(x[ib + 2].qs, x[ib + 2].qh, y[ib + 2].qs, 16), q5_dot(x[ib + 3].qs, x[ib + 3].qh, y[ib + 3].qs, 16));
         const __m128 d = _mm_mul_ps(le_h2f_x4(le_halves_x4(&x[ib], sizeof *x, 0)),
@@ -137,7 +137,7 @@ void vec_dot_q5_1_q8_1_ssse3(int64_t n, float *s, const void *vx, const void *vy
     __m128 acc_m = _mm_setzero_ps();
     int64_t ib = 0;
     for (; ib + 4 <= nb; ib += 4) {
-        le_prefetch_ahead(x + ib, (int)((4 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 4 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m128i sums = le_hsum4_epi32(q5_dot(x[ib].qs, x[ib].qh, y[ib].qs, 0), q5_dot(x[ib + 1].qs, x[ib + 1].qh, y[ib + 1].qs, 0),
                                             q5_dot(x[ib + 2].qs, x[ib + 2].qh, y[ib + 2].qs, 0), q5_dot(x[ib + 3].qs, x[ib + 3].qh, y[ib + 3].qs, 0));
         const __m128 d = _mm_mul_ps(le_h2f_x4(le_halves_x4(&x[ib], sizeof *x, 0)),

@@ -29,7 +29,7 @@ void vec_dot_q4_K_q8_K_avx2(int64_t n, float *s, const void *vx, const void *vy)
     __m256 acc = _mm256_setzero_ps();
     __m128 acc_m = _mm_setzero_ps();                      /* the min terms, 4 lanes */
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, 3);   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         const float d = y[i].d * _cvtsh_ss(x[i].d);
         const float dmin = y[i].d * _cvtsh_ss(x[i].dmin);
         /* int16: lanes 0..7 the group scales, 8..15 the group mins */

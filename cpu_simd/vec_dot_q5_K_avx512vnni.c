@@ -27,7 +27,7 @@ void vec_dot_q5_K_q8_K_avx512vnni(int64_t n, float *s, const void *vx, const voi
     __m256 acc = _mm256_setzero_ps();
     __m128 acc_m = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, 3);   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         const float d = y[i].d * _cvtsh_ss(x[i].d);
         const float dmin = y[i].d * _cvtsh_ss(x[i].dmin);
         const __m256i sm = _mm256_cvtepu8_epi16(le_q4_K_scales_mins(x[i].scales));  /* scales | mins */

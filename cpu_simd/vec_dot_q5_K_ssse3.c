@@ -19,7 +19,7 @@ void vec_dot_q5_K_q8_K_ssse3(int64_t n, float *s, const void *vx, const void *vy
     const __m128i one = _mm_set1_epi8(1);
     __m128 acc = _mm_setzero_ps(), acc_m = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, 3);   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         const __m128i sm = le_q4_K_scales_mins(x[i].scales);   /* bytes: 8 scales | 8 mins */
         uint8_t sc[16];
         _mm_storeu_si128((__m128i *)sc, sm);

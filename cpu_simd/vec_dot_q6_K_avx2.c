@@ -31,7 +31,7 @@ void vec_dot_q6_K_q8_K_avx2(int64_t n, float *s, const void *vx, const void *vy)
     const __m256i m2 = _mm256_set1_epi8(0x03);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, 4);   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         const float d = y[i].d * _cvtsh_ss(x[i].d);
         /* the int8 scales as int16: lanes 0..7 groups 0..7, 8..15 groups 8..15 */
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));

@@ -27,7 +27,7 @@ void vec_dot_q6_K_q8_K_avx512vnni(int64_t n, float *s, const void *vx, const voi
     const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03), m30 = _mm512_set1_epi8(0x30);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, 4);   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
         const __m512i sc16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(sc8));  /* group g in lane g */
         /* the offset term, -32 * sum_g sc_g * bsum_g, in the low 8 lanes */

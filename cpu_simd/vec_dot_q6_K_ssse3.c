@@ -24,7 +24,7 @@ void vec_dot_q6_K_q8_K_ssse3(int64_t n, float *s, const void *vx, const void *vy
     const __m128i m4 = _mm_set1_epi8(0x0f), m2 = _mm_set1_epi8(0x03);
     __m128 acc = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, 4);   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
         const int8_t *sc = x[i].scales;
         /* offset term: 32 * sum_g sc_g * bsum_g, scales widened to int16 */
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)sc);

@@ -23,7 +23,7 @@ void vec_dot_q8_0_q8_0_avx512vnni(int64_t n, float *s, const void *vx, const voi
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t ib = 0;
     for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, (int)((2 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m256i p0 = le_dpbssd_256(zero, _mm256_loadu_si256((const __m256i *)x[ib].qs),
                                          _mm256_loadu_si256((const __m256i *)y[ib].qs));
         const __m256i p1 = le_dpbssd_256(zero, _mm256_loadu_si256((const __m256i *)x[ib + 1].qs),

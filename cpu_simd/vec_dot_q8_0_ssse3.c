@@ -31,7 +31,7 @@ void vec_dot_q8_0_q8_0_ssse3(int64_t n, float *s, const void *vx, const void *vy
     __m128 acc = _mm_setzero_ps();
     int64_t ib = 0;
     for (; ib + 4 <= nb; ib += 4) {
-        le_prefetch_ahead(x + ib, (int)((4 * sizeof *x + 63) / 64));   /* DRAM (simd_x86.h) */
+        le_prefetch_ahead(x + ib, 4 * sizeof *x);   /* DRAM (simd_x86.h) */
         const __m128i sums = le_hsum4_epi32(block_dot(&x[ib], &y[ib]), block_dot(&x[ib + 1], &y[ib + 1]),
                                             block_dot(&x[ib + 2], &y[ib + 2]), block_dot(&x[ib + 3], &y[ib + 3]));
         const __m128 d = _mm_mul_ps(le_h2f_x4(le_halves_x4(&x[ib], sizeof *x, 0)),
