@@ -8,8 +8,8 @@ prediction and to llama.cpp's offload settings on the same file.
 Strategies (planner.py): cpu (prefill and decode on the CPU), stream (GPU prefill with routed experts streamed
 from host RAM, pinned ones in VRAM, CPU decode: the split `run --gpu --vram` uses when the model does not fit),
 hybrid (the same prefill; decode steps with attention, GDN, shared and pinned experts on the GPU and the other
-routed experts on the CPU; hybrid/linkN: the GPU also runs N of each layer's experts that are not pinned, reading
-them in place over the link), resident (all in VRAM; only when it fits the budget). For each: prefill tok/s per prompt length (one pass from an
+routed experts on the CPU; hybrid/linkN: the GPU also runs N of each layer's experts that are not pinned, fetching
+their weights over the link), resident (all in VRAM; only when it fits the budget). For each: prefill tok/s per prompt length (one pass from an
 empty state, last logits), decode tok/s (gen steps after the prompt), where the prefill time went (expert bytes
 copied, copy GB/s, GPU compute and the rest), and the planner's predictions beside the measurements.
 --ballast allocates VRAM until only the budget is free (the budget then is all there is: an overrun would fail).

@@ -906,7 +906,7 @@ class GpuModel:
             if self.link_experts:
                 if self._host is None:
                     raise UnavailableError(f"link_experts: the weight map is {self.host_pinned_why}; the GPU can "
-                                           "read experts in place only from page-locked memory")
+                                           "fetch experts only from page-locked memory")
                 dev0 = _native.gpu_host_device_pointer(self._map_base)
                 host_dev = {n: dev0 + (a - self._map_base) for n, a in self._host_addr.items()}
             self._hy = {"buf": pb, "arr": arr, "ptr": int(_native.ffi.cast("uintptr_t", pb.ptr)), "layout": lay,

@@ -671,7 +671,7 @@ def test_hybrid_decode_matches_cpu(graphs, link, gpu_device, tiny_file, cpu_mode
     between the GPU (pinned: some of layer 0 and 3, all of layer 7) and the CPU (le_hybrid_serve through the
     channel), replayed from a launch plan (one CUDA graph per token, the CPU serving every layer after its launch;
     or launch by launch with one host step per MoE layer); link1: the GPU also runs one expert per layer that is
-    not pinned, reading it in place from the page-locked host map. The CPU engine's logits within the f32 bar;
+    not pinned, fetching its weights from the page-locked host map (hybrid_fetch). The CPU engine's logits within the f32 bar;
     every MoE layer of every step was served; routing counted."""
     if graphs and not gpu.graphs_available():
         pytest.skip("the driver has no CUDA graphs")
