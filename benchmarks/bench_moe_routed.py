@@ -27,17 +27,20 @@ import numpy as np
 def measure(path: str, threads: int, mmap: bool, experts: list[int], calls: int, seed: int = 0) -> dict:
     from legacy_engine import _native
     from legacy_engine.model import Model
+    from legacy_engine.planner import expert_tensors
     m = Model(path, threads, mmap=mmap, pin=True)
     try:
-        if mmap:
-            _native.mem_prefault(m.file.gguf._map[m.file.gguf.data_start:])
         hp = m.hparams
-        if not hp.n_expert:
+        names = {i: expert_tensors(m.file, i) for i in range(hp.n_layer)}
+        layers = [i for i in names if names[i]]
+        if not layers:
             raise SystemExit(f"{path}: not a MoE model")
-        layers = [i for i in range(hp.n_layer) if f"blk.{i}.ffn_gate_exps.weight" in m.file.tensors]
-        # bytes of one expert of a layer: its rows of the three expert tensors
-        eb = {i: sum(m.file.tensors[f"blk.{i}.ffn_{w}_exps.weight"].n_bytes for w in ("gate", "up", "down"))
-              / hp.n_expert for i in layers}
+        # bytes of one expert of a layer: its rows of the layer's expert tensors (as stored in the file)
+        eb = {i: sum(m.file.tensors[n].n_bytes for n in names[i]) / hp.n_expert for i in layers}
+        if mmap:
+            for i in layers:
+                for n in names[i]:
+                    _native.mem_prefault(m.file.gguf.data(n))
         rng = np.random.default_rng(seed)
         x = rng.standard_normal(hp.n_embd).astype(np.float32)
         out = np.empty(hp.n_embd, np.float32)
