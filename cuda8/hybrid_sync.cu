@@ -17,6 +17,19 @@
  *     slot: the layer's slot in the channel (host memory, device-visible): H, IDS, CPU_IDS (ids[s] where the
  *       CPU runs it, else -1), WTS, then READY = chan[SEQ] after a system-wide fence.
  *     launch: block HYBRID_THREADS (256) x 1 x 1, grid 1 x 1 x 1
+ *     pred: device int32 [LE_HY_PRED_MAX], this layer's lookahead prediction (hybrid_predict_publish during the
+ *       layer before), or NULL: with it the n_link experts fetched over the link are the ones predicted last (not
+ *       predicted at all first; ties: the later slot), the CPU having prefetched those predicted first; without
+ *       it, the first n_link experts not pinned in slot order.
+ *   hybrid_predict_f32(R, h, s, logits, ne, E)           the lookahead's router: logits[e] = sum_c R[e, c] h[c] s[c]
+ *     R: [ne, E] f32 (the next MoE layer's router), h: [E] this layer's normed FFN input, s: [E] the next layer's
+ *     post-attention norm / this layer's (h rescaled to the next layer's norm).
+ *     launch: block HYBRID_THREADS (256: a warp per row) x 1 x 1, grid ceil(ne / 8) x 1 x 1
+ *   hybrid_predict_publish_i32(logits, ne, n_pred, pin_idx, pred, slot, chan, E, k)   ne <= HYBRID_PRED_E
+ *     the n_pred (<= LE_HY_PRED_MAX) largest logits' experts, largest first (ties: the lower index; NaN: never),
+ *     into pred (device) and the slot's PRED (-1 where pin_idx[e] >= 0: pinned on the GPU; the rest -1), then
+ *     PRED_READY = chan[SEQ] after a system-wide fence.
+ *     launch: block HYBRID_THREADS (256) x 1 x 1, grid 1 x 1 x 1
  *   hybrid_wait_f32(slot, chan, row, E, k, max_cycles)      E % 4 == 0 (the row is copied in 16-byte words)
  *     spins (thread 0, volatile reads of host memory) until slot DONE == chan[SEQ], then row[E] (device) = the
  *     slot's ROW. Gives up after max_cycles clock cycles (the host failed or went away) and writes NaN rows, so a
@@ -32,6 +45,11 @@
 
 #define HYBRID_THREADS 256
 #define HYBRID_FETCH_BLOCKS 64
+#define HYBRID_PRED_E 1024 /* the most experts hybrid_predict_publish ranks (shared memory, 4 KiB) */
+#define HYBRID_PRED_SLOTS 32 /* = LE_HY_PRED_MAX, spelled out for the shared array (tests/lint_cuda8.py sizes it) */
+#if HYBRID_PRED_SLOTS != LE_HY_PRED_MAX
+#error HYBRID_PRED_SLOTS must equal LE_HY_PRED_MAX
+#endif
 #define HYBRID_ROW_LOADS 4 /* 16-byte loads in flight per thread in hybrid_wait's copy (E <= 4096 in one round) */
 
 /* A volatile 16-byte load (the channel's memory changes under the kernel; p 16-byte aligned). */
@@ -44,17 +62,31 @@ __device__ __forceinline__ float4 le_ld_volatile_f4(const float *p) {
     return v;
 }
 
+/* Where expert id stands in a lookahead prediction: its place, or LE_HY_PRED_MAX when not predicted. */
+__device__ __forceinline__ int pred_rank(const int *pred, int id) {
+    for (int r = 0; r < LE_HY_PRED_MAX; r++)
+        if (pred[r] == id) return r;
+    return LE_HY_PRED_MAX;
+}
+
 extern "C" __global__ void hybrid_publish_f32(const float *LE_RESTRICT h, const int *LE_RESTRICT ids,
                                               const float *LE_RESTRICT w, const int *LE_RESTRICT pin_idx, int n_link,
-                                              int *LE_RESTRICT meta, volatile int *slot, const volatile int *chan,
-                                              int E, int k) {
+                                              const int *LE_RESTRICT pred, int *LE_RESTRICT meta, volatile int *slot,
+                                              const volatile int *chan, int E, int k) {
     volatile float *sh = (volatile float *)(slot + LE_HY_H);
     for (int e = threadIdx.x; e < E; e += HYBRID_THREADS) sh[e] = h[e];
     if (threadIdx.x < k) {
         const int s = threadIdx.x, id = ids[s];
         const int g = pin_idx ? pin_idx[id] : -1;
-        int rank = 0; /* experts not pinned in the slots before s */
-        for (int j = 0; j < s; j++) rank += (pin_idx ? pin_idx[ids[j]] : -1) < 0;
+        /* rank among the experts not pinned: by slot (no prediction), or least predicted first */
+        int rank = 0;
+        if (pred) {
+            const int key = pred_rank(pred, id) * 64 + s; /* k <= 32 < 64 */
+            for (int j = 0; j < k; j++)
+                if (j != s && (pin_idx ? pin_idx[ids[j]] : -1) < 0) rank += pred_rank(pred, ids[j]) * 64 + j > key;
+        } else {
+            for (int j = 0; j < s; j++) rank += (pin_idx ? pin_idx[ids[j]] : -1) < 0;
+        }
         const int l = g < 0 && rank < n_link ? id : -1;
         float *mw = (float *)(meta + 3 * k);
         meta[s] = g;
@@ -70,6 +102,48 @@ extern "C" __global__ void hybrid_publish_f32(const float *LE_RESTRICT h, const 
     __threadfence_system(); /* this thread's channel writes reach host memory before READY does */
     __syncthreads();
     if (threadIdx.x == 0) slot[LE_HY_READY] = chan[LE_HY_SEQ];
+}
+
+extern "C" __global__ void hybrid_predict_f32(const float *LE_RESTRICT R, const float *LE_RESTRICT h,
+                                              const float *LE_RESTRICT s, float *LE_RESTRICT logits, int ne, int E) {
+    LE_SCRATCH(scratch, HYBRID_THREADS);
+    const int lane = threadIdx.x % LE_WARP;
+    const int e = blockIdx.x * (HYBRID_THREADS / LE_WARP) + threadIdx.x / LE_WARP;
+    float acc = 0.0f;
+    if (e < ne) { /* no early return: the fermi tier's warp sum needs every thread at its barriers */
+        const float *r = R + (long long)e * E;
+        for (int c = lane; c < E; c += LE_WARP) acc += le_ldg(r + c) * (le_ldg(h + c) * le_ldg(s + c));
+    }
+    acc = le_warp_sum(acc, scratch);
+    if (e < ne && lane == 0) logits[e] = acc;
+}
+
+extern "C" __global__ void hybrid_predict_publish_i32(const float *LE_RESTRICT logits, int ne, int n_pred,
+                                                      const int *LE_RESTRICT pin_idx, int *LE_RESTRICT pred,
+                                                      volatile int *slot, const volatile int *chan, int E, int k) {
+    __shared__ float ls[HYBRID_PRED_E];
+    __shared__ int ps[HYBRID_PRED_SLOTS];
+    for (int e = threadIdx.x; e < ne; e += HYBRID_THREADS) ls[e] = logits[e];
+    if (threadIdx.x < LE_HY_PRED_MAX) ps[threadIdx.x] = -1;
+    __syncthreads();
+    for (int e = threadIdx.x; e < ne; e += HYBRID_THREADS) {
+        const float v = ls[e];
+        if (v != v) continue; /* NaN: no rank */
+        int rank = 0;
+        for (int j = 0; j < ne; j++) {
+            const float q = ls[j];
+            rank += q > v || (q == v && j < e);
+        }
+        if (rank < n_pred) ps[rank] = pin_idx && pin_idx[e] >= 0 ? -1 : e;
+    }
+    __syncthreads();
+    if (threadIdx.x < LE_HY_PRED_MAX) {
+        pred[threadIdx.x] = ps[threadIdx.x];
+        slot[LE_HY_PRED(E, k) + threadIdx.x] = ps[threadIdx.x];
+    }
+    __threadfence_system(); /* PRED reaches host memory before PRED_READY does */
+    __syncthreads();
+    if (threadIdx.x == 0) slot[LE_HY_PRED_READY(E, k)] = chan[LE_HY_SEQ];
 }
 
 extern "C" __global__ void hybrid_fetch_u8(const int *LE_RESTRICT lids, const int *LE_RESTRICT lslots, int k,

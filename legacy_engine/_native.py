@@ -203,11 +203,13 @@ class NativeModel:
         return ffi.cast("int32_t *", chan)
 
     def hybrid_serve(self, chan, seq: int, layers: np.ndarray, counts: np.ndarray | None = None,
-                     timeout_s: float = 60.0, stats: np.ndarray | None = None) -> None:
+                     timeout_s: float = 60.0, stats: np.ndarray | None = None, prefetch_bytes: int = 0) -> None:
         """The hybrid decode's CPU side for token `seq`: serves slots `layers` (int32, in order) of `chan` (a cffi
         pointer to page-locked memory the GPU shares, or an int32 numpy array; layout le_hybrid.h) as they become
-        READY (le_hybrid_serve). counts: int64 [n_layer, n_expert] routing counts added to; stats: float64 [4]
-        (wait s, expert s, experts, layers) added to. NativeError (timed out) when a layer's routing does not come
+        READY (le_hybrid_serve). counts: int64 [n_layer, n_expert] routing counts added to; stats: float64 [8]
+        (wait s, expert s, experts, layers, prefetch s, experts prefetched, of those run on the CPU, bytes
+        prefetched) added to; prefetch_bytes > 0: the lookahead (prefetch a layer's predicted experts, up to this
+        many bytes, while its routing is not there). NativeError (timed out) when a layer's routing does not come
         in timeout_s; every slot not served is then released (the GPU's waits end)."""
         lay = np.ascontiguousarray(layers, dtype=np.int32)
         cnt = ffi.NULL
@@ -215,9 +217,12 @@ class NativeModel:
             if counts.dtype != np.int64 or not counts.flags.c_contiguous:
                 raise ValueError("counts: a contiguous int64 array")
             cnt = ffi.from_buffer("int64_t[]", counts)
+        if stats is not None and (stats.dtype != np.float64 or stats.size < 8 or not stats.flags.c_contiguous):
+            raise ValueError("stats: a contiguous float64 array of 8")
         st = ffi.NULL if stats is None else ffi.from_buffer("double[]", stats)
         check(lib.le_hybrid_serve(self.ptr, self._chan(chan), int(seq) & 0x7FFFFFFF,
-                                  ffi.from_buffer("int32_t[]", lay), lay.size, cnt, float(timeout_s), st),
+                                  ffi.from_buffer("int32_t[]", lay), lay.size, cnt, float(timeout_s),
+                                  max(0, int(prefetch_bytes)), st),
               "le_hybrid_serve")
 
     def hybrid_release(self, chan, seq: int, layers: np.ndarray) -> None:

@@ -9,7 +9,7 @@ Strategies (planner.py): cpu (prefill and decode on the CPU), stream (GPU prefil
 from host RAM, pinned ones in VRAM, CPU decode: the split `run --gpu --vram` uses when the model does not fit),
 hybrid (the same prefill; decode steps with attention, GDN, shared and pinned experts on the GPU and the other
 routed experts on the CPU; hybrid/linkN: the GPU also runs N of each layer's experts that are not pinned, fetching
-their weights over the link), resident (all in VRAM; only when it fits the budget). For each: prefill tok/s per prompt length (one pass from an
+their weights over the link; hybrid/look: the lookahead on (GpuModel lookahead)), resident (all in VRAM; only when it fits the budget). For each: prefill tok/s per prompt length (one pass from an
 empty state, last logits), decode tok/s (gen steps after the prompt), where the prefill time went (expert bytes
 copied, copy GB/s, GPU compute and the rest), and the planner's predictions beside the measurements.
 --ballast allocates VRAM until only the budget is free (the budget then is all there is: an overrun would fail).
@@ -134,10 +134,13 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
         for name in [s for s in strategies if s.split("/")[0] in ("stream", "hybrid", "resident")]:
             base, _, form = name.partition("/")     # stream/pairs, stream/grouped: the routed experts' form
             link = None                               # hybrid/linkN: N experts per layer fetched over the link
+            look = None                               # hybrid/look: the lookahead on
+            if base == "hybrid" and form == "look":
+                form, look = "", True
             if base == "hybrid" and form.startswith("link") and form[4:].isdigit():
                 form, link = "", int(form[4:])
             if form not in ("", "pairs", "grouped"):
-                raise ValueError(f"strategy {name}: the form after / is pairs or grouped (hybrid: also linkN)")
+                raise ValueError(f"strategy {name}: the form after / is pairs or grouped (hybrid: also linkN, look)")
             st0 = preds[prompts[-1]][base]
             if not st0.fits:
                 res["rows"].append({"strategy": name, "error": f"does not fit: {st0.why}"})
@@ -153,7 +156,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             if base in ("stream", "hybrid"):
                 gm = GpuModel(model, vram=vram, stream_experts=True, pinned=pins, n_ctx=n_ctx,
                               chunk=st0.chunk, simulate_link=simulate_link, cpu_experts=base == "hybrid",
-                              link_experts=link, **grouped)
+                              link_experts=link, lookahead=look if base == "hybrid" else None, **grouped)
                 # every measured prompt on the GPU, decode steps on the CPU (the split as run --gpu runs it)
                 runner = SplitModel(model, gm, min_gpu_tokens=min(prompts))
             else:
@@ -171,7 +174,12 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                     hs = gm.hybrid_stats
                     row["hybrid_per_token"] = {"cpu_experts": hs["cpu_experts"] / hs["steps"] * gm.hparams.n_layer,
                                                "cpu_s": hs["cpu_s"] / hs["steps"] * gm.hparams.n_layer,
-                                               "read_s": hs["read_s"] / hs["steps"] * gm.hparams.n_layer}
+                                               "read_s": hs["read_s"] / hs["steps"] * gm.hparams.n_layer,
+                                               "prefetch_s": hs["prefetch_s"] / hs["steps"] * gm.hparams.n_layer,
+                                               "prefetch_mb": hs["prefetch_bytes"] / hs["steps"] * gm.hparams.n_layer
+                                               / 1e6,
+                                               # of the experts the CPU ran, the share it had prefetched
+                                               "prefetch_hit": hs["prefetch_hits"] / max(hs["cpu_experts"], 1)}
                 if base in ("stream", "hybrid"):
                     s = gm.stream_report()
                     n_pp = n_runs
@@ -239,7 +247,10 @@ def print_split(res: dict) -> None:
             h = r["hybrid_per_token"]
             print(f"{'':<28}hybrid decode per token: {r.get('link_experts', 0)} per layer fetched over the link, "
                   f"{h['cpu_experts']:.0f} experts on the CPU taking "
-                  f"{1e3 * h['cpu_s']:.2f} ms, host waiting for the GPU's routing {1e3 * h['read_s']:.2f} ms")
+                  f"{1e3 * h['cpu_s']:.2f} ms, host waiting for the GPU's routing {1e3 * h['read_s']:.2f} ms"
+                  + (f"; lookahead prefetched {h['prefetch_mb']:.1f} MB in {1e3 * h['prefetch_s']:.2f} ms, "
+                     f"{100 * h['prefetch_hit']:.0f} % of the CPU's experts among those aimed at"
+                     if h.get("prefetch_mb") else ""))
         if r.get("gpu_phases_per_prefill_s"):
             ph = r["gpu_phases_per_prefill_s"]
             print(f"{'':<28}GPU time per prefill (mean over prompts): " +

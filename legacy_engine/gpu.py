@@ -46,7 +46,8 @@ SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "gem
 HEADERS = ("compat.cuh", "quants.cuh", "gemm_tile.cuh", "gemm_q8.cuh")   # in cuda8/
 SHARED_HEADERS = ("le_blocks.h", "le_hybrid.h")  # in native/include/
 ATTR_UNIFIED_ADDRESSING = 41    # CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: host pointers usable in kernels
-HYBRID_THREADS, HYBRID_FETCH_BLOCKS = 256, 64   # cuda8/hybrid_sync.cu
+HYBRID_THREADS, HYBRID_FETCH_BLOCKS, HYBRID_PRED_E = 256, 64, 1024   # cuda8/hybrid_sync.cu
+HY_PRED_MAX = 32                                 # native/include/le_hybrid.h LE_HY_PRED_MAX
 
 # tier -> the LE_FORCE_TIER value, and the lowest arch whose own path it is
 TIERS = {"fermi": ("LE_CC_FERMI", 20), "kepler": ("LE_CC_LDG", 30), "dp4a": (None, 61)}
@@ -1359,11 +1360,12 @@ class Kernels:
              ("i32", n), ("i32", k), ("i32", E)], stream=stream)
 
     def hybrid_publish(self, h, ids, w, pin_idx, n_link: int, meta, slot: int, chan: int, E: int, k: int,
-                       stream: Stream | None = None) -> None:
+                       pred=None, stream: Stream | None = None) -> None:
         """The hybrid decode's routing into the host channel (cuda8/hybrid_sync.cu): h [E], ids/w [k] (moe_route)
         into `slot`, READY = chan's SEQ; meta [k gids | k lids | k lslots | 2k + 1 weights] (device) from pin_idx
-        [n_expert] (None: nothing pinned) and n_link (the first n_link experts not pinned are the GPU's, fetched
-        over the link into slots 0..n_link-1 of a staging buffer: hybrid_fetch).
+        [n_expert] (None: nothing pinned) and n_link (n_link experts not pinned are the GPU's, fetched over the
+        link into slots 0..n_link-1 of a staging buffer: hybrid_fetch): the first in slot order, or with pred
+        (device int32 [HY_PRED_MAX], hybrid_predict_publish's) the ones predicted last.
         slot, chan: device-visible addresses of page-locked host memory (le_hybrid.h)."""
         if not 0 < k <= min(MOE_MAX_K, HYBRID_THREADS) or E <= 0 or not 0 <= n_link <= k:
             raise ValueError(f"hybrid_publish: E = {E}, k = {k}, n_link = {n_link}")
@@ -1372,7 +1374,34 @@ class Kernels:
         self.modules["hybrid_sync"].kernel("hybrid_publish_f32").launch(
             (1, 1, 1), (HYBRID_THREADS, 1, 1),
             [("ptr", _ptr(h)), ("ptr", _ptr(ids)), ("ptr", _ptr(w)), ("ptr", _ptr(pin_idx)), ("i32", n_link),
-             ("ptr", _ptr(meta)), ("ptr", int(slot)), ("ptr", int(chan)), ("i32", E), ("i32", k)], stream=stream)
+             ("ptr", _ptr(pred)), ("ptr", _ptr(meta)), ("ptr", int(slot)), ("ptr", int(chan)), ("i32", E),
+             ("i32", k)], stream=stream)
+
+    def hybrid_predict(self, R, h, s, logits, ne: int, E: int, stream: Stream | None = None) -> None:
+        """The lookahead's router (cuda8/hybrid_sync.cu): logits [ne] = R [ne, E] (f32) @ (h * s), h and s [E]."""
+        if ne <= 0 or E <= 0:
+            raise ValueError(f"hybrid_predict: ne = {ne}, E = {E}")
+        _need(R, 4 * ne * E, "hybrid_predict R")
+        _need(logits, 4 * ne, "hybrid_predict logits")
+        warps = HYBRID_THREADS // 32
+        self.modules["hybrid_sync"].kernel("hybrid_predict_f32").launch(
+            (-(-ne // warps), 1, 1), (HYBRID_THREADS, 1, 1),
+            [("ptr", _ptr(R)), ("ptr", _ptr(h)), ("ptr", _ptr(s)), ("ptr", _ptr(logits)), ("i32", ne), ("i32", E)],
+            stream=stream)
+
+    def hybrid_predict_publish(self, logits, ne: int, n_pred: int, pin_idx, pred, slot: int, chan: int, E: int,
+                               k: int, stream: Stream | None = None) -> None:
+        """The n_pred largest logits' experts (largest first; -1 where pin_idx [ne] >= 0, None: nothing pinned)
+        into pred (device int32 [HY_PRED_MAX], the rest -1) and `slot`'s PRED, then PRED_READY = chan's SEQ."""
+        if not 0 < ne <= HYBRID_PRED_E or not 0 < n_pred <= HY_PRED_MAX or E <= 0 or k <= 0:
+            raise ValueError(f"hybrid_predict_publish: ne = {ne} (<= {HYBRID_PRED_E}), n_pred = {n_pred} "
+                             f"(<= {HY_PRED_MAX}), E = {E}, k = {k}")
+        _need(logits, 4 * ne, "hybrid_predict_publish logits")
+        _need(pred, 4 * HY_PRED_MAX, "hybrid_predict_publish pred")
+        self.modules["hybrid_sync"].kernel("hybrid_predict_publish_i32").launch(
+            (1, 1, 1), (HYBRID_THREADS, 1, 1),
+            [("ptr", _ptr(logits)), ("i32", ne), ("i32", n_pred), ("ptr", _ptr(pin_idx)), ("ptr", _ptr(pred)),
+             ("ptr", int(slot)), ("ptr", int(chan)), ("i32", E), ("i32", k)], stream=stream)
 
     def hybrid_fetch(self, lids, lslots, k: int, tensors, stream: Stream | None = None) -> None:
         """Copies the experts lids[s] >= 0 (device int32 [k]) of up to three tensors, [(src, dst, expert bytes)]

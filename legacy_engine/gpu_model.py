@@ -52,6 +52,21 @@ HANDOFF_PINNED_MAX = 1 << 30   # page-locked staging of a GPU <-> CPU state hand
 # them the host raises and the GPU writes a NaN row, so neither side can hang the other.
 HYBRID_TIMEOUT_S = 30.0
 HYBRID_WAIT_CYCLES = 1 << 36
+# The hybrid decode's lookahead (lookahead=True): during layer i the GPU predicts the next MoE layer's experts from
+# layer i's h (that layer's router on h rescaled to its norm), and the CPU, done with layer i, prefetches them into
+# its caches while the GPU runs the next layer's attention/GDN. Measured on the 35B-A3B Q4_K_M random-weight file
+# (H100 host, 2026-11-25g, .lebench/predict.py-style run: 16 tokens x 39 layer pairs): the real top-8 is 81 % inside
+# the predicted top 8, 96 % inside the top 16. LOOKAHEAD_PRED ids are published (2 k); the CPU prefetches them in
+# order up to LOOKAHEAD_PREFETCH_EXPERTS experts' bytes (~14 MB of 1.8 MB experts: more than the ~90 µs between two
+# layers can bring in at the host's ~70 GB/s, so the cap never binds first; the prefetch stops when the routing
+# comes). Its device buffers (scales, predictions, logits: ~0.3 MB on the 35B) live in the planner's scratch slack.
+# Measured OFF by default: the CPU's experts take as long with their rows already loaded into each thread's own
+# caches (uniform 5.9 vs 6.0 ms a token with 88 % of them loaded; skewed 3.1 vs 3.6) while the load fills the
+# chain the CPU would have waited anyway, and the abort lag costs more (bench split hybrid/look vs hybrid, H100 +
+# 16 cores, 2026-11-25g: uniform 77.8 vs 90.4 tok/s, skewed 123.4 vs 119.5, steal 0-0.2 %): the CPU's experts are
+# not limited by where their weights are. The predictions (81 % / 96 % recall) are for the GPU's link fetch next.
+LOOKAHEAD_PRED = 16
+LOOKAHEAD_PREFETCH_EXPERTS = 8
 # The hybrid decode's channels (page-locked host memory) are kept for the process and reused by the next model, and
 # token numbers (SEQ) count on across models: no flag left in a channel by an earlier model's token can equal a new
 # token's. Added (2026-11-25f) when test_gpu_model.py run in order failed test_hybrid_decode_matches_cpu[replay]
@@ -63,7 +78,7 @@ _HY_SEQ = [0]
 class HybridLayout:
     """native/include/le_hybrid.h in Python: word offsets of the hybrid decode's channel (tests/test_hybrid_serve.py
     serves through it, so a mismatch with the C macros fails there)."""
-    SEQ, HEADER, READY, DONE, H = 0, 16, 0, 16, 32
+    SEQ, N_LINK, HEADER, READY, DONE, H, PRED_MAX = 0, 1, 16, 0, 16, 32, 32
 
     def __init__(self, E: int, k: int, n_layer: int):
         self.E, self.k, self.n_layer = E, k, n_layer
@@ -72,7 +87,9 @@ class HybridLayout:
         self.cpu_ids = self.ids + k
         self.wts = self.ids + 2 * k
         self.row = (self.ids + 3 * k + 15) // 16 * 16
-        self.slot_words = self.row + (E + 15) // 16 * 16
+        self.pred_ready = self.row + (E + 15) // 16 * 16
+        self.pred = self.pred_ready + 16
+        self.slot_words = self.pred + self.PRED_MAX
         self.channel_words = self.HEADER + n_layer * self.slot_words
 
     def slot_offset(self, layer: int) -> int:
@@ -125,7 +142,7 @@ class GpuModel:
                  n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, simulate_link: float | None = None,
                  sort_pairs: bool = True, save_routing: bool = True, grouped_experts: bool = True,
                  cpu_experts: bool = False, int8_prefill: bool | None = None, mma: bool | None = None,
-                 link_experts: int = 0):
+                 link_experts: int = 0, lookahead: bool | None = None):
         """model: a loaded Model (its file's tensors are uploaded; the CPU model stays usable).
         tier: 'fermi' | 'kepler' | 'dp4a' (default: the GPU's own, default_tier); arch: the PTX target
         (compute capability x10, default the GPU's: 35, 61 or 70 run the legacy PTX on a newer card);
@@ -166,6 +183,10 @@ class GpuModel:
         pinned, fetching their weights from the page-locked host map over the link into a small VRAM staging
         (hybrid_fetch) while the CPU runs the rest (the link's bandwidth added to the CPU's); 0: the CPU runs every
         expert not pinned. The planner chooses it (planner.choose_link).
+        lookahead (hybrid decode, f32 routers as in every llama.cpp file; off by default: measured no faster, see
+        LOOKAHEAD_PRED): each MoE layer also predicts the next one's experts (hybrid_predict), which the CPU loads
+        into its caches while the GPU runs that layer's attention/GDN (le_hybrid_serve's prefetch); the link experts
+        are then the ones predicted last. The same experts and sums either way; only where they run and how soon.
         save_routing: close() adds the routing counts of this model's passes to the file's saved statistics
         (planner.load_routing), from which the next placement pins the hottest experts.
         simulate_link: GB/s; streamed expert copies are paced to it (the host waits until a copy would have
@@ -201,6 +222,16 @@ class GpuModel:
         if link_experts and not cpu_experts:
             raise ValueError("link_experts is a setting of the hybrid decode (cpu_experts=True)")
         self.link_experts = int(link_experts)
+        routers = [model.file.tensors.get(f"blk.{i}.ffn_gate_inp.weight") for i in range(hp.n_layer)]
+        f32_routers = all(t is None or t.type == 0 for t in routers)
+        if lookahead and not cpu_experts:
+            raise ValueError("lookahead is a setting of the hybrid decode (cpu_experts=True)")
+        if lookahead and not f32_routers:
+            raise UnavailableError("lookahead: the next layer's routing is predicted with f32 routers only; this "
+                                   "file's are quantised")
+        self.lookahead = bool(lookahead)
+        self.lookahead_why = "" if self.lookahead else "off (measured no faster: LOOKAHEAD_PRED's note)"
+
         self.pinned = {int(i): sorted(set(int(e) for e in v)) for i, v in (pinned or {}).items()} if self.stream else {}
         for i, es in self.pinned.items():
             if not 0 <= i < hp.n_layer or any(not 0 <= e < hp.n_expert for e in es):
@@ -227,7 +258,8 @@ class GpuModel:
         # streamed-expert accounting (stream_report), and the host's wait for the routing (sorted pairs too)
         self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0, "copy_stall_s": 0.0, "ids_wait_s": 0.0}
         # the hybrid decode: MoE layer steps, experts run on the CPU, seconds in le_moe_routed and in the routing read
-        self._hybrid_stats = {"steps": 0, "cpu_experts": 0, "cpu_s": 0.0, "read_s": 0.0}
+        self._hybrid_stats = {"steps": 0, "cpu_experts": 0, "cpu_s": 0.0, "read_s": 0.0, "prefetch_s": 0.0,
+                              "prefetch_aimed": 0, "prefetch_hits": 0, "prefetch_bytes": 0.0}
         self._stalls: list = []
         # routing statistics, counted where the host reads the routing anyway (streamed or sorted passes);
         # close() adds them to the model file's saved counts (planner.save_routing), which choose the pins
@@ -850,8 +882,15 @@ class GpuModel:
         logits = self._buf("router", 4 * ne).ptr
         self._mm(L["router"], h, logits, 1, hq)
         k.moe_route(logits, ids, wts, 1, ne, kk)
+        la = hy["lookahead"]
         k.hybrid_publish(h, ids, wts, hy["pin_idx"].ptr + 4 * i * ne if pinned else None, link, meta, slot, chan,
-                         E, kk)
+                         E, kk, pred=la["pred"] + 4 * gpu.HY_PRED_MAX * i if la and i in la["from"].values() else None)
+        if la and i in la["from"]:    # the next MoE layer's experts predicted from this h (the CPU prefetches them)
+            j = la["from"][i]
+            k.hybrid_predict(self.layers[j]["router"].ptr, h, la["scales"] + 4 * E * i, la["logits"], ne, E)
+            k.hybrid_predict_publish(la["logits"], ne, min(LOOKAHEAD_PRED, ne), hy["pin_idx"].ptr + 4 * j * ne
+                                     if self.pinned.get(j) else None, la["pred"] + 4 * gpu.HY_PRED_MAX * j,
+                                     chan + 4 * hy["layout"].slot_offset(j), chan, E, kk)
         names = L["exp_tensor"]
         if link:           # the link experts' weights into VRAM first (a copy kernel: the link's full rate)
             at, tensors, staged = 0, [], {}
@@ -899,6 +938,7 @@ class GpuModel:
                 _HY_POOL.remove(pb)
             arr = pb.array.view(np.int32)[:lay.channel_words]
             arr[:] = 0
+            arr[HybridLayout.N_LINK] = self.link_experts     # the CPU's lookahead skips the link's share
             table = np.full((hp.n_layer, hp.n_expert), -1, dtype=np.int32)
             for i, idx in self._pin_idx.items():
                 table[i] = idx
@@ -909,12 +949,33 @@ class GpuModel:
                                            "fetch experts only from page-locked memory")
                 dev0 = _native.gpu_host_device_pointer(self._map_base)
                 host_dev = {n: dev0 + (a - self._map_base) for n, a in self._host_addr.items()}
+            moe = [L["index"] for L in self.layers if "router" in L]
             self._hy = {"buf": pb, "arr": arr, "ptr": int(_native.ffi.cast("uintptr_t", pb.ptr)), "layout": lay,
                         "host_dev": host_dev,
                         "pin_idx": gpu.Buffer.from_array(table, "hybrid pin indices"), "seq": 0,
-                        "layers": np.array([L["index"] for L in self.layers if "router" in L], dtype=np.int32),
-                        "counts": np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64), "stats": np.zeros(4)}
+                        "layers": np.array(moe, dtype=np.int32), "lookahead": self._lookahead_buffers(moe),
+                        "counts": np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64), "stats": np.zeros(8)}
         return self._hy
+
+    def _lookahead_buffers(self, moe: list) -> dict | None:
+        """The lookahead's device data in one buffer: scales [n_layer, E] (row i: the next MoE layer's post-attention
+        norm / layer i's, so h_i * scales_i is h_i normed as that layer would), pred [n_layer, HY_PRED_MAX] int32
+        (each layer's predicted experts) and logits [n_expert]; `from` {i: the MoE layer after i}. None: off."""
+        if not self.lookahead or len(moe) < 2:
+            return None
+        hp, f = self.hparams, self.file.gguf
+        E, ne = hp.n_embd, hp.n_expert
+        scales = np.zeros((hp.n_layer, E), dtype=np.float32)
+        for i, j in zip(moe, moe[1:]):
+            a = f.data(f"blk.{i}.post_attention_norm.weight").view(np.float32)
+            b = f.data(f"blk.{j}.post_attention_norm.weight").view(np.float32)
+            scales[i] = np.where(np.abs(a) > 1e-30, b / np.where(a == 0, 1, a), 0)   # a zero weight: no information
+        pred = np.full((hp.n_layer, gpu.HY_PRED_MAX), -1, dtype=np.int32)
+        data = np.concatenate([scales.view(np.uint8).ravel(), pred.view(np.uint8).ravel(),
+                               np.zeros(4 * ne, dtype=np.uint8)])
+        buf = gpu.Buffer.from_array(data, "hybrid lookahead")
+        return {"buf": buf, "scales": buf.ptr, "pred": buf.ptr + scales.nbytes,
+                "logits": buf.ptr + scales.nbytes + pred.nbytes, "from": dict(zip(moe, moe[1:]))}
 
     def _hy_next(self) -> None:
         """A new token's sequence number into the channel (before its launches)."""
@@ -925,8 +986,11 @@ class GpuModel:
     def _hy_serve(self, layers) -> None:
         """The CPU's experts of `layers` for the current token (le_hybrid_serve: waits for each layer's routing)."""
         hy = self._hy
+        pf = 0
+        if hy["lookahead"]:
+            pf = LOOKAHEAD_PREFETCH_EXPERTS * max(self.footprint.expert_bytes.values())
         self.model.native.hybrid_serve(hy["buf"].ptr, hy["seq"], layers, counts=hy["counts"],
-                                       timeout_s=HYBRID_TIMEOUT_S, stats=hy["stats"])
+                                       timeout_s=HYBRID_TIMEOUT_S, stats=hy["stats"], prefetch_bytes=pf)
 
     def _hy_flush(self) -> None:
         """The channel's counts and timings into route_counts and hybrid_stats."""
@@ -941,6 +1005,10 @@ class GpuModel:
         hs["cpu_s"] += st[1]
         hs["cpu_experts"] += int(st[2])
         hs["steps"] += int(st[3])
+        hs["prefetch_s"] += st[4]
+        hs["prefetch_aimed"] += int(st[5])
+        hs["prefetch_hits"] += int(st[6])
+        hs["prefetch_bytes"] += st[7]
         c[:] = 0
         st[:] = 0
 
@@ -1172,6 +1240,8 @@ class GpuModel:
             hy, self._hy = self._hy, None
             _HY_POOL.append(hy["buf"])          # kept for the next model (see _HY_POOL)
             hy["pin_idx"].free()
+            if hy["lookahead"]:
+                hy["lookahead"]["buf"].free()
         if self._host is not None:
             _native.gpu_host_unregister(self._host[0])
             self._host = None
@@ -1208,7 +1278,9 @@ class GpuModel:
                         f"{self.hparams.n_expert * len(self._stage_layout)} pinned in VRAM")
             if self.cpu_experts:
                 streamed += (f"; hybrid decode ({self.link_experts} experts per layer fetched over the link, the "
-                             "rest not pinned on the CPU)")
+                             "rest not pinned on the CPU; lookahead "
+                             + (f"on: the next layer's {LOOKAHEAD_PRED} likeliest experts prefetched by the CPU)"
+                                if self.lookahead else self.lookahead_why + ")"))
         budget = f" (budget {self.budget / 2**30:.2f} GiB: {self.footprint.describe()})" if self.budget else ""
         kind = lambda on: "int8 DP4A" if on else "f32"   # noqa: E731
         gemm = "int8 tensor-core (mma)" if self.mma else kind(self.int8_prefill)

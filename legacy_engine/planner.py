@@ -254,9 +254,12 @@ GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 5
 # CPU's 98 experts 5.96 ms (0.187 GB: 31 GB/s = 0.60 of the probe's read bandwidth), the host waiting for each
 # layer's routing 4.21 ms (the GPU's chain from one layer's CPU row to the next layer's routing: ~20 kernels), the
 # rest 0.66 ms; uniform routing 16.8 ms for 278 experts (0.53 GB, 0.61). The per-layer cost below is that chain less
-# the GPU's own share (its GEMV weights at the GEMV rate, ~1.2 ms) plus the rest, per MoE layer. HYBRID_CPU_EFF stays
-# at the first calibration's 0.47 (host steps then, a machine whose probe read 107.8 GB/s): the two machines'
-# probes disagree more than the kernels do, and 0.47 keeps the prediction on the safe side. A few % of hypervisor
+# the GPU's own share (its GEMV weights at the GEMV rate, ~1.2 ms) plus the rest, per MoE layer. HYBRID_CPU_EFF:
+# the CPU's experts per token / the probe's read bandwidth, recalibrated 2026-11-25 (seventh session) after the dot
+# products' prefetch and le_moe_routed's static split: uniform 196 experts (347 MB) in 7.0 ms, skewed 100 (177 MB)
+# in 3.6 ms, both 49-50 GB/s of the probe's 90.2 = 0.55 (the first calibration, 0.47, before both changes: the
+# planner's decode then read 18 % / 12 % under the measurement; now 84.7 / ~115 predicted vs 90.0 / 122.3; link
+# choice unchanged, 2 / 0). A few % of hypervisor
 # steal halves these numbers (bench split reports it per run).
 # The split's state handoff (SplitModel.forward, stream strategy: the GDN states (and KV rows so far) to the GPU
 # before a pass, the states and the pass's KV rows back after, through one page-locked staging buffer), bytes moved /
@@ -264,7 +267,7 @@ GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 5
 # from_cpu 66 MB in 14.2 ms, to_cpu_rows 150 MB in 30.7 ms: 4.8 GB/s (the pageable Python-bytes path it replaced:
 # 328 ms, 0.66 GB/s). The hybrid strategy keeps the state on the GPU: no handoff.
 SPLIT_HANDOFF_GBPS = 4.8
-HYBRID_CPU_EFF = 0.47
+HYBRID_CPU_EFF = 0.55
 HYBRID_HOST_S_PER_LAYER = 90e-6
 # The hybrid decode's link experts (GpuModel link_experts: per layer, some experts that are not pinned are fetched
 # into VRAM by a copy kernel and run on the GPU while the CPU runs the rest). Same machine and file, pp512/tg32 x3:

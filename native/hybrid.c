@@ -5,6 +5,9 @@
  * le_moe_routed on the thread pool (its workers spin between jobs, so a layer costs no wake-up), write ROW, then
  * DONE with a store-release. The caller's thread spins: the gap between layers is the GPU's ~50-100 µs of
  * attention and routing, shorter than any sleep's wake-up.
+ * Lookahead (prefetch_bytes > 0, le_hybrid.h): done with a layer, if the next layer's slot holds this token's
+ * predicted experts (PRED_READY == seq), the pool prefetches their weights (in predicted order, up to prefetch_bytes)
+ * into the caches until the next layer's routing arrives; the experts it then runs are the same, only sooner.
  * Reference: the host steps this replaces (gpu_model._hybrid_read/_hybrid_cpu before 2026-11-25e): the same
  * le_moe_routed call on the same ids and weights.
  * Test: tests/test_hybrid_serve.py (a Python thread plays the GPU), tests/test_gpu_model.py (hybrid vs CPU). */
@@ -25,6 +28,85 @@ static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The lookahead's prefetch: each thread prefetches, expert after expert in predicted order, the rows of the gate,
+ * up and down matrices it will compute (le_moe_routed splits every expert's rows over the threads the same way:
+ * le_split), so the rows wait in its own caches; it stops when the layer's routing arrives. */
+#define PREFETCH_CHECK 4096 /* bytes of prefetches a thread issues between two looks at READY */
+#define PREFETCH_MARGIN 1   /* experts aimed at past the predicted CPU share (a miss in the share costs a DRAM read) */
+
+typedef struct {
+    const le_weight *mats[3];        /* gate, up, down of the layer */
+    const int32_t *ids;
+    int n_ids, n_threads;
+    const int32_t *ready;            /* the layer's READY word: stop once it equals seq */
+    int32_t seq;
+    int64_t bytes;                   /* issued (atomic) */
+    unsigned sink;
+} prefetch_job;
+
+static void prefetch_rows(void *ctx, int64_t t, int64_t t1, int thread) {
+    (void)t1;
+    (void)thread;
+    prefetch_job *j = ctx;
+    int64_t issued = 0;
+    unsigned sink = 0; /* real loads, not prefetch hints: a hint that misses the TLB may be dropped, a load is not */
+    for (int a = 0; a < j->n_ids; a++) {
+        if (__atomic_load_n(j->ready, __ATOMIC_RELAXED) == j->seq) break; /* the routing is here: compute */
+        for (int m = 0; m < 3; m++) {
+            const le_weight *w = j->mats[m];
+            if (!w->data) continue;
+            int64_t r0, r1;
+            le_split(w->ne1, (int)t, j->n_threads, &r0, &r1);
+            const uint8_t *p = w->data + (int64_t)j->ids[a] * w->nb2 + r0 * w->nb1;
+            const int64_t n = (r1 - r0) * w->nb1;
+            for (int64_t b = 0; b < n; b += 64) {
+                if (!(b & (PREFETCH_CHECK - 1)) && __atomic_load_n(j->ready, __ATOMIC_RELAXED) == j->seq) goto out;
+                sink += p[b];
+                issued += 64;
+            }
+        }
+    }
+out:
+    __atomic_fetch_add(&j->bytes, issued, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&j->sink, sink, __ATOMIC_RELAXED); /* keeps the loads */
+}
+
+/* Prefetches layer's predicted experts (slot PRED, written for seq): the CPU's predicted share (the experts of the
+ * predicted top k that are not pinned, less the n_link the GPU fetches: it takes the ones predicted last) plus
+ * PREFETCH_MARGIN, in predicted order, as many as fit max_bytes; returns how many it aimed at (their ids in aimed[])
+ * and adds the bytes it issued to *bytes. */
+static int prefetch_predicted(le_model *m, int layer, int32_t *slot, int32_t seq, int n_link, int64_t max_bytes,
+                              int32_t *aimed, double *bytes) {
+    const int E = m->hp.n_embd, k = m->hp.n_expert_used, ne = m->hp.n_expert;
+    const le_weight *w = m->layer[layer];
+    prefetch_job job = {{&w[LE_W_GATE_EXPS], &w[LE_W_UP_EXPS], &w[LE_W_DOWN_EXPS]}, aimed, 0,
+                        le_pool_threads(m->pool), slot + LE_HY_READY, seq, 0, 0};
+    int64_t eb = 0, total = 0;
+    for (int t = 0; t < 3; t++) eb += job.mats[t]->data ? job.mats[t]->ne1 * job.mats[t]->nb1 : 0;
+    int share = 0;
+    for (int r = 0; r < k && r < LE_HY_PRED_MAX; r++) {
+        const int32_t id = __atomic_load_n(&slot[LE_HY_PRED(E, k) + r], __ATOMIC_RELAXED);
+        share += id >= 0 && id < ne;
+    }
+    const int want = share > n_link ? share - n_link + PREFETCH_MARGIN : PREFETCH_MARGIN;
+    int n_aimed = 0;
+    for (int r = 0; r < LE_HY_PRED_MAX && n_aimed < want && total + eb <= max_bytes; r++) {
+        const int32_t id = __atomic_load_n(&slot[LE_HY_PRED(E, k) + r], __ATOMIC_RELAXED);
+        if (id < 0 || id >= ne) continue; /* pinned on the GPU, or no prediction: a hint, never an error */
+        int seen = 0;
+        for (int a = 0; a < n_aimed; a++) seen |= aimed[a] == id;
+        if (seen) continue;
+        aimed[n_aimed++] = id;
+        total += eb;
+    }
+    job.n_ids = n_aimed;
+    if (n_aimed) {
+        le_parallel_each(m->pool, prefetch_rows, &job);
+        *bytes += (double)job.bytes;
+    }
+    return n_aimed;
 }
 
 static int32_t *slot_of(const le_model *m, int32_t *chan, int layer) {
@@ -59,16 +141,27 @@ int le_hybrid_release(le_model *m, int32_t *chan, int32_t seq, const int32_t *la
 }
 
 int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *layers, int n_layers,
-                    int64_t *counts, double timeout_s, double *stats) {
+                    int64_t *counts, double timeout_s, int64_t prefetch_bytes, double *stats) {
     int rc = check_layers(m, chan, layers, n_layers, "le_hybrid_serve");
     if (rc) return rc;
     if (!(timeout_s > 0)) return LE_FAIL(LE_ERR_INVALID_ARG, "le_hybrid_serve: timeout %g s", timeout_s);
     const int E = m->hp.n_embd, k = m->hp.n_expert_used, ne = m->hp.n_expert;
-    double wait_s = 0, cpu_s = 0, n_exp = 0;
+    double wait_s = 0, cpu_s = 0, n_exp = 0, pf_s = 0, pf_aimed = 0, pf_hits = 0, pf_bytes = 0;
+    int32_t aimed[LE_HY_PRED_MAX];
+    int n_aimed = 0; /* experts of layers[j] prefetched (aimed at) after layer j - 1 */
     int j = 0;
     for (; j < n_layers; j++) {
         const int layer = layers[j];
         int32_t *slot = slot_of(m, chan, layer);
+        if (j && prefetch_bytes > 0 && __atomic_load_n(&slot[LE_HY_PRED_READY(E, k)], __ATOMIC_ACQUIRE) == seq) {
+            const double tp = now_s();
+            const int n_link = __atomic_load_n(&chan[LE_HY_N_LINK], __ATOMIC_RELAXED);
+            n_aimed = prefetch_predicted(m, layer, slot, seq, n_link, prefetch_bytes, aimed, &pf_bytes);
+            pf_s += now_s() - tp;
+            pf_aimed += n_aimed;
+        } else {
+            n_aimed = 0;
+        }
         const double t0 = now_s();
         for (unsigned spins = 0; __atomic_load_n(&slot[LE_HY_READY], __ATOMIC_ACQUIRE) != seq; spins++) {
             cpu_relax();
@@ -90,6 +183,7 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
                 break;
             }
             n_cpu += cpu_ids[s] >= 0;
+            for (int a = 0; a < n_aimed && cpu_ids[s] >= 0; a++) pf_hits += aimed[a] == cpu_ids[s];
             if (counts) counts[(int64_t)layer * ne + ids[s]]++;
         }
         if (rc) break;
@@ -111,6 +205,10 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
         stats[1] += cpu_s;
         stats[2] += n_exp;
         stats[3] += j;
+        stats[4] += pf_s;
+        stats[5] += pf_aimed;
+        stats[6] += pf_hits;
+        stats[7] += pf_bytes;
     }
     return rc;
 }

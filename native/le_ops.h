@@ -83,6 +83,9 @@ typedef struct {
 /* Runs independent products as one parallel job over their concatenated output rows;
  * inputs shared by several products (same x, n_tok, ldx, activation type) are quantised once. */
 int le_matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm);
+/* The same products, each thread computing its share of every product's rows (le_split): the same results;
+ * a thread reads the same rows of an expert whatever else the batch holds (the lookahead prefetches them). */
+int le_matmul_batch_split(le_pool *pool, int int8, const le_mm *mm, int n_mm);
 /* The selected tier's integer dot product for w's rows; NULL when w runs on the f32 path (int8 off,
  * F32/F16/BF16 weights, or no kernel for the type). */
 le_vec_dot_fn le_int_kernel(int int8, const le_weight *w);

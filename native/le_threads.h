@@ -22,5 +22,15 @@ int le_pool_pin(le_pool *p, const int *cpus, int n_cpus);
 /* The CPU a thread of the pool is pinned to, or -1. */
 int le_pool_pinned_cpu(const le_pool *p, int thread);
 void le_parallel_for(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *ctx);
+/* Every thread of the pool runs fn(ctx, t, t + 1, t) once, t = 0..n_threads-1 (the caller is 0): a static split,
+ * where a thread must later find in its own caches what it read before (the hybrid decode's lookahead: each thread
+ * prefetches the rows of the predicted experts it will compute). */
+void le_parallel_each(le_pool *p, le_task_fn fn, void *ctx);
+
+/* Thread t's share [*r0, *r1) of n items split over n_threads in order (the rule of every static split). */
+static inline void le_split(int64_t n, int t, int n_threads, int64_t *r0, int64_t *r1) {
+    *r0 = n * t / n_threads;
+    *r1 = n * (t + 1) / n_threads;
+}
 
 #endif

@@ -28,6 +28,7 @@ typedef struct {
     const uint8_t **xq;          /* [n_mm]: quantised activations of the integer path */
     const int64_t *act_row_bytes;
     int failed;
+    int n_threads;               /* le_matmul_batch_split: the pool's */
 } batch_job;
 
 static void rows_int8(const le_mm *mm, le_vec_dot_fn vd, const uint8_t *xq, int64_t rb, int64_t r0, int64_t r1) {
@@ -97,6 +98,17 @@ static void batch_rows(void *ctx, int64_t g0, int64_t g1, int thread) {
     }
 }
 
+/* le_parallel_each's task: thread t runs its share (le_split) of every product's rows. */
+static void split_rows(void *ctx, int64_t t, int64_t t1, int thread) {
+    (void)t1;
+    batch_job *j = ctx;
+    for (int i = 0; i < j->n_mm; i++) {
+        int64_t r0, r1;
+        le_split(j->first[i + 1] - j->first[i], (int)t, j->n_threads, &r0, &r1);
+        if (r0 < r1) batch_rows(ctx, j->first[i] + r0, j->first[i] + r1, thread);
+    }
+}
+
 le_vec_dot_fn le_int_kernel(int int8, const le_weight *w) {
     if (!int8 || w->type == LE_TYPE_F32 || w->type == LE_TYPE_F16 || w->type == LE_TYPE_BF16) return NULL;
     return le_get_vec_dot(w->type);
@@ -116,7 +128,17 @@ int le_quantize_acts(const le_weight *w, const float *x, int64_t rows, int64_t l
     return LE_OK;
 }
 
+static int matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm, int split);
+
 int le_matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm) {
+    return matmul_batch(pool, int8, mm, n_mm, 0);
+}
+
+int le_matmul_batch_split(le_pool *pool, int int8, const le_mm *mm, int n_mm) {
+    return matmul_batch(pool, int8, mm, n_mm, 1);
+}
+
+static int matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm, int split) {
     if (n_mm <= 0) return LE_OK;
     /* per product: kernel, first row, activations (quantised once per distinct input) */
     size_t meta = (size_t)n_mm * (sizeof(le_vec_dot_fn) + sizeof(uint8_t *) + 2 * sizeof(int64_t) + sizeof(int)) +
@@ -156,12 +178,17 @@ int le_matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm) {
         xq[i] = q;
         owner[i] = i;
     }
-    batch_job j = {mm, n_mm, first, vd, xq, rb, 0};
+    batch_job j = {mm, n_mm, first, vd, xq, rb, 0, le_pool_threads(pool)};
     int64_t total = first[n_mm];
+    if (split) {
+        le_parallel_each(pool, split_rows, &j);
+        goto ran;
+    }
     /* grain: 4 tasks per thread: few enough that claiming them (one contended atomic each)
      * stays cheap, enough that a thread that started late or runs slow can be covered */
     int64_t grain = total / (4 * le_pool_threads(pool)) + 1;
     le_parallel_for(pool, total, grain, batch_rows, &j);
+ran:
     if (j.failed) rc = LE_FAIL(LE_ERR_NO_MEMORY, "matmul row buffer");
 done:
     for (int i = 0; i < n_mm; i++)

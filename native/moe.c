@@ -14,7 +14,9 @@
  *      no serial combine; every element sums its experts in ascending order, then the
  *      shared expert, whatever the thread split).
  * Ties in top-k go to the lower expert index. le_moe_routed runs B and C alone for one token and
- * experts chosen elsewhere (the hybrid decode: the GPU routes, the CPU runs the unpinned experts).
+ * experts chosen elsewhere (the hybrid decode: the GPU routes, the CPU runs the unpinned experts), split statically:
+ * each thread computes the same rows of every expert (le_split), the rows the lookahead prefetched into its caches
+ * (native/hybrid.c); the sums are the same bits either way.
  * Test: tests/test_model.py, tests/test_quantized.py (test_moe_routed_*). */
 #include <math.h>
 #include <stdlib.h>
@@ -59,6 +61,7 @@ typedef struct {
     const float *act, *acts;
     float *out;                      /* [n, E] */
     int failed;
+    int n_threads;                   /* down_split: the pool's */
 } down_job;
 
 static void down_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
@@ -112,8 +115,17 @@ static void down_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
  * experts each: sel [n*k] expert ids (< 0: skipped, the hybrid decode's GPU-side experts), wsel [n*k]
  * their weights; acts [n, fs] SiLU(g)*u of the shared expert and sgate [n] its gate, or NULL (none);
  * out [n, E] is overwritten. Jobs B and C of the header. */
+/* down_rows over each thread's share of the output rows (le_split): le_parallel_each's task */
+static void down_split(void *ctx, int64_t t, int64_t t1, int thread) {
+    (void)t1;
+    down_job *j = ctx;
+    int64_t r0, r1;
+    le_split(j->E, (int)t, j->n_threads, &r0, &r1);
+    if (r0 < r1) down_rows(ctx, r0, r1, thread);
+}
+
 static int routed(const le_model *m, const le_weight *w, const float *x, int n, int k, const int *sel,
-                  const float *wsel, const float *acts, const float *sgate, float *out) {
+                  const float *wsel, const float *acts, const float *sgate, float *out, int split) {
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd, ne = hp->n_expert, shared = acts != NULL;
     int64_t fe = hp->n_ff_exp, fs = hp->n_ff_shexp;
@@ -166,12 +178,12 @@ static int routed(const le_model *m, const le_weight *w, const float *x, int n, 
         mm[n_mm++] = (le_mm){&w[LE_W_GATE_EXPS], e, n > 1 ? xg + (size_t)start[e] * E : x, count[e], E,
                              act + (size_t)start[e] * fe, fe, &w[LE_W_UP_EXPS]};
     }
-    if (n_mm && (rc = le_matmul_batch(m->pool, m->int8, mm, n_mm))) goto done;
+    if (n_mm && (rc = (split ? le_matmul_batch_split : le_matmul_batch)(m->pool, m->int8, mm, n_mm))) goto done;
     le_prof(m, &tp, LE_PROF_FFN_GATE_UP);
 
     /* C: down + combine */
     down_job dj = {&w[LE_W_DOWN_EXPS], shared ? &w[LE_W_DOWN_SHEXP] : NULL, used, start, count, n_used, n, rows, E,
-                   tok_of, wrow, sgate, NULL, NULL, NULL, NULL, 0, 0, act, acts, out, 0};
+                   tok_of, wrow, sgate, NULL, NULL, NULL, NULL, 0, 0, act, acts, out, 0, le_pool_threads(m->pool)};
     /* the down inputs quantised for their integer kernels (none: the f32 path) */
     if (rows && (dj.vd = le_int_kernel(m->int8, dj.wd))) {
         dj.rb = le_act_row_bytes(dj.wd);
@@ -184,7 +196,8 @@ static int routed(const le_model *m, const le_weight *w, const float *x, int n, 
     dj.aq = aq;
     dj.aqs = aqs;
     le_prof(m, &tp, LE_PROF_FFN_ACT);
-    le_parallel_for(m->pool, E, E / (8 * le_pool_threads(m->pool)) + 1, down_rows, &dj);
+    if (split) le_parallel_each(m->pool, down_split, &dj);
+    else le_parallel_for(m->pool, E, E / (8 * le_pool_threads(m->pool)) + 1, down_rows, &dj);
     if (dj.failed) rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe down row buffer");
     le_prof(m, &tp, LE_PROF_FFN_DOWN);
 done:
@@ -259,7 +272,7 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
         for (int t = 0; t < n; t++) sgate[t] = le_sigmoid(le_dot_f32(sg, x + (size_t)t * E, E));
     }
     le_prof(m, &tp, LE_PROF_MOE_ROUTER);
-    rc = routed(m, w, x, n, k, sel, wsel, shared ? acts : NULL, shared ? sgate : NULL, out);
+    rc = routed(m, w, x, n, k, sel, wsel, shared ? acts : NULL, shared ? sgate : NULL, out, 0);
 done:
     free(buf);
     free(sel);
@@ -274,7 +287,7 @@ int le_moe_routed(le_model *m, int layer, const float *x, int n_sel, const int32
         return LE_FAIL(LE_ERR_INVALID_ARG, "le_moe_routed: layer %d outside [0, %d)", layer, m->hp.n_layer);
     if (n_sel < 1 || n_sel > m->hp.n_expert)
         return LE_FAIL(LE_ERR_INVALID_ARG, "le_moe_routed: %d experts (1..%d)", n_sel, m->hp.n_expert);
-    return routed(m, m->layer[layer], x, 1, n_sel, ids, wts, NULL, NULL, out);
+    return routed(m, m->layer[layer], x, 1, n_sel, ids, wts, NULL, NULL, out, 1);
 }
 
 int le_ffn_layer(const le_model *m, const le_weight *w, const float *x, int n, float *out) {

@@ -36,6 +36,7 @@ struct le_pool {
     le_task_fn fn;
     void *ctx;
     int64_t n, grain;
+    int each;                      /* 1: le_parallel_each (every thread runs its own index once) */
     _Alignas(LINE) atomic_uint generation; /* bumped once per job */
     _Alignas(LINE) atomic_int busy;        /* workers still inside the current job */
     _Alignas(LINE) atomic_llong next;      /* next unclaimed item */
@@ -60,6 +61,10 @@ static long now_ns(void) {
 }
 
 static void run_chunks(le_pool *p, int thread) {
+    if (p->each) {
+        p->fn(p->ctx, thread, thread + 1, thread);
+        return;
+    }
     for (;;) {
         int64_t begin = atomic_fetch_add_explicit(&p->next, p->grain, memory_order_relaxed);
         if (begin >= p->n) break;
@@ -191,6 +196,8 @@ int le_pool_pinned_cpu(const le_pool *p, int thread) {
     return p && thread >= 0 && thread < p->n_threads ? p->pinned_cpu[thread] : -1;
 }
 
+static void run_job(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *ctx, int each);
+
 void le_parallel_for(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *ctx) {
     if (n <= 0) return;
     if (grain < 1) grain = 1;
@@ -198,6 +205,19 @@ void le_parallel_for(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *
         fn(ctx, 0, n, 0);
         return;
     }
+    run_job(p, n, grain, fn, ctx, 0);
+}
+
+void le_parallel_each(le_pool *p, le_task_fn fn, void *ctx) {
+    if (!p || p->n_threads == 1) {
+        fn(ctx, 0, 1, 0);
+        return;
+    }
+    run_job(p, p->n_threads, 1, fn, ctx, 1);
+}
+
+static void run_job(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *ctx, int each) {
+    p->each = each;
     p->fn = fn;
     p->ctx = ctx;
     p->n = n;

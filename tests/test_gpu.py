@@ -121,7 +121,8 @@ ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"qua
            "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32", "attn_kv_store_f32"},
            "moe_route": {"moe_route_f32"}, "moe_sort": {"moe_sort"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
            "elementwise": {"swiglu_f32", "add_f32", "add_scaled_f32"}, "rope": {"qk_norm_rope_f32"},
-           "moe_combine": {"moe_combine_f32"}, "hybrid_sync": {"hybrid_publish_f32", "hybrid_wait_f32", "hybrid_fetch_u8"}}
+           "moe_combine": {"moe_combine_f32"}, "hybrid_sync": {"hybrid_publish_f32", "hybrid_wait_f32", "hybrid_fetch_u8",
+                                                          "hybrid_predict_f32", "hybrid_predict_publish_i32"}}
 
 
 def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
@@ -162,7 +163,8 @@ LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
                     "gemv_f32": ("GEMV_THREADS",), "gemm_f32": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT"),
                     "gemm_q8.cuh": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT", "GEMM_MMA_TT"),
                     "rope": ("ROPE_THREADS", "ROPE_MAX_HD"), "get_rows": ("GET_ROWS_THREADS",),
-                    "moe_combine": ("MOE_COMBINE_THREADS",), "hybrid_sync": ("HYBRID_THREADS", "HYBRID_FETCH_BLOCKS")}
+                    "moe_combine": ("MOE_COMBINE_THREADS",), "hybrid_sync": ("HYBRID_THREADS", "HYBRID_FETCH_BLOCKS",
+                                                                                    "HYBRID_PRED_E")}
 
 
 @pytest.mark.cpu

@@ -194,14 +194,27 @@ def test_hybrid_sync(kernels):
         slot = cp + 4 * lay.slot_offset(2)
         with gpu.Buffer.from_array(h) as bh, gpu.Buffer.from_array(ids) as bi, gpu.Buffer.from_array(w) as bw, \
                 gpu.Buffer.from_array(pin) as bp, gpu.Buffer(4 * (5 * k + 1)) as bm, gpu.Buffer(4 * E) as br:
-            for table, n_link in ((bp, 0), (None, 0), (bp, 2), (None, k)):
+            # a lookahead prediction: ids[4] predicted first, ids[0] third, the others not at all
+            pred = np.full(gpu.HY_PRED_MAX, -1, dtype=np.int32)
+            pred[[0, 2]] = ids[[4, 0]]
+            bpred = gpu.Buffer.from_array(pred)
+            for table, n_link, pr in ((bp, 0, None), (None, 0, None), (bp, 2, None), (None, k, None), (bp, 2, bpred),
+                                      (None, 3, bpred)):
                 m = np.full(5 * k + 1, -7, dtype=np.int32)
                 bm.upload(m)
-                kernels.hybrid_publish(bh, bi, bw, table, n_link, bm, slot, cp, E, k)
+                kernels.hybrid_publish(bh, bi, bw, table, n_link, bm, slot, cp, E, k, pred=pr)
                 gpu.synchronize()
                 s = lay.slot(chan, 2)
                 gids = pin[ids] if table is not None else np.full(k, -1)
-                lids = np.where((gids < 0) & (np.cumsum(gids < 0) <= n_link), ids, -1)   # the first n_link unpinned
+                if pr is None:
+                    lids = np.where((gids < 0) & (np.cumsum(gids < 0) <= n_link), ids, -1)   # the first n_link unpinned
+                    lslots = np.where(lids >= 0, np.cumsum(lids >= 0) - 1, -1)
+                else:   # the unpinned predicted last first: not predicted (later slot first), then by place
+                    prank = [list(pred).index(e) if e in pred else gpu.HY_PRED_MAX for e in ids]
+                    order = sorted((s_ for s_ in range(k) if gids[s_] < 0), key=lambda s_: -(prank[s_] * 64 + s_))
+                    lids, lslots = np.full(k, -1), np.full(k, -1)
+                    for r, s_ in enumerate(order[:n_link]):
+                        lids[s_], lslots[s_] = ids[s_], r
                 assert s[lay.ready] == 9
                 np.testing.assert_array_equal(s[lay.h:lay.h + E].view(np.float32), h)
                 np.testing.assert_array_equal(s[lay.ids:lay.ids + k], ids)
@@ -211,7 +224,7 @@ def test_hybrid_sync(kernels):
                 m = bm.download(dtype=np.int32)
                 np.testing.assert_array_equal(m[:k], gids)
                 np.testing.assert_array_equal(m[k:2 * k], lids)
-                np.testing.assert_array_equal(m[2 * k:3 * k], np.where(lids >= 0, np.cumsum(lids >= 0) - 1, -1))
+                np.testing.assert_array_equal(m[2 * k:3 * k], lslots)
                 np.testing.assert_array_equal(m[3 * k:].view(np.float32),
                                               np.r_[1.0, np.where(gids >= 0, w, 0), np.where(lids >= 0, w, 0)])
                 assert not lay.slot(chan, 1).any()                      # the other slots untouched
@@ -223,6 +236,57 @@ def test_hybrid_sync(kernels):
             chan[lay.seq] = 10                                           # a token the CPU never serves
             kernels.hybrid_wait(slot, cp, br, E, k, 1 << 20)
             assert np.isnan(br.download(dtype=np.float32)).all()
+            bpred.free()
+    finally:
+        pb.free()
+
+
+@variant_params()
+def test_hybrid_predict(kernels):
+    """The lookahead (cuda8/hybrid_sync.cu): hybrid_predict = R @ (h * s) against numpy (f64; the f32 sum of E
+    products: assert_close_sum), hybrid_predict_publish = the n_pred largest logits (ties to the lower index, a NaN
+    never chosen, pinned experts -1) into the device pred and the slot's PRED, then PRED_READY = SEQ."""
+    from legacy_engine import _native
+    from legacy_engine.gpu_model import HybridLayout
+    rng = np.random.default_rng(23)
+    E, k, ne, n_layer = 300, 5, 40, 3
+    lay = HybridLayout(E, k, n_layer)
+    R = rng.standard_normal((ne, E)).astype(np.float32)
+    h = rng.standard_normal(E).astype(np.float32)
+    sc = rng.uniform(0.5, 2, E).astype(np.float32)
+    ref = R.astype(np.float64) @ (h.astype(np.float64) * sc)
+    mag = np.abs(R.astype(np.float64)) @ np.abs(h.astype(np.float64) * sc)
+    logits = rng.standard_normal(ne).astype(np.float32)
+    logits[[3, 17]] = logits[9] = 5.0                               # a three-way tie at the top: 3, 9, 17
+    logits[20] = np.nan
+    pin = np.full(ne, -1, dtype=np.int32)
+    pin[9] = 0
+    order = sorted((e for e in range(ne) if e != 20), key=lambda e: (-logits[e], e))
+    pb = gpu.PinnedBuffer(4 * lay.channel_words)
+    try:
+        chan = pb.array.view(np.int32)
+        chan[:] = 0
+        chan[lay.seq] = 6
+        cp = int(_native.ffi.cast("uintptr_t", pb.ptr))
+        slot = cp + 4 * lay.slot_offset(1)
+        with gpu.Buffer.from_array(R) as bR, gpu.Buffer.from_array(h) as bh, gpu.Buffer.from_array(sc) as bs, \
+                gpu.Buffer(4 * ne) as bl, gpu.Buffer.from_array(pin) as bp, gpu.Buffer(4 * gpu.HY_PRED_MAX) as bpr:
+            kernels.hybrid_predict(bR, bh, bs, bl, ne, E)
+            assert_close_sum(bl.download(dtype=np.float32), ref, mag, E, "hybrid_predict")
+            bl.upload(logits)
+            for n_pred, table in ((8, bp), (gpu.HY_PRED_MAX, None)):
+                kernels.hybrid_predict_publish(bl, ne, n_pred, table, bpr, slot, cp, E, k)
+                gpu.synchronize()
+                want = np.full(gpu.HY_PRED_MAX, -1, dtype=np.int32)
+                top = np.array(order[:n_pred])
+                want[:top.size] = np.where(pin[top] >= 0, -1, top) if table is not None else top
+                np.testing.assert_array_equal(bpr.download(dtype=np.int32), want)
+                s = lay.slot(chan, 1)
+                np.testing.assert_array_equal(s[lay.pred:lay.pred + lay.PRED_MAX], want)
+                assert s[lay.pred_ready] == 6 and s[lay.ready] == 0
+            assert not lay.slot(chan, 0).any() and not lay.slot(chan, 2).any()
+            with pytest.raises(ValueError, match="n_pred"):
+                kernels.hybrid_predict_publish(bl, ne, gpu.HY_PRED_MAX + 1, None, bpr, slot, cp, E, k)
     finally:
         pb.free()
 
@@ -664,21 +728,25 @@ def test_split_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
         gm.close()
 
 
-@pytest.mark.parametrize("graphs,link", [(False, 0), (True, 0), (True, 1), (False, 1)],
-                         ids=["replay", "graph", "graph-link1", "replay-link1"])
-def test_hybrid_decode_matches_cpu(graphs, link, gpu_device, tiny_file, cpu_model):
+@pytest.mark.parametrize("graphs,link,look", [(False, 0, False), (True, 0, False), (True, 1, False),
+                                             (False, 1, False), (True, 1, True)],
+                         ids=["replay", "graph", "graph-link1", "replay-link1", "graph-link1-lookahead"])
+def test_hybrid_decode_matches_cpu(graphs, link, look, gpu_device, tiny_file, cpu_model):
     """The hybrid decode (cpu_experts): a streamed prefill, then decode steps whose routed experts are split
     between the GPU (pinned: some of layer 0 and 3, all of layer 7) and the CPU (le_hybrid_serve through the
     channel), replayed from a launch plan (one CUDA graph per token, the CPU serving every layer after its launch;
     or launch by launch with one host step per MoE layer); link1: the GPU also runs one expert per layer that is
-    not pinned, fetching its weights from the page-locked host map (hybrid_fetch). The CPU engine's logits within the f32 bar;
-    every MoE layer of every step was served; routing counted."""
+    not pinned, fetching its weights from the page-locked host map (hybrid_fetch); lookahead: the next layer's
+    experts predicted and loaded by the CPU ahead (the link's expert then the one predicted last). The CPU engine's
+    logits within the f32 bar; every MoE layer of every step was served; routing counted; with the lookahead, the
+    CPU loaded experts ahead and most of the ones it ran were among them."""
     if graphs and not gpu.graphs_available():
         pytest.skip("the driver has no CUDA graphs")
     cpu = cpu_model("moe")
     hp = cpu.hparams
     pinned = {0: [0, 5, 6], 3: [1], 7: list(range(hp.n_expert))}
-    gm = _stream_model(cpu, pinned, 16, save_routing=False, cpu_experts=True, graphs=graphs, link_experts=link)
+    gm = _stream_model(cpu, pinned, 16, save_routing=False, cpu_experts=True, graphs=graphs, link_experts=link,
+                       lookahead=look)
     try:
         assert gm.plan and gm.graphs == graphs
         ids = sequence(80, hp.n_vocab)
@@ -696,6 +764,11 @@ def test_hybrid_decode_matches_cpu(graphs, link, gpu_device, tiny_file, cpu_mode
         if not link:
             assert gm.hybrid_stats["cpu_experts"] > 20 * (hp.n_layer - 1) * (hp.n_expert_used - 1) // 2
         assert all(int(c.sum()) == 80 * hp.n_expert_used for c in gm.route_counts.values())
+        hs = gm.hybrid_stats
+        if look:    # the tiny model's layers are random: the prediction is a weak one, but it is one
+            assert hs["prefetch_aimed"] > 0 and hs["prefetch_hits"] > 0
+        else:
+            assert hs["prefetch_aimed"] == 0
     finally:
         gm.close()
 

@@ -68,7 +68,7 @@ def test_serve_matches_moe_routed(model):
     lay, chan = channel(model)
     rng = np.random.default_rng(5)
     counts = np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64)
-    stats = np.zeros(4)
+    stats = np.zeros(8)
     masks = [np.zeros(hp.n_expert_used, bool), np.arange(hp.n_expert_used) % 2 == 1,
              np.ones(hp.n_expert_used, bool)]                      # all on the CPU, half, none (all pinned)
     for seq in (1, 2):
@@ -90,6 +90,52 @@ def test_serve_matches_moe_routed(model):
     assert counts.sum() == 2 * hp.n_layer * hp.n_expert_used
     assert stats[3] == 2 * hp.n_layer
     assert stats[2] == 2 * sum(int((~m).sum()) for m in masks)
+
+
+def expert_bytes(model, layer):
+    f, p = model.file.gguf, f"blk.{layer}."
+    return sum(f.tensors[p + n].n_bytes for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight",
+                                                   "ffn_down_exps.weight")) // model.hparams.n_expert
+
+
+@pytest.mark.parametrize("budget_experts", [1, 100])
+def test_serve_prefetches_predicted_experts(model, budget_experts):
+    """The lookahead: slots 1.. hold this token's predicted ids (PRED_READY == seq; -1 = pinned, an id out of range
+    or a repeat is ignored); serve prefetches them in order up to the byte budget and the rows are the same bits
+    as without; stats count the experts aimed at and how many of them the CPU then ran."""
+    hp = model.hparams
+    k = hp.n_expert_used
+    lay, chan = channel(model)
+    rng = np.random.default_rng(9)
+    seq = 4
+    chan[lay.seq] = seq
+    tokens = [draw(rng, hp, layer, np.arange(k) % 3 == 1) for layer in range(hp.n_layer)]
+    want_aimed = want_hits = 0
+    for layer, _h, ids, cpu_ids, _w in tokens:
+        pred = np.full(lay.PRED_MAX, -1, np.int32)
+        guess = np.concatenate([ids[:k // 2], rng.choice(hp.n_expert, 2)]).astype(np.int32)
+        pred[:guess.size + 3] = np.concatenate([guess, [-1, hp.n_expert, guess[0]]])
+        s = lay.slot(chan, layer)
+        s[lay.pred:lay.pred + lay.PRED_MAX] = pred
+        s[lay.pred_ready] = seq if layer else seq - 1      # layer 0: no prediction (none is ever made for it)
+        if layer:
+            aimed = list(dict.fromkeys(int(e) for e in guess))[:budget_experts]
+            want_aimed += len(aimed)
+            want_hits += sum(int(e) in aimed for e in cpu_ids if e >= 0)
+    stats = np.zeros(8)
+    rows, errors = [], []
+    t = threading.Thread(target=play_gpu, args=(lay, chan, seq, tokens, rows, errors))
+    t.start()
+    budget = budget_experts * max(expert_bytes(model, i) for i in range(hp.n_layer))
+    model.native.hybrid_serve(chan, seq, np.arange(hp.n_layer), stats=stats, prefetch_bytes=budget)
+    t.join()
+    assert not errors, errors
+    for (layer, h, ids, cpu_ids, wts), row in zip(tokens, rows):
+        assert np.array_equal(row, model.native.moe_routed(layer, h, cpu_ids, wts))
+    assert stats[5] == want_aimed and stats[6] == want_hits and want_hits > 0
+    assert 0 <= stats[7] <= want_aimed * max(expert_bytes(model, i) for i in range(hp.n_layer))
+    with pytest.raises(ValueError, match="stats"):
+        model.native.hybrid_serve(chan, seq, np.arange(hp.n_layer), stats=np.zeros(4))
 
 
 def test_serve_times_out_and_releases(model):

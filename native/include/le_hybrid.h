@@ -8,6 +8,11 @@
  *        writes their weighted sum to ROW, then DONE = SEQ (release store).
  *   GPU  hybrid_wait: spins until DONE == SEQ, copies ROW into device memory; moe_combine adds it to the pinned
  *        experts' and the shared expert's outputs.
+ * Lookahead (optional): while layer i's experts run, the GPU predicts the next MoE layer j's routing from layer i's
+ * h (hybrid_predict: j's router on h rescaled to j's norm) and writes, into slot j, PRED = up to LE_HY_PRED_MAX
+ * expert ids in predicted order (-1 where the expert is pinned on the GPU), then PRED_READY = SEQ. The CPU, done
+ * with layer i, prefetches PRED's experts of layer j into its caches while the GPU runs layer j's attention/GDN
+ * (its memory is idle then), so the experts j really routes to are mostly read from cache.
  * SEQ (header word 0) is written by the host before each token's launches; comparing with == lets it wrap.
  * Layout in 32-bit words (int32 or float32), each flag alone on a 64-byte line. Shared by native/ (C11) and
  * cuda8/ (CUDA 8, C++11); not fed to cffi (macros only).
@@ -16,6 +21,7 @@
 #define LE_HYBRID_H
 
 #define LE_HY_SEQ 0                                /* header: int32 token sequence number */
+#define LE_HY_N_LINK 1                             /* header: int32 experts a layer fetches over the link (lookahead) */
 #define LE_HY_HEADER 16                            /* words before slot 0 */
 #define LE_HY_READY 0                              /* slot: int32, the SEQ whose routing is published */
 #define LE_HY_DONE 16                              /* slot: int32, the SEQ whose CPU row is written */
@@ -24,7 +30,10 @@
 #define LE_HY_CPU_IDS(E, k) (LE_HY_IDS(E) + (k))   /* int32[k] the id where the CPU runs it, else -1 */
 #define LE_HY_WTS(E, k) (LE_HY_IDS(E) + 2 * (k))   /* float[k] routing weights */
 #define LE_HY_ROW(E, k) ((LE_HY_IDS(E) + 3 * (k) + 15) / 16 * 16)   /* float[E] the CPU's weighted sum */
-#define LE_HY_SLOT_WORDS(E, k) (LE_HY_ROW(E, k) + ((E) + 15) / 16 * 16)
+#define LE_HY_PRED_READY(E, k) (LE_HY_ROW(E, k) + ((E) + 15) / 16 * 16)  /* int32, the SEQ whose PRED is written */
+#define LE_HY_PRED_MAX 32                          /* predicted ids a slot holds */
+#define LE_HY_PRED(E, k) (LE_HY_PRED_READY(E, k) + 16) /* int32[LE_HY_PRED_MAX] predicted experts, -1: pinned/none */
+#define LE_HY_SLOT_WORDS(E, k) (LE_HY_PRED(E, k) + LE_HY_PRED_MAX)
 #define LE_HY_CHANNEL_WORDS(E, k, n_layer) (LE_HY_HEADER + (n_layer) * LE_HY_SLOT_WORDS(E, k))
 
 #endif

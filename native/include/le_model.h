@@ -133,11 +133,14 @@ int le_moe_routed(le_model *m, int layer, const float *x, int n_sel, const int32
  * waits until slot layers[j]'s READY == seq, runs its CPU experts (le_moe_routed on H with CPU_IDS and WTS),
  * writes ROW, then DONE = seq. chan: LE_HY_CHANNEL_WORDS(n_embd, n_expert_used, n_layer) words of memory the GPU
  * also reads and writes. counts: [n_layer * n_expert] routing counts, incremented for every routed id (NULL: not
- * counted). timeout_s: the longest wait for one READY (LE_ERR_TIMEOUT then). stats (may be NULL): [0] seconds
- * waiting for READY, [1] seconds in the experts, [2] experts run, [3] layers served (added to).
+ * counted). timeout_s: the longest wait for one READY (LE_ERR_TIMEOUT then). prefetch_bytes > 0: the lookahead
+ * (le_hybrid.h): before waiting for slot layers[j] (j > 0) whose PRED_READY == seq, prefetch up to this many bytes
+ * of its predicted experts' weights; 0: off. stats (may be NULL, else [8], added to): [0] seconds waiting for
+ * READY, [1] seconds in the experts, [2] experts run, [3] layers served, [4] seconds prefetching, [5] experts
+ * prefetched (aimed at), [6] of those, experts the CPU then ran, [7] bytes prefetched.
  * On any error every slot not yet served gets DONE = seq (its ROW zero), so the GPU never waits on a dead host. */
 int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *layers, int n_layers,
-                    int64_t *counts, double timeout_s, double *stats);
+                    int64_t *counts, double timeout_s, int64_t prefetch_bytes, double *stats);
 
 /* DONE = seq (ROW zero) in slots layers[0..n_layers): lets the GPU's waits of a token end when the host will not
  * serve them (an error between the launch and le_hybrid_serve). */
