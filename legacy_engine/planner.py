@@ -258,8 +258,8 @@ GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 5
 # the CPU's experts per token / the probe's read bandwidth, recalibrated 2026-11-25 (seventh session) after the dot
 # products' prefetch and le_moe_routed's static split: uniform 196 experts (347 MB) in 7.0 ms, skewed 100 (177 MB)
 # in 3.6 ms, both 49-50 GB/s of the probe's 90.2 = 0.55 (the first calibration, 0.47, before both changes: the
-# planner's decode then read 18 % / 12 % under the measurement; now 84.7 / ~115 predicted vs 90.0 / 122.3; link
-# choice unchanged, 2 / 0). A few % of hypervisor
+# planner's decode then read 18 % / 12 % under the measurement; now 81.0 (uniform, recomputed on that call's machine)
+# and ~115 (skewed, estimated from the parts) vs 90.0 / 122.3; link choice unchanged, 2 / 0). A few % of hypervisor
 # steal halves these numbers (bench split reports it per run).
 # The split's state handoff (SplitModel.forward, stream strategy: the GDN states (and KV rows so far) to the GPU
 # before a pass, the states and the pass's KV rows back after, through one page-locked staging buffer), bytes moved /
