@@ -161,6 +161,7 @@ class NativeModel:
         check(lib.le_model_create(c, n_threads, p), "le_model_create")
         self.ptr = ffi.gc(p[0], lib.le_model_free)
         self.keep = []
+        self.n_layer = len(recurrent)
 
     def set_weight(self, layer: int, slot: str, data: np.ndarray, qtype: int, ne0: int, ne1: int, ne2: int = 1,
                    nb2: int = 0, byte_offset: int = 0, what: str = "") -> None:
@@ -203,13 +204,16 @@ class NativeModel:
         return ffi.cast("int32_t *", chan)
 
     def hybrid_serve(self, chan, seq: int, layers: np.ndarray, counts: np.ndarray | None = None,
-                     timeout_s: float = 60.0, stats: np.ndarray | None = None, prefetch_bytes: int = 0) -> None:
+                     timeout_s: float = 60.0, stats: np.ndarray | None = None, prefetch_bytes: int = 0,
+                     early: dict | None = None) -> None:
         """The hybrid decode's CPU side for token `seq`: serves slots `layers` (int32, in order) of `chan` (a cffi
         pointer to page-locked memory the GPU shares, or an int32 numpy array; layout le_hybrid.h) as they become
-        READY (le_hybrid_serve). counts: int64 [n_layer, n_expert] routing counts added to; stats: float64 [8]
+        READY (le_hybrid_serve). counts: int64 [n_layer, n_expert] routing counts added to; stats: float64 [12]
         (wait s, expert s, experts, layers, prefetch s, experts prefetched, of those run on the CPU, bytes
-        prefetched) added to; prefetch_bytes > 0: the lookahead (prefetch a layer's predicted experts, up to this
-        many bytes, while its routing is not there). NativeError (timed out) when a layer's routing does not come
+        prefetched, experts copied early, of those in time, of those routed to) added to; prefetch_bytes > 0: the
+        lookahead (prefetch a layer's predicted experts, up to this many bytes, while its routing is not there);
+        early: {n_early, stream (a gpu stream handle), dst uint64 [n_layer * 3], eb int64 [n_layer * 3],
+        parity_stride}: the early experts (le_hybrid_early). NativeError (timed out) when a layer's routing does not come
         in timeout_s; every slot not served is then released (the GPU's waits end)."""
         lay = np.ascontiguousarray(layers, dtype=np.int32)
         cnt = ffi.NULL
@@ -217,12 +221,22 @@ class NativeModel:
             if counts.dtype != np.int64 or not counts.flags.c_contiguous:
                 raise ValueError("counts: a contiguous int64 array")
             cnt = ffi.from_buffer("int64_t[]", counts)
-        if stats is not None and (stats.dtype != np.float64 or stats.size < 8 or not stats.flags.c_contiguous):
-            raise ValueError("stats: a contiguous float64 array of 8")
+        if stats is not None and (stats.dtype != np.float64 or stats.size < 12 or not stats.flags.c_contiguous):
+            raise ValueError("stats: a contiguous float64 array of 12")
         st = ffi.NULL if stats is None else ffi.from_buffer("double[]", stats)
+        ea = ffi.NULL
+        if early is not None and early["n_early"] > 0:
+            dst = np.ascontiguousarray(early["dst"], dtype=np.uint64)
+            eb = np.ascontiguousarray(early["eb"], dtype=np.int64)
+            if dst.size != 3 * self.n_layer or eb.size != dst.size:
+                raise ValueError("early: dst and eb hold 3 entries per layer")
+            keep = (ffi.from_buffer("uint64_t[]", dst), ffi.from_buffer("int64_t[]", eb))
+            ea = ffi.new("le_hybrid_early *", {"n_early": int(early["n_early"]), "stream": early["stream"],
+                                               "dst": keep[0], "eb": keep[1],
+                                               "parity_stride": int(early["parity_stride"])})
         check(lib.le_hybrid_serve(self.ptr, self._chan(chan), int(seq) & 0x7FFFFFFF,
                                   ffi.from_buffer("int32_t[]", lay), lay.size, cnt, float(timeout_s),
-                                  max(0, int(prefetch_bytes)), st),
+                                  max(0, int(prefetch_bytes)), ea, st),
               "le_hybrid_serve")
 
     def hybrid_release(self, chan, seq: int, layers: np.ndarray) -> None:

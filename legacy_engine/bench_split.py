@@ -135,12 +135,18 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             base, _, form = name.partition("/")     # stream/pairs, stream/grouped: the routed experts' form
             link = None                               # hybrid/linkN: N experts per layer fetched over the link
             look = None                               # hybrid/look: the lookahead on
+            early = 0                                 # hybrid/earlyN[-linkM]: N early experts per layer
             if base == "hybrid" and form == "look":
                 form, look = "", True
+            if base == "hybrid" and form.startswith("early"):
+                head, _, rest = form.partition("-")
+                if head[5:].isdigit():
+                    early, form = int(head[5:]), rest
             if base == "hybrid" and form.startswith("link") and form[4:].isdigit():
                 form, link = "", int(form[4:])
             if form not in ("", "pairs", "grouped"):
-                raise ValueError(f"strategy {name}: the form after / is pairs or grouped (hybrid: also linkN, look)")
+                raise ValueError(f"strategy {name}: the form after / is pairs or grouped (hybrid: also linkN, look, "
+                                 "earlyN, earlyN-linkM)")
             st0 = preds[prompts[-1]][base]
             if not st0.fits:
                 res["rows"].append({"strategy": name, "error": f"does not fit: {st0.why}"})
@@ -151,12 +157,14 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             pins = st0.pinned
             if link is None or base != "hybrid":
                 link = st0.link_experts if base == "hybrid" else 0       # the planner's
-            elif link != st0.link_experts:     # room for this link staging: the pins refilled under what is left
-                pins, _ = planner.fill_pins(model.file, vram, n_ctx, st0.chunk, m.gpu_tier == "dp4a", counts, link)
+            if base == "hybrid" and (link != st0.link_experts or early):   # room for this staging: pins refilled
+                pins, _ = planner.fill_pins(model.file, vram, n_ctx, st0.chunk, m.gpu_tier == "dp4a", counts,
+                                            link, early)
             if base in ("stream", "hybrid"):
                 gm = GpuModel(model, vram=vram, stream_experts=True, pinned=pins, n_ctx=n_ctx,
                               chunk=st0.chunk, simulate_link=simulate_link, cpu_experts=base == "hybrid",
-                              link_experts=link, lookahead=look if base == "hybrid" else None, **grouped)
+                              link_experts=link, lookahead=look if base == "hybrid" else None,
+                              early_experts=early, **grouped)
                 # every measured prompt on the GPU, decode steps on the CPU (the split as run --gpu runs it)
                 runner = SplitModel(model, gm, min_gpu_tokens=min(prompts))
             else:
@@ -179,7 +187,11 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                                                "prefetch_mb": hs["prefetch_bytes"] / hs["steps"] * gm.hparams.n_layer
                                                / 1e6,
                                                # of the experts the CPU ran, the share it had prefetched
-                                               "prefetch_hit": hs["prefetch_hits"] / max(hs["cpu_experts"], 1)}
+                                               "prefetch_hit": hs["prefetch_hits"] / max(hs["cpu_experts"], 1),
+                                               # early experts: copied per token, of those in time, routed to
+                                               "early_copied": hs["early_copied"] / hs["steps"] * gm.hparams.n_layer,
+                                               "early_in_time": hs["early_in_time"] / max(hs["early_copied"], 1),
+                                               "early_routed": hs["early_routed"] / max(hs["early_copied"], 1)}
                 if base in ("stream", "hybrid"):
                     s = gm.stream_report()
                     n_pp = n_runs

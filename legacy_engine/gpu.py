@@ -47,7 +47,7 @@ HEADERS = ("compat.cuh", "quants.cuh", "gemm_tile.cuh", "gemm_q8.cuh")   # in cu
 SHARED_HEADERS = ("le_blocks.h", "le_hybrid.h")  # in native/include/
 ATTR_UNIFIED_ADDRESSING = 41    # CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: host pointers usable in kernels
 HYBRID_THREADS, HYBRID_FETCH_BLOCKS, HYBRID_PRED_E = 256, 64, 1024   # cuda8/hybrid_sync.cu
-HY_PRED_MAX = 32                                 # native/include/le_hybrid.h LE_HY_PRED_MAX
+HY_PRED_MAX, HY_EARLY_MAX = 32, 4                # native/include/le_hybrid.h LE_HY_PRED_MAX, LE_HY_EARLY_MAX
 
 # tier -> the LE_FORCE_TIER value, and the lowest arch whose own path it is
 TIERS = {"fermi": ("LE_CC_FERMI", 20), "kepler": ("LE_CC_LDG", 30), "dp4a": (None, 61)}
@@ -1360,22 +1360,25 @@ class Kernels:
              ("i32", n), ("i32", k), ("i32", E)], stream=stream)
 
     def hybrid_publish(self, h, ids, w, pin_idx, n_link: int, meta, slot: int, chan: int, E: int, k: int,
-                       pred=None, stream: Stream | None = None) -> None:
+                       pred=None, n_early: int = 0, stream: Stream | None = None) -> None:
         """The hybrid decode's routing into the host channel (cuda8/hybrid_sync.cu): h [E], ids/w [k] (moe_route)
-        into `slot`, READY = chan's SEQ; meta [k gids | k lids | k lslots | 2k + 1 weights] (device) from pin_idx
-        [n_expert] (None: nothing pinned) and n_link (n_link experts not pinned are the GPU's, fetched over the
-        link into slots 0..n_link-1 of a staging buffer: hybrid_fetch): the first in slot order, or with pred
-        (device int32 [HY_PRED_MAX], hybrid_predict_publish's) the ones predicted last.
+        into `slot`, READY = chan's SEQ; meta [k gids | k lids | k lslots | k fids | k eids | 2k + 1 weights]
+        (device) from pin_idx [n_expert] (None: nothing pinned), n_link (n_link experts neither pinned nor early are
+        the GPU's, fetched over the link into staging slots 0..n_link-1: hybrid_fetch with fids): the first in slot
+        order, or with pred (device int32 [HY_PRED_MAX], hybrid_predict_publish's) the ones predicted last; and the
+        early experts (n_early > 0: those the CPU copied into its early buffer, flagged in the slot in time; eids
+        their place there, to be copied into staging slots n_link..: hybrid_fetch with eids).
         slot, chan: device-visible addresses of page-locked host memory (le_hybrid.h)."""
-        if not 0 < k <= min(MOE_MAX_K, HYBRID_THREADS) or E <= 0 or not 0 <= n_link <= k:
-            raise ValueError(f"hybrid_publish: E = {E}, k = {k}, n_link = {n_link}")
+        if (not 0 < k <= min(MOE_MAX_K, HYBRID_THREADS) or E <= 0 or not 0 <= n_link <= k
+                or not 0 <= n_early <= HY_EARLY_MAX):
+            raise ValueError(f"hybrid_publish: E = {E}, k = {k}, n_link = {n_link}, n_early = {n_early}")
         _need(h, 4 * E, "hybrid_publish h")
-        _need(meta, 4 * (5 * k + 1), "hybrid_publish meta")
+        _need(meta, 4 * (7 * k + 1), "hybrid_publish meta")
         self.modules["hybrid_sync"].kernel("hybrid_publish_f32").launch(
             (1, 1, 1), (HYBRID_THREADS, 1, 1),
             [("ptr", _ptr(h)), ("ptr", _ptr(ids)), ("ptr", _ptr(w)), ("ptr", _ptr(pin_idx)), ("i32", n_link),
-             ("ptr", _ptr(pred)), ("ptr", _ptr(meta)), ("ptr", int(slot)), ("ptr", int(chan)), ("i32", E),
-             ("i32", k)], stream=stream)
+             ("ptr", _ptr(pred)), ("i32", n_early), ("ptr", _ptr(meta)), ("ptr", int(slot)), ("ptr", int(chan)),
+             ("i32", E), ("i32", k)], stream=stream)
 
     def hybrid_predict(self, R, h, s, logits, ne: int, E: int, stream: Stream | None = None) -> None:
         """The lookahead's router (cuda8/hybrid_sync.cu): logits [ne] = R [ne, E] (f32) @ (h * s), h and s [E]."""
@@ -1405,7 +1408,7 @@ class Kernels:
 
     def hybrid_fetch(self, lids, lslots, k: int, tensors, stream: Stream | None = None) -> None:
         """Copies the experts lids[s] >= 0 (device int32 [k]) of up to three tensors, [(src, dst, expert bytes)]
-        (src: device-visible host memory, dst: VRAM, all multiples of 16 bytes), from src + id * eb to
+        (src: device-visible host memory or VRAM, dst: VRAM, all multiples of 16 bytes), from src + id * eb to
         dst + lslots[s] * eb, with a copy kernel (cuda8/hybrid_sync.cu)."""
         if not 0 < len(tensors) <= 3 or not 0 < k <= MOE_MAX_K:
             raise ValueError(f"hybrid_fetch: {len(tensors)} tensors, k = {k}")

@@ -78,7 +78,7 @@ _HY_SEQ = [0]
 class HybridLayout:
     """native/include/le_hybrid.h in Python: word offsets of the hybrid decode's channel (tests/test_hybrid_serve.py
     serves through it, so a mismatch with the C macros fails there)."""
-    SEQ, N_LINK, HEADER, READY, DONE, H, PRED_MAX = 0, 1, 16, 0, 16, 32, 32
+    SEQ, N_LINK, N_EARLY, HEADER, READY, DONE, H, PRED_MAX, EARLY_MAX = 0, 1, 2, 16, 0, 16, 32, 32, 4
 
     def __init__(self, E: int, k: int, n_layer: int):
         self.E, self.k, self.n_layer = E, k, n_layer
@@ -89,7 +89,9 @@ class HybridLayout:
         self.row = (self.ids + 3 * k + 15) // 16 * 16
         self.pred_ready = self.row + (E + 15) // 16 * 16
         self.pred = self.pred_ready + 16
-        self.slot_words = self.pred + self.PRED_MAX
+        self.early_ready = self.pred + self.PRED_MAX
+        self.early = self.early_ready + 16
+        self.slot_words = self.early + 16
         self.channel_words = self.HEADER + n_layer * self.slot_words
 
     def slot_offset(self, layer: int) -> int:
@@ -142,7 +144,7 @@ class GpuModel:
                  n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, simulate_link: float | None = None,
                  sort_pairs: bool = True, save_routing: bool = True, grouped_experts: bool = True,
                  cpu_experts: bool = False, int8_prefill: bool | None = None, mma: bool | None = None,
-                 link_experts: int = 0, lookahead: bool | None = None):
+                 link_experts: int = 0, lookahead: bool | None = None, early_experts: int = 0):
         """model: a loaded Model (its file's tensors are uploaded; the CPU model stays usable).
         tier: 'fermi' | 'kepler' | 'dp4a' (default: the GPU's own, default_tier); arch: the PTX target
         (compute capability x10, default the GPU's: 35, 61 or 70 run the legacy PTX on a newer card);
@@ -187,6 +189,10 @@ class GpuModel:
         LOOKAHEAD_PRED): each MoE layer also predicts the next one's experts (hybrid_predict), which the CPU loads
         into its caches while the GPU runs that layer's attention/GDN (le_hybrid_serve's prefetch); the link experts
         are then the ones predicted last. The same experts and sums either way; only where they run and how soon.
+        early_experts (hybrid decode, f32 routers, the page-locked map): per MoE layer the CPU, done with the layer
+        before, copies the next layer's this many likeliest experts not pinned (the prediction above) into VRAM on
+        a copy stream of its own while the GPU runs that layer's attention/GDN (the link and the host's memory are
+        idle then); those the layer then routes to run on the GPU (if the copy finished before its routing).
         save_routing: close() adds the routing counts of this model's passes to the file's saved statistics
         (planner.load_routing), from which the next placement pins the hottest experts.
         simulate_link: GB/s; streamed expert copies are paced to it (the host waits until a copy would have
@@ -230,6 +236,14 @@ class GpuModel:
             raise UnavailableError("lookahead: the next layer's routing is predicted with f32 routers only; this "
                                    "file's are quantised")
         self.lookahead = bool(lookahead)
+        if not 0 <= int(early_experts) <= gpu.HY_EARLY_MAX:
+            raise ValueError(f"early_experts = {early_experts}: 0 … {gpu.HY_EARLY_MAX}")
+        if early_experts and not cpu_experts:
+            raise ValueError("early_experts is a setting of the hybrid decode (cpu_experts=True)")
+        if early_experts and not f32_routers:
+            raise UnavailableError("early_experts: the next layer's routing is predicted with f32 routers only; this "
+                                   "file's are quantised")
+        self.early_experts = int(early_experts)
         self.lookahead_why = "" if self.lookahead else "off (measured no faster: LOOKAHEAD_PRED's note)"
 
         self.pinned = {int(i): sorted(set(int(e) for e in v)) for i, v in (pinned or {}).items()} if self.stream else {}
@@ -240,7 +254,8 @@ class GpuModel:
         self.logit_rows = planner.head_rows(self.chunk, self.stream)   # all_logits runs the head in such pieces
         self.footprint = planner.vram_footprint(self.file, stream_experts=self.stream, pinned=self.pinned,
                                                 n_ctx=n_ctx, chunk=self.chunk, int8=self.int8 or self.int8_prefill,
-                                                logit_rows=self.logit_rows, link_experts=self.link_experts)
+                                                logit_rows=self.logit_rows,
+                                                link_experts=self.link_experts, early_experts=self.early_experts)
         self.n_ctx_plan = int(n_ctx)
         self.budget = None
         if vram is not None:
@@ -259,7 +274,8 @@ class GpuModel:
         self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0, "copy_stall_s": 0.0, "ids_wait_s": 0.0}
         # the hybrid decode: MoE layer steps, experts run on the CPU, seconds in le_moe_routed and in the routing read
         self._hybrid_stats = {"steps": 0, "cpu_experts": 0, "cpu_s": 0.0, "read_s": 0.0, "prefetch_s": 0.0,
-                              "prefetch_aimed": 0, "prefetch_hits": 0, "prefetch_bytes": 0.0}
+                              "prefetch_aimed": 0, "prefetch_hits": 0, "prefetch_bytes": 0.0, "early_copied": 0,
+                              "early_in_time": 0, "early_routed": 0}
         self._stalls: list = []
         # routing statistics, counted where the host reads the routing anyway (streamed or sorted passes);
         # close() adds them to the model file's saved counts (planner.save_routing), which choose the pins
@@ -870,8 +886,8 @@ class GpuModel:
         pinned = bool(self.pinned.get(i))
         hy = self._hy_channel()
         chan, slot = hy["ptr"], hy["ptr"] + 4 * hy["layout"].slot_offset(i)
-        link = self.link_experts
-        meta = self._buf("hy_meta", 4 * (5 * kk + 1)).ptr
+        link, n_early = self.link_experts, self.early_experts
+        meta = self._buf("hy_meta", 4 * (7 * kk + 1)).ptr
         fresh = f"{self._tag}:hy_rows" not in self._scratch
         rows = self._buf("hy_rows", 4 * (2 * kk + 1) * E).ptr
         if fresh:      # rows a layer does not compute (no pins here, no link experts) stay zero, at weight 0
@@ -883,8 +899,10 @@ class GpuModel:
         self._mm(L["router"], h, logits, 1, hq)
         k.moe_route(logits, ids, wts, 1, ne, kk)
         la = hy["lookahead"]
+        parity = int(np.searchsorted(hy["layers"], i)) % 2        # the early buffer's half this layer uses
         k.hybrid_publish(h, ids, wts, hy["pin_idx"].ptr + 4 * i * ne if pinned else None, link, meta, slot, chan,
-                         E, kk, pred=la["pred"] + 4 * gpu.HY_PRED_MAX * i if la and i in la["from"].values() else None)
+                         E, kk, pred=la["pred"] + 4 * gpu.HY_PRED_MAX * i if la and i in la["from"].values() else None,
+                         n_early=n_early)
         if la and i in la["from"]:    # the next MoE layer's experts predicted from this h (the CPU prefetches them)
             j = la["from"][i]
             k.hybrid_predict(self.layers[j]["router"].ptr, h, la["scales"] + 4 * E * i, la["logits"], ne, E)
@@ -892,14 +910,14 @@ class GpuModel:
                                      if self.pinned.get(j) else None, la["pred"] + 4 * gpu.HY_PRED_MAX * j,
                                      chan + 4 * hy["layout"].slot_offset(j), chan, E, kk)
         names = L["exp_tensor"]
+        staged, tensors = self._hy_staging(i)
         if link:           # the link experts' weights into VRAM first (a copy kernel: the link's full rate)
-            at, tensors, staged = 0, [], {}
-            lbuf = self._buf("hy_link", link * max(self.footprint.expert_bytes.values())).ptr   # its planned size
-            for name, (_host, _tb, eb, _off, _po) in zip(self._stage_names[i], self._stage_layout[i]):
-                tensors.append((hy["host_dev"][name], lbuf + at, eb))
-                staged[name] = lbuf + at
-                at += link * eb
-            k.hybrid_fetch(meta + 4 * kk, meta + 8 * kk, kk, tensors)
+            k.hybrid_fetch(meta + 12 * kk, meta + 8 * kk, kk, tensors)
+        if n_early:        # the early experts the layer routes to: from the CPU's early buffer into staging slots
+            ea = self._hy_early_regions()
+            k.hybrid_fetch(meta + 16 * kk, meta + 8 * kk, kk,
+                           [(ea[parity][name], staged[name], eb) for (_src, _dst, eb), name
+                            in zip(tensors, self._stage_names[i])])
         # queued before the wait, so the GPU computes these while the CPU runs its experts
         sh, shg = self._shared_expert(L, h, hq, 1)
         g = self._buf("eg", 4 * kk * ff).ptr
@@ -909,13 +927,13 @@ class GpuModel:
             addr = {w: store + self._pin_off[names[w]] + L[w].ptr - self._stage_offset[names[w]]
                     for w in ("gate_exps", "up_exps", "down_exps")}
             self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * E, meta, kk, kk)
-        if link:           # rows kk+1..2kk: the fetched experts (lslots: their place in the link staging)
+        if link or n_early:   # rows kk+1..2kk: the early and fetched experts (lslots: their place in the staging)
             addr = {w: staged[names[w]] + L[w].ptr - self._stage_offset[names[w]]
                     for w in ("gate_exps", "up_exps", "down_exps")}
             self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * (1 + kk) * E, meta + 8 * kk, kk, kk)
         k.hybrid_wait(slot, chan, rows, E, kk, HYBRID_WAIT_CYCLES)
-        n_rows = 1 + kk * (2 if link else 1 if pinned else 0)
-        k.moe_combine(rows, meta + 12 * kk, sh, shg, y, 1, n_rows, E)
+        n_rows = 1 + kk * (2 if link or n_early else 1 if pinned else 0)
+        k.moe_combine(rows, meta + 20 * kk, sh, shg, y, 1, n_rows, E)
         if self.graphs:
             self._hy_serve([i])     # the recording pass (a replay is one graph launch, then every layer is served)
         else:
@@ -939,14 +957,15 @@ class GpuModel:
             arr = pb.array.view(np.int32)[:lay.channel_words]
             arr[:] = 0
             arr[HybridLayout.N_LINK] = self.link_experts     # the CPU's lookahead skips the link's share
+            arr[HybridLayout.N_EARLY] = self.early_experts
             table = np.full((hp.n_layer, hp.n_expert), -1, dtype=np.int32)
             for i, idx in self._pin_idx.items():
                 table[i] = idx
             host_dev = {}
-            if self.link_experts:
+            if self.link_experts or self.early_experts:
                 if self._host is None:
-                    raise UnavailableError(f"link_experts: the weight map is {self.host_pinned_why}; the GPU can "
-                                           "fetch experts only from page-locked memory")
+                    raise UnavailableError(f"link/early experts: the weight map is {self.host_pinned_why}; the GPU "
+                                           "can fetch experts only from page-locked memory")
                 dev0 = _native.gpu_host_device_pointer(self._map_base)
                 host_dev = {n: dev0 + (a - self._map_base) for n, a in self._host_addr.items()}
             moe = [L["index"] for L in self.layers if "router" in L]
@@ -954,14 +973,81 @@ class GpuModel:
                         "host_dev": host_dev,
                         "pin_idx": gpu.Buffer.from_array(table, "hybrid pin indices"), "seq": 0,
                         "layers": np.array(moe, dtype=np.int32), "lookahead": self._lookahead_buffers(moe),
-                        "counts": np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64), "stats": np.zeros(8)}
+                        "counts": np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64), "stats": np.zeros(12)}
         return self._hy
+
+    def _hy_staging(self, i: int) -> tuple[dict, list]:
+        """Layer i's staging in VRAM of the experts the GPU runs from the link: per expert tensor a region of
+        link_experts + early_experts experts (the fetched ones, then the early ones) ->
+        ({tensor name: region address}, [(host device address, region, expert bytes)] for hybrid_fetch)."""
+        slots = self.early_experts + self.link_experts
+        if not slots:
+            return {}, []
+        hy = self._hy
+        lbuf = self._buf("hy_link", slots * max(self.footprint.expert_bytes.values())).ptr   # its planned size
+        at, tensors, staged = 0, [], {}
+        for name, (_host, _tb, eb, _off, _po) in zip(self._stage_names[i], self._stage_layout[i]):
+            tensors.append((hy["host_dev"][name], lbuf + at, eb))
+            staged[name] = lbuf + at
+            at += slots * eb
+        return staged, tensors
+
+    def _hy_early_regions(self) -> list:
+        """The CPU's early buffer: per parity (MoE layer ordinal % 2) and expert tensor a region of early_experts
+        slots of the largest expert of any expert tensor -> [{tensor name: region address} per parity]; a layer's
+        copies never land where the layer before may still be reading (the other parity), whatever their sizes."""
+        hy = self._hy
+        if "early_regions" not in hy:
+            n, slot = self.early_experts, self._early_slot_bytes()
+            tag, self._tag = self._tag, "d"
+            try:
+                base = self._buf("hy_early", 6 * n * slot).ptr
+            finally:
+                self._tag = tag
+            regions = [{}, {}]
+            for p in (0, 1):
+                for L in self.layers:
+                    if "router" not in L:
+                        continue
+                    for t, w in enumerate(("gate_exps", "up_exps", "down_exps")):
+                        regions[p][L["exp_tensor"][w]] = base + ((3 * p + t) * n) * slot
+            hy["early_regions"], hy["early_stride"] = regions, 3 * n * slot
+        return hy["early_regions"]
+
+    def _early_slot_bytes(self) -> int:
+        """The largest expert of any expert tensor (a slot of the early buffer)."""
+        return max(L[w].expert_bytes for L in self.layers if "router" in L
+                   for w in ("gate_exps", "up_exps", "down_exps"))
+
+    def _hy_early(self) -> dict | None:
+        """le_hybrid_serve's early config: the copy stream and, per layer and gate/up/down, the staging address of
+        early slot 0 and an expert's bytes (None: no early experts)."""
+        hy = self._hy
+        if not self.early_experts:
+            return None
+        if "early" not in hy:
+            hp = self.hparams
+            dst = np.zeros((hp.n_layer, 3), dtype=np.uint64)
+            eb = np.zeros((hp.n_layer, 3), dtype=np.int64)
+            regions = self._hy_early_regions()
+            for i in hy["layers"]:
+                L = self.layers[int(i)]
+                for t, w in enumerate(("gate_exps", "up_exps", "down_exps")):
+                    name = L["exp_tensor"][w]
+                    if L[w].ptr != self._stage_offset[name]:
+                        raise UnavailableError(f"early_experts: layer {i}'s {w} is part of a fused tensor")
+                    dst[i, t] = regions[0][name]
+                    eb[i, t] = L[w].expert_bytes
+            hy["early"] = {"n_early": self.early_experts, "stream": gpu.Stream(ordered=False), "dst": dst, "eb": eb}
+        e = hy["early"]
+        return {"n_early": e["n_early"], "stream": e["stream"].handle, "dst": e["dst"], "eb": e["eb"],
+                "parity_stride": hy["early_stride"]}
 
     def _lookahead_buffers(self, moe: list) -> dict | None:
         """The lookahead's device data in one buffer: scales [n_layer, E] (row i: the next MoE layer's post-attention
         norm / layer i's, so h_i * scales_i is h_i normed as that layer would), pred [n_layer, HY_PRED_MAX] int32
         (each layer's predicted experts) and logits [n_expert]; `from` {i: the MoE layer after i}. None: off."""
-        if not self.lookahead or len(moe) < 2:
+        if not (self.lookahead or self.early_experts) or len(moe) < 2:
             return None
         hp, f = self.hparams, self.file.gguf
         E, ne = hp.n_embd, hp.n_expert
@@ -987,10 +1073,11 @@ class GpuModel:
         """The CPU's experts of `layers` for the current token (le_hybrid_serve: waits for each layer's routing)."""
         hy = self._hy
         pf = 0
-        if hy["lookahead"]:
+        if self.lookahead and not self.early_experts:
             pf = LOOKAHEAD_PREFETCH_EXPERTS * max(self.footprint.expert_bytes.values())
         self.model.native.hybrid_serve(hy["buf"].ptr, hy["seq"], layers, counts=hy["counts"],
-                                       timeout_s=HYBRID_TIMEOUT_S, stats=hy["stats"], prefetch_bytes=pf)
+                                       timeout_s=HYBRID_TIMEOUT_S, stats=hy["stats"], prefetch_bytes=pf,
+                                       early=self._hy_early())
 
     def _hy_flush(self) -> None:
         """The channel's counts and timings into route_counts and hybrid_stats."""
@@ -1009,6 +1096,9 @@ class GpuModel:
         hs["prefetch_aimed"] += int(st[5])
         hs["prefetch_hits"] += int(st[6])
         hs["prefetch_bytes"] += st[7]
+        hs["early_copied"] += int(st[8])
+        hs["early_in_time"] += int(st[9])
+        hs["early_routed"] += int(st[10])
         c[:] = 0
         st[:] = 0
 
@@ -1278,7 +1368,8 @@ class GpuModel:
                         f"{self.hparams.n_expert * len(self._stage_layout)} pinned in VRAM")
             if self.cpu_experts:
                 streamed += (f"; hybrid decode ({self.link_experts} experts per layer fetched over the link, the "
-                             "rest not pinned on the CPU; lookahead "
+                             f"rest not pinned on the CPU; {self.early_experts} of the next layer's likeliest copied "
+                             "early; lookahead "
                              + (f"on: the next layer's {LOOKAHEAD_PRED} likeliest experts prefetched by the CPU)"
                                 if self.lookahead else self.lookahead_why + ")"))
         budget = f" (budget {self.budget / 2**30:.2f} GiB: {self.footprint.describe()})" if self.budget else ""

@@ -199,11 +199,13 @@ def state_bytes(hp, n_ctx: int) -> int:
 
 def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = None, n_ctx: int = 4096,
                    chunk: int = 512, int8: bool = True, logit_rows: int | None = None,
-                   link_experts: int = 0) -> VramFootprint:
+                   link_experts: int = 0, early_experts: int = 0) -> VramFootprint:
     """What a GPU model of `file` allocates. stream_experts: routed experts stay in host RAM except `pinned`
     {layer: [expert ids]}; two staging buffers of the largest layer's experts. logit_rows: rows of logits a
     head pass computes (default head_rows). link_experts: the hybrid decode's staging of experts fetched per
-    layer over the link (GpuModel link_experts)."""
+    layer over the link (GpuModel link_experts). early_experts: the hybrid decode's early experts (GpuModel
+    early_experts): that many more staging slots, and the CPU's early buffer (two halves of that many slots of the
+    largest expert tensor's expert for each of gate, up, down)."""
     hp = file.hparams
     pinned = pinned or {}
     resident = _round(weight_layout(file, resident_names(file, stream_experts))[1])
@@ -217,8 +219,11 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
     if stream_experts:
         parts["pinned experts"] = pin_total
         parts["expert staging (2 layers)"] = 2 * _round(layer_max)
-        if link_experts:
-            parts["link staging"] = _round(link_experts * max(per_expert.values()))
+        if link_experts or early_experts:
+            parts["link staging"] = _round((link_experts + early_experts) * max(per_expert.values()))
+        if early_experts:
+            one = max(gpu_tensor_bytes(file.tensors[n]) // hp.n_expert for i in per_expert for n in expert_tensors(file, i))
+            parts["early buffer"] = _round(6 * early_experts * one)
     parts["state"] = state_bytes(hp, n_ctx)
     rows = head_rows(chunk, stream_experts) if logit_rows is None else logit_rows
     parts["scratch"] = (_round(scratch_bytes(hp, chunk, int8, rows)) + _round(scratch_bytes(hp, 1, int8, 1))
@@ -489,14 +494,15 @@ def choose_pins(file, budget_bytes: int, counts: dict | None = None) -> dict:
 
 
 def fill_pins(file, budget: int, n_ctx: int, chunk: int, int8: bool, counts: dict | None = None,
-              link_experts: int = 0) -> tuple[dict, VramFootprint]:
+              link_experts: int = 0, early_experts: int = 0) -> tuple[dict, VramFootprint]:
     """The pins (choose_pins) that fill what `budget` leaves after everything else a streamed model of `file`
-    allocates (passes of `chunk` tokens, link_experts' staging) -> (pins, the footprint with them); no pins, and a
-    footprint over the budget, when even none fit."""
-    fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=chunk, int8=int8, link_experts=link_experts)
+    allocates (passes of `chunk` tokens, link and early experts' staging) -> (pins, the footprint with them); no
+    pins, and a footprint over the budget, when even none fit."""
+    fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=chunk, int8=int8, link_experts=link_experts,
+                         early_experts=early_experts)
     pins = choose_pins(file, budget - fp0.total, counts) if fp0.total <= budget else {}
     return pins, vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, chunk=chunk, int8=int8,
-                                link_experts=link_experts)
+                                link_experts=link_experts, early_experts=early_experts)
 
 
 def pinned_share(file, pins: dict, counts: dict | None = None) -> float:

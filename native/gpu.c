@@ -76,6 +76,7 @@ static struct {
     CUresult (*cuStreamCreate)(CUstream *, unsigned);
     CUresult (*cuStreamDestroy)(CUstream);
     CUresult (*cuStreamSynchronize)(CUstream);
+    CUresult (*cuStreamQuery)(CUstream);
     CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned);
     CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
     CUresult (*cuMemHostRegister)(void *, size_t, unsigned);
@@ -169,6 +170,7 @@ static int load_driver(void) {
     LOAD(cuStreamCreate, "cuStreamCreate", NULL);
     LOAD(cuStreamDestroy, "cuStreamDestroy_v2", "cuStreamDestroy");
     LOAD(cuStreamSynchronize, "cuStreamSynchronize", NULL);
+    LOAD(cuStreamQuery, "cuStreamQuery", NULL);
     LOAD(cuStreamWaitEvent, "cuStreamWaitEvent", NULL);
     LOAD(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync");
     LOAD(cuMemHostRegister, "cuMemHostRegister_v2", "cuMemHostRegister");
@@ -648,6 +650,15 @@ int le_gpu_stream_destroy(le_gpu_stream *stream) {
     if (!stream) return LE_OK;
     READY("le_gpu_stream_destroy");
     CU_CHECK(cu.cuStreamDestroy((CUstream)stream));
+    return LE_OK;
+}
+
+int le_gpu_stream_query(le_gpu_stream *stream, int *done) {
+    if (!done) return LE_FAIL(LE_ERR_INVALID_ARG, "le_gpu_stream_query: done is NULL");
+    READY("le_gpu_stream_query");
+    CUresult rc = cu.cuStreamQuery((CUstream)stream);
+    if (rc != 0 && rc != 600) CU_FAIL(rc, "cuStreamQuery (last kernel launched: %s)", LAST_KERNEL); /* 600: not ready */
+    *done = rc == 0;
     return LE_OK;
 }
 

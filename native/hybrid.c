@@ -14,6 +14,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "le_gpu.h"
 #include "le_hybrid.h"
 #include "le_internal.h"
 #include "le_ops.h"
@@ -109,6 +110,39 @@ static int prefetch_predicted(le_model *m, int layer, int32_t *slot, int32_t seq
     return n_aimed;
 }
 
+/* Early experts: the first n_early predicted experts of the layer (slot PRED, not pinned) copied into the early
+ * buffer (slot r of each matrix's region in the parity's half) on the early stream; their ids into slot EARLY (the
+ * rest -1). The halves alternate by layer, so a copy never lands where the layer before may still be reading.
+ * Returns how many were copied (their ids in ids[]); ids of an earlier token stay out (EARLY_READY != seq). */
+static int early_copy(le_model *m, int layer, int parity, int32_t *slot, const le_hybrid_early *early, int32_t *ids,
+                      int *rc) {
+    const int E = m->hp.n_embd, k = m->hp.n_expert_used, ne = m->hp.n_expert;
+    const le_weight *w = m->layer[layer];
+    const le_weight *mats[3] = {&w[LE_W_GATE_EXPS], &w[LE_W_UP_EXPS], &w[LE_W_DOWN_EXPS]};
+    int n = 0;
+    for (int r = 0; r < LE_HY_PRED_MAX && n < early->n_early; r++) {
+        const int32_t id = __atomic_load_n(&slot[LE_HY_PRED(E, k) + r], __ATOMIC_RELAXED);
+        if (id < 0 || id >= ne) continue;
+        int seen = 0;
+        for (int a = 0; a < n; a++) seen |= ids[a] == id;
+        if (!seen) ids[n++] = id;
+    }
+    for (int a = 0; a < LE_HY_EARLY_MAX; a++) slot[LE_HY_EARLY(E, k) + a] = a < n ? ids[a] : -1;
+    for (int a = 0; a < n && !*rc; a++)
+        for (int t = 0; t < 3 && !*rc; t++) {
+            const int64_t eb = early->eb[(int64_t)layer * 3 + t];
+            if (eb != mats[t]->nb2) {
+                *rc = LE_FAIL(LE_ERR_INVALID_ARG, "le_hybrid_serve: layer %d's early staging holds %lld-byte experts, "
+                              "the weights %lld", layer, (long long)eb, (long long)mats[t]->nb2);
+                break;
+            }
+            const uint64_t dst = early->dst[(int64_t)layer * 3 + t] + (uint64_t)(parity * early->parity_stride + a * eb);
+            *rc = le_gpu_copy_htod_async(dst, mats[t]->data + (int64_t)ids[a] * mats[t]->nb2, (size_t)eb,
+                                         (le_gpu_stream *)early->stream);
+        }
+    return n;
+}
+
 static int32_t *slot_of(const le_model *m, int32_t *chan, int layer) {
     const int E = m->hp.n_embd, k = m->hp.n_expert_used;
     return chan + LE_HY_HEADER + (int64_t)layer * LE_HY_SLOT_WORDS(E, k);
@@ -141,18 +175,32 @@ int le_hybrid_release(le_model *m, int32_t *chan, int32_t seq, const int32_t *la
 }
 
 int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *layers, int n_layers,
-                    int64_t *counts, double timeout_s, int64_t prefetch_bytes, double *stats) {
+                    int64_t *counts, double timeout_s, int64_t prefetch_bytes, const le_hybrid_early *early,
+                    double *stats) {
     int rc = check_layers(m, chan, layers, n_layers, "le_hybrid_serve");
     if (rc) return rc;
     if (!(timeout_s > 0)) return LE_FAIL(LE_ERR_INVALID_ARG, "le_hybrid_serve: timeout %g s", timeout_s);
     const int E = m->hp.n_embd, k = m->hp.n_expert_used, ne = m->hp.n_expert;
+    if (early && early->n_early > 0 && (early->n_early > LE_HY_EARLY_MAX || !early->dst || !early->eb))
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_hybrid_serve: %d early experts (1..%d, with their staging)",
+                       early->n_early, LE_HY_EARLY_MAX);
     double wait_s = 0, cpu_s = 0, n_exp = 0, pf_s = 0, pf_aimed = 0, pf_hits = 0, pf_bytes = 0;
+    double e_copied = 0, e_ready = 0, e_hits = 0;
+    int32_t e_ids[LE_HY_EARLY_MAX];
     int32_t aimed[LE_HY_PRED_MAX];
     int n_aimed = 0; /* experts of layers[j] prefetched (aimed at) after layer j - 1 */
     int j = 0;
     for (; j < n_layers; j++) {
         const int layer = layers[j];
         int32_t *slot = slot_of(m, chan, layer);
+        int n_early = 0, pending = 0; /* early copies of this layer, still in flight */
+        if (j && early && early->n_early > 0 &&
+            __atomic_load_n(&slot[LE_HY_PRED_READY(E, k)], __ATOMIC_ACQUIRE) == seq) {
+            n_early = early_copy(m, layer, j % 2, slot, early, e_ids, &rc);
+            if (rc) break;
+            pending = n_early > 0;
+            e_copied += n_early;
+        }
         if (j && prefetch_bytes > 0 && __atomic_load_n(&slot[LE_HY_PRED_READY(E, k)], __ATOMIC_ACQUIRE) == seq) {
             const double tp = now_s();
             const int n_link = __atomic_load_n(&chan[LE_HY_N_LINK], __ATOMIC_RELAXED);
@@ -164,6 +212,15 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
         }
         const double t0 = now_s();
         for (unsigned spins = 0; __atomic_load_n(&slot[LE_HY_READY], __ATOMIC_ACQUIRE) != seq; spins++) {
+            if (pending) { /* the copies done: the GPU may use them (if its publish has not run yet) */
+                int done = 0;
+                if ((rc = le_gpu_stream_query((le_gpu_stream *)early->stream, &done))) break;
+                if (done) {
+                    __atomic_store_n(&slot[LE_HY_EARLY_READY(E, k)], seq, __ATOMIC_RELEASE);
+                    pending = 0;
+                    e_ready += n_early;
+                }
+            }
             cpu_relax();
             if ((spins & 1023) == 1023 && now_s() - t0 > timeout_s) {
                 rc = LE_FAIL(LE_ERR_TIMEOUT, "le_hybrid_serve: layer %d's routing did not arrive in %g s (token %d)",
@@ -184,6 +241,7 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
             }
             n_cpu += cpu_ids[s] >= 0;
             for (int a = 0; a < n_aimed && cpu_ids[s] >= 0; a++) pf_hits += aimed[a] == cpu_ids[s];
+            for (int a = 0; a < n_early; a++) e_hits += e_ids[a] == ids[s];
             if (counts) counts[(int64_t)layer * ne + ids[s]]++;
         }
         if (rc) break;
@@ -209,6 +267,9 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
         stats[5] += pf_aimed;
         stats[6] += pf_hits;
         stats[7] += pf_bytes;
+        stats[8] += e_copied;
+        stats[9] += e_ready;
+        stats[10] += e_hits;
     }
     return rc;
 }

@@ -173,8 +173,10 @@ def test_moe_combine(kernels):
 def test_hybrid_sync(kernels):
     """hybrid_publish / hybrid_wait (cuda8/hybrid_sync.cu) against the channel layout (gpu_model.HybridLayout =
     le_hybrid.h): the slot holds h, ids, cpu_ids, weights and READY = SEQ; meta holds the pin indices, the ids the
-    GPU reads over the link (the first n_link not pinned) and the weights of each group (1 for the CPU's row); the wait copies ROW once DONE == SEQ, and gives NaN when the
-    CPU never answers (a bounded spin, so a dead host cannot hang the stream)."""
+    GPU runs from its staging (the early ones the CPU copied and flagged for this token, then n_link fetched: the
+    first not pinned nor early, or the ones predicted last), their staging slots, the fetched ones and the weights
+    of each group (1 for the CPU's row); the wait copies ROW once DONE == SEQ, and gives NaN when the CPU never
+    answers (a bounded spin, so a dead host cannot hang the stream)."""
     from legacy_engine import _native
     from legacy_engine.gpu_model import HybridLayout
     rng = np.random.default_rng(21)
@@ -193,28 +195,39 @@ def test_hybrid_sync(kernels):
         cp = int(_native.ffi.cast("uintptr_t", pb.ptr))
         slot = cp + 4 * lay.slot_offset(2)
         with gpu.Buffer.from_array(h) as bh, gpu.Buffer.from_array(ids) as bi, gpu.Buffer.from_array(w) as bw, \
-                gpu.Buffer.from_array(pin) as bp, gpu.Buffer(4 * (5 * k + 1)) as bm, gpu.Buffer(4 * E) as br:
+                gpu.Buffer.from_array(pin) as bp, gpu.Buffer(4 * (7 * k + 1)) as bm, gpu.Buffer(4 * E) as br:
             # a lookahead prediction: ids[4] predicted first, ids[0] third, the others not at all
             pred = np.full(gpu.HY_PRED_MAX, -1, dtype=np.int32)
             pred[[0, 2]] = ids[[4, 0]]
             bpred = gpu.Buffer.from_array(pred)
-            for table, n_link, pr in ((bp, 0, None), (None, 0, None), (bp, 2, None), (None, k, None), (bp, 2, bpred),
-                                      (None, 3, bpred)):
-                m = np.full(5 * k + 1, -7, dtype=np.int32)
-                bm.upload(m)
-                kernels.hybrid_publish(bh, bi, bw, table, n_link, bm, slot, cp, E, k, pred=pr)
-                gpu.synchronize()
+            cases = [(bp, 0, None, 0), (None, 0, None, 0), (bp, 2, None, 0), (None, k, None, 0), (bp, 2, bpred, 0),
+                     (None, 3, bpred, 0), (bp, 1, None, 2), (None, 1, bpred, 2), (bp, 0, None, -2)]
+            for table, n_link, pr, n_early in cases:
+                # early experts (n_early > 0): the CPU copied ids[2] and ids[0] into its early buffer, in time;
+                # n_early < 0: the same copies flagged for another token (not in time: none of them used)
                 s = lay.slot(chan, 2)
+                s[lay.early:lay.early + lay.EARLY_MAX] = [ids[2], ids[0], -1, -1]
+                s[lay.early_ready] = 9 if n_early > 0 else 8
+                ne_ = abs(n_early)
+                m = np.full(7 * k + 1, -7, dtype=np.int32)
+                bm.upload(m)
+                kernels.hybrid_publish(bh, bi, bw, table, n_link, bm, slot, cp, E, k, pred=pr, n_early=ne_)
+                gpu.synchronize()
                 gids = pin[ids] if table is not None else np.full(k, -1)
+                early = {int(ids[2]): 0, int(ids[0]): 1} if n_early > 0 else {}
+                er = np.array([early.get(int(e), -1) if g < 0 else -1 for e, g in zip(ids, gids)])
+                free = (gids < 0) & (er < 0)                 # neither pinned nor copied early
                 if pr is None:
-                    lids = np.where((gids < 0) & (np.cumsum(gids < 0) <= n_link), ids, -1)   # the first n_link unpinned
-                    lslots = np.where(lids >= 0, np.cumsum(lids >= 0) - 1, -1)
+                    fids = np.where(free & (np.cumsum(free) <= n_link), ids, -1)   # the first n_link of those
+                    fslots = np.where(fids >= 0, np.cumsum(fids >= 0) - 1, -1)
                 else:   # the unpinned predicted last first: not predicted (later slot first), then by place
                     prank = [list(pred).index(e) if e in pred else gpu.HY_PRED_MAX for e in ids]
-                    order = sorted((s_ for s_ in range(k) if gids[s_] < 0), key=lambda s_: -(prank[s_] * 64 + s_))
-                    lids, lslots = np.full(k, -1), np.full(k, -1)
+                    order = sorted((s_ for s_ in range(k) if free[s_]), key=lambda s_: -(prank[s_] * 64 + s_))
+                    fids, fslots = np.full(k, -1), np.full(k, -1)
                     for r, s_ in enumerate(order[:n_link]):
-                        lids[s_], lslots[s_] = ids[s_], r
+                        fids[s_], fslots[s_] = ids[s_], r
+                lids = np.where((er >= 0) | (fids >= 0), ids, -1)
+                lslots = np.where(er >= 0, n_link + er, np.where(fids >= 0, fslots, -1))
                 assert s[lay.ready] == 9
                 np.testing.assert_array_equal(s[lay.h:lay.h + E].view(np.float32), h)
                 np.testing.assert_array_equal(s[lay.ids:lay.ids + k], ids)
@@ -225,7 +238,9 @@ def test_hybrid_sync(kernels):
                 np.testing.assert_array_equal(m[:k], gids)
                 np.testing.assert_array_equal(m[k:2 * k], lids)
                 np.testing.assert_array_equal(m[2 * k:3 * k], lslots)
-                np.testing.assert_array_equal(m[3 * k:].view(np.float32),
+                np.testing.assert_array_equal(m[3 * k:4 * k], fids)
+                np.testing.assert_array_equal(m[4 * k:5 * k], er)
+                np.testing.assert_array_equal(m[5 * k:].view(np.float32),
                                               np.r_[1.0, np.where(gids >= 0, w, 0), np.where(lids >= 0, w, 0)])
                 assert not lay.slot(chan, 1).any()                      # the other slots untouched
             row = rng.standard_normal(E).astype(np.float32)
@@ -610,7 +625,7 @@ def _stream_model(cpu, pinned, chunk, vram=None, int8=False, **kw):
     from legacy_engine import planner
     from legacy_engine.gpu_model import GpuModel
     fp = planner.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=chunk, int8=int8,
-                                link_experts=kw.get("link_experts", 0))
+                                link_experts=kw.get("link_experts", 0), early_experts=kw.get("early_experts", 0))
     return GpuModel(cpu, int8=int8, stream_experts=True, pinned=pinned, chunk=chunk, n_ctx=N_CTX,
                     vram=fp.total if vram is None else vram, **kw)
 
@@ -728,10 +743,12 @@ def test_split_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
         gm.close()
 
 
-@pytest.mark.parametrize("graphs,link,look", [(False, 0, False), (True, 0, False), (True, 1, False),
-                                             (False, 1, False), (True, 1, True)],
-                         ids=["replay", "graph", "graph-link1", "replay-link1", "graph-link1-lookahead"])
-def test_hybrid_decode_matches_cpu(graphs, link, look, gpu_device, tiny_file, cpu_model):
+@pytest.mark.parametrize("graphs,link,look,early", [(False, 0, False, 0), (True, 0, False, 0), (True, 1, False, 0),
+                                                   (False, 1, False, 0), (True, 1, True, 0), (True, 1, False, 2),
+                                                   (True, 0, False, 1)],
+                         ids=["replay", "graph", "graph-link1", "replay-link1", "graph-link1-lookahead",
+                              "graph-link1-early2", "graph-early1"])
+def test_hybrid_decode_matches_cpu(graphs, link, look, early, gpu_device, tiny_file, cpu_model):
     """The hybrid decode (cpu_experts): a streamed prefill, then decode steps whose routed experts are split
     between the GPU (pinned: some of layer 0 and 3, all of layer 7) and the CPU (le_hybrid_serve through the
     channel), replayed from a launch plan (one CUDA graph per token, the CPU serving every layer after its launch;
@@ -746,7 +763,7 @@ def test_hybrid_decode_matches_cpu(graphs, link, look, gpu_device, tiny_file, cp
     hp = cpu.hparams
     pinned = {0: [0, 5, 6], 3: [1], 7: list(range(hp.n_expert))}
     gm = _stream_model(cpu, pinned, 16, save_routing=False, cpu_experts=True, graphs=graphs, link_experts=link,
-                       lookahead=look)
+                       lookahead=look, early_experts=early)
     try:
         assert gm.plan and gm.graphs == graphs
         ids = sequence(80, hp.n_vocab)
@@ -761,7 +778,7 @@ def test_hybrid_decode_matches_cpu(graphs, link, look, gpu_device, tiny_file, cp
         assert gm.hybrid_stats["steps"] == 20 * hp.n_layer
         # layer 7 is all on the GPU; the other layers send most of their experts to the CPU (less the link's)
         assert 0 < gm.hybrid_stats["cpu_experts"] <= 20 * (hp.n_layer - 1) * (hp.n_expert_used - link)
-        if not link:
+        if not link and not early:
             assert gm.hybrid_stats["cpu_experts"] > 20 * (hp.n_layer - 1) * (hp.n_expert_used - 1) // 2
         assert all(int(c.sum()) == 80 * hp.n_expert_used for c in gm.route_counts.values())
         hs = gm.hybrid_stats
@@ -769,6 +786,11 @@ def test_hybrid_decode_matches_cpu(graphs, link, look, gpu_device, tiny_file, cp
             assert hs["prefetch_aimed"] > 0 and hs["prefetch_hits"] > 0
         else:
             assert hs["prefetch_aimed"] == 0
+        if early:   # copied every MoE layer after the first (all but the all-pinned layer 7's, whose ids are -1)
+            print(f"early: {hs['early_copied']} copied, {hs['early_in_time']} in time, {hs['early_routed']} routed")
+            assert hs["early_copied"] > 0 and hs["early_routed"] > 0
+        else:
+            assert hs["early_copied"] == 0
     finally:
         gm.close()
 

@@ -68,7 +68,7 @@ def test_serve_matches_moe_routed(model):
     lay, chan = channel(model)
     rng = np.random.default_rng(5)
     counts = np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64)
-    stats = np.zeros(8)
+    stats = np.zeros(12)
     masks = [np.zeros(hp.n_expert_used, bool), np.arange(hp.n_expert_used) % 2 == 1,
              np.ones(hp.n_expert_used, bool)]                      # all on the CPU, half, none (all pinned)
     for seq in (1, 2):
@@ -122,7 +122,7 @@ def test_serve_prefetches_predicted_experts(model, budget_experts):
             aimed = list(dict.fromkeys(int(e) for e in guess))[:budget_experts]
             want_aimed += len(aimed)
             want_hits += sum(int(e) in aimed for e in cpu_ids if e >= 0)
-    stats = np.zeros(8)
+    stats = np.zeros(12)
     rows, errors = [], []
     t = threading.Thread(target=play_gpu, args=(lay, chan, seq, tokens, rows, errors))
     t.start()
@@ -135,7 +135,7 @@ def test_serve_prefetches_predicted_experts(model, budget_experts):
     assert stats[5] == want_aimed and stats[6] == want_hits and want_hits > 0
     assert 0 <= stats[7] <= want_aimed * max(expert_bytes(model, i) for i in range(hp.n_layer))
     with pytest.raises(ValueError, match="stats"):
-        model.native.hybrid_serve(chan, seq, np.arange(hp.n_layer), stats=np.zeros(4))
+        model.native.hybrid_serve(chan, seq, np.arange(hp.n_layer), stats=np.zeros(8))
 
 
 def test_serve_times_out_and_releases(model):

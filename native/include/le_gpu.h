@@ -94,6 +94,8 @@ int le_gpu_stream_create(le_gpu_stream **out);
 int le_gpu_stream_create_ordered(le_gpu_stream **out);
 int le_gpu_stream_destroy(le_gpu_stream *stream);
 int le_gpu_stream_synchronize(le_gpu_stream *stream);
+/* *done = 1 when every operation on the stream has completed, else 0 (never waits). */
+int le_gpu_stream_query(le_gpu_stream *stream, int *done);
 /* Work launched on `stream` after this waits for `event` (recorded on any stream). */
 int le_gpu_stream_wait_event(le_gpu_stream *stream, le_gpu_event *event);
 int le_gpu_event_create(le_gpu_event **out);

@@ -13,6 +13,11 @@
  * expert ids in predicted order (-1 where the expert is pinned on the GPU), then PRED_READY = SEQ. The CPU, done
  * with layer i, prefetches PRED's experts of layer j into its caches while the GPU runs layer j's attention/GDN
  * (its memory is idle then), so the experts j really routes to are mostly read from cache.
+ * Early experts (N_EARLY > 0, with the prediction): the CPU, done with layer i, also copies the first N_EARLY
+ * predicted experts of layer j into VRAM (DMA on a copy stream of its own, beside the graph's kernels: the link and
+ * the host's memory are idle during j's attention/GDN), writes their ids into j's EARLY and, once the copies have
+ * completed, EARLY_READY = SEQ. hybrid_publish of layer j gives the GPU every routed expert among them (found there
+ * when EARLY_READY == SEQ as it runs) and the CPU the rest.
  * SEQ (header word 0) is written by the host before each token's launches; comparing with == lets it wrap.
  * Layout in 32-bit words (int32 or float32), each flag alone on a 64-byte line. Shared by native/ (C11) and
  * cuda8/ (CUDA 8, C++11); not fed to cffi (macros only).
@@ -22,6 +27,7 @@
 
 #define LE_HY_SEQ 0                                /* header: int32 token sequence number */
 #define LE_HY_N_LINK 1                             /* header: int32 experts a layer fetches over the link (lookahead) */
+#define LE_HY_N_EARLY 2                            /* header: int32 experts the CPU copies to VRAM early (0: off) */
 #define LE_HY_HEADER 16                            /* words before slot 0 */
 #define LE_HY_READY 0                              /* slot: int32, the SEQ whose routing is published */
 #define LE_HY_DONE 16                              /* slot: int32, the SEQ whose CPU row is written */
@@ -33,7 +39,10 @@
 #define LE_HY_PRED_READY(E, k) (LE_HY_ROW(E, k) + ((E) + 15) / 16 * 16)  /* int32, the SEQ whose PRED is written */
 #define LE_HY_PRED_MAX 32                          /* predicted ids a slot holds */
 #define LE_HY_PRED(E, k) (LE_HY_PRED_READY(E, k) + 16) /* int32[LE_HY_PRED_MAX] predicted experts, -1: pinned/none */
-#define LE_HY_SLOT_WORDS(E, k) (LE_HY_PRED(E, k) + LE_HY_PRED_MAX)
+#define LE_HY_EARLY_READY(E, k) (LE_HY_PRED(E, k) + LE_HY_PRED_MAX) /* int32, the SEQ whose EARLY copies are in VRAM */
+#define LE_HY_EARLY_MAX 4                          /* experts a layer may have copied early */
+#define LE_HY_EARLY(E, k) (LE_HY_EARLY_READY(E, k) + 16) /* int32[LE_HY_EARLY_MAX] the experts copied, -1: none */
+#define LE_HY_SLOT_WORDS(E, k) (LE_HY_EARLY(E, k) + 16)
 #define LE_HY_CHANNEL_WORDS(E, k, n_layer) (LE_HY_HEADER + (n_layer) * LE_HY_SLOT_WORDS(E, k))
 
 #endif

@@ -137,10 +137,22 @@ int le_moe_routed(le_model *m, int layer, const float *x, int n_sel, const int32
  * (le_hybrid.h): before waiting for slot layers[j] (j > 0) whose PRED_READY == seq, prefetch up to this many bytes
  * of its predicted experts' weights; 0: off. stats (may be NULL, else [8], added to): [0] seconds waiting for
  * READY, [1] seconds in the experts, [2] experts run, [3] layers served, [4] seconds prefetching, [5] experts
- * prefetched (aimed at), [6] of those, experts the CPU then ran, [7] bytes prefetched.
+ * prefetched (aimed at), [6] of those, experts the CPU then ran, [7] bytes prefetched, [8] experts copied early,
+ * [9] of those, copied before the layer's routing came, [10] early experts the layer routed to (stats: [12]).
+ * early (NULL or n_early 0: off; le_hybrid.h): before waiting for slot layers[j] (j > 0) whose PRED_READY == seq,
+ * copy its first n_early predicted experts into the early buffer on early->stream (parity j % 2) and set
+ * EARLY_READY = seq once the copies are done, if the routing has not come first.
  * On any error every slot not yet served gets DONE = seq (its ROW zero), so the GPU never waits on a dead host. */
+typedef struct {
+    int n_early;          /* experts a layer copies early (<= LE_HY_EARLY_MAX; 0: off) */
+    void *stream;         /* the copy stream (le_gpu_stream *), apart from the graph's */
+    const uint64_t *dst;  /* [n_layer * 3] device address of slot 0 (parity 0) of gate, up, down's early region */
+    const int64_t *eb;    /* [n_layer * 3] bytes of one expert of each: slot r of parity p at dst + p stride + r eb */
+    int64_t parity_stride; /* bytes between the two parities' regions */
+} le_hybrid_early;
 int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *layers, int n_layers,
-                    int64_t *counts, double timeout_s, int64_t prefetch_bytes, double *stats);
+                    int64_t *counts, double timeout_s, int64_t prefetch_bytes, const le_hybrid_early *early,
+                    double *stats);
 
 /* DONE = seq (ROW zero) in slots layers[0..n_layers): lets the GPU's waits of a token end when the host will not
  * serve them (an error between the launch and le_hybrid_serve). */
