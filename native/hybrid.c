@@ -6,8 +6,11 @@
  * DONE with a store-release. The caller's thread spins: the gap between layers is the GPU's ~50-100 µs of
  * attention and routing, shorter than any sleep's wake-up.
  * Lookahead (prefetch_bytes > 0, le_hybrid.h): done with a layer, if the next layer's slot holds this token's
- * predicted experts (PRED_READY == seq), the pool prefetches their weights (in predicted order, up to prefetch_bytes)
+ * predicted experts (PRED_READY == seq), the pool loads their weights (in predicted order, up to prefetch_bytes)
  * into the caches until the next layer's routing arrives; the experts it then runs are the same, only sooner.
+ * Early experts (early, le_hybrid.h): instead, the first n_early predicted experts are copied into VRAM on the early
+ * stream (DMA) and flagged once done; the GPU runs those the layer routes to, the CPU the rest.
+ * Both are off by default (gpu_model: measured no faster, benchmarks/results/hybrid_lookahead_2026-11-25g.md).
  * Reference: the host steps this replaces (gpu_model._hybrid_read/_hybrid_cpu before 2026-11-25e): the same
  * le_moe_routed call on the same ids and weights.
  * Test: tests/test_hybrid_serve.py (a Python thread plays the GPU), tests/test_gpu_model.py (hybrid vs CPU). */
@@ -31,9 +34,9 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* The lookahead's prefetch: each thread prefetches, expert after expert in predicted order, the rows of the gate,
- * up and down matrices it will compute (le_moe_routed splits every expert's rows over the threads the same way:
- * le_split), so the rows wait in its own caches; it stops when the layer's routing arrives. */
+/* The lookahead's prefetch: each thread loads, expert after expert in predicted order, the rows of the gate, up and
+ * down matrices it will compute (le_moe_routed splits every expert's rows over the threads the same way: le_split),
+ * so the rows wait in its own caches; it stops when the layer's routing arrives. */
 #define PREFETCH_CHECK 4096 /* bytes of prefetches a thread issues between two looks at READY */
 #define PREFETCH_MARGIN 1   /* experts aimed at past the predicted CPU share (a miss in the share costs a DRAM read) */
 
