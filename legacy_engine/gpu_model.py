@@ -230,19 +230,15 @@ class GpuModel:
         self.link_experts = int(link_experts)
         routers = [model.file.tensors.get(f"blk.{i}.ffn_gate_inp.weight") for i in range(hp.n_layer)]
         f32_routers = all(t is None or t.type == 0 for t in routers)
-        if lookahead and not cpu_experts:
-            raise ValueError("lookahead is a setting of the hybrid decode (cpu_experts=True)")
-        if lookahead and not f32_routers:
-            raise UnavailableError("lookahead: the next layer's routing is predicted with f32 routers only; this "
-                                   "file's are quantised")
-        self.lookahead = bool(lookahead)
         if not 0 <= int(early_experts) <= gpu.HY_EARLY_MAX:
             raise ValueError(f"early_experts = {early_experts}: 0 … {gpu.HY_EARLY_MAX}")
-        if early_experts and not cpu_experts:
-            raise ValueError("early_experts is a setting of the hybrid decode (cpu_experts=True)")
-        if early_experts and not f32_routers:
-            raise UnavailableError("early_experts: the next layer's routing is predicted with f32 routers only; this "
-                                   "file's are quantised")
+        for what, on in (("lookahead", lookahead), ("early_experts", early_experts)):   # both use the prediction
+            if on and not cpu_experts:
+                raise ValueError(f"{what} is a setting of the hybrid decode (cpu_experts=True)")
+            if on and not f32_routers:
+                raise UnavailableError(f"{what}: the next layer's routing is predicted with f32 routers only; this "
+                                       "file's are quantised")
+        self.lookahead = bool(lookahead)
         self.early_experts = int(early_experts)
         self.lookahead_why = "" if self.lookahead else "off (measured no faster: LOOKAHEAD_PRED's note)"
 

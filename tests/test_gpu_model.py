@@ -169,6 +169,16 @@ def test_moe_combine(kernels):
         assert_close_sum(bo.download(dtype=np.float32).reshape(n, E), ref, mag, k + 8, "moe_combine shared")
 
 
+def pinned_channel(lay, seq: int):
+    """A zeroed hybrid channel in page-locked memory with SEQ = seq -> (buffer, int32 view, device-visible address)."""
+    from legacy_engine import _native
+    pb = gpu.PinnedBuffer(4 * lay.channel_words)
+    chan = pb.array.view(np.int32)
+    chan[:] = 0
+    chan[lay.seq] = seq
+    return pb, chan, int(_native.ffi.cast("uintptr_t", pb.ptr))
+
+
 @variant_params()
 def test_hybrid_sync(kernels):
     """hybrid_publish / hybrid_wait (cuda8/hybrid_sync.cu) against the channel layout (gpu_model.HybridLayout =
@@ -177,7 +187,6 @@ def test_hybrid_sync(kernels):
     first not pinned nor early, or the ones predicted last), their staging slots, the fetched ones and the weights
     of each group (1 for the CPU's row); the wait copies ROW once DONE == SEQ, and gives NaN when the CPU never
     answers (a bounded spin, so a dead host cannot hang the stream)."""
-    from legacy_engine import _native
     from legacy_engine.gpu_model import HybridLayout
     rng = np.random.default_rng(21)
     E, k, ne, n_layer = 300, 5, 40, 3
@@ -187,12 +196,8 @@ def test_hybrid_sync(kernels):
     w = rng.dirichlet(np.ones(k)).astype(np.float32)
     pin = np.full(ne, -1, dtype=np.int32)
     pin[ids[[1, 3]]] = [0, 7]
-    pb = gpu.PinnedBuffer(4 * lay.channel_words)
+    pb, chan, cp = pinned_channel(lay, 9)
     try:
-        chan = pb.array.view(np.int32)
-        chan[:] = 0
-        chan[lay.seq] = 9
-        cp = int(_native.ffi.cast("uintptr_t", pb.ptr))
         slot = cp + 4 * lay.slot_offset(2)
         with gpu.Buffer.from_array(h) as bh, gpu.Buffer.from_array(ids) as bi, gpu.Buffer.from_array(w) as bw, \
                 gpu.Buffer.from_array(pin) as bp, gpu.Buffer(4 * (7 * k + 1)) as bm, gpu.Buffer(4 * E) as br:
@@ -261,7 +266,6 @@ def test_hybrid_predict(kernels):
     """The lookahead (cuda8/hybrid_sync.cu): hybrid_predict = R @ (h * s) against numpy (f64; the f32 sum of E
     products: assert_close_sum), hybrid_predict_publish = the n_pred largest logits (ties to the lower index, a NaN
     never chosen, pinned experts -1) into the device pred and the slot's PRED, then PRED_READY = SEQ."""
-    from legacy_engine import _native
     from legacy_engine.gpu_model import HybridLayout
     rng = np.random.default_rng(23)
     E, k, ne, n_layer = 300, 5, 40, 3
@@ -277,12 +281,8 @@ def test_hybrid_predict(kernels):
     pin = np.full(ne, -1, dtype=np.int32)
     pin[9] = 0
     order = sorted((e for e in range(ne) if e != 20), key=lambda e: (-logits[e], e))
-    pb = gpu.PinnedBuffer(4 * lay.channel_words)
+    pb, chan, cp = pinned_channel(lay, 6)
     try:
-        chan = pb.array.view(np.int32)
-        chan[:] = 0
-        chan[lay.seq] = 6
-        cp = int(_native.ffi.cast("uintptr_t", pb.ptr))
         slot = cp + 4 * lay.slot_offset(1)
         with gpu.Buffer.from_array(R) as bR, gpu.Buffer.from_array(h) as bh, gpu.Buffer.from_array(sc) as bs, \
                 gpu.Buffer(4 * ne) as bl, gpu.Buffer.from_array(pin) as bp, gpu.Buffer(4 * gpu.HY_PRED_MAX) as bpr:
