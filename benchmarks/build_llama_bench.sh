@@ -4,7 +4,7 @@
 # -march=native (the build machine is not the one it runs on). Writes OUT (default .llbin/llama-bench.xz: carried to
 # the GPU machine, which has no network; there: xz -dc it, chmod +x, LD_LIBRARY_PATH=/usr/local/cuda/lib64).
 #
-#   bash benchmarks/build_llama_bench.sh [ARCH] [OUT]          (~40 min on 2 cores, ~4 on 16)
+#   bash benchmarks/build_llama_bench.sh [ARCH] [OUT]          (~25 min on 2 cores)
 #
 # A build machine without a GPU driver or cuBLAS (nvcc alone) needs the link-time pieces: cuBLAS from the
 # nvidia-cublas wheel of the toolkit's version (headers and .so into the toolkit's targets/x86_64-linux), and a
