@@ -9,9 +9,11 @@ Strategies (planner.py): cpu (prefill and decode on the CPU), stream (GPU prefil
 from host RAM, pinned ones in VRAM, CPU decode: the split `run --gpu --vram` uses when the model does not fit),
 hybrid (the same prefill; decode steps with attention, GDN, shared and pinned experts on the GPU and the other
 routed experts on the CPU; hybrid/linkN: the GPU also runs N of each layer's experts that are not pinned, fetching
-their weights over the link; hybrid/look: the lookahead on (GpuModel lookahead)), resident (all in VRAM; only when it fits the budget). For each: prefill tok/s per prompt length (one pass from an
-empty state, last logits), decode tok/s (gen steps after the prompt), where the prefill time went (expert bytes
-copied, copy GB/s, GPU compute and the rest), and the planner's predictions beside the measurements.
+their weights over the link; hybrid/look: the lookahead on (GpuModel lookahead); hybrid/earlyN, hybrid/earlyN-linkM:
+N of the next layer's likeliest experts copied early (GpuModel early_experts)), resident (all in VRAM; only when it
+fits the budget). For each: prefill tok/s per prompt length (one pass from an empty state, last logits), decode
+tok/s (gen steps after the prompt), where the prefill time went (expert bytes copied, copy GB/s, GPU compute and the
+rest), and the planner's predictions beside the measurements.
 --ballast allocates VRAM until only the budget is free (the budget then is all there is: an overrun would fail).
 llama.cpp rows: llama-bench -ngl 99 with -ncmoe N (N layers' experts on the CPU) and CPU-only (-ngl 0), same file
 and threads; --llama-flags adds flags to each (`-ub 2048` copies a layer's experts once per 2048-token pass). --plot writes prefill/decode tok/s against prompt length per strategy (matplotlib).
@@ -191,7 +193,10 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                                                # early experts: copied per token, of those in time, routed to
                                                "early_copied": hs["early_copied"] / hs["steps"] * gm.hparams.n_layer,
                                                "early_in_time": hs["early_in_time"] / max(hs["early_copied"], 1),
-                                               "early_routed": hs["early_routed"] / max(hs["early_copied"], 1)}
+                                               "early_routed": hs["early_routed"] / max(hs["early_copied"], 1),
+                                               # inside cpu_s: the experts' jobs' start lag, slowest thread's tail
+                                               "cpu_lag_s": hs["split_lag_s"] / hs["steps"] * gm.hparams.n_layer,
+                                               "cpu_tail_s": hs["split_tail_s"] / hs["steps"] * gm.hparams.n_layer}
                 if base in ("stream", "hybrid"):
                     s = gm.stream_report()
                     n_pp = n_runs
@@ -259,7 +264,9 @@ def print_split(res: dict) -> None:
             h = r["hybrid_per_token"]
             print(f"{'':<28}hybrid decode per token: {r.get('link_experts', 0)} per layer fetched over the link, "
                   f"{h['cpu_experts']:.0f} experts on the CPU taking "
-                  f"{1e3 * h['cpu_s']:.2f} ms, host waiting for the GPU's routing {1e3 * h['read_s']:.2f} ms"
+                  f"{1e3 * h['cpu_s']:.2f} ms (of which {1e3 * h.get('cpu_lag_s', 0):.2f} ms its jobs' threads "
+                  f"starting late and {1e3 * h.get('cpu_tail_s', 0):.2f} ms the slowest thread past the mean), "
+                  f"host waiting for the GPU's routing {1e3 * h['read_s']:.2f} ms"
                   + (f"; lookahead prefetched {h['prefetch_mb']:.1f} MB in {1e3 * h['prefetch_s']:.2f} ms, "
                      f"{100 * h['prefetch_hit']:.0f} % of the CPU's experts among those aimed at"
                      if h.get("prefetch_mb") else ""))

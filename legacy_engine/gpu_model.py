@@ -271,7 +271,7 @@ class GpuModel:
         # the hybrid decode: MoE layer steps, experts run on the CPU, seconds in le_moe_routed and in the routing read
         self._hybrid_stats = {"steps": 0, "cpu_experts": 0, "cpu_s": 0.0, "read_s": 0.0, "prefetch_s": 0.0,
                               "prefetch_aimed": 0, "prefetch_hits": 0, "prefetch_bytes": 0.0, "early_copied": 0,
-                              "early_in_time": 0, "early_routed": 0}
+                              "early_in_time": 0, "early_routed": 0, "split_lag_s": 0.0, "split_tail_s": 0.0}
         self._stalls: list = []
         # routing statistics, counted where the host reads the routing anyway (streamed or sorted passes);
         # close() adds them to the model file's saved counts (planner.save_routing), which choose the pins
@@ -969,7 +969,7 @@ class GpuModel:
                         "host_dev": host_dev,
                         "pin_idx": gpu.Buffer.from_array(table, "hybrid pin indices"), "seq": 0,
                         "layers": np.array(moe, dtype=np.int32), "lookahead": self._lookahead_buffers(moe),
-                        "counts": np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64), "stats": np.zeros(12)}
+                        "counts": np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64), "stats": np.zeros(14)}
         return self._hy
 
     def _hy_staging(self, i: int) -> tuple[dict, list]:
@@ -1095,6 +1095,8 @@ class GpuModel:
         hs["early_copied"] += int(st[8])
         hs["early_in_time"] += int(st[9])
         hs["early_routed"] += int(st[10])
+        hs["split_lag_s"] += st[11]
+        hs["split_tail_s"] += st[12]
         c[:] = 0
         st[:] = 0
 

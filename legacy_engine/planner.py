@@ -222,7 +222,8 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
         if link_experts or early_experts:
             parts["link staging"] = _round((link_experts + early_experts) * max(per_expert.values()))
         if early_experts:
-            one = max(gpu_tensor_bytes(file.tensors[n]) // hp.n_expert for i in per_expert for n in expert_tensors(file, i))
+            one = max(gpu_tensor_bytes(file.tensors[n]) // hp.n_expert
+                      for i in per_expert for n in expert_tensors(file, i))
             parts["early buffer"] = _round(6 * early_experts * one)
     parts["state"] = state_bytes(hp, n_ctx)
     rows = head_rows(chunk, stream_experts) if logit_rows is None else logit_rows

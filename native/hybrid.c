@@ -188,7 +188,7 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
         return LE_FAIL(LE_ERR_INVALID_ARG, "le_hybrid_serve: %d early experts (1..%d, with their staging)",
                        early->n_early, LE_HY_EARLY_MAX);
     double wait_s = 0, cpu_s = 0, n_exp = 0, pf_s = 0, pf_aimed = 0, pf_hits = 0, pf_bytes = 0;
-    double e_copied = 0, e_ready = 0, e_hits = 0;
+    double e_copied = 0, e_ready = 0, e_hits = 0, split_lag = 0, split_tail = 0;
     int32_t e_ids[LE_HY_EARLY_MAX];
     int32_t aimed[LE_HY_PRED_MAX];
     int n_aimed = 0; /* experts of layers[j] prefetched (aimed at) after layer j - 1 */
@@ -250,9 +250,14 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
         if (rc) break;
         float *row = (float *)(slot + LE_HY_ROW(E, k));
         if (n_cpu) {
+            double lag0, tail0, lag1, tail1;
+            le_pool_each_totals(m->pool, &lag0, &tail0);
             rc = le_moe_routed(m, layer, (const float *)(slot + LE_HY_H), k, cpu_ids,
                                (const float *)(slot + LE_HY_WTS(E, k)), row);
             if (rc) break;
+            le_pool_each_totals(m->pool, &lag1, &tail1);
+            split_lag += lag1 - lag0;
+            split_tail += tail1 - tail0;
         } else {
             memset(row, 0, (size_t)E * sizeof(float));
         }
@@ -273,6 +278,8 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
         stats[8] += e_copied;
         stats[9] += e_ready;
         stats[10] += e_hits;
+        stats[11] += split_lag;
+        stats[12] += split_tail;
     }
     return rc;
 }

@@ -26,6 +26,10 @@ void le_parallel_for(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *
  * where a thread must later find in its own caches what it read before (the hybrid decode's lookahead: each thread
  * prefetches the rows of the predicted experts it will compute). */
 void le_parallel_each(le_pool *p, le_task_fn fn, void *ctx);
+/* Seconds summed over every le_parallel_each job so far: lag, from the job's publication to the last thread's start
+ * (a thread asleep or descheduled); tail, how far the slowest thread's end was past the threads' mean end (the
+ * static split's cost when one thread is slower). 0 without a pool of several threads. */
+void le_pool_each_totals(const le_pool *p, double *lag_s, double *tail_s);
 
 /* Thread t's share [*r0, *r1) of n items split over n_threads in order (the rule of every static split). */
 static inline void le_split(int64_t n, int t, int n_threads, int64_t *r0, int64_t *r1) {

@@ -32,6 +32,9 @@ struct le_pool {
     int stop;
     long spin_ns;
     int *pinned_cpu;               /* [n_threads]: the CPU each worker is pinned to, -1 none */
+    long *each_start, *each_end;   /* [n_threads]: when each thread began and ended its share of the last each-job */
+    long each_pub;                 /* when the last each-job was published */
+    double each_lag, each_tail;    /* seconds summed over each-jobs (le_pool_each_totals) */
     /* the current job (written by the caller before `generation` is bumped) */
     le_task_fn fn;
     void *ctx;
@@ -62,7 +65,9 @@ static long now_ns(void) {
 
 static void run_chunks(le_pool *p, int thread) {
     if (p->each) {
+        p->each_start[thread] = now_ns();
         p->fn(p->ctx, thread, thread + 1, thread);
+        p->each_end[thread] = now_ns();
         return;
     }
     for (;;) {
@@ -134,9 +139,13 @@ int le_pool_create(int n_threads, le_pool **out) {
     atomic_init(&p->sleepers, 0);
     p->workers = calloc((size_t)n_threads, sizeof(pthread_t));
     p->pinned_cpu = malloc((size_t)n_threads * sizeof(int));
-    if (!p->workers || !p->pinned_cpu) {
+    p->each_start = calloc((size_t)n_threads, sizeof(long));
+    p->each_end = calloc((size_t)n_threads, sizeof(long));
+    if (!p->workers || !p->pinned_cpu || !p->each_start || !p->each_end) {
         free(p->workers);
         free(p->pinned_cpu);
+        free(p->each_start);
+        free(p->each_end);
         free(p);
         return LE_FAIL(LE_ERR_NO_MEMORY, "thread pool");
     }
@@ -171,7 +180,14 @@ void le_pool_free(le_pool *p) {
     pthread_cond_destroy(&p->done);
     free(p->workers);
     free(p->pinned_cpu);
+    free(p->each_start);
+    free(p->each_end);
     free(p);
+}
+
+void le_pool_each_totals(const le_pool *p, double *lag_s, double *tail_s) {
+    *lag_s = p ? p->each_lag : 0.0;
+    *tail_s = p ? p->each_tail : 0.0;
 }
 
 int le_pool_threads(const le_pool *p) { return p ? p->n_threads : 1; }
@@ -213,7 +229,19 @@ void le_parallel_each(le_pool *p, le_task_fn fn, void *ctx) {
         fn(ctx, 0, 1, 0);
         return;
     }
+    p->each_pub = now_ns();
     run_job(p, p->n_threads, 1, fn, ctx, 1);
+    /* every thread's share is done (run_job waited): how late the last one started, how far the slowest ran past
+     * the mean end */
+    long last_start = p->each_start[0], last_end = p->each_end[0];
+    double mean_end = 0;
+    for (int t = 0; t < p->n_threads; t++) {
+        last_start = p->each_start[t] > last_start ? p->each_start[t] : last_start;
+        last_end = p->each_end[t] > last_end ? p->each_end[t] : last_end;
+        mean_end += (double)(p->each_end[t] - p->each_pub) / p->n_threads;
+    }
+    p->each_lag += 1e-9 * (double)(last_start - p->each_pub);
+    p->each_tail += 1e-9 * ((double)(last_end - p->each_pub) - mean_end);
 }
 
 static void run_job(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *ctx, int each) {

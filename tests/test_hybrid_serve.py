@@ -68,7 +68,7 @@ def test_serve_matches_moe_routed(model):
     lay, chan = channel(model)
     rng = np.random.default_rng(5)
     counts = np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64)
-    stats = np.zeros(12)
+    stats = np.zeros(14)
     masks = [np.zeros(hp.n_expert_used, bool), np.arange(hp.n_expert_used) % 2 == 1,
              np.ones(hp.n_expert_used, bool)]                      # all on the CPU, half, none (all pinned)
     for seq in (1, 2):
@@ -90,6 +90,8 @@ def test_serve_matches_moe_routed(model):
     assert counts.sum() == 2 * hp.n_layer * hp.n_expert_used
     assert stats[3] == 2 * hp.n_layer
     assert stats[2] == 2 * sum(int((~m).sum()) for m in masks)
+    # the experts' jobs' start lag and slowest-thread tail: parts of the experts' seconds (2 threads here)
+    assert 0 <= stats[11] <= stats[1] and 0 <= stats[12] <= stats[1] and stats[11] + stats[12] > 0
 
 
 def expert_bytes(model, layer):
@@ -122,7 +124,7 @@ def test_serve_prefetches_predicted_experts(model, budget_experts):
             aimed = list(dict.fromkeys(int(e) for e in guess))[:budget_experts]
             want_aimed += len(aimed)
             want_hits += sum(int(e) in aimed for e in cpu_ids if e >= 0)
-    stats = np.zeros(12)
+    stats = np.zeros(14)
     rows, errors = [], []
     t = threading.Thread(target=play_gpu, args=(lay, chan, seq, tokens, rows, errors))
     t.start()

@@ -53,6 +53,24 @@ def test_footprint_parts():
     assert P.scratch_bytes(A3B.hparams, 512, True, 1) > P.scratch_bytes(A3B.hparams, 1, True, 1)
 
 
+def test_footprint_counts_link_and_early_experts():
+    """The hybrid decode's VRAM beyond the streamed model's: link experts one staging slot each; early experts one
+    slot each plus the CPU's early buffer (two halves of a slot of the largest single expert tensor's expert for
+    gate, up and down); fill_pins leaves that much room."""
+    st = P.vram_footprint(A3B, stream_experts=True, n_ctx=4096)
+    big = max(st.expert_bytes.values())
+    one = max(A3B.tensors[n].n_bytes // 256 for i in range(40) for n in P.expert_tensors(A3B, i))
+    link = P.vram_footprint(A3B, stream_experts=True, n_ctx=4096, link_experts=2)
+    assert link.total - st.total == link.parts["link staging"] >= 2 * big
+    early = P.vram_footprint(A3B, stream_experts=True, n_ctx=4096, link_experts=2, early_experts=2)
+    assert early.parts["link staging"] >= 4 * big and early.parts["early buffer"] >= 12 * one
+    budget = 6 * P.GiB
+    pins, fp = P.fill_pins(A3B, budget, 4096, 512, True, None, 2, 2)
+    pins0, _ = P.fill_pins(A3B, budget, 4096, 512, True, None, 2)
+    assert fp.total <= budget and "early buffer" in fp.parts
+    assert sum(map(len, pins.values())) < sum(map(len, pins0.values()))
+
+
 def test_check_fits_names_the_parts():
     fp = P.vram_footprint(A3B, n_ctx=4096)
     with pytest.raises(P.PlanningError, match="weights .* GiB, state"):

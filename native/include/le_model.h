@@ -138,7 +138,9 @@ int le_moe_routed(le_model *m, int layer, const float *x, int n_sel, const int32
  * of its predicted experts' weights; 0: off. stats (may be NULL, else [8], added to): [0] seconds waiting for
  * READY, [1] seconds in the experts, [2] experts run, [3] layers served, [4] seconds prefetching, [5] experts
  * prefetched (aimed at), [6] of those, experts the CPU then ran, [7] bytes prefetched, [8] experts copied early,
- * [9] of those, copied before the layer's routing came, [10] early experts the layer routed to (stats: [12]).
+ * [9] of those, copied before the layer's routing came, [10] early experts the layer routed to, [11] seconds from
+ * the experts' parallel jobs' start to their last thread's, [12] seconds their slowest thread ran past the threads'
+ * mean (le_pool_each_totals; both inside [1]) (stats: [14]).
  * early (NULL or n_early 0: off; le_hybrid.h): before waiting for slot layers[j] (j > 0) whose PRED_READY == seq,
  * copy its first n_early predicted experts into the early buffer on early->stream (parity j % 2) and set
  * EARLY_READY = seq once the copies are done, if the routing has not come first.
