@@ -24,10 +24,11 @@
  *     (query tiles grid-strided)
  *   hd: a multiple of 32, <= ATTN_MAX_HD (256, Qwen3.5's head size).
  *
- * Decode: each warp takes every ATTN_WARPS-th key of the split; lane l holds q and the running
- * output for dims l, l+32, … (coalesced rows of K and V); a warp sum gives the score; an online
- * softmax (running max m, sum l) per warp; the block merges its warps, the merge kernel the
- * splits. All partials are f32 (the issue insists: fp16 partials lose the small weights).
+ * Decode: each warp takes every ATTN_WARPS-th key of the split, ATTN_UNROLL keys a step (their K
+ * rows loaded and warp-summed together, one rescale per step: a step waits for one load and one
+ * sum, not four); lane l holds q and the running output for dims l, l+32, … (coalesced rows of K
+ * and V); an online softmax (running max m, sum l) per warp; the block merges its warps, the
+ * merge kernel the splits. All partials are f32 (the issue insists: fp16 partials lose the small weights).
  * Prefill: a block takes ATTN_QTILE queries of one head (one per warp; two per warp spill on
  * Fermi's 63 registers) and walks the keys in tiles of ATTN_KTILE = 32 through shared memory:
  * lane l scores key l of the tile against the warp's query (K rows padded to hd+1 floats:
@@ -48,6 +49,11 @@
 #define ATTN_WARPS 4 /* ATTN_THREADS / LE_WARP */
 #define ATTN_MAX_HD 256
 #define ATTN_DIMS 8 /* ATTN_MAX_HD / LE_WARP: dims per lane */
+#if LE_HAS_MANY_REGS
+#define ATTN_UNROLL 4 /* decode: keys per warp a step (their loads in flight together) */
+#else
+#define ATTN_UNROLL 2 /* sm_20/sm_30: 63 registers (q, acc and 2 keys' rows: no spill) */
+#endif
 #define ATTN_PREFILL_THREADS 256 /* prefill: 8 warps, one query each */
 #define ATTN_QTILE 8             /* prefill: queries per block (= its warps) */
 #define ATTN_KTILE 32 /* prefill: keys per tile, one per lane */
@@ -80,27 +86,44 @@ extern "C" __global__ void attn_decode_partial_f32(const float *LE_RESTRICT qg, 
     }
     const int k0 = split * keys_per_split;
     const int k1 = k0 + keys_per_split < n_keys ? k0 + keys_per_split : n_keys;
-    /* the loop bound is the block's: le_warp_sum synchronises the block on fermi */
-    for (int base = k0; base < k1; base += ATTN_WARPS) {
-        const int p = base + warp;
-        const bool valid = p < k1;
-        const float *kp = kc + (size_t)p * kvw + (size_t)kvh * hd;
-        float d = 0.0f;
+    /* ATTN_UNROLL keys per warp a step: their K rows are loaded and scored together (independent loads and warp
+     * sums in flight: a step's latency is one load + one sum, not ATTN_UNROLL of them), then one rescale.
+     * The loop bound is the block's: le_warp_sum synchronises the block on fermi */
+    for (int base = k0; base < k1; base += ATTN_WARPS * ATTN_UNROLL) {
+        float s[ATTN_UNROLL];
 #pragma unroll
-        for (int r = 0; r < ATTN_DIMS; r++)
-            if (valid && r < nd) d += qv[r] * le_ldg(kp + lane + LE_WARP * r);
-        d = le_warp_sum(d, scratch);
-        if (valid) {
-            const float s = d * scale;
-            const float mn = fmaxf(m, s);
-            const float alpha = expf(m - mn), e = expf(s - mn);
-            const float *vp = vc + (size_t)p * kvw + (size_t)kvh * hd;
-            l = l * alpha + e;
+        for (int u = 0; u < ATTN_UNROLL; u++) {
+            const int p = base + warp + ATTN_WARPS * u;
+            const float *kp = kc + (size_t)p * kvw + (size_t)kvh * hd;
+            float d = 0.0f;
 #pragma unroll
             for (int r = 0; r < ATTN_DIMS; r++)
-                if (r < nd) acc[r] = acc[r] * alpha + e * le_ldg(vp + lane + LE_WARP * r);
-            m = mn;
+                if (p < k1 && r < nd) d += qv[r] * le_ldg(kp + lane + LE_WARP * r);
+            s[u] = d;
         }
+        float mn = m;
+#pragma unroll
+        for (int u = 0; u < ATTN_UNROLL; u++) {
+            s[u] = le_warp_sum(s[u], scratch) * scale;
+            if (base + warp + ATTN_WARPS * u < k1) mn = fmaxf(mn, s[u]);
+        }
+        const float alpha = expf(m - mn);
+        l *= alpha;
+#pragma unroll
+        for (int r = 0; r < ATTN_DIMS; r++) acc[r] *= alpha;
+#pragma unroll
+        for (int u = 0; u < ATTN_UNROLL; u++) {
+            const int p = base + warp + ATTN_WARPS * u;
+            if (p < k1) {
+                const float e = expf(s[u] - mn);
+                const float *vp = vc + (size_t)p * kvw + (size_t)kvh * hd;
+                l += e;
+#pragma unroll
+                for (int r = 0; r < ATTN_DIMS; r++)
+                    if (r < nd) acc[r] += e * le_ldg(vp + lane + LE_WARP * r);
+            }
+        }
+        m = mn;
     }
     /* merge the warps: M = max m_w; acc = sum_w e^(m_w - M) acc_w; l likewise */
     if (lane == 0) {

@@ -85,19 +85,24 @@ def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: 
 
 def bench_llama(binary: str, path: str, pps, tg: int, reps: int, flags=("-ngl", "99"),
                 engine: str = "llama.cpp CUDA (llama-bench -ngl 99)") -> dict:
-    """One llama-bench run (its JSON output) -> {"engine", "pp": {n: tok/s}, "tg", "build", "backend"}; `flags`
-    are llama-bench's placement flags (-ngl, -ncmoe, -t …). UnavailableError with its stderr when it fails."""
+    """One llama-bench run (its JSON output) -> {"engine", "pp": {n: tok/s}, "tg", "tg_at": {depth: tok/s}, "build",
+    "backend"}; `flags` are llama-bench's placement flags (-ngl, -ncmoe, -t …; with -d, pp counts depth 0 only and
+    tg is depth 0's when there). UnavailableError with its stderr when it fails."""
     cmd = [binary, "-m", str(path), *flags, "-p", ",".join(str(p) for p in pps), "-n", str(tg), "-r", str(reps),
            "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace")
     if out.returncode != 0:
         raise UnavailableError(f"{' '.join(cmd)} exited {out.returncode}: {out.stderr.strip()[-500:]}")
-    row = {"engine": engine, "pp": {}, "tg": float("nan")}
+    row = {"engine": engine, "pp": {}, "tg": float("nan"), "tg_at": {}}
     for test in json.loads(out.stdout):
+        depth = int(test.get("n_depth", 0))        # -d: the context already in the cache when a test starts
         if test.get("n_gen", 0) == 0:
-            row["pp"][int(test["n_prompt"])] = float(test["avg_ts"])
+            if depth == 0:
+                row["pp"][int(test["n_prompt"])] = float(test["avg_ts"])
         else:
-            row["tg"] = float(test["avg_ts"])
+            row["tg_at"][depth] = float(test["avg_ts"])
+            if depth == 0 or row["tg"] != row["tg"]:
+                row["tg"] = float(test["avg_ts"])
         row["build"] = test.get("build_commit", "")
         row["backend"] = test.get("backends", "")
     return row

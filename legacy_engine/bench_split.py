@@ -1,7 +1,8 @@
 """`legacy-engine bench split`: every CPU/GPU split of a model under a VRAM budget, measured next to the planner's
 prediction and to llama.cpp's offload settings on the same file.
 
-    legacy-engine bench split MODEL.gguf --vram 6GiB [--prompt 512,2048] [--gen 32] [--ballast] [--simulate-link GBPS]
+    legacy-engine bench split MODEL.gguf --vram 6GiB [--prompt 512,2048] [--gen 32] [--tg-depth N[,N]] [--ballast]
+                                         [--simulate-link GBPS]
                                          [--llama PATH] [--ncmoe 30,40,cpu] [--llama-flags F]
                                          [--no-mmap] [--plot FILE.png] [--json]
 
@@ -12,7 +13,8 @@ routed experts on the CPU; hybrid/linkN: the GPU also runs N of each layer's exp
 their weights over the link; hybrid/look: the lookahead on (GpuModel lookahead); hybrid/earlyN, hybrid/earlyN-linkM:
 N of the next layer's likeliest experts copied early (GpuModel early_experts)), resident (all in VRAM; only when it
 fits the budget). For each: prefill tok/s per prompt length (one pass from an empty state, last logits), decode
-tok/s (gen steps after the prompt), where the prefill time went (expert bytes copied, copy GB/s, GPU compute and the
+tok/s (gen steps after a context of --tg-depth tokens, default the shortest prompt; llama.cpp's decode at the same
+depths through llama-bench -d), where the prefill time went (expert bytes copied, copy GB/s, GPU compute and the
 rest), and the planner's predictions beside the measurements.
 --ballast allocates VRAM until only the budget is free (the budget then is all there is: an overrun would fail).
 llama.cpp rows: llama-bench -ngl 99 with -ncmoe N (N layers' experts on the CPU) and CPU-only (-ngl 0), same file
@@ -29,12 +31,15 @@ from .bench import _times, seeded_tokens
 from .errors import UnavailableError
 
 
-def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | None = None) -> dict:
+def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | None = None,
+             depths=None) -> dict:
     """Prefill tok/s per prompt length (up to max_prompt) and decode tok/s of a Model-like object (Model,
-    SplitModel, GpuModel)."""
-    ids = seeded_tokens(max(prompts) + gen + 1, model.hparams.n_vocab)
+    SplitModel, GpuModel) after a context of each of `depths` tokens (default: the shortest prompt); "tg" is the
+    first depth's."""
+    depths = [prompts[0]] if depths is None else list(depths)
+    ids = seeded_tokens(max(list(prompts) + depths) + gen + 1, model.hparams.n_vocab)
     st = model.new_state(n_ctx)
-    row = {"pp": {}, "pp_s": {}}
+    row = {"pp": {}, "pp_s": {}, "tg_at": {}, "tg_runs_at": {}}
     for p in prompts:
         if max_prompt is not None and p > max_prompt:
             continue
@@ -43,17 +48,24 @@ def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | 
             model.forward(st, ids[:p])
         t = statistics.median(_times(prefill, reps))
         row["pp"][p], row["pp_s"][p] = p / t, t
-    runs, steal = [], []
-    for _ in range(max(1, reps)):      # decode: gen steps after a prompt, reps times (the median is reported)
-        st.reset()
-        model.forward(st, ids[:prompts[0] + 1])       # and one step untimed (a GPU decode records its plan there)
-        c0, t0 = _cpu_times(), time.perf_counter()
-        for t in ids[prompts[0] + 1:prompts[0] + 1 + gen]:
-            model.forward(st, [t])
-        runs.append(gen / (time.perf_counter() - t0))
-        steal.append(_steal_share(c0, _cpu_times()))
-    row["tg"], row["tg_runs"] = statistics.median(runs), runs
-    if steal[0] is not None:
+    steal = []
+    for d in depths:
+        if max_prompt is not None and d > max_prompt:
+            continue
+        runs = []
+        for _ in range(max(1, reps)):      # decode: gen steps after d tokens, reps times (the median is reported)
+            st.reset()
+            model.forward(st, ids[:d + 1])       # and one step untimed (a GPU decode records its plan there)
+            c0, t0 = _cpu_times(), time.perf_counter()
+            for t in ids[d + 1:d + 1 + gen]:
+                model.forward(st, [t])
+            runs.append(gen / (time.perf_counter() - t0))
+            steal.append(_steal_share(c0, _cpu_times()))
+        row["tg_at"][d], row["tg_runs_at"][d] = statistics.median(runs), runs
+    first = next(iter(row["tg_at"]), None)
+    row["tg"] = row["tg_at"][first] if first is not None else float("nan")
+    row["tg_runs"] = row["tg_runs_at"].get(first, [])
+    if steal and steal[0] is not None:
         row["cpu_steal"] = max(steal)        # a virtual machine's host taking the CPUs: decode numbers then vary
     return row
 
@@ -77,18 +89,24 @@ def _steal_share(a: list | None, b: list | None) -> float | None:
 
 
 def bench_llama(binary: str, path: str, prompts, gen: int, threads: int, ngl: int, ncmoe: int | None,
-                extra=()) -> dict:
+                extra=(), depths=(0,)) -> dict:
     """A llama-bench row of the split table (bench_gpu.bench_llama with -ngl/-ncmoe/-t and `extra` flags such as
-    -ub 2048); a failed run is a row that says why."""
+    -ub 2048; decode at each of `depths` through llama-bench -d, prefill at depth 0); a failed run is a row that
+    says why."""
     from .bench_gpu import bench_llama as run_llama
     name = " ".join([f"llama.cpp -ngl {ngl}"] + ([f"-ncmoe {ncmoe}"] if ncmoe is not None else []) + list(extra))
     flags = ["-ngl", str(ngl), "-t", str(threads)] + (["-ncmoe", str(ncmoe)] if ncmoe is not None else [])
     flags += list(extra)
+    depths = list(depths)
+    if depths != [0]:
+        flags += ["-d", ",".join(str(d) for d in sorted(set([0] + depths)))]
     try:
         row = run_llama(binary, path, prompts, gen, 2, flags, name)
     except UnavailableError as e:
         return {"strategy": name, "error": str(e)[-300:]}
     row["strategy"] = row.pop("engine")
+    row["tg_at"] = {d: row["tg_at"].get(d, float("nan")) for d in depths}
+    row["tg"] = row["tg_at"][depths[0]]
     return row
 
 
@@ -96,7 +114,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                 simulate_link: float | None = None, llama: str | None = None, ncmoe=(30, 40, None),
                 threads: int | None = None,
                 cpu_max_prompt: int | None = 512, strategies=("cpu", "stream", "hybrid", "resident"), log=None,
-                llama_flags=(), mma: bool | None = None, mmap: bool = True) -> dict:
+                llama_flags=(), mma: bool | None = None, mmap: bool = True, tg_depths=None) -> dict:
     import dataclasses
 
     from .gpu_model import GpuModel
@@ -109,10 +127,12 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
     elif ballast:
         raise UnavailableError(f"--ballast needs a GPU: {why}")
     prompts = sorted(prompts)
-    n_ctx = max(prompts) + gen + 8
+    tg_depths = [prompts[0]] if tg_depths is None else list(tg_depths)   # decode after this many tokens (each)
+    n_ctx = max(prompts + tg_depths) + gen + 8
     model = Model(path, threads, mmap=mmap, pin=True)
     threads = model.n_threads
-    res = {"model": str(path), "vram": vram, "prompts": prompts, "gen": gen, "threads": threads, "rows": [],
+    res = {"model": str(path), "vram": vram, "prompts": prompts, "gen": gen, "tg_depths": tg_depths,
+           "threads": threads, "rows": [],
            "ballast": ballast, "mmap": mmap, "huge_bytes": model.load_report["huge_bytes"]}
     m = planner.measure(threads, log=log)
     if simulate_link:
@@ -131,7 +151,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
     try:
         if "cpu" in strategies:
             log("cpu …")
-            row = dict(strategy="cpu", **_measure(model, prompts, gen, reps, n_ctx, cpu_max_prompt))
+            row = dict(strategy="cpu", **_measure(model, prompts, gen, reps, n_ctx, cpu_max_prompt, tg_depths))
             res["rows"].append(row)
         for name in [s for s in strategies if s.split("/")[0] in ("stream", "hybrid", "resident")]:
             base, _, form = name.partition("/")     # stream/pairs, stream/grouped: the routed experts' form
@@ -174,11 +194,13 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                 runner = gm
             try:
                 gm.profile()
-                row = dict(strategy=name, describe=gm.describe(), **_measure(runner, prompts, gen, reps, n_ctx))
+                row = dict(strategy=name, describe=gm.describe(),
+                           **_measure(runner, prompts, gen, reps, n_ctx, depths=tg_depths))
                 if base == "hybrid":
                     row["link_experts"] = link
                 # the GPU prefills: (reps + 1) per prompt length (warm-up included), and each decode run's prompt
-                n_runs = (reps + 1) * len(prompts) + max(1, reps)
+                # that is long enough for the GPU
+                n_runs = (reps + 1) * len(prompts) + max(1, reps) * sum(d + 1 >= min(prompts) for d in tg_depths)
                 row["gpu_phases_per_prefill_s"] = {k: v / n_runs for k, v in gm.profile_report().items()}
                 if base == "hybrid" and gm.hybrid_stats["steps"]:
                     hs = gm.hybrid_stats
@@ -215,7 +237,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
         for n in ncmoe:                             # None: CPU only (-ngl 0)
             log(f"llama.cpp {'-ncmoe ' + str(n) if n is not None else 'CPU only'} …")
             res["rows"].append(bench_llama(llama, path, prompts, gen, threads, 99 if n is not None else 0, n,
-                                           llama_flags))
+                                           llama_flags, tg_depths))
     for r in res["rows"]:
         base = r["strategy"].split("/")[0]
         if base in ("cpu", "stream", "hybrid", "resident") and "error" not in r:
@@ -251,6 +273,9 @@ def print_split(res: dict) -> None:
             line += f"{r['pred_pp'][p]:>8.0f}" if "pred_pp" in r else f"{'':>8}"
         line += f"{r['tg']:>9.2f}" + (f"{r['pred_tg']:>8.1f}" if "pred_tg" in r else "")
         print(line)
+        if len(r.get("tg_at", ())) > 1:
+            print(f"{'':<28}decode after a context of " + ", ".join(f"{d} tokens {v:.2f}" for d, v in
+                                                                     r["tg_at"].items()) + " tok/s")
         if len(r.get("tg_runs", ())) > 1:
             steal = f"; the hypervisor took up to {100 * r['cpu_steal']:.1f} % of the CPUs" if "cpu_steal" in r else ""
             print(f"{'':<28}decode runs (median above): " + ", ".join(f"{v:.1f}" for v in r["tg_runs"]) + steal)
@@ -309,6 +334,9 @@ def add_parser(sub) -> None:
     sp.add_argument("--vram", required=True, help="VRAM budget, e.g. 6GiB")
     sp.add_argument("--prompt", default="512,2048", help="prompt lengths, comma-separated (512,2048)")
     sp.add_argument("--gen", type=int, default=32, help="decoded tokens (32)")
+    sp.add_argument("--tg-depth", default=None, metavar="N[,N]",
+                    help="decode measured after a context of N tokens, each N (ours and llama-bench -d N alike; "
+                         "tg is the first's) (the shortest --prompt)")
     sp.add_argument("--reps", type=int, default=1, help="timed prefill runs after one warm-up (1)")
     sp.add_argument("--threads", type=int, default=None, help="CPU threads (physical cores)")
     sp.add_argument("--ballast", action="store_true", help="allocate VRAM until only the budget is free")
@@ -333,6 +361,16 @@ def add_parser(sub) -> None:
     sp.add_argument("--json", action="store_true", help="print JSON")
 
 
+def parse_depths(text: str | None) -> list | None:
+    """'0,2048' -> [0, 2048]; None -> None (the shortest prompt)."""
+    if text is None:
+        return None
+    out = [p.strip() for p in text.split(",") if p.strip()]
+    if not out or not all(p.isdigit() for p in out):
+        raise ValueError(f"--tg-depth takes token counts, comma-separated, not {text!r}")
+    return [int(p) for p in out]
+
+
 def parse_ncmoe(text: str) -> list:
     """'30,40,cpu' -> [30, 40, None] (None: the CPU-only row)."""
     out = []
@@ -352,7 +390,8 @@ def main(args) -> int:
                       args.gen, args.reps, args.ballast, args.simulate_link, args.llama,
                       args.ncmoe, args.threads, args.cpu_max_prompt,
                       tuple(args.strategies.split(",")), log=lambda s: print(s, file=sys.stderr, flush=True),
-                      llama_flags=tuple(args.llama_flags.split()), mma=args.mma, mmap=args.mmap)
+                      llama_flags=tuple(args.llama_flags.split()), mma=args.mma, mmap=args.mmap,
+                      tg_depths=parse_depths(args.tg_depth))
     if args.json:
         print(json.dumps(res, indent=1, default=float))
     else:

@@ -749,7 +749,8 @@ def test_bench_decode_llama_bench_row_and_bytes_per_token(bench_file, tmp_path):
 
 def test_bench_split_cli_runs_cpu_and_llama_rows(bench_file, tmp_path, capsys):
     """`bench split` end to end on the CPU: the cpu strategy's row, and one llama-bench row per --ncmoe entry
-    ('cpu': -ngl 0) with --llama-flags passed to each (a stand-in binary records its arguments)."""
+    ('cpu': -ngl 0) with --llama-flags passed to each (a stand-in binary records its arguments); decode at the
+    same context on both sides (llama-bench -d; prefill from depth 0 only)."""
     import json
     import stat
     import sys
@@ -758,7 +759,9 @@ def test_bench_split_cli_runs_cpu_and_llama_rows(bench_file, tmp_path, capsys):
     log = tmp_path / "argv.jsonl"
     fake = tmp_path / "llama-bench"
     fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
-                    "print(json.dumps([dict(n_prompt=8, n_gen=0, avg_ts=40.0), dict(n_prompt=0, n_gen=2, avg_ts=20.0)]))\n")
+                    "a = sys.argv[1:]; ds = [int(d) for d in a[a.index('-d') + 1].split(',')] if '-d' in a else [0]\n"
+                    "print(json.dumps([t for d in ds for t in (dict(n_prompt=8, n_gen=0, n_depth=d, avg_ts=40.0 - d),\n"
+                    "                                          dict(n_prompt=0, n_gen=2, n_depth=d, avg_ts=20.0 - d))]))\n")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     assert main(["bench", "split", bench_file, "--vram", "1GiB", "--prompt", "8", "--gen", "2", "--threads", "1",
                  "--strategies", "cpu", "--llama", str(fake), "--ncmoe", "3,cpu", "--llama-flags", "-ub 2048",
@@ -767,12 +770,25 @@ def test_bench_split_cli_runs_cpu_and_llama_rows(bench_file, tmp_path, capsys):
     rows = {r["strategy"]: r for r in res["rows"]}
     assert set(rows) == {"cpu", "llama.cpp -ngl 99 -ncmoe 3 -ub 2048", "llama.cpp -ngl 0 -ub 2048"}
     assert rows["cpu"]["pp"]["8"] > 0 and rows["cpu"]["tg"] > 0
-    assert rows["llama.cpp -ngl 0 -ub 2048"]["pp"] == {"8": 40.0} and rows["llama.cpp -ngl 0 -ub 2048"]["tg"] == 20.0
+    # decode after the shortest prompt (8 tokens) on both sides: llama-bench -d 0,8; its prefill from depth 0
+    assert rows["llama.cpp -ngl 0 -ub 2048"]["pp"] == {"8": 40.0} and rows["llama.cpp -ngl 0 -ub 2048"]["tg"] == 12.0
+    assert res["tg_depths"] == [8] and list(rows["cpu"]["tg_at"]) == ["8"]
     argv = [json.loads(ln) for ln in log.read_text().splitlines()]
-    assert [a[a.index("-ngl") + 1] for a in argv] == ["99", "0"]
+    assert [a[a.index("-ngl") + 1] for a in argv] == ["99", "0"] and all(a[a.index("-d") + 1] == "0,8" for a in argv)
     assert all(a[a.index("-ub") + 1] == "2048" and a[a.index("-t") + 1] == "1" for a in argv)
     assert "-ncmoe" in argv[0] and "-ncmoe" not in argv[1]
     assert res["mmap"] is True
+    # --tg-depth 0,4: decode from an empty context (llama-bench's own default) and after 4 tokens; tg is depth 0's
+    log.unlink()
+    assert main(["bench", "split", bench_file, "--vram", "1GiB", "--prompt", "8", "--gen", "2", "--threads", "1",
+                 "--strategies", "cpu", "--llama", str(fake), "--ncmoe", "cpu", "--tg-depth", "0,4", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    cpu, llama = res["rows"]
+    assert list(cpu["tg_at"]) == ["0", "4"] and cpu["tg"] == cpu["tg_at"]["0"] > 0
+    assert llama["tg_at"] == {"0": 20.0, "4": 16.0} and llama["tg"] == 20.0 and llama["pp"] == {"8": 40.0}
+    assert json.loads(log.read_text())[json.loads(log.read_text()).index("-d") + 1] == "0,4"
+    assert main(["bench", "split", bench_file, "--vram", "1GiB", "--tg-depth", "x"]) != 0
+    assert "--tg-depth takes token counts" in capsys.readouterr().err
     # --no-mmap: the weights read into anonymous memory, said in the result and the table's header
     assert main(["bench", "split", bench_file, "--vram", "1GiB", "--prompt", "8", "--gen", "2", "--threads", "1",
                  "--strategies", "cpu", "--no-mmap", "--json"]) == 0
