@@ -5,18 +5,22 @@
  *   kc, vc: [n_ctx, n_kv * hd] f32;  query head h reads kv head h / (n_head / n_kv)
  *   o_h = softmax(scale q_h K^T, causal) V * sigmoid(gate_h);  o: [n, n_head * hd]
  *
- *   attn_decode_partial_f32(qg, kc, vc, part, n_keys, n_head, n_kv, hd, scale, keys_per_split)
+ *   attn_decode_partial_f32(qg, kc, vc, part, n_keys, n_head, n_kv, hd, scale, keys_per_split, pos_dev)
  *     one query token over keys [0, n_keys); block (h, split) takes keys [split*kps, (split+1)*kps)
  *     part: [n_head, n_split, hd + 2] f32: the split's unnormalised sum_p e^(s_p - m) v_p (hd), m, l = sum e^(s_p - m)
  *     launch: block ATTN_THREADS (128) x 1 x 1, grid n_head x n_split x 1 (n_split = ceil(n_keys / kps) <= 65535)
- *     pos_dev: NULL, or a device int holding the token's position: then n_keys = *pos_dev + 1 and the keys are
- *     split evenly over the grid's n_split (a decode step replayed with fixed arguments, gpu_model.DecodePlan);
- *     splits left empty hand the merge m = NEG_BIG, l = 0, which weigh nothing
+ *     pos_dev: NULL, or a device int holding the token's position: then n_keys = *pos_dev + 1, split over at
+ *     most the grid's n_split blocks, at least ATTN_MIN_KEYS_PER_SPLIT keys each (attn_keys_per_split; a decode
+ *     step replayed with fixed arguments, gpu_model.DecodePlan): the blocks past the last used split return and
+ *     the merge (given pos_dev too) reads only the used ones. Without pos_dev, splits left empty (keys_per_split
+ *     * split >= n_keys) hand the merge m = NEG_BIG, l = 0, which weigh nothing
  *   attn_kv_store_f32(k, v, kc, vc, pos_dev, kvw)
  *     copies this token's k and v rows [kvw] into row *pos_dev of the caches
  *     launch: block ATTN_THREADS x 1 x 1, grid ceil(kvw / ATTN_THREADS) x 1 x 1
- *   attn_decode_merge_f32(part, qg, o, n_head, hd, n_split)
- *     log-sum-exp merge: M = max m_s, o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, times sigmoid(gate)
+ *   attn_decode_merge_f32(part, qg, o, n_head, hd, n_split, pos_dev)
+ *     log-sum-exp merge: M = max m_s, o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, times sigmoid(gate);
+ *     the splits spread over the block's threads for M and the weights (loads in parallel, not one split after
+ *     another); pos_dev as the partial kernel's (then only the used splits are read)
  *     launch: block ATTN_THREADS x 1 x 1, grid n_head x 1 x 1
  *   attn_prefill_f32(qg, kc, vc, o, n, pos, n_head, n_kv, hd, scale)
  *     n query tokens at positions pos … pos+n-1 (their keys already in the cache), token t sees keys 0 … pos+t
@@ -49,6 +53,7 @@
 #define ATTN_WARPS 4 /* ATTN_THREADS / LE_WARP */
 #define ATTN_MAX_HD 256
 #define ATTN_DIMS 8 /* ATTN_MAX_HD / LE_WARP: dims per lane */
+#define ATTN_MERGE_DIMS 2 /* ATTN_MAX_HD / ATTN_THREADS: dims per thread of the decode merge */
 #if LE_HAS_MANY_REGS
 #define ATTN_UNROLL 4 /* decode: keys per warp a step (their loads in flight together) */
 #else
@@ -58,8 +63,17 @@
 #define ATTN_QTILE 8             /* prefill: queries per block (= its warps) */
 #define ATTN_KTILE 32 /* prefill: keys per tile, one per lane */
 #define ATTN_NEG_BIG (-1e30f)
+#define ATTN_MIN_KEYS_PER_SPLIT 32 /* decode: the fewest keys a split takes (pos_dev: in the kernels; else the launcher's) */
 
 __device__ __forceinline__ float attn_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* a replayed decode step's split of n_keys keys over at most n_split blocks: at least ATTN_MIN_KEYS_PER_SPLIT keys
+ * a split (a multiple of the warps), so a short context uses few splits and the merge reads only those */
+__device__ __forceinline__ int attn_keys_per_split(int n_keys, int n_split) {
+    int kps = (n_keys + n_split - 1) / n_split;
+    kps = kps > ATTN_MIN_KEYS_PER_SPLIT ? kps : ATTN_MIN_KEYS_PER_SPLIT;
+    return (kps + ATTN_WARPS - 1) / ATTN_WARPS * ATTN_WARPS;
+}
 
 extern "C" __global__ void attn_decode_partial_f32(const float *LE_RESTRICT qg, const float *LE_RESTRICT kc,
                                                    const float *LE_RESTRICT vc, float *LE_RESTRICT part, int n_keys,
@@ -80,9 +94,10 @@ extern "C" __global__ void attn_decode_partial_f32(const float *LE_RESTRICT qg, 
         acc[r] = 0.0f;
     }
     float m = ATTN_NEG_BIG, l = 0.0f;
-    if (pos_dev) { /* the position lives on the device (a replayed decode step): keys [0, pos], split evenly */
+    if (pos_dev) { /* the position lives on the device (a replayed decode step): keys [0, pos] */
         n_keys = *pos_dev + 1;
-        keys_per_split = ((n_keys + n_split - 1) / n_split + ATTN_WARPS - 1) / ATTN_WARPS * ATTN_WARPS;
+        keys_per_split = attn_keys_per_split(n_keys, n_split);
+        if (split >= (n_keys + keys_per_split - 1) / keys_per_split) return; /* unused: the merge skips it */
     }
     const int k0 = split * keys_per_split;
     const int k1 = k0 + keys_per_split < n_keys ? k0 + keys_per_split : n_keys;
@@ -151,24 +166,50 @@ extern "C" __global__ void attn_decode_partial_f32(const float *LE_RESTRICT qg, 
 }
 
 extern "C" __global__ void attn_decode_merge_f32(const float *LE_RESTRICT part, const float *LE_RESTRICT qg,
-                                                 float *LE_RESTRICT o, int n_head, int hd, int n_split) {
-    const int h = blockIdx.x;
-    const float *ph = part + (size_t)h * n_split * (hd + 2);
-    const float *gate = qg + (size_t)h * 2 * hd + hd;
-    float M = ATTN_NEG_BIG;
-    for (int s = 0; s < n_split; s++) M = fmaxf(M, le_ldg(ph + (size_t)s * (hd + 2) + hd));
-    float L = 0.0f;
-    for (int s = 0; s < n_split; s++) {
-        const float *ps = ph + (size_t)s * (hd + 2);
-        L += le_ldg(ps + hd + 1) * expf(le_ldg(ps + hd) - M);
+                                                 float *LE_RESTRICT o, int n_head, int hd, int n_split,
+                                                 const int *LE_RESTRICT pos_dev) {
+    LE_SCRATCH(scratch, ATTN_THREADS);
+    __shared__ float wsh[ATTN_THREADS];
+    const int h = blockIdx.x, t = threadIdx.x;
+    const float *ph = part + (size_t)h * n_split * (hd + 2); /* [n_split, hd + 2] of head h, as the grid wrote */
+    if (pos_dev) { /* only the splits the partial kernel used (attn_keys_per_split) */
+        const int n_keys = *pos_dev + 1, kps = attn_keys_per_split(n_keys, n_split);
+        n_split = (n_keys + kps - 1) / kps;
     }
-    for (int e = threadIdx.x; e < hd; e += ATTN_THREADS) {
-        float a = 0.0f;
-        for (int s = 0; s < n_split; s++) {
-            const float *ps = ph + (size_t)s * (hd + 2);
-            a += le_ldg(ps + e) * expf(le_ldg(ps + hd) - M);
+    const float *gate = qg + (size_t)h * 2 * hd + hd;
+    /* M = max m_s: the splits spread over the threads, then the block's max */
+    float M = ATTN_NEG_BIG;
+    for (int s = t; s < n_split; s += ATTN_THREADS) M = fmaxf(M, le_ldg(ph + (size_t)s * (hd + 2) + hd));
+    M = le_block_max(M, scratch);
+    /* per chunk of ATTN_THREADS splits: thread t weighs split c0 + t (w = e^(m - M)) into shared memory, then each
+     * thread sums its dims over the chunk (independent loads) */
+    float acc[ATTN_MERGE_DIMS], L = 0.0f;
+#pragma unroll
+    for (int r = 0; r < ATTN_MERGE_DIMS; r++) acc[r] = 0.0f;
+    for (int c0 = 0; c0 < n_split; c0 += ATTN_THREADS) {
+        const int s = c0 + t;
+        const float w = s < n_split ? expf(le_ldg(ph + (size_t)s * (hd + 2) + hd) - M) : 0.0f;
+        if (s < n_split) L += w * le_ldg(ph + (size_t)s * (hd + 2) + hd + 1);
+        __syncthreads(); /* the previous chunk's weights are read */
+        wsh[t] = w;
+        __syncthreads();
+        const int nc = n_split - c0 < ATTN_THREADS ? n_split - c0 : ATTN_THREADS;
+#pragma unroll 8
+        for (int j = 0; j < nc; j++) { /* unrolled: 8 splits' loads in flight, not one after another */
+            const float *ps = ph + (size_t)(c0 + j) * (hd + 2);
+            const float wj = wsh[j];
+#pragma unroll
+            for (int r = 0; r < ATTN_MERGE_DIMS; r++) {
+                const int e = t + ATTN_THREADS * r;
+                if (e < hd) acc[r] += le_ldg(ps + e) * wj;
+            }
         }
-        o[(size_t)h * hd + e] = a / L * attn_sigmoid(le_ldg(gate + e));
+    }
+    L = le_block_sum(L, scratch);
+#pragma unroll
+    for (int r = 0; r < ATTN_MERGE_DIMS; r++) {
+        const int e = t + ATTN_THREADS * r;
+        if (e < hd) o[(size_t)h * hd + e] = acc[r] / L * attn_sigmoid(le_ldg(gate + e));
     }
 }
 

@@ -78,8 +78,8 @@ MAX_GRID = 65535   # Fermi's grid x limit (y/z everywhere); kernels grid-stride 
 CONV_THREADS, CONV_TOKENS, CONV_MAX_K = 128, 64, 8
 GDN_THREADS, GDN_COLS, GDN_MAX_DK, GDN_NORM_THREADS, GDN_EW_THREADS = 256, 16, 128, 128, 256
 ATTN_THREADS, ATTN_WARPS, ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_MAX_HD = 128, 4, 256, 8, 256
-ATTN_MIN_KEYS_PER_SPLIT, ATTN_MAX_SPLIT = 32, 64        # decode split-K: launcher policy only (32: 2048 keys
-# take 64 splits; 128 keys a split left most of an H100 idle: 64 vs 34 µs a layer at 2048 keys, .lebench-measured)
+ATTN_MIN_KEYS_PER_SPLIT, ATTN_MAX_SPLIT = 32, 64   # decode split-K: the fewest keys a split takes (the kernels'
+# too, with pos_dev: a replayed step uses only the splits its context needs), the most splits (the launcher's)
 MOE_THREADS, MOE_MAX_K = 256, 32
 MOE_SORT_THREADS, MOE_SORT_MAX_E, MOE_SORT_MAX_TILE = 256, 512, 64   # moe_sort.cu (largest tile = GEMM_MMA_TT)
 MOE_WSUM_MIN = 6.103515625e-5                            # native/moe.c MOE_WSUM_MIN (llama.cpp's clamp)
@@ -1191,8 +1191,9 @@ class Kernels:
         """One query token: qg [n_head * 2 * hd] (q_h then gate_h per head), kc/vc [>= n_keys, n_kv * hd],
         o [n_head * hd] = softmax(scale q K^T) V * sigmoid(gate), split-K over n_split blocks per head
         (default attn_splits) with f32 partials in `part` (attn_partials_bytes) merged by log-sum-exp.
-        pos_dev: a device int32 p; the kernel then takes n_keys = p + 1 from it (n_keys here is only the
-        bound the buffers are checked against) and splits the keys evenly over n_split."""
+        pos_dev: a device int32 p; the kernels then take n_keys = p + 1 from it (n_keys here is only the
+        bound the buffers are checked against) and split the keys over at most n_split blocks of at least
+        ATTN_MIN_KEYS_PER_SPLIT keys (a short context uses few splits; the merge reads only those)."""
         self._attn_shape(n_head, n_kv, hd, "attention_decode")
         if n_keys <= 0:
             raise ValueError(f"attention_decode: n_keys = {n_keys}")
@@ -1217,7 +1218,7 @@ class Kernels:
         mod.kernel("attn_decode_merge_f32").launch(
             (n_head, 1, 1), (ATTN_THREADS, 1, 1),
             [("ptr", _ptr(part)), ("ptr", _ptr(qg)), ("ptr", _ptr(o)), ("i32", n_head), ("i32", hd),
-             ("i32", n_split)], stream=stream)
+             ("i32", n_split), ("ptr", _ptr(pos_dev))], stream=stream)
 
     def attention_prefill(self, qg, kc, vc, o, n: int, pos: int, n_head: int, n_kv: int, hd: int,
                           scale: float | None = None, stream: Stream | None = None) -> None:

@@ -7,7 +7,8 @@ Rules (comments and string literals are ignored):
 * anywhere: no cooperative groups, no C++14 that is cheap to spot (auto return type deduction,
   decltype(auto), generic lambdas, lambda init-captures, variable templates, binary literals, digit
   separators, [[deprecated]], constexpr functions with loops or several statements, make_unique);
-* static __shared__ arrays (LE_SCRATCH included) of a file <= 48 KB (their sum: an upper bound per kernel).
+* static __shared__ arrays (LE_SCRATCH included) of each kernel <= 48 KB (an upper bound: the arrays in its body,
+  the largest branch of an #if/#else, plus any outside the kernels).
 
 Run: python tests/lint_cuda8.py [files]; tests/test_gpu.py runs it on cuda8/.
 """
@@ -85,10 +86,11 @@ def _eval_dim(expr: str, macros: dict[str, str]) -> int | None:
         return None
 
 
-def shared_bytes(text: str, macros: dict[str, str]) -> tuple[int, list[str]]:
-    """Sum of the static __shared__ arrays declared in text (LE_SCRATCH(name, n) = float[n])."""
-    total, problems, out = 0, [], []
-    for m in re.finditer(r"__shared__\s+(?:volatile\s+)?(\w+)\s+\w+((?:\s*\[[^\]]+\])+)\s*;", text):
+def _shared_decls(text: str, macros: dict[str, str]) -> tuple[list[tuple[int, int]], list[str]]:
+    """(position, bytes) of each static __shared__ array declared in text (LE_SCRATCH(name, n) = float[n])."""
+    found, problems, out = [], [], []
+    for m in re.finditer(r"__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s+)?(?:volatile\s+)?(\w+)\s+\w+((?:\s*\[[^\]]+\])+)\s*;",
+                         text):
         out.append((m.group(1), re.findall(r"\[([^\]]+)\]", m.group(2)), m.start()))
     for m in re.finditer(r"\bLE_SCRATCH\s*\(\s*\w+\s*,\s*([^)]+)\)", text):
         out.append(("float", [m.group(1)], m.start()))
@@ -103,8 +105,50 @@ def shared_bytes(text: str, macros: dict[str, str]) -> tuple[int, list[str]]:
         if size is None or n is None:
             problems.append(f"line {_line(text, pos)}: cannot size __shared__ {typ}[{']['.join(dims)}]")
             continue
-        total += size * n
-    return total, problems
+        found.append((pos, size * n))
+    return found, problems
+
+
+def kernel_shared(text: str, macros: dict[str, str]) -> tuple[dict[str, int], list[str]]:
+    """Static __shared__ bytes per __global__ kernel of text: the arrays in its body, where the branches of an
+    #if/#elif/#else take the largest (one branch is compiled), plus every array outside the kernels (file scope,
+    device functions: counted for each kernel, an upper bound). {'': file total} when text has no kernel."""
+    decls, problems = _shared_decls(text, macros)
+    spans = []
+    for m in re.finditer(r"__global__\s+void\s+(\w+)\s*\(", text):
+        brace = text.index("{", m.end())
+        spans.append((m.group(1), brace, brace + 1 + len(_body(text, brace))))
+    inside = {pos for pos, _ in decls for _, a, b in spans if a < pos < b}
+    outside = sum(b for pos, b in decls if pos not in inside)
+    if not spans:
+        return {"": outside}, problems
+    out = {}
+    for name, a, b in spans:
+        events = [(pos, "decl", size) for pos, size in decls if a < pos < b]
+        for m in re.finditer(r"^\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b", text[a:b], flags=re.M):
+            events.append((a + m.start(), m.group(1), 0))
+        stack = [[0]]          # per open #if: the bytes of each of its branches so far
+        for _pos, kind, size in sorted(events):
+            if kind == "decl":
+                stack[-1][-1] += size
+            elif kind in ("if", "ifdef", "ifndef"):
+                stack.append([0])
+            elif kind in ("elif", "else") and len(stack) > 1:
+                stack[-1].append(0)
+            elif kind == "endif" and len(stack) > 1:
+                largest = max(stack.pop())
+                stack[-1][-1] += largest
+        while len(stack) > 1:
+            largest = max(stack.pop())
+            stack[-1][-1] += largest
+        out[name] = stack[0][0] + outside
+    return out, problems
+
+
+def shared_bytes(text: str, macros: dict[str, str]) -> tuple[int, list[str]]:
+    """The largest kernel's static __shared__ bytes in text (kernel_shared), and what could not be sized."""
+    per, problems = kernel_shared(text, macros)
+    return max(per.values()), problems
 
 
 def _macros(text: str) -> dict[str, str]:
@@ -127,10 +171,11 @@ def lint_text(name: str, raw: str, header_text: str = "") -> list[str]:
         body = _body(text, m.end() - 1)
         if re.search(r"\b(for|while|do|switch)\b", body) or body.count(";") > 1:
             out.append(f"{name}:{_line(text, m.start())}: constexpr function with more than a return (C++14)")
-    total, problems = shared_bytes(text, _macros(header_text + "\n" + text))
+    per, problems = kernel_shared(text, _macros(header_text + "\n" + text))
     out += [f"{name}: {p}" for p in problems]
-    if total > SHARED_LIMIT:
-        out.append(f"{name}: {total} bytes of static __shared__ arrays > 48 KB")
+    for kernel, total in per.items():
+        if total > SHARED_LIMIT:
+            out.append(f"{name}: {kernel or 'file scope'}: {total} bytes of static __shared__ arrays > 48 KB")
     return out
 
 
@@ -139,7 +184,7 @@ def headers_text() -> str:
 
 
 def shared_report() -> dict[str, int]:
-    """Static __shared__ bytes declared per cuda8 file."""
+    """Static __shared__ bytes of each cuda8 file's largest kernel (kernel_shared)."""
     hdr = headers_text()
     return {p.name: shared_bytes(strip(p.read_text(encoding="utf-8")), _macros(hdr + "\n" + strip(p.read_text(encoding="utf-8"))))[0]
             for p in sorted(CUDA_DIR.glob("*.cu"))}

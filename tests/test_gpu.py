@@ -104,6 +104,19 @@ def test_shared_memory_fits_fermi():
     assert all(0 <= b <= 48 * 1024 for b in sizes.values()), sizes   # conv1d and elementwise share nothing
 
 
+@pytest.mark.cpu
+def test_shared_memory_lint_counts_per_kernel_and_branch():
+    """The 48 KB bound holds per kernel: an #if/#else counts its larger branch, arrays outside the kernels count
+    for each; a kernel over the bound is named."""
+    text = ("#define N 1024\n__shared__ float g[N];\n"
+            "__global__ void a() {\n#if X\n__shared__ __align__(16) float x[N * 8];\n#else\n"
+            "__shared__ float y[N * 10];\n#endif\n__shared__ float z[N];\n}\n"
+            "__global__ void b() { __shared__ float q[N * 12]; }\n")
+    per, problems = lint_cuda8.kernel_shared(text, lint_cuda8._macros(text))
+    assert problems == [] and per == {"a": 4096 * 12, "b": 4096 * 13}
+    assert lint_cuda8.lint_text("t.cu", text) == ["t.cu: b: 53248 bytes of static __shared__ arrays > 48 KB"]
+
+
 def _toolchain(kind: str, arch: int):
     try:
         return gpu.pick_toolchain(arch, kind)
@@ -156,7 +169,8 @@ def test_every_source_is_known():
 # launch constants of gpu.py that must equal the #defines of a cuda8 source
 LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
                     "gdn": ("GDN_THREADS", "GDN_COLS", "GDN_MAX_DK", "GDN_NORM_THREADS", "GDN_EW_THREADS"),
-                    "attention": ("ATTN_THREADS", "ATTN_WARPS", "ATTN_PREFILL_THREADS", "ATTN_QTILE", "ATTN_MAX_HD"),
+                    "attention": ("ATTN_THREADS", "ATTN_WARPS", "ATTN_PREFILL_THREADS", "ATTN_QTILE", "ATTN_MAX_HD",
+                                  "ATTN_MIN_KEYS_PER_SPLIT"),
                     "moe_route": ("MOE_THREADS", "MOE_MAX_K"),
                     "moe_sort": ("MOE_SORT_THREADS", "MOE_SORT_MAX_E", "MOE_SORT_MAX_TILE"), "argmax": ("ARGMAX_THREADS", "ARGMAX_MAX_PARTS"),
                     "elementwise": ("EW_THREADS",), "rmsnorm": ("RMSNORM_THREADS",),
@@ -1316,6 +1330,30 @@ def test_attention_decode(kernels, n_head, n_kv, hd):
             bad = attention_ref(qg, kc, vc.reshape(n_keys, n_kv, hd)[:, ::-1].reshape(n_keys, -1).copy(), 1,
                                 n_keys - 1, n_head, n_kv, hd, scale)[0][0]
             assert (np.abs(o - bad) > bound[0]).any()
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_attention_decode_position_uses_the_splits_it_needs(kernels):
+    """With the position on the device, keys 0..p go to at most n_split splits of at least ATTN_MIN_KEYS_PER_SPLIT
+    keys; the partials of the splits past them are never written nor read (NaN there changes nothing)."""
+    rng = np.random.default_rng(19)
+    n_head, n_kv, hd, n_ctx = 4, 2, 64, 300
+    scale = np.float32(1) / np.sqrt(np.float32(hd))
+    kc = rng.standard_normal((n_ctx, n_kv * hd)).astype(np.float32)
+    vc = rng.standard_normal((n_ctx, n_kv * hd)).astype(np.float32)
+    qg = (rng.standard_normal(n_head * 2 * hd) * 3).astype(np.float32)
+    for n_split in (1, 10, 64):
+        nan = np.full(gpu.Kernels.attn_partials_bytes(n_head, hd, n_split) // 4, np.nan, np.float32)
+        for p in (0, 5, gpu.ATTN_MIN_KEYS_PER_SPLIT - 1, gpu.ATTN_MIN_KEYS_PER_SPLIT, 100, n_ctx - 1):
+            with gpu.Buffer.from_array(np.array([0, p], np.int32)) as io, gpu.Buffer.from_array(kc) as bk, \
+                    gpu.Buffer.from_array(vc) as bv, gpu.Buffer.from_array(qg) as bq, \
+                    gpu.Buffer(4 * n_head * hd) as bo, gpu.Buffer.from_array(nan) as bp:
+                kernels.attention_decode(bq, bk, bv, bo, bp, n_ctx, n_head, n_kv, hd, scale, n_split=n_split,
+                                         pos_dev=io.ptr + 4)
+                o = bo.download(dtype=np.float32)
+            ref, bound = attention_ref(qg, kc[:p + 1], vc[:p + 1], 1, p, n_head, n_kv, hd, scale)
+            assert (np.abs(o - ref[0]) <= bound[0]).all(), f"p={p} n_split={n_split}"
 
 
 @pytest.mark.gpu

@@ -630,15 +630,18 @@ def _stream_model(cpu, pinned, chunk, vram=None, int8=False, **kw):
                     vram=fp.total if vram is None else vram, **kw)
 
 
+@pytest.mark.parametrize("pin_copy", ["kernel", "memcpy"])
 @pytest.mark.parametrize("chunk", [16, 2], ids=["prefetch", "on-demand"])
-def test_streamed_experts_match_cpu(chunk, gpu_device, tiny_file, cpu_model):
-    """Routed experts streamed per layer (some pinned in VRAM, copied device to device; the rest from the page-
-    locked weight map) under a budget of exactly the planned footprint: prefill (chunk 16: every chunk routes to
-    most experts, so the next layer is copied ahead; chunk 2: only the experts routed to, after the routing) and
-    decode steps give the CPU engine's logits within the f32 bar."""
+def test_streamed_experts_match_cpu(chunk, pin_copy, gpu_device, tiny_file, cpu_model):
+    """Routed experts streamed per layer (some pinned in VRAM, copied device to device into the staging by the copy
+    kernel or cuMemcpyDtoD; the rest from the page-locked weight map) under a budget of exactly the planned
+    footprint: prefill (chunk 16: every chunk routes to most experts, so the next layer is copied ahead; chunk 2:
+    only the experts routed to, after the routing) and decode steps give the CPU engine's logits within the f32
+    bar."""
     cpu = cpu_model("moe")
     pinned = {0: [0, 5, 6], 3: [1], 7: list(range(cpu.hparams.n_expert))}
     gm = _stream_model(cpu, pinned, chunk, save_routing=False)
+    gm.pin_copy_kernel = pin_copy == "kernel"
     try:
         assert gm.stream and not gm.plan
         ids = sequence(80, cpu.hparams.n_vocab)
