@@ -3,6 +3,7 @@
  * Reference: native/model.c le_forward (le_weight_row: le_dequantize_row of row tokens[t]).
  *   get_rows_<type>(W, ids, y, n, ncols)      type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
  *   get_rows_f32(W, ids, y, n, ncols)
+ *   get_rows_raw16(W, ids, y, n, row_words)   rows of row_words 16-byte words copied as they are (no decoding)
  *     W: [nrows, ncols] rows of quant blocks (as gemv_f32.cu) or f32;  ids: [n] int32 (checked by the host);
  *     y: [n, ncols] f32
  *     launch: block GET_ROWS_THREADS (128) x 1 x 1, grid min(n, 65535) x 1 x 1 (rows grid-strided)
@@ -49,5 +50,14 @@ extern "C" __global__ void get_rows_f32(const float *W, const int *ids, float *y
     for (int t = blockIdx.x; t < n; t += gridDim.x) {
         const float *w = W + (size_t)ids[t] * ncols;
         for (int i = threadIdx.x; i < ncols; i += GET_ROWS_THREADS) y[(size_t)t * ncols + i] = le_ldg(w + i);
+    }
+}
+
+/* rows of raw bytes, copied as they are: y row t = W row ids[t], row_words 16-byte words a row (the Q8_1 rows of
+ * a normed h gathered per (token, expert) pair: bit for bit what quantising the gathered f32 rows gives) */
+extern "C" __global__ void get_rows_raw16(const uint4 *W, const int *ids, uint4 *y, int n, int row_words) {
+    for (int t = blockIdx.x; t < n; t += gridDim.x) {
+        const uint4 *w = W + (size_t)ids[t] * row_words;
+        for (int i = threadIdx.x; i < row_words; i += GET_ROWS_THREADS) y[(size_t)t * row_words + i] = w[i];
     }
 }

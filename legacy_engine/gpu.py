@@ -1321,6 +1321,18 @@ class Kernels:
             (self._grid(n), 1, 1), (GET_ROWS_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(ids)), ("ptr", _ptr(y)), ("i32", n), ("i32", ncols)], stream=stream)
 
+    def get_rows_raw(self, W, ids, y, n: int, row_bytes: int, stream: Stream | None = None) -> None:
+        """y[n, row_bytes] = rows ids[:n] (int32, device; the caller checks them) of W [*, row_bytes], bytes copied
+        as they are (row_bytes and the addresses: multiples of 16)."""
+        if n <= 0 or row_bytes <= 0 or row_bytes % 16 or _ptr(W) % 16 or _ptr(y) % 16:
+            raise ValueError(f"get_rows_raw: n = {n}, row_bytes = {row_bytes} (a multiple of 16, as the addresses)")
+        _need(ids, 4 * n, "get_rows_raw ids")
+        _need(y, n * row_bytes, "get_rows_raw y")
+        self.modules["get_rows"].kernel("get_rows_raw16").launch(
+            (self._grid(n), 1, 1), (GET_ROWS_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(ids)), ("ptr", _ptr(y)), ("i32", n), ("i32", row_bytes // 16)],
+            stream=stream)
+
     def qk_norm_rope(self, x, w, cs, n: int, n_heads: int, head_stride: int, row_stride: int, hd: int, n_rot: int,
                      eps: float, pos_dev=None, stream: Stream | None = None) -> None:
         """In place: head h of token t (x + t*row_stride + h*head_stride floats, hd of them) <- RMSNorm * w, then
@@ -1346,8 +1358,10 @@ class Kernels:
             [("ptr", _ptr(k)), ("ptr", _ptr(v)), ("ptr", _ptr(kc)), ("ptr", _ptr(vc)), ("ptr", _ptr(pos_dev)),
              ("i32", kvw)], stream=stream)
 
-    def moe_combine(self, y, w, sh, shgate, out, n: int, k: int, E: int, stream: Stream | None = None) -> None:
-        """out[n, E] = sum_s w[t, s] y[t*k + s] + sigmoid(shgate[t]) sh[t] (sh None: no shared expert)."""
+    def moe_combine(self, y, w, sh, shgate, out, n: int, k: int, E: int, rows=None,
+                    stream: Stream | None = None) -> None:
+        """out[n, E] = sum_s w[t, s] y[r(t, s)] + sigmoid(shgate[t]) sh[t] (sh None: no shared expert), r(t, s) =
+        t*k + s, or rows[t*k + s] (device int32 [n*k], a permutation of 0..n*k-1: the caller's)."""
         if n <= 0 or k <= 0 or E <= 0:
             raise ValueError(f"moe_combine: n = {n}, k = {k}, E = {E}")
         _need(y, 4 * n * k * E, "moe_combine y")
@@ -1359,7 +1373,7 @@ class Kernels:
         self.modules["moe_combine"].kernel("moe_combine_f32").launch(
             (self._grid(-(-n * E // MOE_COMBINE_THREADS)), 1, 1), (MOE_COMBINE_THREADS, 1, 1),
             [("ptr", _ptr(y)), ("ptr", _ptr(w)), ("ptr", _ptr(sh)), ("ptr", _ptr(shgate)), ("ptr", _ptr(out)),
-             ("i32", n), ("i32", k), ("i32", E)], stream=stream)
+             ("i32", n), ("i32", k), ("i32", E), ("ptr", _ptr(rows))], stream=stream)
 
     def hybrid_publish(self, h, ids, w, pin_idx, n_link: int, meta, slot: int, chan: int, E: int, k: int,
                        pred=None, n_early: int = 0, stream: Stream | None = None) -> None:

@@ -841,11 +841,11 @@ class GpuModel:
         wts = self._buf("wts", 4 * pairs).ptr
         g = self._buf("eg", 4 * pairs * ff).ptr
         u = self._buf("eu", 4 * pairs * ff).ptr
-        yd = self._buf("ed", 4 * pairs * E).ptr
+        sort = n > 1 and self.sort_pairs
+        yd = None if sort else self._buf("ed", 4 * pairs * E).ptr     # sorted: the outputs stay in xg (pinv)
         self._mm(L["router"], h, logits, n, hq)
         k.moe_route(logits, ids, wts, n, ne, kk)
         base = 0
-        sort = n > 1 and self.sort_pairs
         # the grouped GEMMs' work list made on the GPU (moe_sort): no host wait, where the host needs no ids
         # (resident experts, or all of the layer staged because the pass routes to most of them)
         dev_sort = sort and self.grouped and ne <= gpu.MOE_SORT_MAX_E and (not self.stream or self._stages_all(n))
@@ -867,11 +867,13 @@ class GpuModel:
             k.moe_sort(ids, pairs, kk, ne, eids, ptok, pinv, ptiles, n_tiles, self._route_counts_dev(L["index"]),
                        tile=self._group_tile(L))
             xg = self._buf("xg", 4 * pairs * E).ptr
-            k.get_rows(gpu.F32, h, ptok, xg, pairs, E)
+            xq = self._gather_hq(L, hq, ptok, pairs)
+            if xq is None:
+                k.get_rows(gpu.F32, h, ptok, xg, pairs, E)
             x_tok, x_group = xg, 1
         elif sort:
             # pairs in expert order: the GEMV blocks of one expert run together and share its weights in L2.
-            # x rows gathered per pair, outputs scattered back to (token, slot) order for moe_combine
+            # x rows gathered per pair; moe_combine reads the outputs in that order (pinv)
             order = np.argsort(used, kind="stable").astype(np.int32)
             inv = np.empty_like(order)
             inv[order] = np.arange(pairs, dtype=np.int32)
@@ -883,21 +885,24 @@ class GpuModel:
             eids, ptok, pinv, ptiles = mb.ptr, mb.ptr + 4 * pairs, mb.ptr + 8 * pairs, mb.ptr + 12 * pairs
             n_tiles = len(tiles)
             xg = self._buf("xg", 4 * pairs * E).ptr
-            k.get_rows(gpu.F32, h, ptok, xg, pairs, E)
+            xq = self._gather_hq(L, hq, ptok, pairs)
+            if xq is None:
+                k.get_rows(gpu.F32, h, ptok, xg, pairs, E)
             x_tok, x_group = xg, 1
         if sort and self.grouped:
-            self._grouped_experts(L, base, xg, g, u, pairs, ptiles, n_tiles)   # output in xg (sorted)
+            self._grouped_experts(L, base, xg, g, u, pairs, ptiles, n_tiles, xq)   # output in xg (sorted)
         else:
             addr = {w: base + L[w].ptr for w in ("gate_exps", "up_exps", "down_exps")}
             self._pair_gemvs(L, addr, x_tok, hq if not sort else None, g, u, xg if sort else yd, eids, pairs,
                              x_group)
-        if sort:
-            k.get_rows(gpu.F32, xg, pinv, yd, pairs, E)          # back to (token, slot) order
         self._mark("routed experts")
         if self.stream:
             self._release(i)
             self.stream_stats["layers"] += 1
-        self._shared_and_combine(L, h, hq, n, yd, wts, y)
+        if sort:       # the outputs in expert order: the combine reads pair (t, s) from row pinv[t*k + s] of xg
+            self._shared_and_combine(L, h, hq, n, xg, wts, y, rows=pinv)
+        else:
+            self._shared_and_combine(L, h, hq, n, yd, wts, y)
 
     # ------------------------------------------------------------------ hybrid decode
 
@@ -1161,10 +1166,11 @@ class GpuModel:
         k.gemv_ids(w.qtype, addr["down_exps"], xd, out, w.nrows, w.ncols, eids, pairs, w.expert_bytes, 1, xds,
                    int8=int8d)
 
-    def _shared_and_combine(self, L: dict, h: int, hq, n: int, yd: int, wts: int, y: int) -> None:
-        """y[n, E] = the routed experts' outputs yd [n*k, E] weighted by wts, plus the gated shared expert."""
+    def _shared_and_combine(self, L: dict, h: int, hq, n: int, yd: int, wts: int, y: int, rows=None) -> None:
+        """y[n, E] = the routed experts' outputs yd [n*k, E] (pair (t, s) in row t*k + s, or rows[t*k + s])
+        weighted by wts, plus the gated shared expert."""
         sh, shg = self._shared_expert(L, h, hq, n)
-        self.k.moe_combine(yd, wts, sh, shg, y, n, self.hparams.n_expert_used, self.hparams.n_embd)
+        self.k.moe_combine(yd, wts, sh, shg, y, n, self.hparams.n_expert_used, self.hparams.n_embd, rows=rows)
 
     def _shared_expert(self, L: dict, h: int, hq, n: int) -> tuple:
         """The shared expert's output sh [n, E] and gate logit shg [n] (device addresses), or (None, None)."""
@@ -1190,16 +1196,29 @@ class GpuModel:
         mma = self.mma and all(L[w].qtype != gpu.F32 for w in ("gate_exps", "up_exps", "down_exps"))
         return gpu.Kernels.group_tile(self.int8_prefill, mma)
 
+    def _gather_hq(self, L: dict, hq, ptok: int, pairs: int) -> int | None:
+        """The grouped int8 GEMMs' input: the Q8_1 rows of h (hq) gathered per sorted pair into "xq_tok" (the same
+        bits as quantising the gathered f32 rows: no f32 gather, no quantise pass) -> its address, or None where
+        the experts read f32 rows (not grouped, f32 weights, no hq, rows not in 16-byte words)."""
+        rb = self.hparams.n_embd // 32 * gpu.Q8_1_BYTES
+        if not (self.grouped and self.int8_prefill and L["gate_exps"].qtype != gpu.F32 and hq is not None
+                and rb % 16 == 0):
+            return None
+        xq = self._buf("xq_tok", pairs * rb).ptr
+        self.k.get_rows_raw(hq, ptok, xq, pairs, rb)
+        return xq
+
     def _grouped_experts(self, L: dict, base: int, xg: int, g: int, u: int, pairs: int, tiles: int,
-                         n_tiles: int) -> None:
-        """Routed experts as grouped GEMMs over the pairs sorted by expert: xg [pairs, E] gathered rows in, the
-        down projection's output back in xg [pairs, E] (sorted order); g, u [pairs, ff] scratch."""
+                         n_tiles: int, xq: int | None = None) -> None:
+        """Routed experts as grouped GEMMs over the pairs sorted by expert: xg [pairs, E] gathered rows in (or
+        xq, their Q8_1 rows gathered already: _gather_hq), the down projection's output in xg [pairs, E] (sorted
+        order); g, u [pairs, ff] scratch."""
         k, ff, E = self.k, self.hparams.n_ff_exp, self.hparams.n_embd
         int8 = self.int8_prefill and L["gate_exps"].qtype != gpu.F32
         mma = self._group_tile(L) == gpu.GEMM_MMA_TT        # then every matrix here is int8
         x = xg
         if int8:       # one Q8_1 copy of the gathered rows for gate and up
-            x = self._q8_1(xg, pairs * E, "xq_tok")
+            x = xq if xq is not None else self._q8_1(xg, pairs * E, "xq_tok")
         for wname, out in (("gate_exps", g), ("up_exps", u)):
             w = L[wname]
             k.gemm_ids(w.qtype, base + w.ptr, x, out, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs,

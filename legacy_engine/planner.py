@@ -170,11 +170,14 @@ def scratch_bytes(hp, n: int, int8: bool, logit_rows: int) -> int:
         b += 4 * nh * gpu.ATTN_MAX_SPLIT * (hd + 2)
     if hp.n_expert:
         pairs, ff = n * k, hp.n_ff_exp
+        # router logits, ids and weights, gate/up rows, and the pairs' rows [pairs, E]: the down outputs in
+        # (token, slot) order, or with sorted pairs (n > 1) the gathered inputs, which the down outputs overwrite
+        # and moe_combine reads in place (one of the two is allocated)
         b += 4 * n * hp.n_expert + 2 * 4 * pairs + 2 * 4 * pairs * ff + 4 * pairs * E
         if hp.n_ff_shexp:
             b += 2 * 4 * n * hp.n_ff_shexp + 4 * n * E + 4 * n
-        # sorted pairs: gathered rows, ids/token/inverse, tiles (moe_sort's padded list), routing counts
-        b += 4 * pairs * E + 3 * 4 * pairs + 12 * (-(-pairs // 32) + min(hp.n_expert, pairs))
+        # sorted pairs: ids/token/inverse, tiles (moe_sort's padded list), routing counts
+        b += 3 * 4 * pairs + 12 * (-(-pairs // 32) + min(hp.n_expert, pairs))
         b += 4 * hp.n_layer * hp.n_expert
         if int8:
             b += (pairs * E + pairs * ff) // 32 * gpu.Q8_1_BYTES
@@ -266,15 +269,20 @@ GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 5
 # in 3.6 ms, both 49-50 GB/s of the probe's 90.2 = 0.55 (the first calibration, 0.47, before both changes: the
 # planner's decode then read 18 % / 12 % under the measurement; now 81.0 (uniform, recomputed on that call's machine)
 # and ~115 (skewed, estimated from the parts) vs 90.0 / 122.3; link choice unchanged, 2 / 0). A few % of hypervisor
-# steal halves these numbers (bench split reports it per run).
+# steal halves these numbers (bench split reports it per run). Recalibrated 2026-11-25 (eighth session; H200 + 16
+# cores, probe 85.8 GB/s, bench split --tg-depth 0,2048, the pins from warm routing counts, JSONs
+# split_a3b_6GiB_*_2026-11-25h.json): the CPU's experts uniform 161.7 (286 MB) in 5.4 ms, skewed 99.7 (176 MB) in
+# 3.1 ms: 53 / 57 GB/s = 0.62 / 0.66 -> 0.64; the host's wait for each routing 4.4 / 3.5 ms a token, of which the
+# GPU's own share (~1 ms, `gpu` in _hybrid_decode) -> 75 µs a layer. Before it the planner read 90.6 / 113.9 against
+# 106.1 / 152.5 tok/s measured (depth 0).
 # The split's state handoff (SplitModel.forward, stream strategy: the GDN states (and KV rows so far) to the GPU
 # before a pass, the states and the pass's KV rows back after, through one page-locked staging buffer), bytes moved /
 # seconds: benchmarks/bench_split_handoff.py, 35B-A3B Q4_K_M under 6 GiB, pp2048, H100 2026-11-25 (fourth session):
 # from_cpu 66 MB in 14.2 ms, to_cpu_rows 150 MB in 30.7 ms: 4.8 GB/s (the pageable Python-bytes path it replaced:
 # 328 ms, 0.66 GB/s). The hybrid strategy keeps the state on the GPU: no handoff.
 SPLIT_HANDOFF_GBPS = 4.8
-HYBRID_CPU_EFF = 0.55
-HYBRID_HOST_S_PER_LAYER = 90e-6
+HYBRID_CPU_EFF = 0.64
+HYBRID_HOST_S_PER_LAYER = 75e-6
 # The hybrid decode's link experts (GpuModel link_experts: per layer, some experts that are not pinned are fetched
 # into VRAM by a copy kernel and run on the GPU while the CPU runs the rest). Same machine and file, pp512/tg32 x3:
 # uniform routing 62.5 tok/s with none, 83.4 / 87.3 / 83.3 / 76.9 with 1-4 per layer (the GPU's chain grows past 2:

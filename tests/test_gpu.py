@@ -153,7 +153,7 @@ def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
     elif name in ("gemm_dp4a", "gemm_mma"):
         out = {f"{name}_{s}" for s in suffixes} | {f"{name}_{s}_ids" for s in suffixes}
     elif name == "get_rows":
-        out = {f"{name}_{s}" for s in suffixes + ["f32"]}
+        out = {f"{name}_{s}" for s in suffixes + ["f32", "raw16"]}
     else:
         out = ENTRIES[name]
     return {e.encode() for e in out} | {b"le_tier_probe"}

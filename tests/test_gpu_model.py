@@ -53,6 +53,28 @@ def test_get_rows(kernels, qtype):
 
 
 @variant_params()
+def test_get_rows_raw(kernels):
+    """Rows of raw bytes gathered as they are; on Q8_1 rows of x that is bit for bit quantising the gathered f32 rows
+    (the grouped experts' inputs gathered from h's Q8_1)."""
+    rng = np.random.default_rng(301)
+    nrows, E, n = 40, 256, 23
+    x = rng.standard_normal((nrows, E)).astype(np.float32)
+    ids = rng.integers(0, nrows, n).astype(np.int32)
+    rb = E // 32 * gpu.Q8_1_BYTES
+    with gpu.Buffer.from_array(x) as bx, gpu.Buffer.from_array(ids) as bi, gpu.Buffer(nrows * rb) as bq, \
+            gpu.Buffer(n * rb) as bg, gpu.Buffer(4 * n * E) as bf, gpu.Buffer(n * rb) as bfq:
+        kernels.quantize_q8_1(bx, bq, nrows * E)
+        kernels.get_rows_raw(bq, bi, bg, n, rb)
+        kernels.get_rows(gpu.F32, bx, bi, bf, n, E)
+        kernels.quantize_q8_1(bf, bfq, n * E)
+        q, g, fq = (b.download(dtype=np.uint8) for b in (bq, bg, bfq))
+    np.testing.assert_array_equal(g.reshape(n, rb), q.reshape(nrows, rb)[ids])
+    np.testing.assert_array_equal(g, fq)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.get_rows_raw(0, 0, 0, 1, 36)
+
+
+@variant_params()
 def test_gemv_gemm_f32_weights(kernels):
     """f32 weights (the tiny oracle files): GEMV and GEMM against f64."""
     rng = np.random.default_rng(7)
@@ -167,6 +189,16 @@ def test_moe_combine(kernels):
         kernels.moe_combine(by, bw, bs, bg, bo, n, k, E)
         ref = base + gate[:, None] * sh
         assert_close_sum(bo.download(dtype=np.float32).reshape(n, E), ref, mag, k + 8, "moe_combine shared")
+    # rows: pair (t, s) read from row rows[t*k + s] of a permuted y (the grouped GEMMs' sorted output)
+    perm = rng.permutation(n * k).astype(np.int32)
+    yp = np.empty_like(y)
+    yp[perm] = y
+    with gpu.Buffer.from_array(yp) as by, gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(sh) as bs, \
+            gpu.Buffer.from_array(sg) as bg, gpu.Buffer(4 * n * E) as bo, gpu.Buffer.from_array(perm) as br:
+        kernels.moe_combine(by, bw, bs, bg, bo, n, k, E, rows=br)
+        assert_close_sum(bo.download(dtype=np.float32).reshape(n, E), ref, mag, k + 8, "moe_combine rows")
+        kernels.moe_combine(by, bw, bs, bg, bo, n, k, E)          # negative control: without rows, wrong rows
+        assert not np.allclose(bo.download(dtype=np.float32).reshape(n, E), ref, atol=1e-3)
 
 
 def pinned_channel(lay, seq: int):
