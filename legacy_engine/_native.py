@@ -208,7 +208,7 @@ class NativeModel:
                      early: dict | None = None) -> None:
         """The hybrid decode's CPU side for token `seq`: serves slots `layers` (int32, in order) of `chan` (a cffi
         pointer to page-locked memory the GPU shares, or an int32 numpy array; layout le_hybrid.h) as they become
-        READY (le_hybrid_serve). counts: int64 [n_layer, n_expert] routing counts added to; stats: float64 [14]
+        READY (le_hybrid_serve). counts: int64 [n_layer, n_expert] routing counts added to; stats: float64 [LE_HY_STATS]
         (wait s, expert s, experts, layers, prefetch s, experts prefetched, of those run on the CPU, bytes
         prefetched, experts copied early, of those in time, of those routed to, the experts' jobs' start lag s and
         slowest-thread tail s) added to; prefetch_bytes > 0: the
@@ -222,8 +222,9 @@ class NativeModel:
             if counts.dtype != np.int64 or not counts.flags.c_contiguous:
                 raise ValueError("counts: a contiguous int64 array")
             cnt = ffi.from_buffer("int64_t[]", counts)
-        if stats is not None and (stats.dtype != np.float64 or stats.size < 14 or not stats.flags.c_contiguous):
-            raise ValueError("stats: a contiguous float64 array of 14")
+        if stats is not None and (stats.dtype != np.float64 or stats.size < lib.LE_HY_STATS
+                                  or not stats.flags.c_contiguous):
+            raise ValueError(f"stats: a contiguous float64 array of {lib.LE_HY_STATS}")
         st = ffi.NULL if stats is None else ffi.from_buffer("double[]", stats)
         ea = ffi.NULL
         if early is not None and early["n_early"] > 0:

@@ -78,6 +78,11 @@ LOOKAHEAD_PREFETCH_EXPERTS = 8
 # token's. Added (2026-11-25f) when test_gpu_model.py run in order failed test_hybrid_decode_matches_cpu[replay]
 # with a NaN row (not alone); this alone did not cure it, that session's changes together did: cause not found.
 _HY_POOL: list = []           # [PinnedBuffer], the channels not in use
+# hybrid_stats' keys <- le_hybrid_serve's stats (LE_HY_STAT_<name>, native/include/le_model.h)
+_HY_STATS = {"read_s": "WAIT_S", "cpu_s": "CPU_S", "cpu_experts": "EXPERTS", "steps": "LAYERS", "prefetch_s": "PF_S",
+             "prefetch_aimed": "PF_AIMED", "prefetch_hits": "PF_HITS", "prefetch_bytes": "PF_BYTES",
+             "early_copied": "E_COPIED", "early_in_time": "E_READY", "early_routed": "E_HITS",
+             "split_lag_s": "SPLIT_LAG", "split_tail_s": "SPLIT_TAIL"}
 _HY_SEQ = [0]
 
 
@@ -1008,7 +1013,8 @@ class GpuModel:
                         "host_dev": host_dev,
                         "pin_idx": gpu.Buffer.from_array(table, "hybrid pin indices"), "seq": 0,
                         "layers": np.array(moe, dtype=np.int32), "lookahead": self._lookahead_buffers(moe),
-                        "counts": np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64), "stats": np.zeros(14)}
+                        "counts": np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64),
+                        "stats": np.zeros(_native.lib.LE_HY_STATS)}
         return self._hy
 
     def _hy_staging(self, i: int) -> tuple[dict, list]:
@@ -1119,23 +1125,14 @@ class GpuModel:
         hy = self._hy
         if hy is None:
             return
+        from . import _native
         c, st = hy["counts"], hy["stats"]
         for i in np.flatnonzero(c.any(axis=1)):
             self.route_counts.setdefault(int(i), np.zeros(self.hparams.n_expert, dtype=np.int64))[:] += c[i]
         hs = self._hybrid_stats
-        hs["read_s"] += st[0]
-        hs["cpu_s"] += st[1]
-        hs["cpu_experts"] += int(st[2])
-        hs["steps"] += int(st[3])
-        hs["prefetch_s"] += st[4]
-        hs["prefetch_aimed"] += int(st[5])
-        hs["prefetch_hits"] += int(st[6])
-        hs["prefetch_bytes"] += st[7]
-        hs["early_copied"] += int(st[8])
-        hs["early_in_time"] += int(st[9])
-        hs["early_routed"] += int(st[10])
-        hs["split_lag_s"] += st[11]
-        hs["split_tail_s"] += st[12]
+        for key, stat in _HY_STATS.items():
+            v = st[getattr(_native.lib, "LE_HY_STAT_" + stat)]
+            hs[key] += v if isinstance(hs[key], float) else int(v)
         c[:] = 0
         st[:] = 0
 

@@ -187,8 +187,7 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
     if (early && early->n_early > 0 && (early->n_early > LE_HY_EARLY_MAX || !early->dst || !early->eb))
         return LE_FAIL(LE_ERR_INVALID_ARG, "le_hybrid_serve: %d early experts (1..%d, with their staging)",
                        early->n_early, LE_HY_EARLY_MAX);
-    double wait_s = 0, cpu_s = 0, n_exp = 0, pf_s = 0, pf_aimed = 0, pf_hits = 0, pf_bytes = 0;
-    double e_copied = 0, e_ready = 0, e_hits = 0, split_lag = 0, split_tail = 0;
+    double acc[LE_HY_STATS] = {0}; /* this call's stats, added to `stats` at the end */
     int32_t e_ids[LE_HY_EARLY_MAX];
     int32_t aimed[LE_HY_PRED_MAX];
     int n_aimed = 0; /* experts of layers[j] prefetched (aimed at) after layer j - 1 */
@@ -197,19 +196,23 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
         const int layer = layers[j];
         int32_t *slot = slot_of(m, chan, layer);
         int n_early = 0, pending = 0; /* early copies of this layer, still in flight */
-        if (j && early && early->n_early > 0 &&
-            __atomic_load_n(&slot[LE_HY_PRED_READY(E, k)], __ATOMIC_ACQUIRE) == seq) {
+        const int use_early = early && early->n_early > 0;
+        /* this layer's prediction is out (the GPU published it during the layer before) */
+        const int predicted = j && (use_early || prefetch_bytes > 0) &&
+                              __atomic_load_n(&slot[LE_HY_PRED_READY(E, k)], __ATOMIC_ACQUIRE) == seq;
+        if (predicted && use_early) {
             n_early = early_copy(m, layer, j % 2, slot, early, e_ids, &rc);
             if (rc) break;
             pending = n_early > 0;
-            e_copied += n_early;
+            acc[LE_HY_STAT_E_COPIED] += n_early;
         }
-        if (j && prefetch_bytes > 0 && __atomic_load_n(&slot[LE_HY_PRED_READY(E, k)], __ATOMIC_ACQUIRE) == seq) {
+        if (predicted && prefetch_bytes > 0) {
             const double tp = now_s();
             const int n_link = __atomic_load_n(&chan[LE_HY_N_LINK], __ATOMIC_RELAXED);
-            n_aimed = prefetch_predicted(m, layer, slot, seq, n_link, prefetch_bytes, aimed, &pf_bytes);
-            pf_s += now_s() - tp;
-            pf_aimed += n_aimed;
+            n_aimed = prefetch_predicted(m, layer, slot, seq, n_link, prefetch_bytes, aimed,
+                                         &acc[LE_HY_STAT_PF_BYTES]);
+            acc[LE_HY_STAT_PF_S] += now_s() - tp;
+            acc[LE_HY_STAT_PF_AIMED] += n_aimed;
         } else {
             n_aimed = 0;
         }
@@ -221,7 +224,7 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
                 if (done) {
                     __atomic_store_n(&slot[LE_HY_EARLY_READY(E, k)], seq, __ATOMIC_RELEASE);
                     pending = 0;
-                    e_ready += n_early;
+                    acc[LE_HY_STAT_E_READY] += n_early;
                 }
             }
             cpu_relax();
@@ -233,7 +236,7 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
         }
         if (rc) break;
         const double t1 = now_s();
-        wait_s += t1 - t0;
+        acc[LE_HY_STAT_WAIT_S] += t1 - t0;
         const int32_t *ids = slot + LE_HY_IDS(E), *cpu_ids = slot + LE_HY_CPU_IDS(E, k);
         int n_cpu = 0;
         for (int s = 0; s < k; s++) {
@@ -243,8 +246,8 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
                 break;
             }
             n_cpu += cpu_ids[s] >= 0;
-            for (int a = 0; a < n_aimed && cpu_ids[s] >= 0; a++) pf_hits += aimed[a] == cpu_ids[s];
-            for (int a = 0; a < n_early; a++) e_hits += e_ids[a] == ids[s];
+            for (int a = 0; a < n_aimed && cpu_ids[s] >= 0; a++) acc[LE_HY_STAT_PF_HITS] += aimed[a] == cpu_ids[s];
+            for (int a = 0; a < n_early; a++) acc[LE_HY_STAT_E_HITS] += e_ids[a] == ids[s];
             if (counts) counts[(int64_t)layer * ne + ids[s]]++;
         }
         if (rc) break;
@@ -256,30 +259,19 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
                                (const float *)(slot + LE_HY_WTS(E, k)), row);
             if (rc) break;
             le_pool_each_totals(m->pool, &lag1, &tail1);
-            split_lag += lag1 - lag0;
-            split_tail += tail1 - tail0;
+            acc[LE_HY_STAT_SPLIT_LAG] += lag1 - lag0;
+            acc[LE_HY_STAT_SPLIT_TAIL] += tail1 - tail0;
         } else {
             memset(row, 0, (size_t)E * sizeof(float));
         }
         __atomic_store_n(&slot[LE_HY_DONE], seq, __ATOMIC_RELEASE);
-        cpu_s += now_s() - t1;
-        n_exp += n_cpu;
+        acc[LE_HY_STAT_CPU_S] += now_s() - t1;
+        acc[LE_HY_STAT_EXPERTS] += n_cpu;
     }
     if (rc) release(m, chan, seq, layers + j, n_layers - j);
     if (stats) {
-        stats[0] += wait_s;
-        stats[1] += cpu_s;
-        stats[2] += n_exp;
-        stats[3] += j;
-        stats[4] += pf_s;
-        stats[5] += pf_aimed;
-        stats[6] += pf_hits;
-        stats[7] += pf_bytes;
-        stats[8] += e_copied;
-        stats[9] += e_ready;
-        stats[10] += e_hits;
-        stats[11] += split_lag;
-        stats[12] += split_tail;
+        acc[LE_HY_STAT_LAYERS] = j;
+        for (int i = 0; i < LE_HY_STATS; i++) stats[i] += acc[i];
     }
     return rc;
 }

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 
+from legacy_engine._native import lib
 from legacy_engine.errors import NativeError
 from legacy_engine.gpu_model import HybridLayout
 from legacy_engine.make_model import make_model
@@ -68,7 +69,7 @@ def test_serve_matches_moe_routed(model):
     lay, chan = channel(model)
     rng = np.random.default_rng(5)
     counts = np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64)
-    stats = np.zeros(14)
+    stats = np.zeros(lib.LE_HY_STATS)
     masks = [np.zeros(hp.n_expert_used, bool), np.arange(hp.n_expert_used) % 2 == 1,
              np.ones(hp.n_expert_used, bool)]                      # all on the CPU, half, none (all pinned)
     for seq in (1, 2):
@@ -124,7 +125,7 @@ def test_serve_prefetches_predicted_experts(model, budget_experts):
             aimed = list(dict.fromkeys(int(e) for e in guess))[:budget_experts]
             want_aimed += len(aimed)
             want_hits += sum(int(e) in aimed for e in cpu_ids if e >= 0)
-    stats = np.zeros(14)
+    stats = np.zeros(lib.LE_HY_STATS)
     rows, errors = [], []
     t = threading.Thread(target=play_gpu, args=(lay, chan, seq, tokens, rows, errors))
     t.start()

@@ -135,16 +135,28 @@ int le_moe_routed(le_model *m, int layer, const float *x, int n_sel, const int32
  * also reads and writes. counts: [n_layer * n_expert] routing counts, incremented for every routed id (NULL: not
  * counted). timeout_s: the longest wait for one READY (LE_ERR_TIMEOUT then). prefetch_bytes > 0: the lookahead
  * (le_hybrid.h): before waiting for slot layers[j] (j > 0) whose PRED_READY == seq, prefetch up to this many bytes
- * of its predicted experts' weights; 0: off. stats (may be NULL, else [8], added to): [0] seconds waiting for
- * READY, [1] seconds in the experts, [2] experts run, [3] layers served, [4] seconds prefetching, [5] experts
- * prefetched (aimed at), [6] of those, experts the CPU then ran, [7] bytes prefetched, [8] experts copied early,
- * [9] of those, copied before the layer's routing came, [10] early experts the layer routed to, [11] seconds from
- * the experts' parallel jobs' start to their last thread's, [12] seconds their slowest thread ran past the threads'
- * mean (le_pool_each_totals; both inside [1]) (stats: [14]).
+ * of its predicted experts' weights; 0: off. stats (may be NULL, else [LE_HY_STATS], added to): the LE_HY_STAT_*
+ * entries below.
  * early (NULL or n_early 0: off; le_hybrid.h): before waiting for slot layers[j] (j > 0) whose PRED_READY == seq,
  * copy its first n_early predicted experts into the early buffer on early->stream (parity j % 2) and set
  * EARLY_READY = seq once the copies are done, if the routing has not come first.
  * On any error every slot not yet served gets DONE = seq (its ROW zero), so the GPU never waits on a dead host. */
+enum {
+    LE_HY_STAT_WAIT_S = 0,     /* seconds waiting for READY */
+    LE_HY_STAT_CPU_S = 1,      /* seconds in the experts */
+    LE_HY_STAT_EXPERTS = 2,    /* experts run */
+    LE_HY_STAT_LAYERS = 3,     /* layers served */
+    LE_HY_STAT_PF_S = 4,       /* seconds prefetching */
+    LE_HY_STAT_PF_AIMED = 5,   /* experts prefetched (aimed at) */
+    LE_HY_STAT_PF_HITS = 6,    /* of those, experts the CPU then ran */
+    LE_HY_STAT_PF_BYTES = 7,   /* bytes prefetched */
+    LE_HY_STAT_E_COPIED = 8,   /* experts copied early */
+    LE_HY_STAT_E_READY = 9,    /* of those, copied before the layer's routing came */
+    LE_HY_STAT_E_HITS = 10,    /* early experts the layer routed to */
+    LE_HY_STAT_SPLIT_LAG = 11, /* seconds from the experts' parallel jobs' start to their last thread's (inside CPU_S) */
+    LE_HY_STAT_SPLIT_TAIL = 12, /* seconds their slowest thread ran past the threads' mean (le_pool_each_totals) */
+    LE_HY_STATS = 13
+};
 typedef struct {
     int n_early;          /* experts a layer copies early (<= LE_HY_EARLY_MAX; 0: off) */
     void *stream;         /* the copy stream (le_gpu_stream *), apart from the graph's */
