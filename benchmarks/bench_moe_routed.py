@@ -6,7 +6,7 @@ the machine's read bandwidth, for 1..8 experts a call, the file map against anon
 
 Each call takes a random MoE layer and random distinct experts (the working set of a real decode: a 35B-A3B layer's
 experts are ~470 MB, far past any cache), x random; the median µs of the timed calls (after a third as warm-up) and
-GB/s = expert bytes read / time; the C core's phase clocks split a call into the gate/up job and the down job (their
+GB/s = a call's mean expert bytes / that median time; the C core's phase clocks split a call into the gate/up job and the down job (their
 means; the rest is the serial quantisation and bookkeeping). `map`: the weights in the file's memory map (4 KiB page-cache pages, the default of
 `run`), every page faulted in first (MADV_POPULATE_READ: as the hybrid decode's page-locked map is; a first touch
 would cost a fault per 4 KiB and show as slowness that is not the kernels'); `anon`: read into anonymous memory with MADV_HUGEPAGE (`--no-mmap`), `huge MiB` says how much the kernel
@@ -60,7 +60,9 @@ def measure(path: str, threads: int, mmap: bool, experts: list[int], calls: int,
                     bs.append(k * eb[i])
             prof = m.native.profile()
             m.native.set_profile(False)
-            row[k] = {"us": float(np.median(ts) * 1e6), "gbps": float(sum(bs) / sum(ts) / 1e9),
+            # GB/s of the median call (the µs beside it): a call's mean bytes over the median time (a mean of
+            # the times would let a few slow calls, a page fault or a preempted thread, set the rate)
+            row[k] = {"us": float(np.median(ts) * 1e6), "gbps": float(np.mean(bs) / np.median(ts) / 1e9),
                       "gate_up_us": 1e6 * prof["ffn_gate_up"] / len(ts), "down_us": 1e6 * prof["ffn_down"] / len(ts)}
         return row
     finally:
