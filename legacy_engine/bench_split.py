@@ -34,10 +34,13 @@ from .errors import UnavailableError
 def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | None = None,
              depths=None) -> dict:
     """Prefill tok/s per prompt length (up to max_prompt) and decode tok/s of a Model-like object (Model,
-    SplitModel, GpuModel) after a context of each of `depths` tokens (default: the shortest prompt); "tg" is the
-    first depth's."""
+    SplitModel, GpuModel) after a context of each of `depths` tokens (default: the shortest prompt), the same gen
+    tokens decoded after each; "tg" is the first depth's."""
     depths = [prompts[0]] if depths is None else list(depths)
     ids = seeded_tokens(max(list(prompts) + depths) + gen + 1, model.hparams.n_vocab)
+    # the decoded tokens are the same after every depth (the ones after the deepest context): the depths differ in
+    # the context only, not in which experts the decoded tokens route to
+    steps = ids[max(depths) + 1:max(depths) + 1 + gen]
     st = model.new_state(n_ctx)
     row = {"pp": {}, "pp_s": {}, "tg_at": {}, "tg_runs_at": {}}
     for p in prompts:
@@ -57,7 +60,7 @@ def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | 
             st.reset()
             model.forward(st, ids[:d + 1])       # and one step untimed (a GPU decode records its plan there)
             c0, t0 = _cpu_times(), time.perf_counter()
-            for t in ids[d + 1:d + 1 + gen]:
+            for t in steps:
                 model.forward(st, [t])
             runs.append(gen / (time.perf_counter() - t0))
             steal.append(_steal_share(c0, _cpu_times()))
