@@ -501,7 +501,7 @@ class GpuModel:
                 layer_max = max(layer_max, off)
                 if pin_parts:
                     # after the experts: their ranks in the store and their ids (int32 [2, n]), the copy kernel's
-                    # lists (inside the granule the planner rounds each layer's store up to)
+                    # lists (the layout planner.pin_store_bytes counts)
                     lists = np.concatenate([np.arange(len(es)), np.asarray(es)]).astype(np.int32).view(np.uint8)
                     body = np.concatenate(pin_parts)
                     pad = np.zeros(-len(body) % 16, np.uint8)
@@ -517,12 +517,14 @@ class GpuModel:
         self._slot_ready = [gpu.Event(), gpu.Event()]
         self._slot_used = [False, False]
         self._d2d: list[list] = [[], []]     # per slot: pinned experts' (dst, src, bytes) not yet copied in
+        self._pin_copy: list = [None, None]    # per slot: the layer whose pins the copy kernel puts there at the wait
 
     def _stage(self, i: int, want, wait: bool = True) -> int:
         """Makes staging slot i % 2 hold experts `want` of layer i (host copies on the copy stream, after the
         compute that last read the slot); records the slot's ready event, and (wait) makes the default stream wait
-        for it and copies the pinned experts in there (device to device, runs of consecutive pins in one copy: on
-        the copy stream they stalled its host copies behind the SMs' work). -> the slot's device address."""
+        for it and copies the pinned experts in there on the default stream (on the copy stream they stalled its host
+        copies behind the SMs' work): all of the layer's by the copy kernel (pin_copy_kernel, _copy_pins), else
+        cuMemcpyDtoD runs of consecutive pins. -> the slot's device address."""
         from . import _native
         s = i % 2
         layer, have = self._staged[s]
@@ -555,7 +557,7 @@ class GpuModel:
                         break
                     if e in pins:
                         if self.pin_copy_kernel and i in self._pin_lists:   # all the layer's, by the kernel
-                            self._d2d[s] = [("layer", i)]
+                            self._pin_copy[s] = i
                             continue
                         dst, src = dst0 + off + e * eb, self._pin_store[i].ptr + pin_off + pins[e] * eb
                         d2d = self._d2d[s]
@@ -581,12 +583,11 @@ class GpuModel:
             e1 = gpu.Event()
             e1.record()
             self._stalls.append((e0, e1))
-            for item in self._d2d[s]:        # ordered after the slot's last reader on this stream
-                if item[0] == "layer":
-                    self._copy_pins(item[1], self._staging[s].ptr)
-                else:
-                    _native.gpu_copy_dtod(item[0], item[1], item[2], _native.ffi.NULL)
-            self._d2d[s] = []
+            if self._pin_copy[s] is not None:      # ordered after the slot's last reader on this stream
+                self._copy_pins(self._pin_copy[s], self._staging[s].ptr)
+            for dst, src, nb in self._d2d[s]:
+                _native.gpu_copy_dtod(dst, src, nb, _native.ffi.NULL)
+            self._d2d[s], self._pin_copy[s] = [], None
         return self._staging[s].ptr
 
     def _copy_pins(self, i: int, dst0: int) -> None:
@@ -871,11 +872,6 @@ class GpuModel:
             eids, ptok, pinv, ptiles = mb.ptr, mb.ptr + 4 * pairs, mb.ptr + 8 * pairs, mb.ptr + 12 * pairs
             k.moe_sort(ids, pairs, kk, ne, eids, ptok, pinv, ptiles, n_tiles, self._route_counts_dev(L["index"]),
                        tile=self._group_tile(L))
-            xg = self._buf("xg", 4 * pairs * E).ptr
-            xq = self._gather_hq(L, hq, ptok, pairs)
-            if xq is None:
-                k.get_rows(gpu.F32, h, ptok, xg, pairs, E)
-            x_tok, x_group = xg, 1
         elif sort:
             # pairs in expert order: the GEMV blocks of one expert run together and share its weights in L2.
             # x rows gathered per pair; moe_combine reads the outputs in that order (pinv)
@@ -889,6 +885,7 @@ class GpuModel:
             mb.upload(meta)
             eids, ptok, pinv, ptiles = mb.ptr, mb.ptr + 4 * pairs, mb.ptr + 8 * pairs, mb.ptr + 12 * pairs
             n_tiles = len(tiles)
+        if sort:       # x rows gathered per sorted pair (Q8_1 from hq where the grouped int8 GEMMs read them)
             xg = self._buf("xg", 4 * pairs * E).ptr
             xq = self._gather_hq(L, hq, ptok, pairs)
             if xq is None:

@@ -200,6 +200,13 @@ def state_bytes(hp, n_ctx: int) -> int:
     return _round(conv) + _round(ssm) + _round(kv) + _round(n_ctx * hp.n_rot * 4)
 
 
+def pin_store_bytes(n: int, expert_bytes: int) -> int:
+    """One layer's pin store (gpu_model): its n pinned experts, padding to 16 bytes, then the copy kernel's lists
+    (int32 [2, n]: ranks, expert ids); 0 without pins."""
+    body = n * expert_bytes
+    return body + -body % 16 + 8 * n if n else 0
+
+
 def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = None, n_ctx: int = 4096,
                    chunk: int = 512, int8: bool = True, logit_rows: int | None = None,
                    link_experts: int = 0, early_experts: int = 0) -> VramFootprint:
@@ -217,7 +224,7 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
         per_expert[i] = full // hp.n_expert
         layer_max = max(layer_max, full)
         if stream_experts:
-            pin_total += _round(len(pinned.get(i, ())) * per_expert[i])
+            pin_total += _round(pin_store_bytes(len(pinned.get(i, ())), per_expert[i]))
     parts = {"weights": resident}
     if stream_experts:
         parts["pinned experts"] = pin_total
