@@ -1366,6 +1366,8 @@ class Kernels:
             raise ValueError(f"moe_combine: n = {n}, k = {k}, E = {E}")
         _need(y, 4 * n * k * E, "moe_combine y")
         _need(w, 4 * n * k, "moe_combine w")
+        if rows is not None:
+            _need(rows, 4 * n * k, "moe_combine rows")
         _need(out, 4 * n * E, "moe_combine out")
         if sh is not None:
             _need(sh, 4 * n * E, "moe_combine sh")

@@ -1409,8 +1409,11 @@ class GpuModel:
         streamed = ""
         if self.stream:
             n_pin = sum(len(v) for v in self.pinned.values())
+            by = ("the copy kernel" if self.pin_copy_kernel and len(self._pin_lists) == len(self._pin_store)
+                  else "cuMemcpyDtoD")
             streamed = (f"; routed experts streamed from host RAM ({self.host_pinned_why}), {n_pin} of "
-                        f"{self.hparams.n_expert * len(self._stage_layout)} pinned in VRAM")
+                        f"{self.hparams.n_expert * len(self._stage_layout)} pinned in VRAM (into the prefill's "
+                        f"staging by {by})")
             if self.cpu_experts:
                 streamed += (f"; hybrid decode ({self.link_experts} experts per layer fetched over the link, the "
                              f"rest not pinned on the CPU; {self.early_experts} of the next layer's likeliest copied "
