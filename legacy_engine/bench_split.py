@@ -32,10 +32,11 @@ from .errors import UnavailableError
 
 
 def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | None = None,
-             depths=None) -> dict:
+             depths=None, gm=None) -> dict:
     """Prefill tok/s per prompt length (up to max_prompt) and decode tok/s of a Model-like object (Model,
     SplitModel, GpuModel) after a context of each of `depths` tokens (default: the shortest prompt), the same gen
-    tokens decoded after each; "tg" is the first depth's."""
+    tokens decoded after each; "tg" is the first depth's. gm: the GpuModel inside `model`, whose hybrid decode's
+    split is reported per depth ("hybrid_at")."""
     depths = [prompts[0]] if depths is None else list(depths)
     ids = seeded_tokens(max(list(prompts) + depths) + gen + 1, model.hparams.n_vocab)
     # the decoded tokens are the same after every depth (the ones after the deepest context): the depths differ in
@@ -55,7 +56,7 @@ def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | 
     for d in depths:
         if max_prompt is not None and d > max_prompt:
             continue
-        runs = []
+        runs, hs0 = [], _hybrid_snapshot(gm)
         for _ in range(max(1, reps)):      # decode: gen steps after d tokens, reps times (the median is reported)
             st.reset()
             model.forward(st, ids[:d + 1])       # and one step untimed (a GPU decode records its plan there)
@@ -65,12 +66,23 @@ def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | 
             runs.append(gen / (time.perf_counter() - t0))
             steal.append(_steal_share(c0, _cpu_times()))
         row["tg_at"][d], row["tg_runs_at"][d] = statistics.median(runs), runs
+        hs1 = _hybrid_snapshot(gm)
+        if hs0 is not None and hs1["steps"] > hs0["steps"]:      # a hybrid decode: its split at this depth
+            per_tok = gm.hparams.n_layer / (hs1["steps"] - hs0["steps"])
+            row.setdefault("hybrid_at", {})[d] = {k: (hs1[k] - hs0[k]) * per_tok
+                                                  for k in ("cpu_experts", "cpu_s", "read_s")}
     first = next(iter(row["tg_at"]), None)
     row["tg"] = row["tg_at"][first] if first is not None else float("nan")
     row["tg_runs"] = row["tg_runs_at"].get(first, [])
     if steal and steal[0] is not None:
         row["cpu_steal"] = max(steal)        # a virtual machine's host taking the CPUs: decode numbers then vary
     return row
+
+
+def _hybrid_snapshot(model) -> dict | None:
+    """A GpuModel's hybrid decode counters (hybrid_stats: summed over the layers it served), None for None."""
+    hs = getattr(model, "hybrid_stats", None) if model is not None else None
+    return dict(hs) if isinstance(hs, dict) else None
 
 
 def _cpu_times() -> list | None:
@@ -198,7 +210,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             try:
                 gm.profile()
                 row = dict(strategy=name, describe=gm.describe(),
-                           **_measure(runner, prompts, gen, reps, n_ctx, depths=tg_depths))
+                           **_measure(runner, prompts, gen, reps, n_ctx, depths=tg_depths, gm=gm))
                 if base == "hybrid":
                     row["link_experts"] = link
                 # the GPU prefills: (reps + 1) per prompt length (warm-up included), and each decode run's prompt
@@ -228,7 +240,11 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                     row["chunk"] = st0.chunk
                     row["per_prefill"] = {"h2d_gib": s["h2d_bytes"] / n_pp / 2**30,
                                           "copy_stall_s": s["copy_stall_s"] / n_pp,
-                                          "ids_wait_s": s["ids_wait_s"] / n_pp}
+                                          "ids_wait_s": s["ids_wait_s"] / n_pp,
+                                          # the copy stream busy copying, its mean and slowest layer's rate
+                                          "copy_busy_s": s["copy_busy_s"] / n_pp,
+                                          "copy_gbps": s["h2d_bytes"] / max(s["copy_busy_s"], 1e-9) / 1e9,
+                                          "copy_slowest_gbps": s["copy_slowest_gbps"]}
                 row["peak_vram_gib"] = (gpu.mem_stats()["peak"] - (hold.nbytes if hold else 0)) / 2**30
             finally:
                 gm.close()
@@ -279,6 +295,10 @@ def print_split(res: dict) -> None:
         if len(r.get("tg_at", ())) > 1:
             print(f"{'':<28}decode after a context of " + ", ".join(f"{d} tokens {v:.2f}" for d, v in
                                                                      r["tg_at"].items()) + " tok/s")
+        if len(r.get("hybrid_at", ())) > 1:
+            print(f"{'':<28}hybrid split per token after " + "; ".join(
+                f"{d} tokens: {h['cpu_experts']:.0f} experts on the CPU in {1e3 * h['cpu_s']:.2f} ms, host waiting "
+                f"for the GPU {1e3 * h['read_s']:.2f} ms" for d, h in r["hybrid_at"].items()))
         if len(r.get("tg_runs", ())) > 1:
             steal = f"; the hypervisor took up to {100 * r['cpu_steal']:.1f} % of the CPUs" if "cpu_steal" in r else ""
             print(f"{'':<28}decode runs (median above): " + ", ".join(f"{v:.1f}" for v in r["tg_runs"]) + steal)
@@ -287,6 +307,9 @@ def print_split(res: dict) -> None:
             print(f"{'':<28}per prefill (mean over prompts): expert copies {pp['h2d_gib']:.2f} GiB, GPU waiting for "
                   f"copies {pp['copy_stall_s']:.3f} s, host waiting for routing {pp['ids_wait_s']:.3f} s; passes of "
                   f"{r['chunk']} tokens; peak VRAM {r['peak_vram_gib']:.2f} GiB")
+            if "copy_busy_s" in pp:
+                print(f"{'':<28}copy stream busy {pp['copy_busy_s']:.3f} s a prefill at {pp['copy_gbps']:.1f} GB/s "
+                      f"(slowest layer {pp['copy_slowest_gbps']:.1f} GB/s)")
             print(f"{'':<28}{r['describe']}")
         if "hybrid_per_token" in r:
             h = r["hybrid_per_token"]

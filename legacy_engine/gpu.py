@@ -602,6 +602,20 @@ class Buffer:
             pass
 
 
+class BufferView(Buffer):
+    """nbytes of a Buffer from an offset, read and written as a Buffer; it owns nothing (free() forgets the address,
+    the Buffer keeps the memory)."""
+
+    def __init__(self, parent: Buffer, offset: int, nbytes: int, what: str = "view"):
+        if offset < 0 or offset + nbytes > parent.nbytes:
+            raise ValueError(f"{what}: bytes {offset}…{offset + nbytes} outside the {parent.nbytes}-byte {parent.what}")
+        self.parent, self.nbytes, self.what = parent, int(nbytes), what
+        self.ptr = parent.ptr + int(offset)
+
+    def free(self) -> None:
+        self.ptr = 0
+
+
 class PinnedBuffer:
     """Page-locked host memory (fast and asynchronous copies); .array is a uint8 numpy view."""
 

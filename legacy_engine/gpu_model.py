@@ -43,6 +43,7 @@ import numpy as np
 
 from . import gpu
 from .errors import EngineError, UnavailableError
+from .planner import ARENA_ALIGN, ARENA_NAMES, arena_bytes
 
 PREFILL_CHUNK = 512      # tokens per pass by default: bounds the scratch
 MAX_CHUNK = 4096         # the most a GpuModel may be asked for (n*k MoE pairs <= gpu.MAX_PAIRS is checked too)
@@ -279,12 +280,16 @@ class GpuModel:
         self.pin_copy_kernel = PIN_COPY_KERNEL   # the pinned experts into the staging by a copy kernel (or memcpy)
         self._staged: list[tuple[int, set]] = []
         # streamed-expert accounting (stream_report), and the host's wait for the routing (sorted pairs too)
-        self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0, "copy_stall_s": 0.0, "ids_wait_s": 0.0}
+        # copy_busy_s: the copy stream's time from the start to the end of each layer's host copies (events on it,
+        # after its wait for the slot), copy_slowest_gbps: the slowest such layer's rate (of those >= 64 MiB)
+        self.stream_stats = {"h2d_bytes": 0, "d2d_bytes": 0, "layers": 0, "copy_stall_s": 0.0, "ids_wait_s": 0.0,
+                             "copy_busy_s": 0.0, "copy_slowest_gbps": 0.0}
         # the hybrid decode: MoE layer steps, experts run on the CPU, seconds in le_moe_routed and in the routing read
         self._hybrid_stats = {"steps": 0, "cpu_experts": 0, "cpu_s": 0.0, "read_s": 0.0, "prefetch_s": 0.0,
                               "prefetch_aimed": 0, "prefetch_hits": 0, "prefetch_bytes": 0.0, "early_copied": 0,
                               "early_in_time": 0, "early_routed": 0, "split_lag_s": 0.0, "split_tail_s": 0.0}
         self._stalls: list = []
+        self._copy_marks: list = []     # (event before, event after, bytes) of each layer's host copies
         # routing statistics, counted where the host reads the routing anyway (streamed or sorted passes);
         # close() adds them to the model file's saved counts (planner.save_routing), which choose the pins
         self.route_counts: dict[int, np.ndarray] = {}
@@ -294,6 +299,11 @@ class GpuModel:
         self._bufs: dict[str, tuple] = {}      # resident tensor -> (device address, type on the GPU)
         self._weights: gpu.Buffer | None = None
         self.vram_bytes = 0
+        from .planner import host_embedding
+        # the token embedding: "vram", or "host" (planner.host_embedding: page-locked host memory, rows read by
+        # get_rows over the link; needs the device to address host memory)
+        self.embd_where = "host" if host_embedding(self.file, self.stream) else "vram"
+        self._host_copy = None     # a page-locked copy of the host-read embedding where the map is not page-locked
         try:
             self._upload_all(progress)
         except BaseException:
@@ -303,10 +313,14 @@ class GpuModel:
             if self._host is not None:
                 from . import _native
                 _native.gpu_host_unregister(self._host[0])
+            if self._host_copy is not None:
+                self._host_copy.free()
             if self.budget is not None:
                 gpu.set_budget(None)          # a failed load leaves no budget (nor memory) behind
             raise
         self._scratch: dict[str, gpu.Buffer] = {}
+        self._arena: gpu.Buffer | None = None      # a pass's block buffers (_arena_reserve, _arena_buf)
+        self._arena_block, self._arena_at = None, 0
         self._retired: list[gpu.Buffer] = []
         self._tag = "p"           # scratch set: "d" decode (one token, named by plans), "p" prefill
         self._gen = 0             # bumped when a decode buffer or the rope table moves: plans recorded before are stale
@@ -337,6 +351,8 @@ class GpuModel:
         stored on the GPU)."""
         if name in self._bufs:
             return self._bufs[name]
+        if name == "token_embd.weight" and self.embd_where == "host":
+            return self._host_tensor(name)
         from . import _native
         t = self.file.tensors[name]
         data = self.file.gguf.data(name)
@@ -352,6 +368,25 @@ class GpuModel:
             _native.gpu_copy_htod(ptr, raw, raw.nbytes)
         self._bufs[name] = (ptr, qtype)
         return ptr, qtype
+
+    def _host_tensor(self, name: str) -> tuple[int, int]:
+        """A tensor the GPU reads where it lies in host memory (planner.host_embedding), over the link: the weight
+        map's device address where the map is page-locked (_setup_streaming), else a page-locked copy of it ->
+        (device address, ggml type)."""
+        from . import _native
+        if not _native.gpu_attribute(gpu.ATTR_UNIFIED_ADDRESSING):
+            raise UnavailableError(f"{name} stays in host memory when the experts stream, and this GPU cannot address "
+                                   "host memory (no unified addressing: a 64-bit host and driver)")
+        t, data = self.file.tensors[name], self.file.gguf.data(name)
+        if self._host is not None:
+            addr = _native.gpu_host_device_pointer(self._map_base) + (_native.host_address(data) - self._map_base)
+        else:
+            raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+            self._host_copy = gpu.PinnedBuffer(max(raw.nbytes, 1))
+            self._host_copy.array[:raw.nbytes] = raw
+            addr = _native.gpu_host_device_pointer(int(_native.ffi.cast("uintptr_t", self._host_copy.ptr)))
+        self._bufs[name] = (addr, t.type)
+        return addr, t.type
 
     def _w(self, name: str, rows: tuple[int, int] | None = None, expert_rows: tuple[int, int] | None = None) -> _W:
         """The weight `name` ([ne1, ne0] or [ne2, ne1, ne0]); rows: a row range of a fused 2-D tensor;
@@ -400,7 +435,7 @@ class GpuModel:
             self._upload(n)
         if self.stream:
             self._setup_streaming(progress)
-        self.embd = self._w("token_embd.weight")
+        self.embd = self._w("token_embd.weight")    # in VRAM, or read from host memory (embd_where)
         self.out_norm = self._f32("output_norm.weight")
         self.head = self._w("output.weight") if "output.weight" in T else self.embd
         self.layers = []
@@ -535,6 +570,8 @@ class GpuModel:
             t_issue, h2d0 = time.perf_counter(), self.stream_stats["h2d_bytes"]
             if self._slot_used[s]:
                 self._copy.wait(self._slot_free[s])
+            c0 = gpu.Event()
+            c0.record(self._copy)
             dst0 = self._staging[s].ptr
             pins = {e: j for j, e in enumerate(self.pinned.get(i, []))}
             h = self._copy.handle
@@ -569,6 +606,9 @@ class GpuModel:
                     else:
                         run = [e]
             self._staged[s] = (i, have | set(need))
+            c1 = gpu.Event()
+            c1.record(self._copy)
+            self._copy_marks.append((c0, c1, self.stream_stats["h2d_bytes"] - h2d0))
             if self.simulate_link:
                 self._copy.synchronize()
                 copied = self.stream_stats["h2d_bytes"] - h2d0
@@ -639,10 +679,20 @@ class GpuModel:
 
     def stream_report(self) -> dict:
         """stream_stats with copy_stall_s brought up to date: the time the GPU's compute stream sat waiting for
-        expert copies (events around each wait), summed since the model was made."""
+        expert copies (events around each wait), summed since the model was made; copy_busy_s the copy stream's time
+        copying (a stall with the link busy is a slow link, with it idle a late issue), copy_slowest_gbps the
+        slowest layer's rate."""
         for e0, e1 in self._stalls:
             self.stream_stats["copy_stall_s"] += e0.elapsed_ms(e1) / 1e3
         self._stalls = []
+        for c0, c1, nb in self._copy_marks:
+            dt = c0.elapsed_ms(c1) / 1e3
+            self.stream_stats["copy_busy_s"] += dt
+            if nb >= 64 << 20 and dt > 0:
+                gbps = nb / dt / 1e9
+                slow = self.stream_stats["copy_slowest_gbps"]
+                self.stream_stats["copy_slowest_gbps"] = gbps if not slow else min(slow, gbps)
+        self._copy_marks = []
         return dict(self.stream_stats)
 
     def _next_moe(self, i: int) -> int:
@@ -707,6 +757,10 @@ class GpuModel:
     # ------------------------------------------------------------------ scratch
 
     def _buf(self, name: str, nbytes: int) -> gpu.Buffer:
+        """Scratch buffer `name` of the current set (self._tag) of >= nbytes: a pass of several tokens takes its
+        blocks' buffers (planner.ARENA_NAMES) from the block arena (_arena_open), the others have one each."""
+        if self._tag == "p" and name in ARENA_NAMES:
+            return self._arena_buf(name, nbytes)
         key = f"{self._tag}:{name}"
         b = self._scratch.get(key)
         if b is None or b.nbytes < nbytes:
@@ -718,6 +772,36 @@ class GpuModel:
             if self._tag == "d":
                 self._gen += 1
         return b
+
+    def _arena_reserve(self, n: int) -> None:
+        """The block arena for passes of n tokens (planner.arena_bytes: the largest block's buffers), grown before
+        the pass launches anything (a pass never grows it: its blocks' buffers would move under queued work)."""
+        need = arena_bytes(self.hparams, n, self.int8_prefill)
+        if self._arena is None or self._arena.nbytes < need:
+            if self._arena is not None:
+                gpu.synchronize()           # the last pass's blocks are done with it
+                self._arena.free()
+                self._arena = None
+            self._arena = gpu.Buffer(max(need, 256), "scratch p:block arena")
+        self._arena_block, self._arena_at = None, 0
+
+    def _arena_open(self, block: str) -> None:
+        """A pass's block (planner.block_scratch) starts: its buffers take the arena from its start (the last
+        block's are dead: it wrote y, which lives outside)."""
+        if self._tag == "p":
+            self._arena_block, self._arena_at = block, 0
+
+    def _arena_buf(self, name: str, nbytes: int) -> gpu.BufferView:
+        block = ARENA_NAMES[name]
+        if self._arena is None or block != self._arena_block:
+            raise RuntimeError(f"scratch {name!r} of the {block} block asked for inside block {self._arena_block!r}"
+                               " (gpu_model: _arena_open at the block's start)")
+        at = self._arena_at
+        if at + nbytes > self._arena.nbytes:
+            raise RuntimeError(f"the {block} block's scratch outgrew its arena at {name!r} ({at + nbytes} > "
+                               f"{self._arena.nbytes} bytes): planner.block_scratch misses a buffer")
+        self._arena_at = at + -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        return gpu.BufferView(self._arena, at, nbytes, f"scratch p:{name}")
 
     def _rope_cs(self, n_ctx: int) -> gpu.Buffer:
         if self._rope is None or self._rope_n < n_ctx:
@@ -763,6 +847,7 @@ class GpuModel:
 
     def _gdn(self, L: dict, h: int, hq, n: int, st: "GpuState", si: int, y: int) -> None:
         hp, k = self.hparams, self.k
+        self._arena_open("gdn")
         E, Hk, Hv, dk = hp.n_embd, hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state
         dv = hp.ssm_d_inner // Hv
         conv_dim = 2 * Hk * dk + hp.ssm_d_inner
@@ -806,6 +891,7 @@ class GpuModel:
 
     def _attention(self, L: dict, h: int, hq, n: int, st: "GpuState", si: int, y: int) -> None:
         hp, k = self.hparams, self.k
+        self._arena_open("attention")
         E, hd, nh, nkv = hp.n_embd, hp.head_dim, hp.n_head, hp.n_head_kv
         qw, kvw, pos = nh * 2 * hd, nkv * hd, st.pos
         qg = self._buf("qg", 4 * n * qw).ptr
@@ -831,6 +917,7 @@ class GpuModel:
         E = hp.n_embd
         if not hp.n_expert:
             ff = hp.n_ff
+            self._arena_open("ffn")
             g = self._buf("ffg", 4 * n * ff).ptr
             u = self._buf("ffu", 4 * n * ff).ptr
             self._mm(L["gate"], h, g, n, hq)
@@ -842,6 +929,7 @@ class GpuModel:
             return self._ffn_hybrid(L, h, hq, y)
         ne, kk, ff = hp.n_expert, hp.n_expert_used, hp.n_ff_exp
         pairs = n * kk
+        self._arena_open("moe")
         logits = self._buf("router", 4 * n * ne).ptr
         ids = self._buf("ids", 4 * pairs).ptr
         wts = self._buf("wts", 4 * pairs).ptr
@@ -1258,6 +1346,13 @@ class GpuModel:
         for c0 in range(0, ids.size, self.chunk):
             part = ids[c0:c0 + self.chunk]
             last = c0 + self.chunk >= ids.size
+            if part.size == 1 and self.plan:
+                # a last chunk of one token is the decode plan's step (an unplanned one-token pass would allocate
+                # decode buffers of its own, and the plan be recorded again at the next token)
+                out = self._decode(state, int(part[0]), want_logits and (all_logits or last))
+                if out is not None:
+                    outs.append(out)
+                continue
             out = self._forward_chunk(state, part, all_logits if want_logits else False,
                                       want_logits and (all_logits or last))
             if out is not None:
@@ -1300,6 +1395,8 @@ class GpuModel:
         hp, k = self.hparams, self.k
         n, E = (1 if planned else ids.size), hp.n_embd
         self._tag = "d" if n == 1 else "p"
+        if n > 1:
+            self._arena_reserve(n)
         if n == 1 and self.cpu_experts:
             self._hy_next()
         if planned:
@@ -1359,17 +1456,20 @@ class GpuModel:
         from . import _native
         gpu.synchronize()
         pins = list(getattr(self, "_pin_store", {}).values())
-        for b in [self._weights] + list(self._scratch.values()) + self._retired + self._staging + pins:
+        for b in [self._weights, self._arena] + list(self._scratch.values()) + self._retired + self._staging + pins:
             if b is not None:
                 b.free()
         if self._rope is not None:
             self._rope.free()
         self._bufs, self._scratch, self._retired, self._rope, self._staging, self._pin_store = {}, {}, [], None, [], {}
-        self._weights = None
+        self._weights, self._arena = None, None
         self._counts_dev, self._counts_layers = None, set()
         if self._handoff is not None:
             self._handoff.free()
             self._handoff = None
+        if self._host_copy is not None:
+            self._host_copy.free()
+            self._host_copy = None
         if self._hy is not None:
             self._hy_flush()
             hy, self._hy = self._hy, None
@@ -1423,9 +1523,12 @@ class GpuModel:
         budget = f" (budget {self.budget / 2**30:.2f} GiB: {self.footprint.describe()})" if self.budget else ""
         kind = lambda on: "int8 DP4A" if on else "f32"   # noqa: E731
         gemm = "int8 tensor-core (mma)" if self.mma else kind(self.int8_prefill)
+        embd = ("; token embedding read from host memory over the link ("
+                + ("the page-locked map" if self._host is not None else "a page-locked copy") + ")"
+                if self.embd_where == "host" else "")
         return (f"GPU {self.device['name']} ({self.k.name} kernels, {kind(self.int8)} decode GEMVs, "
                 f"{gemm} prefill GEMMs), weights {self.vram_bytes / 2**30:.2f} GiB in "
-                f"VRAM{budget}{streamed}; decode CUDA graphs {self.graphs_why}{conv}")
+                f"VRAM{budget}{streamed}{embd}; decode CUDA graphs {self.graphs_why}{conv}")
 
 
 def model_faults(model) -> dict:

@@ -75,11 +75,25 @@ def weight_layout(file, names) -> tuple[dict, int]:
     return offs, at
 
 
+def host_embedding(file, stream_experts: bool) -> bool:
+    """Whether a GPU model of `file` leaves the token embedding in page-locked host memory (get_rows reads its n
+    rows over the link, a decode step's one row ~1 KB): where the experts stream (VRAM is short: its bytes hold
+    more pinned experts), the head is a tensor of its own (a tied head reads every row each token) and a GPU kernel
+    reads its type as stored. llama.cpp keeps it on the host always."""
+    from . import gpu
+    t = file.tensors.get("token_embd.weight")
+    return bool(stream_experts and t is not None and "output.weight" in file.tensors
+                and (t.type == gpu.F32 or t.type in gpu.GPU_TYPES))
+
+
 def resident_names(file, stream_experts: bool = False) -> list:
     """The tensors a GPU model of `file` keeps in VRAM, in file order: every layer's (MTP layers excepted: not run)
-    and the embedding, output norm and head; without the routed experts when they stream."""
+    and the embedding (not where host_embedding), output norm and head; without the routed experts when they
+    stream."""
     hp = file.hparams
     exp = {n for i in range(hp.n_layer) for n in expert_tensors(file, i)} if stream_experts else set()
+    if host_embedding(file, stream_experts):
+        exp.add("token_embd.weight")
     return [n for n in file.tensors
             if (n.startswith("blk.") and int(n.split(".")[1]) < hp.n_layer
                 or n in ("token_embd.weight", "output_norm.weight", "output.weight")) and n not in exp]
@@ -156,36 +170,70 @@ def head_rows(chunk: int, stream: bool) -> int:
     return min(chunk, STREAM_LOGIT_ROWS if stream else LOGIT_ROWS)
 
 
-def scratch_bytes(hp, n: int, int8: bool, logit_rows: int) -> int:
-    """The named scratch buffers of one forward pass of n tokens (gpu_model's _buf calls), logits for logit_rows."""
+ARENA_ALIGN = 256        # each buffer of the prefill's block arena starts at a multiple of it (gpu_model._buf)
+
+
+def block_scratch(hp, n: int, int8: bool) -> dict:
+    """The scratch buffers of each block of a layer in a pass of n tokens, {block: {_buf name: bytes}} (gpu_model's
+    names; "ed" and "xg" are one buffer: the pairs' rows, unsorted or sorted). A block reads h and writes y, so
+    none of its buffers outlives it: a pass of n > 1 tokens puts each block's buffers in one allocation shared by
+    the blocks (arena_bytes), a decode step keeps them apart (plans name them)."""
     from . import gpu
     E, k = hp.n_embd, max(hp.n_expert_used, 1)
-    b = 4 * n + 3 * 4 * n * E
+    blocks = {}
     if any(hp.recurrent):
         cd = 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_d_inner
-        b += 2 * 4 * n * cd + 2 * 4 * n * hp.ssm_d_inner + 2 * 4 * n * hp.ssm_dt_rank
+        blocks["gdn"] = {"qkv": 4 * n * cd, "u": 4 * n * cd, "z": 4 * n * hp.ssm_d_inner,
+                         "o": 4 * n * hp.ssm_d_inner, "beta": 4 * n * hp.ssm_dt_rank, "g": 4 * n * hp.ssm_dt_rank}
     if not all(hp.recurrent):
-        hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
-        b += 4 * n * nh * 2 * hd + 4 * n * nh * hd + 2 * 4 * nkv * hd
-        b += 4 * nh * gpu.ATTN_MAX_SPLIT * (hd + 2)
+        hd, nh = hp.head_dim, hp.n_head
+        blocks["attention"] = {"qg": 4 * n * nh * 2 * hd, "ao": 4 * n * nh * hd}
     if hp.n_expert:
         pairs, ff = n * k, hp.n_ff_exp
-        # router logits, ids and weights, gate/up rows, and the pairs' rows [pairs, E]: the down outputs in
-        # (token, slot) order, or with sorted pairs (n > 1) the gathered inputs, which the down outputs overwrite
-        # and moe_combine reads in place (one of the two is allocated)
-        b += 4 * n * hp.n_expert + 2 * 4 * pairs + 2 * 4 * pairs * ff + 4 * pairs * E
+        # router logits, ids and weights, gate/up rows, the pairs' rows [pairs, E] (the down outputs in (token,
+        # slot) order, or with sorted pairs the gathered inputs, which the down outputs overwrite in place), the
+        # sorted pairs' ids/token/inverse and tiles (moe_sort's padded list)
+        moe = {"router": 4 * n * hp.n_expert, "ids": 4 * pairs, "wts": 4 * pairs, "eg": 4 * pairs * ff,
+               "eu": 4 * pairs * ff, "xg": 4 * pairs * E,
+               "pair_meta": 3 * 4 * pairs + 12 * (-(-pairs // 32) + min(hp.n_expert, pairs))}
+        if int8:      # the grouped int8 GEMMs' Q8_1 inputs: the gathered rows, the down's
+            moe |= {"xq_tok": pairs * E // 32 * gpu.Q8_1_BYTES, "xq_down": pairs * ff // 32 * gpu.Q8_1_BYTES}
         if hp.n_ff_shexp:
-            b += 2 * 4 * n * hp.n_ff_shexp + 4 * n * E + 4 * n
-        # sorted pairs: ids/token/inverse, tiles (moe_sort's padded list), routing counts
-        b += 3 * 4 * pairs + 12 * (-(-pairs // 32) + min(hp.n_expert, pairs))
-        b += 4 * hp.n_layer * hp.n_expert
-        if int8:
-            b += (pairs * E + pairs * ff) // 32 * gpu.Q8_1_BYTES
+            fs = hp.n_ff_shexp
+            moe |= {"sg": 4 * n * fs, "su": 4 * n * fs, "sh": 4 * n * E, "shg": 4 * n}
+        blocks["moe"] = moe
     else:
-        b += 2 * 4 * n * hp.n_ff
+        blocks["ffn"] = {"ffg": 4 * n * hp.n_ff, "ffu": 4 * n * hp.n_ff}
+    return blocks
+
+
+ARENA_NAMES = {"qkv": "gdn", "u": "gdn", "z": "gdn", "o": "gdn", "beta": "gdn", "g": "gdn", "qg": "attention",
+               "ao": "attention", "router": "moe", "ids": "moe", "wts": "moe", "eg": "moe", "eu": "moe", "xg": "moe",
+               "ed": "moe", "pair_meta": "moe", "xq_tok": "moe", "xq_down": "moe", "sg": "moe", "su": "moe",
+               "sh": "moe", "shg": "moe", "ffg": "ffn", "ffu": "ffn"}     # _buf name -> its block (block_scratch)
+
+
+def arena_bytes(hp, n: int, int8: bool) -> int:
+    """The prefill's block arena for passes of n tokens: the largest block's buffers, each ARENA_ALIGN-aligned."""
+    return max((sum(-(-b // ARENA_ALIGN) * ARENA_ALIGN for b in blk.values())
+                for blk in block_scratch(hp, n, int8).values()), default=0)
+
+
+def scratch_bytes(hp, n: int, int8: bool, logit_rows: int) -> int:
+    """The named scratch buffers of one forward pass of n tokens (gpu_model's _buf calls), logits for logit_rows:
+    the blocks' buffers in one arena when n > 1 (arena_bytes), apart in a decode step."""
+    from . import gpu
+    E = hp.n_embd
+    b = 4 * n + 3 * 4 * n * E                    # tokens; x, h, y
+    if n == 1 and not all(hp.recurrent):         # a decode step's k and v rows and its split-K partials
+        hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
+        b += 2 * 4 * nkv * hd + 4 * nh * gpu.ATTN_MAX_SPLIT * (hd + 2)
+    if hp.n_expert:
+        b += 4 * hp.n_layer * hp.n_expert        # the routing counts
     if int8:       # Q8_1 rows of n tokens: the normed h (hq), another shared input (xq), a matmul's own (xq_mm)
         b += 4 * n * max(E, hp.ssm_d_inner, hp.n_ff, hp.n_ff_shexp, hp.n_ff_exp, hp.n_head * hp.head_dim) // 32 \
             * gpu.Q8_1_BYTES
+    b += arena_bytes(hp, n, int8) if n > 1 else sum(sum(blk.values()) for blk in block_scratch(hp, n, int8).values())
     return b + 4 * logit_rows * hp.n_vocab
 
 

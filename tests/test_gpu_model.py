@@ -615,6 +615,25 @@ def test_decode_plan_matches_unplanned(gpu_device, tiny_file, cpu_model, graphs)
     assert np.abs(out["planned"] - ref).max() <= tol.LOGIT_ABS_F32
 
 
+def test_prompt_ending_in_a_one_token_chunk_keeps_the_decode_plan(gpu_device, tiny_file, cpu_model):
+    """A prompt of chunk + 1 tokens: its last chunk of one token runs as the decode plan's step (an unplanned
+    one-token pass allocated decode buffers of its own, so the next token recorded the plan again), with the CPU
+    engine's logits."""
+    from legacy_engine.gpu_model import GpuModel
+    cpu = cpu_model("moe")
+    gm = GpuModel(cpu, int8=False, chunk=16)
+    ids = sequence(24, cpu.hparams.n_vocab)
+    st = gm.new_state(64)
+    gm.forward(st, ids[:1])                        # records the plan
+    plan, gen = st._plan, gm._gen
+    st.reset()
+    got = [gm.forward(st, ids[:17], all_logits=True)] + [gm.forward(st, ids[i:i + 1]) for i in range(17, 24)]
+    assert st._plan is plan and gm._gen == gen
+    got = np.concatenate(got)
+    assert got.shape == (24, cpu.hparams.n_vocab)
+    assert np.abs(got - cpu_logits(cpu, ids, 17)).max() <= tol.LOGIT_ABS_F32
+
+
 def test_bad_input_is_refused_and_state_kept(gpu_device, tiny_file, cpu_model):
     from legacy_engine.gpu_model import GpuModel
     cpu = cpu_model("dense")
@@ -682,7 +701,7 @@ def test_streamed_experts_match_cpu(chunk, pin_copy, gpu_device, tiny_file, cpu_
                              [gm.forward(st, ids[i:i + 1]) for i in range(60, 80)])
         ref = cpu_logits(cpu, ids, 60)
         d = float(np.abs(got.astype(np.float64) - ref).max())
-        stats = dict(gm.stream_stats)
+        stats = gm.stream_report()
         peak = gpu.mem_stats()["peak"]
         # routing statistics: every (token, slot) of the 80 tokens counted once per MoE layer
         assert len(gm.route_counts) == cpu.hparams.n_layer
@@ -690,11 +709,39 @@ def test_streamed_experts_match_cpu(chunk, pin_copy, gpu_device, tiny_file, cpu_
         print(f"\nchunk {chunk}: max|Δ| {d:.2e}; {stats}; {gm.describe()}")
         assert d <= tol.LOGIT_ABS_F32
         assert stats["h2d_bytes"] > 0 and stats["d2d_bytes"] > 0
+        assert stats["copy_busy_s"] > 0                         # the copy stream's events around its copies
         assert "page-locked in place" in gm.host_pinned_why
+        # the token embedding is read from the page-locked map (planner.host_embedding), not uploaded
+        assert gm.embd_where == "host" and "token embedding read from host memory" in gm.describe()
     finally:
         gm.close()
     assert gpu.mem_stats()["budget"] < 0                      # close() lifted it
     assert peak > 0
+
+
+def test_streamed_model_without_a_page_locked_map(gpu_device, tiny_file, cpu_model, monkeypatch):
+    """Where the weight map cannot be page-locked (cuMemHostRegister refused), the experts are copied from pageable
+    memory and the token embedding is read from a page-locked copy of it: the same logits as the CPU engine, the
+    reason in describe()."""
+    from legacy_engine import _native
+    from legacy_engine.errors import NativeError
+
+    def refuse(*_a, **_k):
+        raise NativeError("le_gpu_host_register: refused (test)")
+
+    monkeypatch.setattr(_native, "gpu_host_register", refuse)
+    cpu = cpu_model("moe")
+    gm = _stream_model(cpu, {0: [0, 5]}, 16, save_routing=False)
+    try:
+        ids = sequence(40, cpu.hparams.n_vocab)
+        st = gm.new_state(N_CTX)
+        got = np.concatenate([gm.forward(st, ids[:30], all_logits=True)] +
+                             [gm.forward(st, ids[i:i + 1]) for i in range(30, 40)])
+        d = float(np.abs(got.astype(np.float64) - cpu_logits(cpu, ids, 30)).max())
+        assert d <= tol.LOGIT_ABS_F32, d
+        assert "NOT page-locked" in gm.host_pinned_why and "a page-locked copy" in gm.describe()
+    finally:
+        gm.close()
 
 
 def test_budget_is_planned_before_anything_is_allocated(gpu_device, tiny_file, cpu_model):
