@@ -4,17 +4,22 @@
  * the layers as they come (native/hybrid.c le_hybrid_serve).
  *
  * Reference: the host-side version it replaces (gpu_model._ffn_hybrid before 2026-11-25e) and native/hybrid.c:
- *   hybrid_publish_f32(h, ids, w, pin_idx, n_link, pred, n_early, meta, slot, chan, E, k)   k <= 32
+ *   hybrid_publish_f32(h, ids, w, pin_idx, extra_idx, n_link, pred, n_early, meta, slot, chan, E, k)   k <= 32
  *     h: [E] device, the layer's normed input;  ids, w: [k] moe_route's choice (device);
  *     pin_idx: [n_expert] int32, expert -> its index among the layer's pinned experts, -1 where not pinned
- *       (NULL: none pinned);  n_link: how many of the experts not pinned (the first in slot order) the GPU reads
+ *       (NULL: none pinned);  extra_idx: [n_expert] int32, expert -> its place among the layer's decode extras
+ *       (experts not pinned that the decode finds in VRAM: the staging holds them between prefills), -1 where not
+ *       there (NULL: none): the GPU runs them from staging slot n_link + n_early + that place;
+ *       n_link: how many of the experts neither pinned nor extra (the first in slot order) the GPU reads
  *       in place from the host's page-locked weight map instead of leaving them to the CPU (beside the early ones);
  *     meta: device [k gids | k lids | k lslots | k fids | k eids | 2k + 1 weights]: gids[s] = pin_idx[ids[s]];
  *       lids[s] = ids[s] for the experts the GPU runs from the link staging, else -1: the n_link fetched now
  *       (fids[s] = ids[s], lslots[s] = their rank 0..n_link-1: hybrid_fetch copies them there from the host) and
  *       the early ones (n_early > 0, the slot's EARLY_READY == SEQ and ids[s] in its EARLY: eids[s] = their place
  *       r there, where the CPU copied them; lslots[s] = n_link + r: hybrid_fetch copies them there from the
- *       early buffer), else -1; weights[0] = 1 (the CPU's row), weights[1 + s] = w[s] where
+ *       early buffer) and the extras (lslots[s] = n_link + n_early + extra_idx[ids[s]], nothing to copy), else -1;
+ *       an expert is pinned, else extra, else early, else fetched; weights[0] = 1 (the CPU's row),
+ *       weights[1 + s] = w[s] where
  *       gids[s] >= 0, weights[1 + k + s] = w[s] where lids[s] >= 0, else 0 (the GEMVs skip ids < 0 and
  *       moe_combine sums rows 0..2k with these weights);
  *     slot: the layer's slot in the channel (host memory, device-visible): H, IDS, CPU_IDS (ids[s] where the
@@ -74,39 +79,43 @@ __device__ __forceinline__ int pred_rank(const int *pred, int id) {
 }
 
 extern "C" __global__ void hybrid_publish_f32(const float *LE_RESTRICT h, const int *LE_RESTRICT ids,
-                                              const float *LE_RESTRICT w, const int *LE_RESTRICT pin_idx, int n_link,
+                                              const float *LE_RESTRICT w, const int *LE_RESTRICT pin_idx,
+                                              const int *LE_RESTRICT extra_idx, int n_link,
                                               const int *LE_RESTRICT pred, int n_early, int *LE_RESTRICT meta,
                                               volatile int *slot, const volatile int *chan, int E, int k) {
-    __shared__ int sg[HYBRID_K_MAX], se[HYBRID_K_MAX]; /* per slot: pin index, place among the early experts */
+    /* per slot: pin index, place among the early experts, place among the extras */
+    __shared__ int sg[HYBRID_K_MAX], se[HYBRID_K_MAX], sx[HYBRID_K_MAX];
     volatile float *sh = (volatile float *)(slot + LE_HY_H);
     for (int e = threadIdx.x; e < E; e += HYBRID_THREADS) sh[e] = h[e];
     const int seq = chan[LE_HY_SEQ];
     if (threadIdx.x < k) {
         const int s = threadIdx.x, id = ids[s];
         sg[s] = pin_idx ? pin_idx[id] : -1;
+        sx[s] = sg[s] < 0 && extra_idx ? extra_idx[id] : -1;
         se[s] = -1;
-        if (sg[s] < 0 && n_early > 0 && slot[LE_HY_EARLY_READY(E, k)] == seq) /* copied to VRAM in time */
+        if (sg[s] < 0 && sx[s] < 0 && n_early > 0 && slot[LE_HY_EARLY_READY(E, k)] == seq) /* copied in time */
             for (int r = 0; r < n_early; r++)
                 if (slot[LE_HY_EARLY(E, k) + r] == id) se[s] = r;
     }
     __syncthreads();
     if (threadIdx.x < k) {
-        const int s = threadIdx.x, id = ids[s], g = sg[s], er = se[s];
-        /* rank among the experts neither pinned nor copied early: by slot (no prediction), or least predicted first */
+        const int s = threadIdx.x, id = ids[s], g = sg[s], er = se[s], x = sx[s];
+        /* rank among the experts neither pinned, extra nor copied early: by slot (no prediction), or least
+         * predicted first */
         int rank = 0;
         if (pred) {
             const int key = pred_rank(pred, id) * 64 + s; /* k <= 32 < 64 */
             for (int j = 0; j < k; j++)
-                if (j != s && sg[j] < 0 && se[j] < 0) rank += pred_rank(pred, ids[j]) * 64 + j > key;
+                if (j != s && sg[j] < 0 && se[j] < 0 && sx[j] < 0) rank += pred_rank(pred, ids[j]) * 64 + j > key;
         } else {
-            for (int j = 0; j < s; j++) rank += sg[j] < 0 && se[j] < 0;
+            for (int j = 0; j < s; j++) rank += sg[j] < 0 && se[j] < 0 && sx[j] < 0;
         }
-        const int fetch = g < 0 && er < 0 && rank < n_link;
-        const int l = er >= 0 || fetch ? id : -1;
+        const int fetch = g < 0 && er < 0 && x < 0 && rank < n_link;
+        const int l = er >= 0 || x >= 0 || fetch ? id : -1;
         float *mw = (float *)(meta + 5 * k);
         meta[s] = g;
         meta[k + s] = l;
-        meta[2 * k + s] = er >= 0 ? n_link + er : fetch ? rank : -1;
+        meta[2 * k + s] = er >= 0 ? n_link + er : x >= 0 ? n_link + n_early + x : fetch ? rank : -1;
         meta[3 * k + s] = fetch ? id : -1;
         meta[4 * k + s] = er;
         mw[1 + s] = g >= 0 ? w[s] : 0.0f;

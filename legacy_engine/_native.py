@@ -637,6 +637,13 @@ def gpu_stream_synchronize(stream) -> None:
     _gpu_check(lib.le_gpu_stream_synchronize(_stream(stream)), "le_gpu_stream_synchronize")
 
 
+def gpu_stream_query(stream) -> bool:
+    """Whether every piece of work launched on `stream` so far has finished (does not wait)."""
+    done = ffi.new("int *")
+    _gpu_check(lib.le_gpu_stream_query(_stream(stream), done), "le_gpu_stream_query")
+    return bool(done[0])
+
+
 def gpu_stream_wait_event(stream, event) -> None:
     _gpu_check(lib.le_gpu_stream_wait_event(_stream(stream), event), "le_gpu_stream_wait_event")
 

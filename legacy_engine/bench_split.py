@@ -173,8 +173,11 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             link = None                               # hybrid/linkN: N experts per layer fetched over the link
             look = None                               # hybrid/look: the lookahead on
             early = 0                                 # hybrid/earlyN[-linkM]: N early experts per layer
+            extras_on = True                          # hybrid/noextras: no decode extras in the staging
             if base == "hybrid" and form == "look":
                 form, look = "", True
+            if base == "hybrid" and form == "noextras":
+                form, extras_on = "", False
             if base == "hybrid" and form.startswith("early"):
                 head, _, rest = form.partition("-")
                 if head[5:].isdigit():
@@ -183,7 +186,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                 form, link = "", int(form[4:])
             if form not in ("", "pairs", "grouped"):
                 raise ValueError(f"strategy {name}: the form after / is pairs or grouped (hybrid: also linkN, look, "
-                                 "earlyN, earlyN-linkM)")
+                                 "earlyN, earlyN-linkM, noextras)")
             st0 = preds[prompts[-1]][base]
             if not st0.fits:
                 res["rows"].append({"strategy": name, "error": f"does not fit: {st0.why}"})
@@ -194,14 +197,18 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             pins = st0.pinned
             if link is None or base != "hybrid":
                 link = st0.link_experts if base == "hybrid" else 0       # the planner's
+            extras = st0.decode_extras if base == "hybrid" else {}
             if base == "hybrid" and (link != st0.link_experts or early):   # room for this staging: pins refilled
                 pins, _ = planner.fill_pins(model.file, vram, n_ctx, st0.chunk, m.gpu_tier == "dp4a", counts,
                                             link, early)
+                extras = planner.choose_decode_extras(model.file, pins, counts, link + early)
+            if base == "hybrid" and not extras_on:
+                extras = {}
             if base in ("stream", "hybrid"):
                 gm = GpuModel(model, vram=vram, stream_experts=True, pinned=pins, n_ctx=n_ctx,
                               chunk=st0.chunk, simulate_link=simulate_link, cpu_experts=base == "hybrid",
                               link_experts=link, lookahead=look if base == "hybrid" else None,
-                              early_experts=early, **grouped)
+                              early_experts=early, decode_extras=extras, **grouped)
                 # every measured prompt on the GPU, decode steps on the CPU (the split as run --gpu runs it)
                 runner = SplitModel(model, gm, min_gpu_tokens=min(prompts))
             else:

@@ -78,7 +78,9 @@ class Engine:
                                              progress=progress, vram=pl.budget, stream_experts=pl.stream,
                                              pinned=pl.pinned, n_ctx=n_ctx, chunk=pl.chunk,
                                              cpu_experts=pl.stream and pl.decode == "hybrid",
-                                             link_experts=pl.link_experts if pl.stream and pl.decode == "hybrid" else 0)
+                                             link_experts=pl.link_experts if pl.stream and pl.decode == "hybrid" else 0,
+                                             decode_extras=pl.decode_extras if pl.stream and pl.decode == "hybrid"
+                                             else None)
             if pl.stream:
                 self.model = SplitModel(self.cpu_model, self.gpu, pl.min_gpu_tokens)
             import atexit

@@ -649,6 +649,10 @@ class Stream:
     def synchronize(self) -> None:
         _native().gpu_stream_synchronize(self.handle)
 
+    def query(self) -> bool:
+        """Whether the work launched on this stream so far has finished (does not wait)."""
+        return _native().gpu_stream_query(self.handle)
+
     def wait(self, event: "Event") -> None:
         """Work launched on this stream from now on waits for `event`."""
         _native().gpu_stream_wait_event(self.handle, event.handle)
@@ -1392,14 +1396,16 @@ class Kernels:
              ("i32", n), ("i32", k), ("i32", E), ("ptr", _ptr(rows))], stream=stream)
 
     def hybrid_publish(self, h, ids, w, pin_idx, n_link: int, meta, slot: int, chan: int, E: int, k: int,
-                       pred=None, n_early: int = 0, stream: Stream | None = None) -> None:
+                       pred=None, n_early: int = 0, extra_idx=None, stream: Stream | None = None) -> None:
         """The hybrid decode's routing into the host channel (cuda8/hybrid_sync.cu): h [E], ids/w [k] (moe_route)
         into `slot`, READY = chan's SEQ; meta [k gids | k lids | k lslots | k fids | k eids | 2k + 1 weights]
         (device) from pin_idx [n_expert] (None: nothing pinned), n_link (n_link experts neither pinned nor early are
         the GPU's, fetched over the link into staging slots 0..n_link-1: hybrid_fetch with fids): the first in slot
         order, or with pred (device int32 [HY_PRED_MAX], hybrid_predict_publish's) the ones predicted last; and the
         early experts (n_early > 0: those the CPU copied into its early buffer, flagged in the slot in time; eids
-        their place there, to be copied into staging slots n_link..: hybrid_fetch with eids).
+        their place there, to be copied into staging slots n_link..: hybrid_fetch with eids); extra_idx [n_expert]
+        (None: none) the decode extras' places (experts not pinned that the staging holds between prefills: slots
+        n_link + n_early + place; -1 elsewhere).
         slot, chan: device-visible addresses of page-locked host memory (le_hybrid.h)."""
         if (not 0 < k <= min(MOE_MAX_K, HYBRID_THREADS) or E <= 0 or not 0 <= n_link <= k
                 or not 0 <= n_early <= HY_EARLY_MAX):
@@ -1408,7 +1414,8 @@ class Kernels:
         _need(meta, 4 * (7 * k + 1), "hybrid_publish meta")
         self.modules["hybrid_sync"].kernel("hybrid_publish_f32").launch(
             (1, 1, 1), (HYBRID_THREADS, 1, 1),
-            [("ptr", _ptr(h)), ("ptr", _ptr(ids)), ("ptr", _ptr(w)), ("ptr", _ptr(pin_idx)), ("i32", n_link),
+            [("ptr", _ptr(h)), ("ptr", _ptr(ids)), ("ptr", _ptr(w)), ("ptr", _ptr(pin_idx)), ("ptr", _ptr(extra_idx)),
+             ("i32", n_link),
              ("ptr", _ptr(pred)), ("i32", n_early), ("ptr", _ptr(meta)), ("ptr", int(slot)), ("ptr", int(chan)),
              ("i32", E), ("i32", k)], stream=stream)
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from . import gpu
 from .errors import EngineError, UnavailableError
-from .planner import ARENA_ALIGN, ARENA_NAMES, arena_bytes
+from .planner import ALLOC_GRANULE, ARENA_ALIGN, ARENA_NAMES, arena_bytes
 
 PREFILL_CHUNK = 512      # tokens per pass by default: bounds the scratch
 MAX_CHUNK = 4096         # the most a GpuModel may be asked for (n*k MoE pairs <= gpu.MAX_PAIRS is checked too)
@@ -156,7 +156,8 @@ class GpuModel:
                  n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, simulate_link: float | None = None,
                  sort_pairs: bool = True, save_routing: bool = True, grouped_experts: bool = True,
                  cpu_experts: bool = False, int8_prefill: bool | None = None, mma: bool | None = None,
-                 link_experts: int = 0, lookahead: bool | None = None, early_experts: int = 0):
+                 link_experts: int = 0, lookahead: bool | None = None, early_experts: int = 0,
+                 decode_extras: dict | None = None):
         """model: a loaded Model (its file's tensors are uploaded; the CPU model stays usable).
         tier: 'fermi' | 'kepler' | 'dp4a' (default: the GPU's own, default_tier); arch: the PTX target
         (compute capability x10, default the GPU's: 35, 61 or 70 run the legacy PTX on a newer card);
@@ -197,6 +198,11 @@ class GpuModel:
         pinned, fetching their weights from the page-locked host map over the link into a small VRAM staging
         (hybrid_fetch) while the CPU runs the rest (the link's bandwidth added to the CPU's); 0: the CPU runs every
         expert not pinned. The planner chooses it (planner.choose_link).
+        decode_extras (hybrid decode): {layer: [expert ids]} not pinned that the decode keeps in the prefill's expert
+        staging (idle between prefills: planner.choose_decode_extras, extras_regions) and runs on the GPU as it runs
+        the pinned ones; a prefill overwrites them, and the decode steps after it copy them back on the copy stream
+        (the first step issues the copies, a later one finds them done and switches them on: until then the CPU
+        runs them).
         lookahead (hybrid decode, f32 routers as in every llama.cpp file; off by default: measured no faster, see
         LOOKAHEAD_PRED): each MoE layer also predicts the next one's experts (hybrid_predict), which the CPU loads
         into its caches while the GPU runs that layer's attention/GDN (le_hybrid_serve's prefetch); the link experts
@@ -258,6 +264,14 @@ class GpuModel:
         for i, es in self.pinned.items():
             if not 0 <= i < hp.n_layer or any(not 0 <= e < hp.n_expert for e in es):
                 raise ValueError(f"pinned: layer {i} experts {es[:4]}… outside {hp.n_layer} layers x {hp.n_expert}")
+        self.decode_extras = {int(i): sorted(set(int(e) for e in v)) for i, v in (decode_extras or {}).items() if v}
+        if self.decode_extras and not self.cpu_experts:
+            raise ValueError("decode_extras is a setting of the hybrid decode (cpu_experts=True)")
+        for i, es in self.decode_extras.items():
+            if not 0 <= i < hp.n_layer or any(not 0 <= e < hp.n_expert for e in es) or set(es) & set(
+                    self.pinned.get(i, ())):
+                raise ValueError(f"decode_extras: layer {i} experts {es[:4]}… outside {hp.n_layer} layers x "
+                                 f"{hp.n_expert}, or pinned")
         from . import planner
         self.logit_rows = planner.head_rows(self.chunk, self.stream)   # all_logits runs the head in such pieces
         self.footprint = planner.vram_footprint(self.file, stream_experts=self.stream, pinned=self.pinned,
@@ -307,7 +321,7 @@ class GpuModel:
         try:
             self._upload_all(progress)
         except BaseException:
-            for b in [self._weights] + self._staging + list(getattr(self, "_pin_store", {}).values()):
+            for b in [self._weights, getattr(self, "_pool", None)] + list(getattr(self, "_pin_store", {}).values()):
                 if b is not None:
                     b.free()
             if self._host is not None:
@@ -545,8 +559,25 @@ class GpuModel:
                     if all(eb % 16 == 0 and off % 16 == 0 and po % 16 == 0 for _h, _t, eb, off, po in lay):
                         self._pin_lists[i] = (self._pin_store[i].ptr + len(body) + len(pad), len(es))
                     self.vram_bytes += self._pin_store[i].nbytes
-        self._staging = [gpu.Buffer(max(layer_max, 256), f"expert staging {j}") for j in range(2)]
+        # the two staging slots in one allocation (planner.staging_pool_bytes), which holds the hybrid decode's
+        # extras between prefills (planner.extras_regions: per layer its link/early slots, then its extras)
+        half = -(-max(layer_max, 256) // ALLOC_GRANULE) * ALLOC_GRANULE
+        self._pool = gpu.Buffer(2 * half, "expert staging (2 layers)")
+        self._staging = [gpu.BufferView(self._pool, j * half, half, f"expert staging {j}") for j in range(2)]
         self._staged = [(-1, set()), (-1, set())]
+        self._extras_at: dict = {}
+        if self.decode_extras:
+            from .planner import extras_regions
+            if self._host is None:
+                raise UnavailableError(f"decode_extras: the weight map is {self.host_pinned_why}; the extras are "
+                                       "copied back after each prefill from page-locked memory only")
+            self._extras_at = extras_regions(self.file, self.decode_extras, self.link_experts + self.early_experts)
+            end = max(o + b for o, b in self._extras_at.values())
+            if end > self._pool.nbytes:
+                raise ValueError(f"decode_extras need {end} bytes of the {self._pool.nbytes}-byte expert staging "
+                                 "(planner.choose_decode_extras fills it)")
+        self._extras_state = "empty"     # "empty" (the staging holds a prefill's experts), "filling", "ready"
+        self.extras_refills = 0
         self._copy = gpu.Stream()
         self._slot_free = [gpu.Event(), gpu.Event()]
         self._slot_ready = [gpu.Event(), gpu.Event()]
@@ -1025,9 +1056,10 @@ class GpuModel:
         k.moe_route(logits, ids, wts, 1, ne, kk)
         la = hy["lookahead"]
         parity = int(np.searchsorted(hy["layers"], i)) % 2        # the early buffer's half this layer uses
+        extra = i in self.decode_extras
         k.hybrid_publish(h, ids, wts, hy["pin_idx"].ptr + 4 * i * ne if pinned else None, link, meta, slot, chan,
                          E, kk, pred=la["pred"] + 4 * gpu.HY_PRED_MAX * i if la and i in la["from"].values() else None,
-                         n_early=n_early)
+                         n_early=n_early, extra_idx=hy["extra_idx"].ptr + 4 * i * ne if extra else None)
         if la and i in la["from"]:    # the next MoE layer's experts predicted from this h (the CPU prefetches them)
             j = la["from"][i]
             k.hybrid_predict(self.layers[j]["router"].ptr, h, la["scales"] + 4 * E * i, la["logits"], ne, E)
@@ -1052,12 +1084,12 @@ class GpuModel:
             addr = {w: store + self._pin_off[names[w]] + L[w].ptr - self._stage_offset[names[w]]
                     for w in ("gate_exps", "up_exps", "down_exps")}
             self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * E, meta, kk, kk)
-        if link or n_early:   # rows kk+1..2kk: the early and fetched experts (lslots: their place in the staging)
+        if link or n_early or extra:  # rows kk+1..2kk: early, fetched and extra experts (lslots: their staging slot)
             addr = {w: staged[names[w]] + L[w].ptr - self._stage_offset[names[w]]
                     for w in ("gate_exps", "up_exps", "down_exps")}
             self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * (1 + kk) * E, meta + 8 * kk, kk, kk)
         k.hybrid_wait(slot, chan, rows, E, kk, HYBRID_WAIT_CYCLES)
-        n_rows = 1 + kk * (2 if link or n_early else 1 if pinned else 0)
+        n_rows = 1 + kk * (2 if link or n_early or extra else 1 if pinned else 0)
         k.moe_combine(rows, meta + 20 * kk, sh, shg, y, 1, n_rows, E)
         if self.graphs:
             self._hy_serve([i])     # the recording pass (a replay is one graph launch, then every layer is served)
@@ -1087,7 +1119,7 @@ class GpuModel:
             for i, idx in self._pin_idx.items():
                 table[i] = idx
             host_dev = {}
-            if self.link_experts or self.early_experts:
+            if self.link_experts or self.early_experts or self.decode_extras:
                 if self._host is None:
                     raise UnavailableError(f"link/early experts: the weight map is {self.host_pinned_why}; the GPU "
                                            "can fetch experts only from page-locked memory")
@@ -1097,6 +1129,9 @@ class GpuModel:
             self._hy = {"buf": pb, "arr": arr, "ptr": int(_native.ffi.cast("uintptr_t", pb.ptr)), "layout": lay,
                         "host_dev": host_dev,
                         "pin_idx": gpu.Buffer.from_array(table, "hybrid pin indices"), "seq": 0,
+                        # the decode extras' places [n_layer, n_expert] (-1: none, or not in the staging now)
+                        "extra_idx": gpu.Buffer.from_array(np.full((hp.n_layer, hp.n_expert), -1, np.int32),
+                                                           "hybrid decode extras' places"),
                         "layers": np.array(moe, dtype=np.int32), "lookahead": self._lookahead_buffers(moe),
                         "counts": np.zeros((hp.n_layer, hp.n_expert), dtype=np.int64),
                         "stats": np.zeros(_native.lib.LE_HY_STATS)}
@@ -1107,15 +1142,20 @@ class GpuModel:
         link_experts + early_experts experts (the fetched ones, then the early ones) ->
         ({tensor name: region address}, [(host device address, region, expert bytes)] for hybrid_fetch)."""
         slots = self.early_experts + self.link_experts
-        if not slots:
-            return {}, []
         hy = self._hy
-        lbuf = self._buf("hy_link", slots * max(self.footprint.expert_bytes.values())).ptr   # its planned size
+        if self.decode_extras:     # the layer's region of the staging pool: its slots, then its extras
+            if i not in self._extras_at:
+                return {}, []
+            lbuf, per = self._pool.ptr + self._extras_at[i][0], slots + len(self.decode_extras.get(i, ()))
+        elif slots:
+            lbuf, per = self._buf("hy_link", slots * max(self.footprint.expert_bytes.values())).ptr, slots
+        else:
+            return {}, []
         at, tensors, staged = 0, [], {}
         for name, (_host, _tb, eb, _off, _po) in zip(self._stage_names[i], self._stage_layout[i]):
             tensors.append((hy["host_dev"][name], lbuf + at, eb))
             staged[name] = lbuf + at
-            at += slots * eb
+            at += per * eb
         return staged, tensors
 
     def _hy_early_regions(self) -> list:
@@ -1188,6 +1228,53 @@ class GpuModel:
         buf = gpu.Buffer.from_array(data, "hybrid lookahead")
         return {"buf": buf, "scales": buf.ptr, "pred": buf.ptr + scales.nbytes,
                 "logits": buf.ptr + scales.nbytes + pred.nbytes, "from": dict(zip(moe, moe[1:]))}
+
+    def _extras_step(self) -> None:
+        """Before a hybrid decode step: after a prefill, copy the decode extras back into the staging on the copy
+        stream (after the prefill's last reads of its slots; the host issues runs of consecutive experts); once the
+        copy stream is done, their places into the device table hybrid_publish reads (from then on the GPU runs
+        them)."""
+        from . import _native
+        hy = self._hy_channel()
+        if self._extras_state == "empty":
+            for s_ in range(2):
+                if self._slot_used[s_]:
+                    self._copy.wait(self._slot_free[s_])
+            self._staged = [(-1, set()), (-1, set())]
+            slots, h = self.link_experts + self.early_experts, self._copy.handle
+            for i, es in self.decode_extras.items():
+                base, per = self._pool.ptr + self._extras_at[i][0], slots + len(es)
+                for name, (host, _tb, eb, _off, _po) in zip(self._stage_names[i], self._stage_layout[i]):
+                    j = 0
+                    while j < len(es):                    # a run of consecutive ids: one copy
+                        r = j
+                        while r + 1 < len(es) and es[r + 1] == es[r] + 1:
+                            r += 1
+                        _native.gpu_copy_htod_addr(base + (slots + j) * eb, host + es[j] * eb, (r - j + 1) * eb, h)
+                        j = r + 1
+                    base += per * eb
+            self._extras_state = "filling"
+            self.extras_refills += 1
+        elif self._extras_state == "filling" and self._copy.query():
+            hy["extra_idx"].upload(self._extras_table())
+            self._extras_state = "ready"
+
+    def _extras_table(self) -> np.ndarray:
+        """int32 [n_layer, n_expert]: each decode extra's place among its layer's extras, -1 elsewhere."""
+        hp = self.hparams
+        t = np.full((hp.n_layer, hp.n_expert), -1, dtype=np.int32)
+        for i, es in self.decode_extras.items():
+            t[i, es] = np.arange(len(es), dtype=np.int32)
+        return t
+
+    def _extras_invalidate(self) -> None:
+        """A pass of several tokens is about to overwrite the staging: the decode extras off (their table -1, on
+        the default stream before the pass's work) until _extras_step has copied them back."""
+        if self._extras_state != "empty":
+            if self._extras_state == "ready":
+                from . import _native
+                _native.gpu_memset8(self._hy["extra_idx"].ptr, 0xFF, self._hy["extra_idx"].nbytes)
+            self._extras_state = "empty"
 
     def _hy_next(self) -> None:
         """A new token's sequence number into the channel (before its launches)."""
@@ -1365,6 +1452,8 @@ class GpuModel:
         """One token through the state's LaunchPlan (recorded on the first call, and again when a buffer it
         names has moved)."""
         hp = self.hparams
+        if self.decode_extras:
+            self._extras_step()
         st.io.upload(np.array([token, st.pos], dtype=np.int32))
         if st._plan is None or st._plan_gen != self._gen:
             st._plan = None
@@ -1397,6 +1486,8 @@ class GpuModel:
         self._tag = "d" if n == 1 else "p"
         if n > 1:
             self._arena_reserve(n)
+            if self.decode_extras:
+                self._extras_invalidate()
         if n == 1 and self.cpu_experts:
             self._hy_next()
         if planned:
@@ -1456,12 +1547,14 @@ class GpuModel:
         from . import _native
         gpu.synchronize()
         pins = list(getattr(self, "_pin_store", {}).values())
-        for b in [self._weights, self._arena] + list(self._scratch.values()) + self._retired + self._staging + pins:
+        for b in [self._weights, self._arena, getattr(self, "_pool", None)] + list(self._scratch.values()) \
+                + self._retired + pins:
             if b is not None:
                 b.free()
         if self._rope is not None:
             self._rope.free()
         self._bufs, self._scratch, self._retired, self._rope, self._staging, self._pin_store = {}, {}, [], None, [], {}
+        self._pool = None
         self._weights, self._arena = None, None
         self._counts_dev, self._counts_layers = None, set()
         if self._handoff is not None:
@@ -1515,7 +1608,11 @@ class GpuModel:
                         f"{self.hparams.n_expert * len(self._stage_layout)} pinned in VRAM (into the prefill's "
                         f"staging by {by})")
             if self.cpu_experts:
-                streamed += (f"; hybrid decode ({self.link_experts} experts per layer fetched over the link, the "
+                n_x = sum(len(v) for v in self.decode_extras.values())
+                streamed += (f"; hybrid decode ({n_x} more experts in VRAM for the decode: kept in the staging "
+                             "between prefills, copied back after each" if n_x else
+                             "; hybrid decode (no experts kept in the staging between prefills")
+                streamed += (f"; {self.link_experts} experts per layer fetched over the link, the "
                              f"rest not pinned on the CPU; {self.early_experts} of the next layer's likeliest copied "
                              "early; lookahead "
                              + (f"on: the next layer's {LOOKAHEAD_PRED} likeliest experts prefetched by the CPU)"

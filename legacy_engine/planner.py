@@ -528,6 +528,7 @@ class Strategy:
     chunk: int = 512                # tokens per GPU pass (streamed: each pass copies the experts it routes to)
     decode_parts: dict = dataclasses.field(default_factory=dict)      # where the decode time goes (hybrid)
     link_experts: int = 0           # hybrid: experts per layer the GPU fetches over the link (GpuModel link_experts)
+    decode_extras: dict = dataclasses.field(default_factory=dict)    # hybrid: GpuModel decode_extras
 
     def total_s(self, gen: int) -> float:
         return self.prefill_s + gen * self.decode_s_per_tok
@@ -555,6 +556,62 @@ def choose_pins(file, budget_bytes: int, counts: dict | None = None) -> dict:
         pins.setdefault(i, []).append(e)
         used += per[i]
     return {i: sorted(v) for i, v in sorted(pins.items())}
+
+
+def staging_pool_bytes(file) -> int:
+    """Bytes of the streamed prefill's expert staging (two layers' worth, one allocation): idle between prefills,
+    where the hybrid decode keeps its extras (choose_decode_extras)."""
+    per = layer_expert_bytes(file)
+    return 2 * _round(max(per.values())) if per else 0
+
+
+def extras_regions(file, extras: dict, slots: int = 0) -> dict:
+    """{layer: (offset, bytes)} of each MoE layer's region in the staging pool, packed in layer order: per expert
+    tensor `slots` link/early experts then the layer's extras (WEIGHT_ALIGN-aligned); a layer with neither has
+    none. The layout gpu_model uses."""
+    hp = file.hparams
+    out, at = {}, 0
+    for i, full in layer_expert_bytes(file).items():
+        n = slots + len(extras.get(i, ()))
+        if n:
+            nb = -(-(n * (full // hp.n_expert)) // WEIGHT_ALIGN) * WEIGHT_ALIGN
+            out[i] = (at, nb)
+            at += nb
+    return out
+
+
+def choose_decode_extras(file, pins: dict, counts: dict | None = None, slots: int = 0) -> dict:
+    """{layer: [expert ids]} the hybrid decode keeps in the expert staging between prefills (VRAM a decode leaves
+    idle, staging_pool_bytes): the hottest experts not pinned by `counts` (none: spread evenly, as choose_pins),
+    as many as the pool holds beside each layer's `slots` link/early experts (extras_regions). Used as pins by
+    the decode once a prefill's staging is refilled with them."""
+    hp = file.hparams
+    per = {i: full // hp.n_expert for i, full in layer_expert_bytes(file).items()}
+    pool = staging_pool_bytes(file)
+    if not per or not pool:
+        return {}
+    used = sum(-(-(slots * per[i]) // WEIGHT_ALIGN) * WEIGHT_ALIGN for i in per) if slots else 0
+    cand = []
+    for i in per:
+        c = np.asarray(counts.get(i, np.zeros(hp.n_expert)) if counts else np.zeros(hp.n_expert), dtype=float)
+        pinned = set(pins.get(i, ()))
+        cand += [(-c[e], e, i) for e in range(hp.n_expert) if e not in pinned]
+    cand.sort()
+    extras: dict = {}
+    for _, e, i in cand:
+        n = len(extras.get(i, ()))
+        grow = (-(-((slots + n + 1) * per[i]) // WEIGHT_ALIGN) - -(-((slots + n) * per[i]) // WEIGHT_ALIGN)) \
+            * WEIGHT_ALIGN
+        if used + grow > pool:
+            continue
+        extras.setdefault(i, []).append(e)
+        used += grow
+    return {i: sorted(v) for i, v in sorted(extras.items())}
+
+
+def merge_pins(pins: dict, extras: dict) -> dict:
+    """The experts a hybrid decode runs on the GPU: pins and decode extras, {layer: sorted ids}."""
+    return {i: sorted(set(pins.get(i, ())) | set(extras.get(i, ()))) for i in sorted(set(pins) | set(extras))}
 
 
 def fill_pins(file, budget: int, n_ctx: int, chunk: int, int8: bool, counts: dict | None = None,
@@ -712,12 +769,14 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
             link = choose_link(m, file, pins, counts)
             hpins, hfp = fill_pins(file, budget, n_ctx, c, int8, counts, link) if link else (pins, fp)
             hpre, hpre_parts = (pre, parts) if hpins is pins else _gpu_prefill(m, file, fpd, prompt, c, True, hpins)
-            hyb, hparts = _hybrid_decode(m, file, fpd, hpins, counts, link)
+            extras = choose_decode_extras(file, hpins, counts, link)       # the staging's bytes between prefills
+            hyb, hparts = _hybrid_decode(m, file, fpd, merge_pins(hpins, extras), counts, link)
             link_why = (f", {link} more per layer fetched over the link to the GPU" if link else "")
             hy = dataclasses.replace(st, name="hybrid", decode_s_per_tok=hyb, decode_parts=hparts, pinned=hpins,
-                                     vram=hfp.total, link_experts=link,
+                                     vram=hfp.total, link_experts=link, decode_extras=extras,
                                      why=st.why + f"; decode hybrid: {hparts['pinned_share']:.0%} of the routed "
-                                     f"experts' work on the GPU (pinned){link_why}, the rest on the CPU")
+                                     f"experts' work on the GPU (pinned, and {sum(map(len, extras.values()))} more "
+                                     f"kept in the staging between prefills){link_why}, the rest on the CPU")
             hy.min_gpu_tokens = crossover(m, file, fpd, c, hpins, hyb)
             # the same passes without the handoff: the hybrid split keeps the sequence on the GPU
             hy.prefill_s = hpre - hpre_parts["handoff"]
@@ -862,6 +921,7 @@ class Placement:
     chunk: int = 512
     decode: str = "gpu"         # resident: "gpu"; streamed: "cpu" (CPU decode) or "hybrid" (GpuModel cpu_experts)
     link_experts: int = 0       # hybrid: GpuModel link_experts
+    decode_extras: dict = dataclasses.field(default_factory=dict)   # hybrid: GpuModel decode_extras
 
 
 DECODES = ("auto", "cpu", "hybrid")
@@ -908,6 +968,7 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool 
     if decode == "hybrid":
         st = hy
     pins, chunk, link = st.pinned, st.chunk, st.link_experts if decode == "hybrid" else 0
+    extras = st.decode_extras if decode == "hybrid" else {}
     fps = vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, chunk=chunk, int8=int8,
                          link_experts=link)
     if min_gpu_tokens is None:
@@ -918,8 +979,9 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool 
                      f"streamed experts ({n_pin} pinned, {how}): {fps.describe()} in a budget of "
                      f"{budget / GiB:.2f} GiB; "
                      f"GPU prefill for passes of >= {min_gpu_tokens} tokens ({chunk} per pass); {dec_why}"
-                     + (f", {link} experts per layer fetched over the link" if link else ""),
-                     chunk, decode, link)
+                     + (f", {link} experts per layer fetched over the link" if link else "")
+                     + (f", {sum(map(len, extras.values()))} more kept in the staging for the decode" if extras else ""),
+                     chunk, decode, link, extras)
 
 
 # ================================================================================================ routing statistics

@@ -237,9 +237,15 @@ def test_hybrid_sync(kernels):
             pred = np.full(gpu.HY_PRED_MAX, -1, dtype=np.int32)
             pred[[0, 2]] = ids[[4, 0]]
             bpred = gpu.Buffer.from_array(pred)
-            cases = [(bp, 0, None, 0), (None, 0, None, 0), (bp, 2, None, 0), (None, k, None, 0), (bp, 2, bpred, 0),
-                     (None, 3, bpred, 0), (bp, 1, None, 2), (None, 1, bpred, 2), (bp, 0, None, -2)]
-            for table, n_link, pr, n_early in cases:
+            # decode extras: ids[3] (also pinned: the pin wins), ids[2] (also early: the extra wins) and ids[4]
+            extra = np.full(ne, -1, dtype=np.int32)
+            extra[ids[[3, 2, 4]]] = [5, 0, 2]
+            bx = gpu.Buffer.from_array(extra)
+            cases = [(bp, 0, None, 0, None), (None, 0, None, 0, None), (bp, 2, None, 0, None), (None, k, None, 0, None),
+                     (bp, 2, bpred, 0, None), (None, 3, bpred, 0, None), (bp, 1, None, 2, None),
+                     (None, 1, bpred, 2, None), (bp, 0, None, -2, None), (bp, 1, None, 0, bx), (None, 2, bpred, 2, bx),
+                     (bp, 1, None, 2, bx)]
+            for table, n_link, pr, n_early, xt in cases:
                 # early experts (n_early > 0): the CPU copied ids[2] and ids[0] into its early buffer, in time;
                 # n_early < 0: the same copies flagged for another token (not in time: none of them used)
                 s = lay.slot(chan, 2)
@@ -248,12 +254,14 @@ def test_hybrid_sync(kernels):
                 ne_ = abs(n_early)
                 m = np.full(7 * k + 1, -7, dtype=np.int32)
                 bm.upload(m)
-                kernels.hybrid_publish(bh, bi, bw, table, n_link, bm, slot, cp, E, k, pred=pr, n_early=ne_)
+                kernels.hybrid_publish(bh, bi, bw, table, n_link, bm, slot, cp, E, k, pred=pr, n_early=ne_,
+                                       extra_idx=xt)
                 gpu.synchronize()
                 gids = pin[ids] if table is not None else np.full(k, -1)
+                xs = np.where(gids < 0, extra[ids], -1) if xt is not None else np.full(k, -1)
                 early = {int(ids[2]): 0, int(ids[0]): 1} if n_early > 0 else {}
-                er = np.array([early.get(int(e), -1) if g < 0 else -1 for e, g in zip(ids, gids)])
-                free = (gids < 0) & (er < 0)                 # neither pinned nor copied early
+                er = np.array([early.get(int(e), -1) if g < 0 and x < 0 else -1 for e, g, x in zip(ids, gids, xs)])
+                free = (gids < 0) & (er < 0) & (xs < 0)      # neither pinned, extra nor copied early
                 if pr is None:
                     fids = np.where(free & (np.cumsum(free) <= n_link), ids, -1)   # the first n_link of those
                     fslots = np.where(fids >= 0, np.cumsum(fids >= 0) - 1, -1)
@@ -263,8 +271,10 @@ def test_hybrid_sync(kernels):
                     fids, fslots = np.full(k, -1), np.full(k, -1)
                     for r, s_ in enumerate(order[:n_link]):
                         fids[s_], fslots[s_] = ids[s_], r
-                lids = np.where((er >= 0) | (fids >= 0), ids, -1)
-                lslots = np.where(er >= 0, n_link + er, np.where(fids >= 0, fslots, -1))
+                lids = np.where((er >= 0) | (fids >= 0) | (xs >= 0), ids, -1)
+                lslots = np.where(er >= 0, n_link + er, np.where(xs >= 0, n_link + ne_ + xs,
+                                                                 np.where(fids >= 0, fslots, -1)))
+                assert xt is None or (xs >= 0).sum() == (2 if table is not None else 3)   # a pinned one is no extra
                 assert s[lay.ready] == 9
                 np.testing.assert_array_equal(s[lay.h:lay.h + E].view(np.float32), h)
                 np.testing.assert_array_equal(s[lay.ids:lay.ids + k], ids)
@@ -289,6 +299,7 @@ def test_hybrid_sync(kernels):
             kernels.hybrid_wait(slot, cp, br, E, k, 1 << 20)
             assert np.isnan(br.download(dtype=np.float32)).all()
             bpred.free()
+            bx.free()
     finally:
         pb.free()
 
@@ -825,12 +836,15 @@ def test_split_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
         gm.close()
 
 
-@pytest.mark.parametrize("graphs,link,look,early", [(False, 0, False, 0), (True, 0, False, 0), (True, 1, False, 0),
-                                                   (False, 1, False, 0), (True, 1, True, 0), (True, 1, False, 2),
-                                                   (True, 0, False, 1)],
+@pytest.mark.parametrize("graphs,link,look,early,extras",
+                         [(False, 0, False, 0, False), (True, 0, False, 0, False), (True, 1, False, 0, False),
+                          (False, 1, False, 0, False), (True, 1, True, 0, False), (True, 1, False, 2, False),
+                          (True, 0, False, 1, False), (True, 0, False, 0, True), (False, 1, False, 0, True),
+                          (True, 1, False, 1, True)],
                          ids=["replay", "graph", "graph-link1", "replay-link1", "graph-link1-lookahead",
-                              "graph-link1-early2", "graph-early1"])
-def test_hybrid_decode_matches_cpu(graphs, link, look, early, gpu_device, tiny_file, cpu_model):
+                              "graph-link1-early2", "graph-early1", "graph-extras", "replay-link1-extras",
+                              "graph-link1-early1-extras"])
+def test_hybrid_decode_matches_cpu(graphs, link, look, early, extras, gpu_device, tiny_file, cpu_model):
     """The hybrid decode (cpu_experts): a streamed prefill, then decode steps whose routed experts are split
     between the GPU (pinned: some of layer 0 and 3, all of layer 7) and the CPU (le_hybrid_serve through the
     channel), replayed from a launch plan (one CUDA graph per token, the CPU serving every layer after its launch;
@@ -838,14 +852,17 @@ def test_hybrid_decode_matches_cpu(graphs, link, look, early, gpu_device, tiny_f
     not pinned, fetching its weights from the page-locked host map (hybrid_fetch); lookahead: the next layer's
     experts predicted and loaded by the CPU ahead (the link's expert then the one predicted last). The CPU engine's
     logits within the f32 bar; every MoE layer of every step was served; routing counted; with the lookahead, the
-    CPU loaded experts ahead and most of the ones it ran were among them."""
+    CPU loaded experts ahead and most of the ones it ran were among them. extras: the decode keeps every other
+    expert of layer 3 (and one of layer 0) in the staging between prefills (decode_extras), copied back after each
+    prefill (_extras_check_after_prefill)."""
     if graphs and not gpu.graphs_available():
         pytest.skip("the driver has no CUDA graphs")
     cpu = cpu_model("moe")
     hp = cpu.hparams
     pinned = {0: [0, 5, 6], 3: [1], 7: list(range(hp.n_expert))}
+    dx = {3: [e for e in range(hp.n_expert) if e != 1], 0: [2]} if extras else None
     gm = _stream_model(cpu, pinned, 16, save_routing=False, cpu_experts=True, graphs=graphs, link_experts=link,
-                       lookahead=look, early_experts=early)
+                       lookahead=look, early_experts=early, decode_extras=dx)
     try:
         assert gm.plan and gm.graphs == graphs
         ids = sequence(80, hp.n_vocab)
@@ -873,8 +890,40 @@ def test_hybrid_decode_matches_cpu(graphs, link, look, early, gpu_device, tiny_f
             assert hs["early_copied"] > 0 and hs["early_routed"] > 0
         else:
             assert hs["early_copied"] == 0
+        if extras:
+            assert gm._extras_state == "ready" and gm.extras_refills == 1
+            _extras_check_after_prefill(gm, cpu, ids)
+        else:
+            assert gm.extras_refills == 0
     finally:
         gm.close()
+
+
+def _extras_check_after_prefill(gm, cpu, ids):
+    """A second prompt after a hybrid decode with decode_extras (all of layer 3's experts on the GPU: pinned or
+    extra): its prefill overwrote the staging, so the first step leaves layer 3's unpinned experts to the CPU and
+    copies the extras back; once they are in, the CPU gets none of layer 3's; logits = the CPU engine's."""
+    hp, hy = cpu.hparams, gm._hy
+    lay, k = hy["layout"], hp.n_expert_used
+    st = gm.new_state(N_CTX)
+    first = gm.forward(st, ids[:30], all_logits=True)
+    assert gm._extras_state == "empty"
+    rows, cpu_runs = [], []
+    for i in range(30, 45):
+        rows.append(gm.forward(st, ids[i:i + 1]))
+        sl = lay.slot(hy["arr"], 3)
+        routed, on_cpu = sl[lay.ids:lay.ids + k].copy(), sl[lay.cpu_ids:lay.cpu_ids + k].copy()
+        cpu_runs.append((gm._extras_state, routed, on_cpu))
+    assert gm.extras_refills == 2 and gm._extras_state == "ready"
+    _state, routed, on_cpu = cpu_runs[0]           # the step that issued the copies: the CPU ran them
+    if not gm.link_experts and not gm.early_experts:
+        np.testing.assert_array_equal(on_cpu, np.where(routed == 1, -1, routed))
+    else:                                           # less the link's and early ones
+        assert (on_cpu >= 0).sum() >= (routed != 1).sum() - gm.link_experts - gm.early_experts
+    used = [c for s_, _r, c in cpu_runs[2:] if s_ == "ready"]
+    assert used and all((c == -1).all() for c in used)
+    got = np.concatenate([first] + rows)
+    assert np.abs(got.astype(np.float64) - cpu_logits(cpu, ids[:45], 30)).max() <= tol.LOGIT_ABS_F32
 
 
 @pytest.mark.parametrize("link", [0, 1], ids=["link0", "link1"])

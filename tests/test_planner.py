@@ -243,3 +243,52 @@ def test_streamed_models_keep_fewer_logit_rows():
     saved = res.parts["scratch"] - st.parts["scratch"]
     # the scratch total is rounded to the allocation granularity (planner._round): within a few MiB
     assert saved == pytest.approx(4 * (P.LOGIT_ROWS - P.STREAM_LOGIT_ROWS) * hp.n_vocab, abs=4 * 2**20)
+
+
+def test_prefill_blocks_share_one_arena():
+    """A pass of several tokens keeps one block's buffers at a time (planner.block_scratch: every name gpu_model
+    asks for under ARENA_NAMES, each in its block), so its scratch counts the largest block, a decode step all."""
+    hp = A3B.hparams
+    blocks = P.block_scratch(hp, 2048, True)
+    assert set(blocks) == {"gdn", "attention", "moe"}
+    for b, names in blocks.items():
+        assert all(P.ARENA_NAMES[n] == b for n in names)
+    sums = {b: sum(v.values()) for b, v in blocks.items()}
+    assert P.arena_bytes(hp, 2048, True) >= max(sums.values())
+    assert P.arena_bytes(hp, 2048, True) < max(sums.values()) + P.ARENA_ALIGN * len(P.ARENA_NAMES)
+    one = P.block_scratch(hp, 1, True)
+    assert P.scratch_bytes(hp, 1, True, 1) >= sum(sum(v.values()) for v in one.values())
+
+
+def test_token_embedding_stays_on_the_host_when_experts_stream():
+    """planner.host_embedding: a streamed model reads its token embedding from host memory (its own head), so the
+    weights in VRAM leave it out; resident models and tied heads keep it."""
+    assert P.host_embedding(A3B, True) and not P.host_embedding(A3B, False)
+    assert "token_embd.weight" not in P.resident_names(A3B, True)
+    assert "token_embd.weight" in P.resident_names(A3B, False)
+    tied = P.DescribedFile("qwen3.5-0.8b", "q4_k_m")          # its head is the embedding
+    assert "output.weight" not in tied.tensors and not P.host_embedding(tied, True)
+
+
+def test_decode_extras_fill_the_idle_staging():
+    """choose_decode_extras: experts not pinned, hottest first within each layer (by the routing counts), packed
+    with each layer's link slots into the staging pool (extras_regions) until no further expert fits."""
+    rng = np.random.default_rng(5)
+    hp = A3B.hparams
+    counts = {i: rng.integers(0, 1000, hp.n_expert) for i in range(hp.n_layer)}
+    pins, _ = P.fill_pins(A3B, 6 * P.GiB, 4096, 2048, True, counts)
+    extras = P.choose_decode_extras(A3B, pins, counts, slots=1)
+    pool = P.staging_pool_bytes(A3B)
+    regions = P.extras_regions(A3B, extras, slots=1)
+    end = max(o + b for o, b in regions.values())
+    per = {i: full // hp.n_expert for i, full in P.layer_expert_bytes(A3B).items()}
+    assert end <= pool and pool - end < max(per.values()) + P.WEIGHT_ALIGN
+    assert set(regions) == set(per)                                  # every layer: its link slot
+    n = sum(map(len, extras.values()))
+    assert n > 300
+    for i, es in extras.items():
+        assert not set(es) & set(pins.get(i, ()))
+        rest = [e for e in range(hp.n_expert) if e not in es and e not in pins.get(i, ())]
+        if rest:
+            assert counts[i][es].min() >= counts[i][rest].max()
+    assert P.pinned_share(A3B, P.merge_pins(pins, extras), counts) > P.pinned_share(A3B, pins, counts)
