@@ -1,15 +1,18 @@
 /* gemv_f32.cu — decode GEMV with f32 activations: y = W x, W quantised, dequantised on the fly.
  *
- *   gemv_f32_<type>(W, x, y, nrows, ncols)      type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs f32
+ *   gemv_f32_<type>(W, x, y, nrows, ncols, w_z, y_z)      type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs f32
  *     W: [nrows, ncols] rows of quant blocks (row r at W + r * ncols/BLOCK*BYTES; W 4-byte aligned),
  *        or f32 rows (16-byte aligned, ncols % 4 == 0)
  *     x: [ncols] f32 (16-byte aligned), y: [nrows] f32; ncols a multiple of the block size
- *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(nrows/4), 65535) x 1 x 1
- *   gemv_f32_<type>_ids(W, x, y, nrows, ncols, ids, expert_bytes, x_group, x_stride)
+ *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(nrows/4), 65535) x 1 x Z
+ *     Z = 2: a second matrix of the same shape and type on the same x in the same launch: grid.z = z reads
+ *     W + z * w_z (bytes, may be negative) and writes y + z * y_z (floats); Z = 1 ignores them
+ *   gemv_f32_<type>_ids(W, x, y, nrows, ncols, ids, expert_bytes, x_group, x_stride, w_z, y_z)
  *     the MoE form: grid.y = number of (token, slot) pairs p; pair p multiplies expert ids[p]
  *     (W + ids[p] * expert_bytes) with x + (p / x_group) * x_stride into y + p * nrows
  *     (gate/up: x_group = k, the token's input; down: x_group = 1, the pair's own activation);
- *     ids[p] < 0: the pair is skipped and its output row is zero (the hybrid decode's CPU-side experts)
+ *     ids[p] < 0: the pair is skipped and its output row is zero (the hybrid decode's CPU-side experts);
+ *     grid.z as above (every expert's second matrix at the same offset w_z from its first: gate and up)
  * One warp per row (rows grid-strided); lane l takes the 4-element words l, l+32, … of the row
  * (quants.cuh word() decodes one to the reference's exact weights), so that a warp reads 128
  * consecutive elements of x and the matching weight bytes per step (coalesced), multiplies in
@@ -52,16 +55,20 @@ __device__ __forceinline__ void gemv_f32(const uint8_t *LE_RESTRICT W, const flo
 }
 
 #define LE_GEMV_F32(name, T)                                                                              \
-    extern "C" __global__ void name(const uint8_t *W, const float *x, float *y, int nrows, int ncols) {   \
+    extern "C" __global__ void name(const uint8_t *W, const float *x, float *y, int nrows, int ncols,     \
+                                    long long w_z, long long y_z) {                                       \
         LE_SCRATCH(scratch, GEMV_THREADS);                                                                \
-        gemv_f32<T>(W, x, y, nrows, ncols, scratch);                                                      \
+        gemv_f32<T>(W + blockIdx.z * w_z, x, y + blockIdx.z * y_z, nrows, ncols, scratch);                \
     }
 
 #define LE_GEMV_F32_IDS(name, T)                                                                          \
     extern "C" __global__ void name(const uint8_t *W, const float *x, float *y, int nrows, int ncols,     \
-                                    const int *ids, long long expert_bytes, int x_group, int x_stride) {  \
+                                    const int *ids, long long expert_bytes, int x_group, int x_stride,    \
+                                    long long w_z, long long y_z) {                                       \
         LE_SCRATCH(scratch, GEMV_THREADS);                                                                \
         const int p = blockIdx.y;                                                                         \
+        W += blockIdx.z * w_z;                                                                            \
+        y += blockIdx.z * y_z;                                                                            \
         if (le_zero_skipped_pair(ids[p], y + (size_t)p * nrows, nrows)) return;                           \
         gemv_f32<T>(W + (size_t)ids[p] * expert_bytes, x + (size_t)(p / x_group) * x_stride,              \
                     y + (size_t)p * nrows, nrows, ncols, scratch);                                        \
@@ -103,15 +110,19 @@ __device__ __forceinline__ void gemv_f32w(const float *LE_RESTRICT W, const floa
     }
 }
 
-extern "C" __global__ void gemv_f32_f32(const float *W, const float *x, float *y, int nrows, int ncols) {
+extern "C" __global__ void gemv_f32_f32(const float *W, const float *x, float *y, int nrows, int ncols,
+                                        long long w_z, long long y_z) {
     LE_SCRATCH(scratch, GEMV_THREADS);
-    gemv_f32w(W, x, y, nrows, ncols, scratch);
+    gemv_f32w((const float *)((const uint8_t *)W + blockIdx.z * w_z), x, y + blockIdx.z * y_z, nrows, ncols, scratch);
 }
 
 extern "C" __global__ void gemv_f32_f32_ids(const float *W, const float *x, float *y, int nrows, int ncols,
-                                            const int *ids, long long expert_bytes, int x_group, int x_stride) {
+                                            const int *ids, long long expert_bytes, int x_group, int x_stride,
+                                            long long w_z, long long y_z) {
     LE_SCRATCH(scratch, GEMV_THREADS);
     const int p = blockIdx.y;
+    W = (const float *)((const uint8_t *)W + blockIdx.z * w_z);
+    y += blockIdx.z * y_z;
     if (le_zero_skipped_pair(ids[p], y + (size_t)p * nrows, nrows)) return;
     gemv_f32w((const float *)((const uint8_t *)W + (size_t)ids[p] * expert_bytes),
               x + (size_t)(p / x_group) * x_stride, y + (size_t)p * nrows, nrows, ncols, scratch);

@@ -969,24 +969,46 @@ class Kernels:
         _need(W, nrows * (ncols // bs) * ts, f"{what} W")
         return suffix
 
-    def gemv_f32(self, qtype: int, W, x, y, nrows: int, ncols: int, stream: Stream | None = None) -> None:
-        """y[nrows] = W[nrows, ncols] (ggml type `qtype`) x[ncols] f32."""
+    def gemv_f32(self, qtype: int, W, x, y, nrows: int, ncols: int, W2=None, y2=None,
+                 stream: Stream | None = None) -> None:
+        """y[nrows] = W[nrows, ncols] (ggml type `qtype`) x[ncols] f32; with W2 (a matrix of the same shape and
+        type) also y2 = W2 x in the same launch."""
         suffix = self._weights(qtype, W, nrows, ncols, "gemv_f32")
         if _ptr(x) % 16:
             raise ValueError("gemv_f32: x must be 16-byte aligned (it is read as float4)")
         _need(x, 4 * ncols, "gemv_f32 x")
         _need(y, 4 * nrows, "gemv_f32 y")
+        z, w_z, y_z = self._second(qtype, W, y, W2, y2, nrows, ncols, nrows, "gemv_f32")
         self.modules["gemv_f32"].kernel(f"gemv_f32_{suffix}").launch(
-            (self._grid(-(-nrows // GEMV_ROWS)), 1, 1), (GEMV_THREADS, 1, 1),
-            [("ptr", _ptr(W)), ("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols)], stream=stream)
+            (self._grid(-(-nrows // GEMV_ROWS)), 1, z), (GEMV_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols), ("i64", w_z),
+             ("i64", y_z)], stream=stream)
+
+    def _second(self, qtype: int, W, y, W2, y2, nrows: int, ncols: int, out_rows: int,
+                what: str) -> tuple[int, int, int]:
+        """A GEMV's second matrix (grid.z = 2), checked as the first: -> (Z, W2 - W in bytes, y2 - y in floats);
+        (1, 0, 0) without."""
+        if W2 is None and y2 is None:
+            return 1, 0, 0
+        if W2 is None or y2 is None:
+            raise ValueError(f"{what}: a second matrix needs both W2 and y2")
+        self._weights(qtype, W2, nrows, ncols, what)
+        rows = out_rows
+        _need(y2, 4 * rows, f"{what} y2")
+        dy = _ptr(y2) - _ptr(y)
+        if dy % 4:
+            raise ValueError(f"{what}: y2 - y = {dy} bytes is not a whole number of floats")
+        return 2, _ptr(W2) - _ptr(W), dy // 4
 
     def gemv_ids(self, qtype: int, W, x, y, nrows: int, ncols: int, ids, n_pairs: int, expert_bytes: int,
-                 x_group: int, x_stride: int, int8: bool = False, n_experts: int | None = None,
+                 x_group: int, x_stride: int, int8: bool = False, n_experts: int | None = None, W2=None, y2=None,
                  stream: Stream | None = None) -> None:
         """The MoE GEMV: for pair p < n_pairs, y[p, :nrows] = W_e x_p with e = ids[p] (int32, device), W_e at
         W + e * expert_bytes ([nrows, ncols] each), x_p = x + (p // x_group) * x_stride (floats; with int8:
         block_q8_1 of quantize_q8_1, x_stride in blocks). The ids are not read back: the caller makes them
-        (moe_route) < n_experts. ids[p] < 0 skips pair p and zeroes its row (the hybrid decode's CPU experts)."""
+        (moe_route) < n_experts. ids[p] < 0 skips pair p and zeroes its row (the hybrid decode's CPU experts).
+        W2, y2: a second matrix of the same shape and type (expert e at W2 + e * expert_bytes: a SwiGLU's up
+        beside its gate) into y2 [n_pairs, nrows] in the same launch."""
         what = "gemv_dp4a_ids" if int8 else "gemv_f32_ids"
         suffix = self._weights(qtype, W, nrows, ncols, what)
         if int8 and qtype == F32:
@@ -999,22 +1021,28 @@ class Kernels:
             _need(W, n_experts * expert_bytes, f"{what} W")
         _need(ids, 4 * n_pairs, f"{what} ids")
         _need(y, 4 * nrows * n_pairs, f"{what} y")
+        z, w_z, y_z = self._second(qtype, W, y, W2, y2, nrows, ncols, nrows * n_pairs, what)
         mod = "gemv_dp4a" if int8 else "gemv_f32"
         self.modules[mod].kernel(f"{mod}_{suffix}_ids").launch(
-            (self._grid(-(-nrows // GEMV_ROWS)), n_pairs, 1), (GEMV_THREADS, 1, 1),
+            (self._grid(-(-nrows // GEMV_ROWS)), n_pairs, z), (GEMV_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols), ("ptr", _ptr(ids)),
-             ("i64", int(expert_bytes)), ("i32", x_group), ("i32", x_stride)], stream=stream)
+             ("i64", int(expert_bytes)), ("i32", x_group), ("i32", x_stride), ("i64", w_z), ("i64", y_z)],
+            stream=stream)
 
-    def gemv_dp4a(self, qtype: int, W, xq, y, nrows: int, ncols: int, stream: Stream | None = None) -> None:
-        """y[nrows] = W[nrows, ncols] xq, xq: [ncols/32] block_q8_1 from quantize_q8_1."""
+    def gemv_dp4a(self, qtype: int, W, xq, y, nrows: int, ncols: int, W2=None, y2=None,
+                  stream: Stream | None = None) -> None:
+        """y[nrows] = W[nrows, ncols] xq, xq: [ncols/32] block_q8_1 from quantize_q8_1; with W2 (a matrix of the
+        same shape and type) also y2 = W2 xq in the same launch."""
         if qtype == F32:
             raise ValueError("gemv_dp4a: f32 weights have no int8 path (use gemv_f32)")
         suffix = self._weights(qtype, W, nrows, ncols, "gemv_dp4a")
         _need(xq, ncols // 32 * Q8_1_BYTES, "gemv_dp4a xq")
         _need(y, 4 * nrows, "gemv_dp4a y")
+        z, w_z, y_z = self._second(qtype, W, y, W2, y2, nrows, ncols, nrows, "gemv_dp4a")
         self.modules["gemv_dp4a"].kernel(f"gemv_dp4a_{suffix}").launch(
-            (self._grid(-(-nrows // GEMV_ROWS)), 1, 1), (GEMV_THREADS, 1, 1),
-            [("ptr", _ptr(W)), ("ptr", _ptr(xq)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols)], stream=stream)
+            (self._grid(-(-nrows // GEMV_ROWS)), 1, z), (GEMV_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(xq)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols), ("i64", w_z),
+             ("i64", y_z)], stream=stream)
 
     def gemm_f32(self, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
         """Y[ntok, nrows] = X[ntok, ncols] f32 times W[nrows, ncols]^T."""

@@ -861,6 +861,21 @@ class GpuModel:
         else:
             k.gemv_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols)
 
+    def _mm2(self, w1: _W, w2: _W, x: int, y1: int, y2: int, n: int, xq: int | None = None) -> None:
+        """_mm of two matrices on the same input; one token and the same shape and type: one launch (the GEMV's
+        second matrix, grid.z = 2), else two."""
+        if n != 1 or (w1.qtype, w1.nrows, w1.ncols) != (w2.qtype, w2.nrows, w2.ncols):
+            self._mm(w1, x, y1, n, xq)
+            self._mm(w2, x, y2, n, xq)
+            return
+        k = self.k
+        if self.int8 and w1.qtype != gpu.F32:
+            if xq is None:
+                xq = self._q8_1(x, w1.ncols, "xq")
+            k.gemv_dp4a(w1.qtype, w1.ptr, xq, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2)
+        else:
+            k.gemv_f32(w1.qtype, w1.ptr, x, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2)
+
     def _hq(self, n: int) -> int | None:
         """The buffer add_rmsnorm writes the normed h [n, E] into as Q8_1, for the int8 GEMVs (one token) or GEMMs
         (several, int8_prefill) that read h; None on the f32 paths. A name of its own: _mm's "xq" (the other
@@ -890,8 +905,7 @@ class GpuModel:
         g = self._buf("g", 4 * n * Hv).ptr
         self._mm(L["qkv"], h, qkv, n, hq)
         self._mm(L["z"], h, z, n, hq)
-        self._mm(L["beta"], h, beta, n, hq)
-        self._mm(L["alpha"], h, g, n, hq)
+        self._mm2(L["beta"], L["alpha"], h, beta, g, n, hq)
         k.conv1d_silu(qkv, L["conv"], st.conv_ptr(si), u, n, conv_dim, hp.ssm_conv_kernel)
         k.gdn_l2norm_qk(u, n, conv_dim, Hk, dk)
         k.gdn_gates(beta, g, L["dt"], L["a"], n, Hv)
@@ -909,8 +923,7 @@ class GpuModel:
         kb, vb = self._buf("kb", 4 * kvw).ptr, self._buf("vb", 4 * kvw).ptr
         kc, vc, pos_dev = st.k_ptr(si), st.v_ptr(si), st.io.ptr + 4
         self._mm(L["q"], h, qg, 1, hq)
-        self._mm(L["k"], h, kb, 1, hq)
-        self._mm(L["v"], h, vb, 1, hq)
+        self._mm2(L["k"], L["v"], h, kb, vb, 1, hq)
         cs = self._rope_cs(st.n_ctx).ptr
         k.qk_norm_rope(qg, L["q_norm"], cs, 1, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps, pos_dev=pos_dev)
         k.qk_norm_rope(kb, L["k_norm"], cs, 1, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps, pos_dev=pos_dev)
@@ -951,8 +964,7 @@ class GpuModel:
             self._arena_open("ffn")
             g = self._buf("ffg", 4 * n * ff).ptr
             u = self._buf("ffu", 4 * n * ff).ptr
-            self._mm(L["gate"], h, g, n, hq)
-            self._mm(L["up"], h, u, n, hq)
+            self._mm2(L["gate"], L["up"], h, g, u, n, hq)
             k.swiglu(g, u, g, n * ff)
             self._mm(L["down"], g, y, n)
             return
@@ -1322,10 +1334,13 @@ class GpuModel:
             x, xs = xq, E // 32
             if x is None:         # several rows: quantise each (tokens, or gathered pairs)
                 x = self._q8_1(x_rows, pairs // x_group * E, "xq_tok")
-        for wname, o in (("gate_exps", g), ("up_exps", u)):
-            w = L[wname]
-            k.gemv_ids(w.qtype, addr[wname], x, o, w.nrows, w.ncols, eids, pairs, w.expert_bytes, x_group, xs,
-                       int8=int8)
+        wg, wu = L["gate_exps"], L["up_exps"]
+        if (wg.qtype, wg.nrows, wg.ncols, wg.expert_bytes) == (wu.qtype, wu.nrows, wu.ncols, wu.expert_bytes):
+            k.gemv_ids(wg.qtype, addr["gate_exps"], x, g, wg.nrows, wg.ncols, eids, pairs, wg.expert_bytes, x_group,
+                       xs, int8=int8, W2=addr["up_exps"], y2=u)       # gate and up in one launch
+        else:
+            for w, a, o in ((wg, addr["gate_exps"], g), (wu, addr["up_exps"], u)):
+                k.gemv_ids(w.qtype, a, x, o, w.nrows, w.ncols, eids, pairs, w.expert_bytes, x_group, xs, int8=int8)
         k.swiglu(g, u, g, pairs * ff)
         w = L["down_exps"]
         int8d = self.int8 and w.qtype != gpu.F32
@@ -1352,8 +1367,7 @@ class GpuModel:
             su = self._buf("su", 4 * n * fs).ptr
             sh = self._buf("sh", 4 * n * E).ptr
             shg = self._buf("shg", 4 * n).ptr
-            self._mm(L["sh_gate"], h, sg, n, hq)
-            self._mm(L["sh_up"], h, su, n, hq)
+            self._mm2(L["sh_gate"], L["sh_up"], h, sg, su, n, hq)
             k.swiglu(sg, su, sg, n * fs)
             self._mm(L["sh_down"], sg, sh, n)
             self._mm(L["sh_gate_inp"], h, shg, n, hq)

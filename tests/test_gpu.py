@@ -609,6 +609,53 @@ def test_gemv_dp4a(kernels, qtype):
         assert_close_sum(y, ref, mag, chain, f"gemv_dp4a {tname(qtype)} {nrows}x{ncols}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [gpu.F32, 12], ids=["f32", "q4_K"])
+@variant_params()
+def test_gemv_second_matrix(kernels, qtype):
+    """A GEMV's second matrix of the same shape (grid.z = 2: gate and up, beta and alpha, k and v in one launch):
+    the same bits as two launches, for the dense and the MoE (ids) forms, f32 and int8 activations, the second
+    matrix after the first in memory and before it (a negative offset)."""
+    rng = np.random.default_rng(31)
+    nrows, ncols, ne, pairs = 96, 512, 3, 4
+    w = [expert_weights(rng, qtype, ne, nrows, ncols)[0].view(np.uint8) for _ in range(2)]
+    eb = w[0].nbytes // ne
+    x = rng.standard_normal(ncols).astype(np.float32)
+    ids = np.array([2, -1, 0, 1], dtype=np.int32)
+    int8s = [False] if qtype == gpu.F32 else [False, True]
+    with gpu.Buffer.from_array(np.concatenate([w[1], w[0]])) as bw, gpu.Buffer.from_array(x) as bx, \
+            gpu.Buffer(ncols // 32 * 36) as bq, gpu.Buffer.from_array(ids) as bi, \
+            gpu.Buffer(4 * 4 * nrows * pairs) as by:
+        kernels.quantize_q8_1(bx, bq, ncols)
+        w0, w1 = bw.ptr + w[1].nbytes, bw.ptr                  # the second matrix lies first
+        for int8 in int8s:
+            xin = bq if int8 else bx
+            for first, second in ((w0, w1), (w1, w0)):
+                y = [by.ptr + 4 * nrows * pairs * j for j in range(4)]
+                if int8:
+                    kernels.gemv_dp4a(qtype, first, xin, y[0], nrows, ncols)
+                    kernels.gemv_dp4a(qtype, second, xin, y[1], nrows, ncols)
+                    kernels.gemv_dp4a(qtype, first, xin, y[2], nrows, ncols, W2=second, y2=y[3])
+                else:
+                    kernels.gemv_f32(qtype, first, xin, y[0], nrows, ncols)
+                    kernels.gemv_f32(qtype, second, xin, y[1], nrows, ncols)
+                    kernels.gemv_f32(qtype, first, xin, y[2], nrows, ncols, W2=second, y2=y[3])
+                out = by.download(dtype=np.float32).reshape(4, -1)[:, :nrows]
+                np.testing.assert_array_equal(out[2], out[0])
+                np.testing.assert_array_equal(out[3], out[1])
+                assert not np.array_equal(out[0], out[1])
+                # the MoE form: pairs over experts ids (one skipped), x shared (x_group = pairs)
+                xs = 0
+                kernels.gemv_ids(qtype, first, xin, y[0], nrows, ncols, bi, pairs, eb, pairs, xs, int8=int8)
+                kernels.gemv_ids(qtype, second, xin, y[1], nrows, ncols, bi, pairs, eb, pairs, xs, int8=int8)
+                kernels.gemv_ids(qtype, first, xin, y[2], nrows, ncols, bi, pairs, eb, pairs, xs, int8=int8,
+                                 W2=second, y2=y[3])
+                out = by.download(dtype=np.float32).reshape(4, pairs, nrows)
+                np.testing.assert_array_equal(out[2], out[0])
+                np.testing.assert_array_equal(out[3], out[1])
+                assert (out[3][1] == 0).all() and not np.array_equal(out[0], out[1])
+
+
 @pytest.mark.cpu
 def test_expert_tiles():
     ids = np.array([0, 0, 2] + [5] * 70 + [7], dtype=np.int32)
