@@ -1,12 +1,13 @@
 /* gemv_dp4a.cu — decode GEMV in int8: y = W xq, W quantised (W4A8 / W8A8), xq = x as Q8_1.
  *
- *   gemv_dp4a_<type>(W, xq, y, nrows, ncols, w_z, y_z)    type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
+ *   gemv_dp4a_<type>(W, xq, y, nrows, ncols, w_z, y_z, nrows_z)    type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
  *     W: [nrows, ncols] rows of quant blocks (as gemv_f32.cu), xq: [ncols/32] block_q8_1 in the
  *     GPU layout of quantize_q8_1.cu (d, s = sum of x), y: [nrows] f32
  *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(nrows/4), 65535) x 1 x Z
- *     Z = 2: a second matrix of the same shape and type on the same input in the same launch (a SwiGLU's gate
- *     and up, GDN's beta and alpha, attention's k and v): grid.z = z reads W + z * w_z (bytes, may be negative)
- *     and writes y + z * y_z (floats); Z = 1 ignores them
+ *     Z = 2: a second matrix of the same type and width on the same input in the same launch (a SwiGLU's gate
+ *     and up, GDN's qkv and z, beta and alpha, attention's k and v): grid.z = 1 reads nrows_z rows at W + w_z
+ *     (bytes, may be negative) into y + y_z (floats; the grid covers the larger of nrows and nrows_z); Z = 1
+ *     ignores them
  *   gemv_dp4a_<type>_ids(W, xq, y, nrows, ncols, ids, expert_bytes, x_group, x_stride, w_z, y_z)
  *     the MoE form (as gemv_f32.cu's): grid.y = pairs p; expert ids[p], activation blocks
  *     xq + (p / x_group) * x_stride (x_stride in Q8_1 blocks), output y + p * nrows; ids[p] < 0: row zero;
@@ -59,9 +60,10 @@ __device__ __forceinline__ void gemv_dp4a(const uint8_t *LE_RESTRICT W, const bl
 
 #define LE_GEMV_DP4A(name, T)                                                                             \
     extern "C" __global__ void name(const uint8_t *W, const block_q8_1 *xq, float *y, int nrows,          \
-                                    int ncols, long long w_z, long long y_z) {                            \
+                                    int ncols, long long w_z, long long y_z, int nrows_z) {               \
         LE_SCRATCH(scratch, GEMV_THREADS);                                                                \
-        gemv_dp4a<T>(W + blockIdx.z * w_z, xq, y + blockIdx.z * y_z, nrows, ncols, scratch);              \
+        gemv_dp4a<T>(W + blockIdx.z * w_z, xq, y + blockIdx.z * y_z, blockIdx.z ? nrows_z : nrows, ncols, \
+                     scratch);                                                                            \
     }
 
 LE_GEMV_DP4A(gemv_dp4a_q4_0, le_t_q4_0)

@@ -1,12 +1,13 @@
 /* gemv_f32.cu — decode GEMV with f32 activations: y = W x, W quantised, dequantised on the fly.
  *
- *   gemv_f32_<type>(W, x, y, nrows, ncols, w_z, y_z)      type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs f32
+ *   gemv_f32_<type>(W, x, y, nrows, ncols, w_z, y_z, nrows_z)      type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs f32
  *     W: [nrows, ncols] rows of quant blocks (row r at W + r * ncols/BLOCK*BYTES; W 4-byte aligned),
  *        or f32 rows (16-byte aligned, ncols % 4 == 0)
  *     x: [ncols] f32 (16-byte aligned), y: [nrows] f32; ncols a multiple of the block size
  *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(nrows/4), 65535) x 1 x Z
- *     Z = 2: a second matrix of the same shape and type on the same x in the same launch: grid.z = z reads
- *     W + z * w_z (bytes, may be negative) and writes y + z * y_z (floats); Z = 1 ignores them
+ *     Z = 2: a second matrix of the same type and width on the same x in the same launch: grid.z = 1 reads
+ *     nrows_z rows at W + w_z (bytes, may be negative) into y + y_z (floats; the grid covers the larger of
+ *     nrows and nrows_z); Z = 1 ignores them
  *   gemv_f32_<type>_ids(W, x, y, nrows, ncols, ids, expert_bytes, x_group, x_stride, w_z, y_z)
  *     the MoE form: grid.y = number of (token, slot) pairs p; pair p multiplies expert ids[p]
  *     (W + ids[p] * expert_bytes) with x + (p / x_group) * x_stride into y + p * nrows
@@ -56,9 +57,10 @@ __device__ __forceinline__ void gemv_f32(const uint8_t *LE_RESTRICT W, const flo
 
 #define LE_GEMV_F32(name, T)                                                                              \
     extern "C" __global__ void name(const uint8_t *W, const float *x, float *y, int nrows, int ncols,     \
-                                    long long w_z, long long y_z) {                                       \
+                                    long long w_z, long long y_z, int nrows_z) {                          \
         LE_SCRATCH(scratch, GEMV_THREADS);                                                                \
-        gemv_f32<T>(W + blockIdx.z * w_z, x, y + blockIdx.z * y_z, nrows, ncols, scratch);                \
+        gemv_f32<T>(W + blockIdx.z * w_z, x, y + blockIdx.z * y_z, blockIdx.z ? nrows_z : nrows, ncols,   \
+                    scratch);                                                                             \
     }
 
 #define LE_GEMV_F32_IDS(name, T)                                                                          \
@@ -111,9 +113,10 @@ __device__ __forceinline__ void gemv_f32w(const float *LE_RESTRICT W, const floa
 }
 
 extern "C" __global__ void gemv_f32_f32(const float *W, const float *x, float *y, int nrows, int ncols,
-                                        long long w_z, long long y_z) {
+                                        long long w_z, long long y_z, int nrows_z) {
     LE_SCRATCH(scratch, GEMV_THREADS);
-    gemv_f32w((const float *)((const uint8_t *)W + blockIdx.z * w_z), x, y + blockIdx.z * y_z, nrows, ncols, scratch);
+    gemv_f32w((const float *)((const uint8_t *)W + blockIdx.z * w_z), x, y + blockIdx.z * y_z,
+              blockIdx.z ? nrows_z : nrows, ncols, scratch);
 }
 
 extern "C" __global__ void gemv_f32_f32_ids(const float *W, const float *x, float *y, int nrows, int ncols,

@@ -969,20 +969,21 @@ class Kernels:
         _need(W, nrows * (ncols // bs) * ts, f"{what} W")
         return suffix
 
-    def gemv_f32(self, qtype: int, W, x, y, nrows: int, ncols: int, W2=None, y2=None,
+    def gemv_f32(self, qtype: int, W, x, y, nrows: int, ncols: int, W2=None, y2=None, nrows2: int | None = None,
                  stream: Stream | None = None) -> None:
-        """y[nrows] = W[nrows, ncols] (ggml type `qtype`) x[ncols] f32; with W2 (a matrix of the same shape and
-        type) also y2 = W2 x in the same launch."""
+        """y[nrows] = W[nrows, ncols] (ggml type `qtype`) x[ncols] f32; with W2 (a matrix of the same type and
+        width, nrows2 rows: default nrows) also y2 = W2 x in the same launch."""
         suffix = self._weights(qtype, W, nrows, ncols, "gemv_f32")
         if _ptr(x) % 16:
             raise ValueError("gemv_f32: x must be 16-byte aligned (it is read as float4)")
         _need(x, 4 * ncols, "gemv_f32 x")
         _need(y, 4 * nrows, "gemv_f32 y")
-        z, w_z, y_z = self._second(qtype, W, y, W2, y2, nrows, ncols, nrows, "gemv_f32")
+        n2 = nrows if nrows2 is None else int(nrows2)
+        z, w_z, y_z = self._second(qtype, W, y, W2, y2, n2, ncols, n2, "gemv_f32")
         self.modules["gemv_f32"].kernel(f"gemv_f32_{suffix}").launch(
-            (self._grid(-(-nrows // GEMV_ROWS)), 1, z), (GEMV_THREADS, 1, 1),
+            (self._grid(-(-max(nrows, n2 if z == 2 else 0) // GEMV_ROWS)), 1, z), (GEMV_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols), ("i64", w_z),
-             ("i64", y_z)], stream=stream)
+             ("i64", y_z), ("i32", n2)], stream=stream)
 
     def _second(self, qtype: int, W, y, W2, y2, nrows: int, ncols: int, out_rows: int,
                 what: str) -> tuple[int, int, int]:
@@ -1029,20 +1030,21 @@ class Kernels:
              ("i64", int(expert_bytes)), ("i32", x_group), ("i32", x_stride), ("i64", w_z), ("i64", y_z)],
             stream=stream)
 
-    def gemv_dp4a(self, qtype: int, W, xq, y, nrows: int, ncols: int, W2=None, y2=None,
+    def gemv_dp4a(self, qtype: int, W, xq, y, nrows: int, ncols: int, W2=None, y2=None, nrows2: int | None = None,
                   stream: Stream | None = None) -> None:
         """y[nrows] = W[nrows, ncols] xq, xq: [ncols/32] block_q8_1 from quantize_q8_1; with W2 (a matrix of the
-        same shape and type) also y2 = W2 xq in the same launch."""
+        same type and width, nrows2 rows: default nrows) also y2 = W2 xq in the same launch."""
         if qtype == F32:
             raise ValueError("gemv_dp4a: f32 weights have no int8 path (use gemv_f32)")
         suffix = self._weights(qtype, W, nrows, ncols, "gemv_dp4a")
         _need(xq, ncols // 32 * Q8_1_BYTES, "gemv_dp4a xq")
         _need(y, 4 * nrows, "gemv_dp4a y")
-        z, w_z, y_z = self._second(qtype, W, y, W2, y2, nrows, ncols, nrows, "gemv_dp4a")
+        n2 = nrows if nrows2 is None else int(nrows2)
+        z, w_z, y_z = self._second(qtype, W, y, W2, y2, n2, ncols, n2, "gemv_dp4a")
         self.modules["gemv_dp4a"].kernel(f"gemv_dp4a_{suffix}").launch(
-            (self._grid(-(-nrows // GEMV_ROWS)), 1, z), (GEMV_THREADS, 1, 1),
+            (self._grid(-(-max(nrows, n2 if z == 2 else 0) // GEMV_ROWS)), 1, z), (GEMV_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(xq)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols), ("i64", w_z),
-             ("i64", y_z)], stream=stream)
+             ("i64", y_z), ("i32", n2)], stream=stream)
 
     def gemm_f32(self, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
         """Y[ntok, nrows] = X[ntok, ncols] f32 times W[nrows, ncols]^T."""

@@ -862,9 +862,9 @@ class GpuModel:
             k.gemv_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols)
 
     def _mm2(self, w1: _W, w2: _W, x: int, y1: int, y2: int, n: int, xq: int | None = None) -> None:
-        """_mm of two matrices on the same input; one token and the same shape and type: one launch (the GEMV's
+        """_mm of two matrices on the same input; one token and the same type and width: one launch (the GEMV's
         second matrix, grid.z = 2), else two."""
-        if n != 1 or (w1.qtype, w1.nrows, w1.ncols) != (w2.qtype, w2.nrows, w2.ncols):
+        if n != 1 or (w1.qtype, w1.ncols) != (w2.qtype, w2.ncols):
             self._mm(w1, x, y1, n, xq)
             self._mm(w2, x, y2, n, xq)
             return
@@ -872,9 +872,9 @@ class GpuModel:
         if self.int8 and w1.qtype != gpu.F32:
             if xq is None:
                 xq = self._q8_1(x, w1.ncols, "xq")
-            k.gemv_dp4a(w1.qtype, w1.ptr, xq, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2)
+            k.gemv_dp4a(w1.qtype, w1.ptr, xq, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2, nrows2=w2.nrows)
         else:
-            k.gemv_f32(w1.qtype, w1.ptr, x, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2)
+            k.gemv_f32(w1.qtype, w1.ptr, x, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2, nrows2=w2.nrows)
 
     def _hq(self, n: int) -> int | None:
         """The buffer add_rmsnorm writes the normed h [n, E] into as Q8_1, for the int8 GEMVs (one token) or GEMMs
@@ -903,8 +903,7 @@ class GpuModel:
         o = self._buf("o", 4 * n * hp.ssm_d_inner).ptr
         beta = self._buf("beta", 4 * n * Hv).ptr
         g = self._buf("g", 4 * n * Hv).ptr
-        self._mm(L["qkv"], h, qkv, n, hq)
-        self._mm(L["z"], h, z, n, hq)
+        self._mm2(L["qkv"], L["z"], h, qkv, z, n, hq)
         self._mm2(L["beta"], L["alpha"], h, beta, g, n, hq)
         k.conv1d_silu(qkv, L["conv"], st.conv_ptr(si), u, n, conv_dim, hp.ssm_conv_kernel)
         k.gdn_l2norm_qk(u, n, conv_dim, Hk, dk)

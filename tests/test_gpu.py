@@ -613,9 +613,9 @@ def test_gemv_dp4a(kernels, qtype):
 @pytest.mark.parametrize("qtype", [gpu.F32, 12], ids=["f32", "q4_K"])
 @variant_params()
 def test_gemv_second_matrix(kernels, qtype):
-    """A GEMV's second matrix of the same shape (grid.z = 2: gate and up, beta and alpha, k and v in one launch):
-    the same bits as two launches, for the dense and the MoE (ids) forms, f32 and int8 activations, the second
-    matrix after the first in memory and before it (a negative offset)."""
+    """A GEMV's second matrix (grid.z = 2: gate and up, qkv and z, beta and alpha, k and v in one launch): the same
+    bits as two launches, for the dense (the second of the same height, fewer rows or more) and the MoE (ids) forms,
+    f32 and int8 activations, the second matrix after the first in memory and before it (a negative offset)."""
     rng = np.random.default_rng(31)
     nrows, ncols, ne, pairs = 96, 512, 3, 4
     w = [expert_weights(rng, qtype, ne, nrows, ncols)[0].view(np.uint8) for _ in range(2)]
@@ -644,6 +644,19 @@ def test_gemv_second_matrix(kernels, qtype):
                 np.testing.assert_array_equal(out[2], out[0])
                 np.testing.assert_array_equal(out[3], out[1])
                 assert not np.array_equal(out[0], out[1])
+                # a second matrix of other height (GDN's qkv and z): its rows only, the first's all
+                for n2 in (40, nrows * 2):
+                    by.upload(np.full(4 * nrows * pairs, 7.0, np.float32))
+                    if int8:
+                        kernels.gemv_dp4a(qtype, second, xin, y[1], n2, ncols)
+                        kernels.gemv_dp4a(qtype, first, xin, y[2], nrows, ncols, W2=second, y2=y[3], nrows2=n2)
+                    else:
+                        kernels.gemv_f32(qtype, second, xin, y[1], n2, ncols)
+                        kernels.gemv_f32(qtype, first, xin, y[2], nrows, ncols, W2=second, y2=y[3], nrows2=n2)
+                    o2 = by.download(dtype=np.float32).reshape(4, -1)
+                    np.testing.assert_array_equal(o2[2][:nrows], out[0])
+                    np.testing.assert_array_equal(o2[3][:n2], o2[1][:n2])
+                    assert (o2[3][n2:] == 7.0).all()
                 # the MoE form: pairs over experts ids (one skipped), x shared (x_group = pairs)
                 xs = 0
                 kernels.gemv_ids(qtype, first, xin, y[0], nrows, ncols, bi, pairs, eb, pairs, xs, int8=int8)
