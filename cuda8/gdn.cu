@@ -9,13 +9,17 @@
  *     u: [n, conv_dim], row = q (Hk*dk) | k (Hk*dk) | v (Hv*dv); every q and k head <- x / sqrt(sum x^2 + eps),
  *     q heads then * qscale (= 1/sqrt(dk))
  *     launch: block GDN_NORM_THREADS (128), grid min(n*2*Hk, 65535) (one head row per block, grid-stride)
- *   gdn_recurrent_f32(u, g, beta, S, o, n, conv_dim, Hk, Hv, dk, dv, tiled)
+ *   gdn_recurrent_f32(u, g, beta, S, o, n, conv_dim, Hk, Hv, dk, dv, tiled, dt_bias, ssm_a)
  *     per v-head j (k-head kh = j % Hk when tiled, the GGUF order of qwen35*; else j / (Hv/Hk)), tokens in order:
  *       S <- e^g S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q
+ *     dt_bias, ssm_a: NULL (g and beta already gated by gdn_gates_f32), or [Hv] each: the gates taken here as the
+ *     token's inputs are loaded (gdn_gates_f32's expressions: the same bits, one launch fewer a layer)
  *     S: [Hv, dk, dv] f32, updated in place; o: [n, Hv*dv]; g, beta: [n, Hv]; dk <= GDN_MAX_DK
  *     launch: block GDN_THREADS (256) x 1 x 1, grid Hv x ceil(dv / GDN_COLS) x 1
- *   gdn_gated_rmsnorm_f32(o, z, w, y, nrows, dv, eps)                  y may be o
- *     per row of dv (nrows = n*Hv): y = RMSNorm(o) * w * SiLU(z)  (w: ssm_norm [dv], stored without +1)
+ *   gdn_gated_rmsnorm_f32(o, z, w, y, yq, nrows, dv, eps)              y may be o
+ *     per row of dv (nrows = n*Hv): y = RMSNorm(o) * w * SiLU(z)  (w: ssm_norm [dv], stored without +1);
+ *     yq: NULL, or y's Q8_1 blocks [nrows * dv / 32] (dv % 32 == 0), bit-identical to quantize_q8_1 of y (the
+ *     out projection's int8 input: no launch of its own)
  *     launch: block GDN_NORM_THREADS (128), grid min(nrows, 65535) (grid-stride)
  *
  * The recurrence: columns c of S are independent (delta[c] needs only column c), so a block takes
@@ -29,7 +33,7 @@
  * Only the summation order, FMA contraction and expf differ from the reference
  * (tests/test_gpu.py GDN_STEP_EXTRA has the bound).
  * Chunked prefill (gdn.c gdn_chunked_head) is not here yet: prefill runs this recurrence token by token.
- * Tiers: all (block exchange through shared memory only; no shuffles, no __ldg needed).
+ * Tiers: all (the recurrence exchanges through shared memory only; the norms reduce as compat.cuh does per tier).
  * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k gdn
  */
 #include "compat.cuh"
@@ -77,7 +81,8 @@ extern "C" __global__ void gdn_l2norm_qk_f32(float *u, int n, int conv_dim, int 
 
 extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const float *LE_RESTRICT g,
                                              const float *LE_RESTRICT beta, float *S, float *o, int n, int conv_dim,
-                                             int Hk, int Hv, int dk, int dv, int tiled) {
+                                             int Hk, int Hv, int dk, int dv, int tiled,
+                                             const float *LE_RESTRICT dt_bias, const float *LE_RESTRICT ssm_a) {
     __shared__ float qs[GDN_MAX_DK], ks[GDN_MAX_DK];
     __shared__ float red_kv[GDN_SLICES][GDN_COLS], red_o[GDN_SLICES][GDN_COLS];
     const int tid = threadIdx.x, j = blockIdx.x; /* v-head */
@@ -106,6 +111,10 @@ extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const f
         vn = col ? row_[(size_t)2 * Hk * dk + (size_t)j * dv + c] : 0.0f;                  \
         gn = le_ldg(g + (size_t)(t) * Hv + j);                                             \
         bn = le_ldg(beta + (size_t)(t) * Hv + j);                                          \
+        if (dt_bias) { /* the gates here (gdn_gates_f32's expressions) */                  \
+            bn = gdn_sigmoid(bn);                                                          \
+            gn = gdn_softplus(gn + le_ldg(dt_bias + j)) * le_ldg(ssm_a + j);               \
+        }                                                                                  \
     } while (0)
     if (n > 0) GDN_PREFETCH(0);
     for (int t = 0; t < n; t++) {
@@ -161,8 +170,10 @@ extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const f
 }
 
 extern "C" __global__ void gdn_gated_rmsnorm_f32(const float *o, const float *LE_RESTRICT z,
-                                                 const float *LE_RESTRICT w, float *y, int nrows, int dv, float eps) {
+                                                 const float *LE_RESTRICT w, float *y, block_q8_1 *yq, int nrows,
+                                                 int dv, float eps) {
     LE_SCRATCH(scratch, GDN_NORM_THREADS);
+    const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP;
     for (int r = blockIdx.x; r < nrows; r += gridDim.x) {
         const float *x = o + (size_t)r * dv;
         const float *zr = z + (size_t)r * dv;
@@ -173,5 +184,26 @@ extern "C" __global__ void gdn_gated_rmsnorm_f32(const float *o, const float *LE
         const float scale = 1.0f / sqrtf(ss / dv + eps);
         /* the reference's order: (x * scale) * w, then * SiLU(z) */
         for (int i = threadIdx.x; i < dv; i += GDN_NORM_THREADS) yr[i] = x[i] * scale * le_ldg(w + i) * gdn_silu(zr[i]);
+        if (!yq) continue;
+        __syncthreads(); /* the row is written (and the block sum's scratch read) before the warps quantise it */
+        const int nb = dv / QK8_1;
+        /* one warp per block of 32, add_rmsnorm_f32's (= quantize_q8_1's) expressions; the bound is the block's */
+        for (int base = 0; base < nb; base += GDN_NORM_THREADS / LE_WARP) {
+            const int ib = base + warp;
+            const float xi = ib < nb ? yr[ib * QK8_1 + lane] : 0.0f;
+            const float amax = le_warp_max(fabsf(xi), scratch);
+            const float sum = le_warp_sum(xi, scratch);
+            const float d = amax / 127;
+            const int q = amax == 0.0f ? 0 : (int)roundf(xi / d);
+            if (ib < nb) {
+                block_q8_1 *oq = yq + (size_t)r * nb + ib;
+                oq->qs[lane] = (int8_t)q;
+                if (lane == 0) {
+                    oq->d = le_float_to_half(d);
+                    oq->s = le_float_to_half(sum);
+                }
+            }
+        }
+        __syncthreads(); /* fermi: the warp sums' scratch is free before the next row's block sum */
     }
 }

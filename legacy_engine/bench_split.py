@@ -35,8 +35,8 @@ def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | 
              depths=None, gm=None) -> dict:
     """Prefill tok/s per prompt length (up to max_prompt) and decode tok/s of a Model-like object (Model,
     SplitModel, GpuModel) after a context of each of `depths` tokens (default: the shortest prompt), the same gen
-    tokens decoded after each; "tg" is the first depth's. gm: the GpuModel inside `model`, whose hybrid decode's
-    split is reported per depth ("hybrid_at")."""
+    tokens decoded after each (after one untimed run); "tg" is the first depth's. gm: the GpuModel inside `model`,
+    whose hybrid decode's split is reported per depth ("hybrid_at")."""
     depths = [prompts[0]] if depths is None else list(depths)
     ids = seeded_tokens(max(list(prompts) + depths) + gen + 1, model.hparams.n_vocab)
     # the decoded tokens are the same after every depth (the ones after the deepest context): the depths differ in
@@ -53,6 +53,12 @@ def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | 
         t = statistics.median(_times(prefill, reps))
         row["pp"][p], row["pp_s"][p] = p / t, t
     steal = []
+    live = [d for d in depths if max_prompt is None or d <= max_prompt]
+    if live and gen:      # one untimed decode run first, as llama-bench warms up (a process's first run is slow)
+        st.reset()
+        model.forward(st, ids[:live[0] + 1])
+        for t in steps:
+            model.forward(st, [t])
     for d in depths:
         if max_prompt is not None and d > max_prompt:
             continue
@@ -222,7 +228,8 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                     row["link_experts"] = link
                 # the GPU prefills: (reps + 1) per prompt length (warm-up included), and each decode run's prompt
                 # that is long enough for the GPU
-                n_runs = (reps + 1) * len(prompts) + max(1, reps) * sum(d + 1 >= min(prompts) for d in tg_depths)
+                n_runs = (reps + 1) * len(prompts) + max(1, reps) * sum(d + 1 >= min(prompts) for d in tg_depths) \
+                    + bool(gen and tg_depths and tg_depths[0] + 1 >= min(prompts))      # the decode's warm-up
                 row["gpu_phases_per_prefill_s"] = {k: v / n_runs for k, v in gm.profile_report().items()}
                 if base == "hybrid" and gm.hybrid_stats["steps"]:
                     hs = gm.hybrid_stats

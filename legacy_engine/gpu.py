@@ -1182,10 +1182,11 @@ class Kernels:
              ("f32", eps)], stream=stream)
 
     def gdn_recurrent(self, u, g, beta, S, o, n: int, Hk: int, Hv: int, dk: int, dv: int, tiled: bool = True,
-                      stream: Stream | None = None) -> None:
+                      dt_bias=None, ssm_a=None, stream: Stream | None = None) -> None:
         """The delta rule over n tokens: u [n, 2*Hk*dk + Hv*dv] (normalised q | k | v), g and beta [n, Hv],
         S [Hv, dk, dv] updated in place, o [n, Hv*dv]. v-head j reads k-head j % Hk (tiled, qwen35*) or
-        j / (Hv/Hk) (qwen3next)."""
+        j / (Hv/Hk) (qwen3next). dt_bias, ssm_a [Hv]: g and beta are the raw projections and the gates (gdn_gates)
+        are taken here; None: already gated."""
         if not 0 < dk <= GDN_MAX_DK:
             raise ValueError(f"gdn_recurrent: dk = {dk} outside 1…{GDN_MAX_DK}")
         if Hk <= 0 or Hv % Hk or dv <= 0 or n <= 0:
@@ -1196,22 +1197,33 @@ class Kernels:
         _need(beta, 4 * n * Hv, "gdn_recurrent beta")
         _need(S, 4 * Hv * dk * dv, "gdn_recurrent S")
         _need(o, 4 * n * Hv * dv, "gdn_recurrent o")
+        if (dt_bias is None) != (ssm_a is None):
+            raise ValueError("gdn_recurrent: the gates need both dt_bias and ssm_a")
+        if dt_bias is not None:
+            _need(dt_bias, 4 * Hv, "gdn_recurrent dt_bias")
+            _need(ssm_a, 4 * Hv, "gdn_recurrent ssm_a")
         self.modules["gdn"].kernel("gdn_recurrent_f32").launch(
             (Hv, -(-dv // GDN_COLS), 1), (GDN_THREADS, 1, 1),
             [("ptr", _ptr(u)), ("ptr", _ptr(g)), ("ptr", _ptr(beta)), ("ptr", _ptr(S)), ("ptr", _ptr(o)),
              ("i32", n), ("i32", conv_dim), ("i32", Hk), ("i32", Hv), ("i32", dk), ("i32", dv),
-             ("i32", int(bool(tiled)))], stream=stream)
+             ("i32", int(bool(tiled))), ("ptr", _ptr(dt_bias)), ("ptr", _ptr(ssm_a))], stream=stream)
 
-    def gdn_gated_rmsnorm(self, o, z, w, y, nrows: int, dv: int, eps: float, stream: Stream | None = None) -> None:
-        """y = RMSNorm(o) * w * SiLU(z) per row of dv (nrows = n * Hv); y may be o."""
+    def gdn_gated_rmsnorm(self, o, z, w, y, nrows: int, dv: int, eps: float, yq=None,
+                          stream: Stream | None = None) -> None:
+        """y = RMSNorm(o) * w * SiLU(z) per row of dv (nrows = n * Hv); y may be o. yq: also y's Q8_1 blocks (the
+        out projection's int8 input), bit-identical to quantize_q8_1 of y."""
         _need(o, 4 * nrows * dv, "gdn_gated_rmsnorm o")
         _need(z, 4 * nrows * dv, "gdn_gated_rmsnorm z")
         _need(y, 4 * nrows * dv, "gdn_gated_rmsnorm y")
         _need(w, 4 * dv, "gdn_gated_rmsnorm w")
+        if yq is not None:
+            if dv % 32:
+                raise ValueError(f"gdn_gated_rmsnorm: Q8_1 rows need dv % 32 == 0, dv = {dv}")
+            _need(yq, nrows * dv // 32 * Q8_1_BYTES, "gdn_gated_rmsnorm yq")
         self.modules["gdn"].kernel("gdn_gated_rmsnorm_f32").launch(
             (self._grid(nrows), 1, 1), (GDN_NORM_THREADS, 1, 1),
-            [("ptr", _ptr(o)), ("ptr", _ptr(z)), ("ptr", _ptr(w)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", dv),
-             ("f32", eps)], stream=stream)
+            [("ptr", _ptr(o)), ("ptr", _ptr(z)), ("ptr", _ptr(w)), ("ptr", _ptr(y)), ("ptr", _ptr(yq)), ("i32", nrows),
+             ("i32", dv), ("f32", eps)], stream=stream)
 
     @staticmethod
     def _attn_shape(n_head: int, n_kv: int, hd: int, what: str) -> None:

@@ -876,6 +876,10 @@ class GpuModel:
         else:
             k.gemv_f32(w1.qtype, w1.ptr, x, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2, nrows2=w2.nrows)
 
+    def _int8_for(self, w: _W, n: int) -> bool:
+        """Whether _mm runs w on int8 activations (Q8_1) for a pass of n tokens."""
+        return w.qtype != gpu.F32 and (self.int8_prefill if n > 1 else self.int8)
+
     def _hq(self, n: int) -> int | None:
         """The buffer add_rmsnorm writes the normed h [n, E] into as Q8_1, for the int8 GEMVs (one token) or GEMMs
         (several, int8_prefill) that read h; None on the f32 paths. A name of its own: _mm's "xq" (the other
@@ -907,10 +911,12 @@ class GpuModel:
         self._mm2(L["beta"], L["alpha"], h, beta, g, n, hq)
         k.conv1d_silu(qkv, L["conv"], st.conv_ptr(si), u, n, conv_dim, hp.ssm_conv_kernel)
         k.gdn_l2norm_qk(u, n, conv_dim, Hk, dk)
-        k.gdn_gates(beta, g, L["dt"], L["a"], n, Hv)
-        k.gdn_recurrent(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, tiled=not self._faults.get("gdn_grouped"))
-        k.gdn_gated_rmsnorm(o, z, L["ssm_norm"], o, n * Hv, dv, hp.rms_eps)
-        self._mm(L["out"], o, y, n)
+        k.gdn_recurrent(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, tiled=not self._faults.get("gdn_grouped"),
+                        dt_bias=L["dt"], ssm_a=L["a"])               # the gates taken there (gdn_gates' math)
+        # the norm also writes o's Q8_1 where the out projection runs int8 (no quantize launch of its own)
+        oq = self._buf("oq", n * hp.ssm_d_inner // 32 * gpu.Q8_1_BYTES).ptr if self._int8_for(L["out"], n) else None
+        k.gdn_gated_rmsnorm(o, z, L["ssm_norm"], o, n * Hv, dv, hp.rms_eps, yq=oq)
+        self._mm(L["out"], o, y, n, oq)
 
     def _attention_planned(self, L: dict, h: int, hq, st: "GpuState", si: int, y: int) -> None:
         """One token whose position is the device int st.io[1]: every argument independent of the position."""

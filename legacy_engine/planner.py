@@ -185,6 +185,8 @@ def block_scratch(hp, n: int, int8: bool) -> dict:
         cd = 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_d_inner
         blocks["gdn"] = {"qkv": 4 * n * cd, "u": 4 * n * cd, "z": 4 * n * hp.ssm_d_inner,
                          "o": 4 * n * hp.ssm_d_inner, "beta": 4 * n * hp.ssm_dt_rank, "g": 4 * n * hp.ssm_dt_rank}
+        if int8:      # o's Q8_1 (the gated norm writes it for the out projection)
+            blocks["gdn"]["oq"] = n * hp.ssm_d_inner // 32 * gpu.Q8_1_BYTES
     if not all(hp.recurrent):
         hd, nh = hp.head_dim, hp.n_head
         blocks["attention"] = {"qg": 4 * n * nh * 2 * hd, "ao": 4 * n * nh * hd}
@@ -207,10 +209,11 @@ def block_scratch(hp, n: int, int8: bool) -> dict:
     return blocks
 
 
-ARENA_NAMES = {"qkv": "gdn", "u": "gdn", "z": "gdn", "o": "gdn", "beta": "gdn", "g": "gdn", "qg": "attention",
-               "ao": "attention", "router": "moe", "ids": "moe", "wts": "moe", "eg": "moe", "eu": "moe", "xg": "moe",
-               "ed": "moe", "pair_meta": "moe", "xq_tok": "moe", "xq_down": "moe", "sg": "moe", "su": "moe",
-               "sh": "moe", "shg": "moe", "ffg": "ffn", "ffu": "ffn"}     # _buf name -> its block (block_scratch)
+ARENA_NAMES = {"qkv": "gdn", "u": "gdn", "z": "gdn", "o": "gdn", "beta": "gdn", "g": "gdn", "oq": "gdn",
+               "qg": "attention", "ao": "attention", "router": "moe", "ids": "moe", "wts": "moe", "eg": "moe",
+               "eu": "moe", "xg": "moe", "ed": "moe", "pair_meta": "moe", "xq_tok": "moe", "xq_down": "moe",
+               "sg": "moe", "su": "moe", "sh": "moe", "shg": "moe", "ffg": "ffn", "ffu": "ffn"}
+# (the names above: gpu_model._buf's scratch of a pass's blocks, each in its block of block_scratch)
 
 
 def arena_bytes(hp, n: int, int8: bool) -> int:

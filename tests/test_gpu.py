@@ -1247,9 +1247,14 @@ def test_gdn_gates_and_norms(kernels):
         w = rng.uniform(0.5, 1.5, dv).astype(np.float32)
         od = o.astype(np.float64)
         ref = od / np.sqrt((od ** 2).mean(axis=1, keepdims=True) + 1e-6) * w * silu64(z)
-        with gpu.Buffer.from_array(o) as bo, gpu.Buffer.from_array(z) as bz, gpu.Buffer.from_array(w) as bw:
-            kernels.gdn_gated_rmsnorm(bo, bz, bw, bo, nrows, dv, 1e-6)
+        with gpu.Buffer.from_array(o) as bo, gpu.Buffer.from_array(z) as bz, gpu.Buffer.from_array(w) as bw, \
+                gpu.Buffer(max(nrows * dv // 32, 1) * 36) as bq, gpu.Buffer(max(nrows * dv // 32, 1) * 36) as bq2:
+            q8 = dv % 32 == 0          # with the out projection's Q8_1: the same bits as quantize_q8_1 of the result
+            kernels.gdn_gated_rmsnorm(bo, bz, bw, bo, nrows, dv, 1e-6, yq=bq if q8 else None)
             got = bo.download(dtype=np.float32).reshape(nrows, dv)
+            if q8:
+                kernels.quantize_q8_1(bo, bq2, nrows * dv)
+                assert np.array_equal(bq.download(), bq2.download())
         err = np.abs(got - ref) / np.maximum(np.abs(ref), 1e-300)
         assert err.max() <= GDN_NORM_REL, (nrows, dv, err.max())
 
@@ -1319,6 +1324,30 @@ def test_gdn_recurrent(kernels):
         if (np.arange(Hv) % Hk != np.arange(Hv) // (Hv // Hk)).any():   # negative control: the other mapping
             o_bad, _, _ = gdn_ref(u, g, beta, S0, Hk, Hv, dk, dv, not tiled)
             assert (np.abs(o - o_bad.reshape(n, Hv, dv)) > bound_o).any()
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_gdn_recurrent_takes_the_gates(kernels):
+    """gdn_recurrent with dt_bias and ssm_a gates the raw beta and alpha projections itself: the same bits as
+    gdn_gates then gdn_recurrent (o and the state), its inputs left as they were."""
+    rng = np.random.default_rng(15)
+    n, Hk, Hv, dk, dv = 9, 2, 4, 128, 128
+    u, _g, _beta, S0 = gdn_inputs(rng, n, Hk, Hv, dk, dv)
+    b = (rng.standard_normal((n, Hv)) * 3).astype(np.float32)
+    a = (rng.standard_normal((n, Hv)) * 3).astype(np.float32)
+    dt = rng.standard_normal(Hv).astype(np.float32)
+    A = -np.exp(rng.standard_normal(Hv)).astype(np.float32)
+    with gpu.Buffer.from_array(u) as bu, gpu.Buffer.from_array(b) as bb, gpu.Buffer.from_array(a) as ba, \
+            gpu.Buffer.from_array(b) as bb2, gpu.Buffer.from_array(a) as ba2, gpu.Buffer.from_array(dt) as bd, \
+            gpu.Buffer.from_array(A) as bA, gpu.Buffer.from_array(S0) as s1, gpu.Buffer.from_array(S0) as s2, \
+            gpu.Buffer(4 * n * Hv * dv) as o1, gpu.Buffer(4 * n * Hv * dv) as o2:
+        kernels.gdn_gates(bb2, ba2, bd, bA, n, Hv)
+        kernels.gdn_recurrent(bu, ba2, bb2, s2, o2, n, Hk, Hv, dk, dv)
+        kernels.gdn_recurrent(bu, ba, bb, s1, o1, n, Hk, Hv, dk, dv, dt_bias=bd, ssm_a=bA)
+        assert np.array_equal(o1.download(dtype=np.float32), o2.download(dtype=np.float32))
+        assert np.array_equal(s1.download(dtype=np.float32), s2.download(dtype=np.float32))
+        assert np.array_equal(bb.download(dtype=np.float32), b.reshape(-1))
 
 
 @pytest.mark.gpu
