@@ -12,8 +12,9 @@
  *   gdn_recurrent_f32(u, g, beta, S, o, n, conv_dim, Hk, Hv, dk, dv, tiled, dt_bias, ssm_a)
  *     per v-head j (k-head kh = j % Hk when tiled, the GGUF order of qwen35*; else j / (Hv/Hk)), tokens in order:
  *       S <- e^g S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q
- *     dt_bias, ssm_a: NULL (g and beta already gated by gdn_gates_f32), or [Hv] each: the gates taken here as the
- *     token's inputs are loaded (gdn_gates_f32's expressions: the same bits, one launch fewer a layer)
+ *     dt_bias, ssm_a: NULL (g and beta already gated by gdn_gates_f32), or [Hv] each: the gates taken here where a
+ *     token's inputs are used (gdn_gates_f32's expressions: the same bits, one launch fewer; on the serial path
+ *     of a long prefill they cost more than that launch, so gpu_model uses it for decode steps)
  *     S: [Hv, dk, dv] f32, updated in place; o: [n, Hv*dv]; g, beta: [n, Hv]; dk <= GDN_MAX_DK
  *     launch: block GDN_THREADS (256) x 1 x 1, grid Hv x ceil(dv / GDN_COLS) x 1
  *   gdn_gated_rmsnorm_f32(o, z, w, y, yq, nrows, dv, eps)              y may be o
@@ -111,11 +112,10 @@ extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const f
         vn = col ? row_[(size_t)2 * Hk * dk + (size_t)j * dv + c] : 0.0f;                  \
         gn = le_ldg(g + (size_t)(t) * Hv + j);                                             \
         bn = le_ldg(beta + (size_t)(t) * Hv + j);                                          \
-        if (dt_bias) { /* the gates here (gdn_gates_f32's expressions) */                  \
-            bn = gdn_sigmoid(bn);                                                          \
-            gn = gdn_softplus(gn + le_ldg(dt_bias + j)) * le_ldg(ssm_a + j);               \
-        }                                                                                  \
     } while (0)
+    /* the gates (dt_bias given): gdn_gates_f32's expressions where the prefetched values are used, not where they
+     * are loaded (the loads stay in flight during the token before) */
+    const float dtj = dt_bias ? le_ldg(dt_bias + j) : 0.0f, aj = dt_bias ? le_ldg(ssm_a + j) : 0.0f;
     if (n > 0) GDN_PREFETCH(0);
     for (int t = 0; t < n; t++) {
         /* the previous token's readers of qs, ks are past its last barrier */
@@ -123,7 +123,8 @@ extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const f
             qs[tid] = qn;
             ks[tid] = kn;
         }
-        const float decay = expf(gn), b = bn, v = vn;
+        const float decay = expf(dt_bias ? gdn_softplus(gn + dtj) * aj : gn);
+        const float b = dt_bias ? gdn_sigmoid(bn) : bn, v = vn;
         __syncthreads();
         if (t + 1 < n) GDN_PREFETCH(t + 1);
         /* S <- decay S;  kv = S^T k (this thread's rows) */

@@ -911,8 +911,10 @@ class GpuModel:
         self._mm2(L["beta"], L["alpha"], h, beta, g, n, hq)
         k.conv1d_silu(qkv, L["conv"], st.conv_ptr(si), u, n, conv_dim, hp.ssm_conv_kernel)
         k.gdn_l2norm_qk(u, n, conv_dim, Hk, dk)
+        if n > 1:          # a long recurrence: the gates in a launch of their own (on its serial path they cost more)
+            k.gdn_gates(beta, g, L["dt"], L["a"], n, Hv)
         k.gdn_recurrent(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, tiled=not self._faults.get("gdn_grouped"),
-                        dt_bias=L["dt"], ssm_a=L["a"])               # the gates taken there (gdn_gates' math)
+                        dt_bias=L["dt"] if n == 1 else None, ssm_a=L["a"] if n == 1 else None)
         # the norm also writes o's Q8_1 where the out projection runs int8 (no quantize launch of its own)
         oq = self._buf("oq", n * hp.ssm_d_inner // 32 * gpu.Q8_1_BYTES).ptr if self._int8_for(L["out"], n) else None
         k.gdn_gated_rmsnorm(o, z, L["ssm_norm"], o, n * Hv, dv, hp.rms_eps, yq=oq)
