@@ -185,8 +185,8 @@ def block_scratch(hp, n: int, int8: bool) -> dict:
         cd = 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_d_inner
         blocks["gdn"] = {"qkv": 4 * n * cd, "u": 4 * n * cd, "z": 4 * n * hp.ssm_d_inner,
                          "o": 4 * n * hp.ssm_d_inner, "beta": 4 * n * hp.ssm_dt_rank, "g": 4 * n * hp.ssm_dt_rank}
-        if int8:      # o's Q8_1 (the gated norm writes it for the out projection)
-            blocks["gdn"]["oq"] = n * hp.ssm_d_inner // 32 * gpu.Q8_1_BYTES
+        if int8 and n == 1:      # o's Q8_1 (a decode step's gated norm writes it for the out projection)
+            blocks["gdn"]["oq"] = hp.ssm_d_inner // 32 * gpu.Q8_1_BYTES
     if not all(hp.recurrent):
         hd, nh = hp.head_dim, hp.n_head
         blocks["attention"] = {"qg": 4 * n * nh * 2 * hd, "ao": 4 * n * nh * hd}
