@@ -577,7 +577,7 @@ class GpuModel:
                 raise ValueError(f"decode_extras need {end} bytes of the {self._pool.nbytes}-byte expert staging "
                                  "(planner.choose_decode_extras fills it)")
         self._extras_state = "empty"     # "empty" (the staging holds a prefill's experts), "filling", "ready"
-        self.extras_refills = 0
+        self.extras_refills, self._extras_due = 0, 0.0
         self._copy = gpu.Stream()
         self._slot_free = [gpu.Event(), gpu.Event()]
         self._slot_ready = [gpu.Event(), gpu.Event()]
@@ -1276,7 +1276,12 @@ class GpuModel:
                     base += per * eb
             self._extras_state = "filling"
             self.extras_refills += 1
-        elif self._extras_state == "filling" and self._copy.query():
+            # a simulated link: done no sooner than its rate allows (the copy stays asynchronous, as on that link)
+            nb = sum(len(es) * sum(eb for _h, _t, eb, _o, _p in self._stage_layout[i])
+                     for i, es in self.decode_extras.items())
+            self._extras_due = time.perf_counter() + (nb / (self.simulate_link * 1e9) if self.simulate_link else 0)
+        elif (self._extras_state == "filling" and self._copy.query()
+              and time.perf_counter() >= self._extras_due):
             hy["extra_idx"].upload(self._extras_table())
             self._extras_state = "ready"
 

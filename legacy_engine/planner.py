@@ -350,6 +350,13 @@ HYBRID_HOST_S_PER_LAYER = 75e-6
 # finishes last delays the next layer.
 LINK_FETCH_EFF = 0.7
 LINK_COMMIT = 0.8
+# The hybrid decode's extras (choose_decode_extras): after each prefill the link carries them back into the
+# staging (~0.9 GiB on the 35B-A3B under 6 GiB: 17 ms at 53 GB/s, 3.6 s over a CMP's 0.25 GB/s) while the decode
+# runs without them. Kept where the time they save over a reply of EXTRAS_MIN_GEN tokens (or the plan's gen, if
+# longer) exceeds that copy. Measured (35B-A3B Q4_K_M, 6 GiB, H200, 2026-11-25, hybrid vs hybrid/noextras in one
+# process, 16 threads): the CPU's experts per token 193 -> 174 (uniform) and 87 -> 72 (skewed); decode tok/s
+# within the runs' spread (+-5 %) on that 16-core host, where the GPU's chain and not the CPU's bytes set the pace.
+EXTRAS_MIN_GEN = 128
 MACHINE_FILE = "machine.json"
 PROBE_VERSION = 3   # part of the cache key: 3 = the GEMM probe times the prefill's own GEMM (gemm_mma / gemm_dp4a)
 
@@ -774,6 +781,11 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
             hpre, hpre_parts = (pre, parts) if hpins is pins else _gpu_prefill(m, file, fpd, prompt, c, True, hpins)
             extras = choose_decode_extras(file, hpins, counts, link)       # the staging's bytes between prefills
             hyb, hparts = _hybrid_decode(m, file, fpd, merge_pins(hpins, extras), counts, link)
+            hyb0, hparts0 = _hybrid_decode(m, file, fpd, hpins, counts, link)
+            per = {i: full // hp.n_expert for i, full in layer_expert_bytes(file).items()}
+            refill_s = sum(per[i] * len(v) for i, v in extras.items()) / (m.link_gbps * 1e9)
+            if max(gen, EXTRAS_MIN_GEN) * (hyb0 - hyb) <= refill_s:     # not worth their copy after each prefill
+                extras, hyb, hparts = {}, hyb0, hparts0
             link_why = (f", {link} more per layer fetched over the link to the GPU" if link else "")
             hy = dataclasses.replace(st, name="hybrid", decode_s_per_tok=hyb, decode_parts=hparts, pinned=hpins,
                                      vram=hfp.total, link_experts=link, decode_extras=extras,

@@ -292,3 +292,15 @@ def test_decode_extras_fill_the_idle_staging():
         if rest:
             assert counts[i][es].min() >= counts[i][rest].max()
     assert P.pinned_share(A3B, P.merge_pins(pins, extras), counts) > P.pinned_share(A3B, pins, counts)
+
+
+def test_decode_extras_only_where_their_copy_pays():
+    """The hybrid strategy keeps decode extras where the decode time they save over a reply (EXTRAS_MIN_GEN tokens)
+    exceeds copying them back after each prefill: on the GPU machine's link yes, over a CMP's PCIe Gen1 x1 no."""
+    fast = {s.name: s for s in P.plan(A3B, dataclasses.replace(H100, link_gbps=55.0), 6 * P.GiB, 2048, 32)}
+    slow = {s.name: s for s in P.plan(A3B, CMP, 6 * P.GiB, 2048, 32)}
+    assert sum(map(len, fast["hybrid"].decode_extras.values())) > 300
+    assert slow["hybrid"].decode_extras == {}
+    with_x = P._hybrid_decode(H100, A3B, weight_footprint(A3B), P.merge_pins(fast["hybrid"].pinned,
+                                                                             fast["hybrid"].decode_extras), None)[0]
+    assert with_x < P._hybrid_decode(H100, A3B, weight_footprint(A3B), fast["hybrid"].pinned, None)[0]
