@@ -807,7 +807,7 @@ class GpuModel:
     def _arena_reserve(self, n: int) -> None:
         """The block arena for passes of n tokens (planner.arena_bytes: the largest block's buffers), grown before
         the pass launches anything (a pass never grows it: its blocks' buffers would move under queued work)."""
-        need = arena_bytes(self.hparams, n, self.int8_prefill)
+        need = arena_bytes(self.hparams, n, self.int8 or self.int8_prefill)     # as the footprint counts it
         if self._arena is None or self._arena.nbytes < need:
             if self._arena is not None:
                 gpu.synchronize()           # the last pass's blocks are done with it
