@@ -318,6 +318,25 @@ __device__ __forceinline__ void le_block_argmax(float &v, int &i, float *scratch
 /* The MoE GEMVs' skipped pairs: a negative expert id (the hybrid decode runs that expert on the CPU) makes the
  * pair's output row zero and its block do nothing else. e is uniform over the block, so the whole block returns
  * (no barrier is left waiting). -> 1 when the caller returns. */
+/* Q8_1 block ib of x (the 32 floats at x + ib * QK8_1) by one warp into y[ib] when ib < nb, else only the warp's
+ * reductions (fermi's need every thread): d = amax / 127, q = round(x / d), s = sum of x. One set of expressions for
+ * quantize_q8_1, add_rmsnorm_f32 and gdn_gated_rmsnorm_f32, so their blocks are the same bits. */
+__device__ __forceinline__ void le_q8_1_block(const float *x, block_q8_1 *y, int ib, int nb, float *scratch) {
+    const int lane = threadIdx.x % LE_WARP;
+    const float xi = ib < nb ? x[(size_t)ib * QK8_1 + lane] : 0.0f;
+    const float amax = le_warp_max(fabsf(xi), scratch);
+    const float sum = le_warp_sum(xi, scratch);
+    const float d = amax / 127;
+    const int q = amax == 0.0f ? 0 : (int)roundf(xi / d);
+    if (ib < nb) {
+        y[ib].qs[lane] = (int8_t)q;
+        if (lane == 0) {
+            y[ib].d = le_float_to_half(d);
+            y[ib].s = le_float_to_half(sum);
+        }
+    }
+}
+
 __device__ __forceinline__ int le_zero_skipped_pair(int e, float *y, int nrows) {
     if (e >= 0) return 0;
     for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < nrows; r += gridDim.x * blockDim.x) y[r] = 0.0f;

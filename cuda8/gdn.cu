@@ -174,7 +174,7 @@ extern "C" __global__ void gdn_gated_rmsnorm_f32(const float *o, const float *LE
                                                  const float *LE_RESTRICT w, float *y, block_q8_1 *yq, int nrows,
                                                  int dv, float eps) {
     LE_SCRATCH(scratch, GDN_NORM_THREADS);
-    const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP;
+    const int warp = threadIdx.x / LE_WARP;
     for (int r = blockIdx.x; r < nrows; r += gridDim.x) {
         const float *x = o + (size_t)r * dv;
         const float *zr = z + (size_t)r * dv;
@@ -189,22 +189,8 @@ extern "C" __global__ void gdn_gated_rmsnorm_f32(const float *o, const float *LE
         __syncthreads(); /* the row is written (and the block sum's scratch read) before the warps quantise it */
         const int nb = dv / QK8_1;
         /* one warp per block of 32, add_rmsnorm_f32's (= quantize_q8_1's) expressions; the bound is the block's */
-        for (int base = 0; base < nb; base += GDN_NORM_THREADS / LE_WARP) {
-            const int ib = base + warp;
-            const float xi = ib < nb ? yr[ib * QK8_1 + lane] : 0.0f;
-            const float amax = le_warp_max(fabsf(xi), scratch);
-            const float sum = le_warp_sum(xi, scratch);
-            const float d = amax / 127;
-            const int q = amax == 0.0f ? 0 : (int)roundf(xi / d);
-            if (ib < nb) {
-                block_q8_1 *oq = yq + (size_t)r * nb + ib;
-                oq->qs[lane] = (int8_t)q;
-                if (lane == 0) {
-                    oq->d = le_float_to_half(d);
-                    oq->s = le_float_to_half(sum);
-                }
-            }
-        }
+        for (int base = 0; base < nb; base += GDN_NORM_THREADS / LE_WARP)
+            le_q8_1_block(yr, yq + (size_t)r * nb, base + warp, nb, scratch);
         __syncthreads(); /* fermi: the warp sums' scratch is free before the next row's block sum */
     }
 }

@@ -21,22 +21,9 @@
 
 extern "C" __global__ void quantize_q8_1(const float *x, block_q8_1 *y, int n) {
     LE_SCRATCH(scratch, Q8_THREADS);
-    const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP;
+    const int warp = threadIdx.x / LE_WARP;
     const int nb = n / QK8_1;
     /* uniform loop bound for the whole block: the fermi reductions need every thread */
-    for (int base = blockIdx.x * Q8_WARPS; base < nb; base += gridDim.x * Q8_WARPS) {
-        const int ib = base + warp;
-        const float xi = ib < nb ? x[(size_t)ib * QK8_1 + lane] : 0.0f;
-        const float amax = le_warp_max(fabsf(xi), scratch);
-        const float sum = le_warp_sum(xi, scratch);
-        const float d = amax / 127;
-        const int q = amax == 0.0f ? 0 : (int)roundf(xi / d);
-        if (ib < nb) {
-            y[ib].qs[lane] = (int8_t)q;
-            if (lane == 0) {
-                y[ib].d = le_float_to_half(d);
-                y[ib].s = le_float_to_half(sum);
-            }
-        }
-    }
+    for (int base = blockIdx.x * Q8_WARPS; base < nb; base += gridDim.x * Q8_WARPS)
+        le_q8_1_block(x, y, base + warp, nb, scratch);
 }

@@ -46,7 +46,7 @@ extern "C" __global__ void rmsnorm_f32(const float *x, const float *w, float *y,
 extern "C" __global__ void add_rmsnorm_f32(float *x, const float *y, const float *LE_RESTRICT w, float *h,
                                            block_q8_1 *hq, int ncols, int nrows, float eps) {
     LE_SCRATCH(scratch, RMSNORM_THREADS);
-    const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP;
+    const int warp = threadIdx.x / LE_WARP;
     for (int row = blockIdx.x; row < nrows; row += gridDim.x) {
         float *xr = x + (size_t)row * ncols, *hr = h + (size_t)row * ncols;
         float ss = 0.0f;
@@ -66,22 +66,8 @@ extern "C" __global__ void add_rmsnorm_f32(float *x, const float *y, const float
         __syncthreads(); /* the row's h is written (and the block sum's scratch read) before the warps quantise it */
         const int nb = ncols / QK8_1;
         /* one warp per block of 32, as quantize_q8_1; the bound is the block's (fermi reductions need every thread) */
-        for (int base = 0; base < nb; base += RMSNORM_THREADS / LE_WARP) {
-            const int ib = base + warp;
-            const float xi = ib < nb ? hr[ib * QK8_1 + lane] : 0.0f;
-            const float amax = le_warp_max(fabsf(xi), scratch);
-            const float sum = le_warp_sum(xi, scratch);
-            const float d = amax / 127;
-            const int q = amax == 0.0f ? 0 : (int)roundf(xi / d);
-            if (ib < nb) {
-                block_q8_1 *o = hq + (size_t)row * nb + ib;
-                o->qs[lane] = (int8_t)q;
-                if (lane == 0) {
-                    o->d = le_float_to_half(d);
-                    o->s = le_float_to_half(sum);
-                }
-            }
-        }
+        for (int base = 0; base < nb; base += RMSNORM_THREADS / LE_WARP)
+            le_q8_1_block(hr, hq + (size_t)row * nb, base + warp, nb, scratch);
         __syncthreads(); /* fermi: the warp sums' scratch is free before the next row's block sum */
     }
 }
