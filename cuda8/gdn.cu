@@ -80,12 +80,15 @@ extern "C" __global__ void gdn_l2norm_qk_f32(float *u, int n, int conv_dim, int 
     }
 }
 
-extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const float *LE_RESTRICT g,
-                                             const float *LE_RESTRICT beta, float *S, float *o, int n, int conv_dim,
-                                             int Hk, int Hv, int dk, int dv, int tiled,
-                                             const float *LE_RESTRICT dt_bias, const float *LE_RESTRICT ssm_a) {
-    __shared__ float qs[GDN_MAX_DK], ks[GDN_MAX_DK];
-    __shared__ float red_kv[GDN_SLICES][GDN_COLS], red_o[GDN_SLICES][GDN_COLS];
+/* GATES: the gates taken here (dt_bias, ssm_a given); a template parameter, so the long recurrence without them
+ * carries no per-token select of their transcendentals on its serial path */
+template <bool GATES>
+__device__ __forceinline__ void gdn_recurrent(const float *LE_RESTRICT u, const float *LE_RESTRICT g,
+                                              const float *LE_RESTRICT beta, float *S, float *o, int n, int conv_dim,
+                                              int Hk, int Hv, int dk, int dv, int tiled,
+                                              const float *LE_RESTRICT dt_bias, const float *LE_RESTRICT ssm_a,
+                                              float *qs, float *ks, float (*red_kv)[GDN_COLS],
+                                              float (*red_o)[GDN_COLS]) {
     const int tid = threadIdx.x, j = blockIdx.x; /* v-head */
     const int lane = tid % GDN_COLS, slice = tid / GDN_COLS;
     const int c = blockIdx.y * GDN_COLS + lane;
@@ -115,7 +118,7 @@ extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const f
     } while (0)
     /* the gates (dt_bias given): gdn_gates_f32's expressions where the prefetched values are used, not where they
      * are loaded (the loads stay in flight during the token before) */
-    const float dtj = dt_bias ? le_ldg(dt_bias + j) : 0.0f, aj = dt_bias ? le_ldg(ssm_a + j) : 0.0f;
+    const float dtj = GATES ? le_ldg(dt_bias + j) : 0.0f, aj = GATES ? le_ldg(ssm_a + j) : 0.0f;
     if (n > 0) GDN_PREFETCH(0);
     for (int t = 0; t < n; t++) {
         /* the previous token's readers of qs, ks are past its last barrier */
@@ -123,8 +126,8 @@ extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const f
             qs[tid] = qn;
             ks[tid] = kn;
         }
-        const float decay = expf(dt_bias ? gdn_softplus(gn + dtj) * aj : gn);
-        const float b = dt_bias ? gdn_sigmoid(bn) : bn, v = vn;
+        const float decay = expf(GATES ? gdn_softplus(gn + dtj) * aj : gn);
+        const float b = GATES ? gdn_sigmoid(bn) : bn, v = vn;
         __syncthreads();
         if (t + 1 < n) GDN_PREFETCH(t + 1);
         /* S <- decay S;  kv = S^T k (this thread's rows) */
@@ -168,6 +171,19 @@ extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const f
         const int i = slice + r * GDN_SLICES;
         if (col && i < dk) Sj[(size_t)i * dv + c] = s[r];
     }
+}
+
+extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const float *LE_RESTRICT g,
+                                             const float *LE_RESTRICT beta, float *S, float *o, int n, int conv_dim,
+                                             int Hk, int Hv, int dk, int dv, int tiled,
+                                             const float *LE_RESTRICT dt_bias, const float *LE_RESTRICT ssm_a) {
+    __shared__ float qs[GDN_MAX_DK], ks[GDN_MAX_DK]; /* one set for either form */
+    __shared__ float red_kv[GDN_SLICES][GDN_COLS], red_o[GDN_SLICES][GDN_COLS];
+    if (dt_bias)
+        gdn_recurrent<true>(u, g, beta, S, o, n, conv_dim, Hk, Hv, dk, dv, tiled, dt_bias, ssm_a, qs, ks, red_kv, red_o);
+    else
+        gdn_recurrent<false>(u, g, beta, S, o, n, conv_dim, Hk, Hv, dk, dv, tiled, dt_bias, ssm_a, qs, ks, red_kv,
+                             red_o);
 }
 
 extern "C" __global__ void gdn_gated_rmsnorm_f32(const float *o, const float *LE_RESTRICT z,
