@@ -180,7 +180,8 @@ extern "C" __global__ void gdn_recurrent_f32(const float *LE_RESTRICT u, const f
     __shared__ float qs[GDN_MAX_DK], ks[GDN_MAX_DK]; /* one set for either form */
     __shared__ float red_kv[GDN_SLICES][GDN_COLS], red_o[GDN_SLICES][GDN_COLS];
     if (dt_bias)
-        gdn_recurrent<true>(u, g, beta, S, o, n, conv_dim, Hk, Hv, dk, dv, tiled, dt_bias, ssm_a, qs, ks, red_kv, red_o);
+        gdn_recurrent<true>(u, g, beta, S, o, n, conv_dim, Hk, Hv, dk, dv, tiled, dt_bias, ssm_a, qs, ks, red_kv,
+                            red_o);
     else
         gdn_recurrent<false>(u, g, beta, S, o, n, conv_dim, Hk, Hv, dk, dv, tiled, dt_bias, ssm_a, qs, ks, red_kv,
                              red_o);
