@@ -206,6 +206,8 @@ class Session:
             yield pending
         if result is not None:
             result.append(Generation(text, out_ids, finish, self.timings))
+        if self.engine.gpu is not None:   # between requests: the pinned experts follow the routing's drift
+            self.engine.gpu.maybe_repin()
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, params: SamplingParams | None = None,
                  stop: list[str] | None = None, on_text: Callable[[str], None] | None = None) -> Generation:

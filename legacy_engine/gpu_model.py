@@ -59,6 +59,12 @@ HYBRID_TIMEOUT_S = 30.0
 # waiting for expert copies 14 vs 26 ms a prefill.
 PIN_COPY_KERNEL = True
 HYBRID_WAIT_CYCLES = 1 << 36
+# maybe_repin: re-choose the pinned experts once the routing counted since they were chosen (at least
+# REPIN_MIN_ROUTES (token, slot) routes per expert on average) would have the best pins for the same bytes take
+# REPIN_DRIFT more of the routed work (planner.pinned_share) than the current ones. Each repin uploads the pins
+# again (~3 GiB at the link's rate on the 35B: ~60 ms) between requests.
+REPIN_DRIFT = 0.05
+REPIN_MIN_ROUTES = 64
 # The hybrid decode's lookahead (lookahead=True): during layer i the GPU predicts the next MoE layer's experts from
 # layer i's h (that layer's router on h rescaled to its norm), and the CPU, done with layer i, prefetches them into
 # its caches while the GPU runs the next layer's attention/GDN. Measured on the 35B-A3B Q4_K_M random-weight file
@@ -530,35 +536,18 @@ class GpuModel:
         #                                               where its copy kernel's 16-byte words fit (else cuMemcpyDtoD)
         layer_max = 0
         for i in range(hp.n_layer):
-            off, pin_off, lay, pin_parts = 0, 0, [], []
-            es = self.pinned.get(i, [])
+            off, lay = 0, []
             for name in expert_tensors(self.file, i):
                 t, data = self.file.tensors[name], gg.data(name)
-                eb = int(t.n_bytes) // hp.n_expert
-                lay.append((_native.host_address(data), int(t.n_bytes), eb, off, pin_off))
-                self._pin_off[name] = pin_off
-                pin_parts += [data[e * eb:(e + 1) * eb] for e in es]
+                lay.append((_native.host_address(data), int(t.n_bytes), int(t.n_bytes) // hp.n_expert, off, 0))
                 self._stage_offset[name] = off
                 self._host_addr[name] = _native.host_address(data)
                 off += int(t.n_bytes)
-                pin_off += len(es) * eb
             if lay:
                 self._stage_layout[i] = lay
                 self._stage_names[i] = expert_tensors(self.file, i)
-                self._pin_idx[i] = np.full(hp.n_expert, -1, dtype=np.int32)
-                self._pin_idx[i][es] = np.arange(len(es), dtype=np.int32)
                 layer_max = max(layer_max, off)
-                if pin_parts:
-                    # after the experts: their ranks in the store and their ids (int32 [2, n]), the copy kernel's
-                    # lists (the layout planner.pin_store_bytes counts)
-                    lists = np.concatenate([np.arange(len(es)), np.asarray(es)]).astype(np.int32).view(np.uint8)
-                    body = np.concatenate(pin_parts)
-                    pad = np.zeros(-len(body) % 16, np.uint8)
-                    self._pin_store[i] = gpu.Buffer.from_array(np.concatenate([body, pad, lists]),
-                                                               f"pinned experts of layer {i}")
-                    if all(eb % 16 == 0 and off % 16 == 0 and po % 16 == 0 for _h, _t, eb, off, po in lay):
-                        self._pin_lists[i] = (self._pin_store[i].ptr + len(body) + len(pad), len(es))
-                    self.vram_bytes += self._pin_store[i].nbytes
+        self._build_pins()
         # the two staging slots in one allocation (planner.staging_pool_bytes), which holds the hybrid decode's
         # extras between prefills (planner.extras_regions: per layer its link/early slots, then its extras)
         half = -(-max(layer_max, 256) // ALLOC_GRANULE) * ALLOC_GRANULE
@@ -578,12 +567,102 @@ class GpuModel:
                                  "(planner.choose_decode_extras fills it)")
         self._extras_state = "empty"     # "empty" (the staging holds a prefill's experts), "filling", "ready"
         self.extras_refills, self._extras_due = 0, 0.0
+        self._repin_base: dict = {}      # route_counts when the pins were last chosen (maybe_repin's baseline)
+        self.repins = 0
         self._copy = gpu.Stream()
         self._slot_free = [gpu.Event(), gpu.Event()]
         self._slot_ready = [gpu.Event(), gpu.Event()]
         self._slot_used = [False, False]
         self._d2d: list[list] = [[], []]     # per slot: pinned experts' (dst, src, bytes) not yet copied in
         self._pin_copy: list = [None, None]    # per slot: the layer whose pins the copy kernel puts there at the wait
+
+    def _build_pins(self) -> None:
+        """Every layer's pin store from self.pinned: its experts tensor-major, then the copy kernel's lists; the
+        tensors' offsets there (_pin_off, the stage layout's last field), the expert -> index tables (_pin_idx)."""
+        hp, gg = self.hparams, self.file.gguf
+        for i, lay in self._stage_layout.items():
+            es = self.pinned.get(i, [])
+            pin_off, pin_parts, new = 0, [], []
+            for (host, tb, eb, off, _po), name in zip(lay, self._stage_names[i]):
+                data = gg.data(name)
+                new.append((host, tb, eb, off, pin_off))
+                self._pin_off[name] = pin_off
+                pin_parts += [data[e * eb:(e + 1) * eb] for e in es]
+                pin_off += len(es) * eb
+            self._stage_layout[i] = new
+            self._pin_idx[i] = np.full(hp.n_expert, -1, dtype=np.int32)
+            self._pin_idx[i][es] = np.arange(len(es), dtype=np.int32)
+            if pin_parts:
+                # after the experts: their ranks in the store and their ids (int32 [2, n]), the copy kernel's
+                # lists (the layout planner.pin_store_bytes counts)
+                lists = np.concatenate([np.arange(len(es)), np.asarray(es)]).astype(np.int32).view(np.uint8)
+                body = np.concatenate(pin_parts)
+                pad = np.zeros(-len(body) % 16, np.uint8)
+                self._pin_store[i] = gpu.Buffer.from_array(np.concatenate([body, pad, lists]),
+                                                           f"pinned experts of layer {i}")
+                if all(eb % 16 == 0 and off % 16 == 0 and po % 16 == 0 for _h, _t, eb, off, po in new):
+                    self._pin_lists[i] = (self._pin_store[i].ptr + len(body) + len(pad), len(es))
+                self.vram_bytes += self._pin_store[i].nbytes
+
+    def maybe_repin(self) -> bool:
+        """Between requests: where the routing counted since the pins were chosen (route_counts, less what was
+        counted before) would have the best pins for the same bytes take REPIN_DRIFT more of the routed work than
+        the current ones (planner.pins_drift), re-choose and re-upload them (repin). -> whether it did."""
+        if not self.stream or self.budget is None:
+            return False
+        self._hy_flush()
+        hp = self.hparams
+        base = self._repin_base
+        recent = {i: np.maximum(c - base.get(i, 0), 0) for i, c in self.route_counts.items()}
+        seen = sum(int(c.sum()) for c in recent.values())
+        if seen < REPIN_MIN_ROUTES * hp.n_expert * max(len(self._stage_layout), 1):
+            return False
+        from .planner import pins_drift
+        drift, best = pins_drift(self.file, self.pinned, recent)
+        if drift < REPIN_DRIFT:
+            return False
+        from .planner import PlanningError
+        try:
+            self.repin(best, recent)
+        except PlanningError:             # the new layout's granules do not fit: keep the pins there are
+            return False
+        return True
+
+    def repin(self, pins: dict, counts: dict | None = None) -> None:
+        """New pinned experts {layer: ids} (the same bytes or fewer: the footprint's pin part must still hold them),
+        uploaded in place of the old ones; the decode extras re-chosen around them (counts), the hybrid tables
+        updated, decode plans recorded again at their next step."""
+        from . import _native, planner
+        pins = {int(i): sorted(set(int(e) for e in v)) for i, v in pins.items() if v}
+        fp = planner.vram_footprint(self.file, stream_experts=True, pinned=pins, n_ctx=self.n_ctx_plan,
+                                    chunk=self.chunk, int8=self.int8 or self.int8_prefill, logit_rows=self.logit_rows,
+                                    link_experts=self.link_experts, early_experts=self.early_experts)
+        if self.budget is not None:
+            planner.check_fits(fp, self.budget, "the new pins")
+        gpu.synchronize()
+        for b in self._pin_store.values():
+            self.vram_bytes -= b.nbytes
+            b.free()
+        self._pin_store, self._pin_off, self._pin_idx, self._pin_lists = {}, {}, {}, {}
+        self.pinned, self.footprint = pins, fp
+        self._build_pins()
+        self._staged = [(-1, set()), (-1, set())]
+        self._d2d, self._pin_copy = [[], []], [None, None]
+        if self.decode_extras:
+            x = planner.choose_decode_extras(self.file, pins, counts, self.link_experts + self.early_experts)
+            self.decode_extras = x
+            self._extras_at = planner.extras_regions(self.file, x, self.link_experts + self.early_experts)
+            if self._hy is not None and self._extras_state == "ready":
+                _native.gpu_memset8(self._hy["extra_idx"].ptr, 0xFF, self._hy["extra_idx"].nbytes)
+            self._extras_state = "empty"
+        if self._hy is not None:
+            table = np.full((self.hparams.n_layer, self.hparams.n_expert), -1, dtype=np.int32)
+            for i, idx in self._pin_idx.items():
+                table[i] = idx
+            self._hy["pin_idx"].upload(table)
+        self._repin_base = {i: c.copy() for i, c in self.route_counts.items()}
+        self.repins += 1
+        self._gen += 1                       # the decode plans name the old stores: recorded again
 
     def _stage(self, i: int, want, wait: bool = True) -> int:
         """Makes staging slot i % 2 hold experts `want` of layer i (host copies on the copy stream, after the
@@ -1624,6 +1703,7 @@ class GpuModel:
             except OSError:
                 pass                      # statistics are advice: an unwritable cache costs only better pins
         self.route_counts = {}
+        self._repin_base = {}
 
     def describe(self) -> str:
         conv = f"; dequantised to f32 at upload: {len(self.converted)} tensors" if self.converted else ""

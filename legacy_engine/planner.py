@@ -619,6 +619,16 @@ def choose_decode_extras(file, pins: dict, counts: dict | None = None, slots: in
     return {i: sorted(v) for i, v in sorted(extras.items())}
 
 
+def pins_drift(file, pins: dict, counts: dict) -> tuple[float, dict]:
+    """How far the routing `counts` have drifted from `pins`: (pinned_share of the best pins for those counts in
+    the same bytes - pinned_share of `pins`, those best pins)."""
+    hp = file.hparams
+    per = {i: full // hp.n_expert for i, full in layer_expert_bytes(file).items()}
+    used = sum(per[i] * len(v) for i, v in pins.items() if i in per)
+    best = choose_pins(file, used + len(per) * ALLOC_GRANULE, counts) if used else {}
+    return pinned_share(file, best, counts) - pinned_share(file, pins, counts), best
+
+
 def merge_pins(pins: dict, extras: dict) -> dict:
     """The experts a hybrid decode runs on the GPU: pins and decode extras, {layer: sorted ids}."""
     return {i: sorted(set(pins.get(i, ())) | set(extras.get(i, ()))) for i in sorted(set(pins) | set(extras))}

@@ -899,6 +899,45 @@ def test_hybrid_decode_matches_cpu(graphs, link, look, early, extras, gpu_device
         gm.close()
 
 
+@pytest.mark.parametrize("extras", [False, True], ids=["pins", "pins-extras"])
+def test_repin_follows_the_routing(extras, gpu_device, tiny_file, cpu_model):
+    """maybe_repin: routing counted since the pins were chosen that favours other experts (enough routes, the best
+    pins for them taking REPIN_DRIFT more of the work) re-chooses and re-uploads the pins (and the decode extras
+    around them), the hybrid's tables follow, the decode plan is recorded again; prefill and decode after it give
+    the CPU engine's logits; without new routes nothing changes."""
+    from legacy_engine import gpu_model as G
+    cpu = cpu_model("moe")
+    hp = cpu.hparams
+    pinned = {i: [0, 1] for i in range(hp.n_layer)}
+    dx = {3: [2, 3]} if extras else None
+    gm = _stream_model(cpu, pinned, 16, save_routing=False, cpu_experts=True, decode_extras=dx)
+    try:
+        ids = sequence(40, hp.n_vocab)
+        st = gm.new_state(N_CTX)
+        gm.forward(st, ids[:20])
+        gm.forward(st, ids[20:21])
+        gen0 = gm._gen
+        assert not gm.maybe_repin()                       # too few routes yet
+        hot = {i: np.zeros(hp.n_expert, np.int64) for i in range(hp.n_layer)}
+        for c in hot.values():
+            c[[5, 6]] = G.REPIN_MIN_ROUTES * hp.n_expert          # experts 5 and 6 now take the work
+        for i, c in hot.items():
+            gm.route_counts[i] = gm.route_counts.get(i, np.zeros(hp.n_expert, np.int64)) + c
+        assert gm.maybe_repin() and gm.repins == 1 and gm._gen > gen0
+        assert all(set(v) == {5, 6} for v in gm.pinned.values())
+        assert all((gm._pin_idx[i][[5, 6]] == [0, 1]).all() and (gm._pin_idx[i][[0, 1]] == -1).all()
+                   for i in gm._pin_idx)
+        if extras:
+            assert all(not set(v) & {5, 6} for v in gm.decode_extras.values())
+        assert not gm.maybe_repin()                       # nothing new since
+        st = gm.new_state(N_CTX)
+        got = np.concatenate([gm.forward(st, ids[:30], all_logits=True)] +
+                             [gm.forward(st, ids[i:i + 1]) for i in range(30, 40)])
+        assert np.abs(got.astype(np.float64) - cpu_logits(cpu, ids, 30)).max() <= tol.LOGIT_ABS_F32
+    finally:
+        gm.close()
+
+
 def _extras_check_after_prefill(gm, cpu, ids):
     """A second prompt after a hybrid decode with decode_extras (all of layer 3's experts on the GPU: pinned or
     extra): its prefill overwrote the staging, so the first step leaves layer 3's unpinned experts to the CPU and

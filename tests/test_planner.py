@@ -304,3 +304,19 @@ def test_decode_extras_only_where_their_copy_pays():
     with_x = P._hybrid_decode(H100, A3B, weight_footprint(A3B), P.merge_pins(fast["hybrid"].pinned,
                                                                              fast["hybrid"].decode_extras), None)[0]
     assert with_x < P._hybrid_decode(H100, A3B, weight_footprint(A3B), fast["hybrid"].pinned, None)[0]
+
+
+def test_pins_drift():
+    """pins_drift: none for the counts the pins were chosen from; for other counts, the share of the routed work
+    the best pins for them (in no more bytes) would take beyond the current pins'."""
+    rng = np.random.default_rng(9)
+    hp = A3B.hparams
+    c1 = {i: rng.integers(0, 1000, hp.n_expert) for i in range(hp.n_layer)}
+    c2 = {i: rng.integers(0, 1000, hp.n_expert) for i in range(hp.n_layer)}
+    pins, _ = P.fill_pins(A3B, 6 * P.GiB, 4096, 2048, True, c1)
+    assert P.pins_drift(A3B, pins, c1)[0] == pytest.approx(0.0, abs=1e-9)
+    drift, best = P.pins_drift(A3B, pins, c2)
+    assert drift > 0.05
+    per = {i: full // hp.n_expert for i, full in P.layer_expert_bytes(A3B).items()}
+    assert sum(per[i] * len(v) for i, v in best.items()) <= sum(per[i] * len(v) for i, v in pins.items())
+    assert P.pins_drift(A3B, {}, c2) == (0.0, {})
