@@ -51,6 +51,10 @@
 __device__ __forceinline__ float gdn_silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float gdn_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float gdn_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+/* the decay's log from the alpha projection: one expression for gdn_gates_f32 and the recurrence's own gates */
+__device__ __forceinline__ float gdn_gate_g(float a, float dt_bias, float ssm_a) {
+    return gdn_softplus(a + dt_bias) * ssm_a;
+}
 
 extern "C" __global__ void gdn_gates_f32(float *beta, float *g, const float *LE_RESTRICT dt_bias,
                                          const float *LE_RESTRICT ssm_a, int n, int Hv) {
@@ -58,7 +62,7 @@ extern "C" __global__ void gdn_gates_f32(float *beta, float *g, const float *LE_
     for (size_t i = (size_t)blockIdx.x * GDN_EW_THREADS + threadIdx.x; i < total; i += (size_t)gridDim.x * GDN_EW_THREADS) {
         const int h = (int)(i % Hv);
         beta[i] = gdn_sigmoid(beta[i]);
-        g[i] = gdn_softplus(g[i] + le_ldg(dt_bias + h)) * le_ldg(ssm_a + h);
+        g[i] = gdn_gate_g(g[i], le_ldg(dt_bias + h), le_ldg(ssm_a + h));
     }
 }
 
@@ -126,7 +130,7 @@ __device__ __forceinline__ void gdn_recurrent(const float *LE_RESTRICT u, const 
             qs[tid] = qn;
             ks[tid] = kn;
         }
-        const float decay = expf(GATES ? gdn_softplus(gn + dtj) * aj : gn);
+        const float decay = expf(GATES ? gdn_gate_g(gn, dtj, aj) : gn);
         const float b = GATES ? gdn_sigmoid(bn) : bn, v = vn;
         __syncthreads();
         if (t + 1 < n) GDN_PREFETCH(t + 1);

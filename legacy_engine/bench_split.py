@@ -59,9 +59,7 @@ def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | 
         model.forward(st, ids[:live[0] + 1])
         for t in steps:
             model.forward(st, [t])
-    for d in depths:
-        if max_prompt is not None and d > max_prompt:
-            continue
+    for d in live:
         runs, hs0 = [], _hybrid_snapshot(gm)
         for _ in range(max(1, reps)):      # decode: gen steps after d tokens, reps times (the median is reported)
             st.reset()

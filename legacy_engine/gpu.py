@@ -994,8 +994,7 @@ class Kernels:
         if W2 is None or y2 is None:
             raise ValueError(f"{what}: a second matrix needs both W2 and y2")
         self._weights(qtype, W2, nrows, ncols, what)
-        rows = out_rows
-        _need(y2, 4 * rows, f"{what} y2")
+        _need(y2, 4 * out_rows, f"{what} y2")
         dy = _ptr(y2) - _ptr(y)
         if dy % 4:
             raise ValueError(f"{what}: y2 - y = {dy} bytes is not a whole number of floats")

@@ -43,7 +43,7 @@ import numpy as np
 
 from . import gpu
 from .errors import EngineError, UnavailableError
-from .planner import ALLOC_GRANULE, ARENA_ALIGN, ARENA_NAMES, arena_bytes
+from .planner import ALLOC_GRANULE, ARENA_ALIGN, ARENA_NAMES, align_up, arena_bytes
 
 PREFILL_CHUNK = 512      # tokens per pass by default: bounds the scratch
 MAX_CHUNK = 4096         # the most a GpuModel may be asked for (n*k MoE pairs <= gpu.MAX_PAIRS is checked too)
@@ -91,6 +91,18 @@ _HY_STATS = {"read_s": "WAIT_S", "cpu_s": "CPU_S", "cpu_experts": "EXPERTS", "st
              "early_copied": "E_COPIED", "early_in_time": "E_READY", "early_routed": "E_HITS",
              "split_lag_s": "SPLIT_LAG", "split_tail_s": "SPLIT_TAIL"}
 _HY_SEQ = [0]
+
+
+def consecutive_runs(ids) -> list[tuple[int, int]]:
+    """[(index of its first id, length)] of each run of consecutive ids in sorted `ids` (one copy each)."""
+    runs, j = [], 0
+    while j < len(ids):
+        r = j
+        while r + 1 < len(ids) and ids[r + 1] == ids[r] + 1:
+            r += 1
+        runs.append((j, r - j + 1))
+        j = r + 1
+    return runs
 
 
 class HybridLayout:
@@ -280,11 +292,8 @@ class GpuModel:
                                  f"{hp.n_expert}, or pinned")
         from . import planner
         self.logit_rows = planner.head_rows(self.chunk, self.stream)   # all_logits runs the head in such pieces
-        self.footprint = planner.vram_footprint(self.file, stream_experts=self.stream, pinned=self.pinned,
-                                                n_ctx=n_ctx, chunk=self.chunk, int8=self.int8 or self.int8_prefill,
-                                                logit_rows=self.logit_rows,
-                                                link_experts=self.link_experts, early_experts=self.early_experts)
         self.n_ctx_plan = int(n_ctx)
+        self.footprint = self._footprint(self.pinned)
         self.budget = None
         if vram is not None:
             planner.check_fits(self.footprint, int(vram), f"{'streamed' if self.stream else 'resident'} GPU model")
@@ -550,7 +559,7 @@ class GpuModel:
         self._build_pins()
         # the two staging slots in one allocation (planner.staging_pool_bytes), which holds the hybrid decode's
         # extras between prefills (planner.extras_regions: per layer its link/early slots, then its extras)
-        half = -(-max(layer_max, 256) // ALLOC_GRANULE) * ALLOC_GRANULE
+        half = align_up(max(layer_max, 256), ALLOC_GRANULE)
         self._pool = gpu.Buffer(2 * half, "expert staging (2 layers)")
         self._staging = [gpu.BufferView(self._pool, j * half, half, f"expert staging {j}") for j in range(2)]
         self._staged = [(-1, set()), (-1, set())]
@@ -576,6 +585,13 @@ class GpuModel:
         self._d2d: list[list] = [[], []]     # per slot: pinned experts' (dst, src, bytes) not yet copied in
         self._pin_copy: list = [None, None]    # per slot: the layer whose pins the copy kernel puts there at the wait
 
+    def _footprint(self, pins: dict):
+        """planner.vram_footprint of this model with `pins`."""
+        from . import planner
+        return planner.vram_footprint(self.file, stream_experts=self.stream, pinned=pins, n_ctx=self.n_ctx_plan,
+                                      chunk=self.chunk, int8=self.int8 or self.int8_prefill, logit_rows=self.logit_rows,
+                                      link_experts=self.link_experts, early_experts=self.early_experts)
+
     def _build_pins(self) -> None:
         """Every layer's pin store from self.pinned: its experts tensor-major, then the copy kernel's lists; the
         tensors' offsets there (_pin_off, the stage layout's last field), the expert -> index tables (_pin_idx)."""
@@ -596,21 +612,16 @@ class GpuModel:
             # after the experts: their ranks in the store and their ids (int32 [2, n]), the copy kernel's lists
             # (the layout planner.pin_store_bytes counts)
             lists = np.concatenate([np.arange(len(es)), np.asarray(es)]).astype(np.int32).view(np.uint8)
-            body = pin_off + -pin_off % 16
+            body = align_up(pin_off, 16)
             store = self._pin_store[i] = gpu.Buffer(body + lists.nbytes, f"pinned experts of layer {i}")
             for (host, _tb, eb, _off, po), name in zip(new, self._stage_names[i]):
-                j = 0
-                while j < len(es):                # a run of consecutive experts: one copy
-                    r = j
-                    while r + 1 < len(es) and es[r + 1] == es[r] + 1:
-                        r += 1
+                for j, n in consecutive_runs(es):
                     if self._host is not None:    # from the page-locked map, by DMA
-                        _native.gpu_copy_htod_addr(store.ptr + po + j * eb, host + es[j] * eb, (r - j + 1) * eb,
+                        _native.gpu_copy_htod_addr(store.ptr + po + j * eb, host + es[j] * eb, n * eb,
                                                    _native.ffi.NULL)
                     else:
-                        _native.gpu_copy_htod(store.ptr + po + j * eb, gg.data(name)[es[j] * eb:(es[r] + 1) * eb],
-                                              (r - j + 1) * eb)
-                    j = r + 1
+                        _native.gpu_copy_htod(store.ptr + po + j * eb, gg.data(name)[es[j] * eb:(es[j] + n) * eb],
+                                              n * eb)
             _native.gpu_copy_htod(store.ptr + body, lists, lists.nbytes)
             if all(eb % 16 == 0 and off % 16 == 0 and po % 16 == 0 for _h, _t, eb, off, po in new):
                 self._pin_lists[i] = (store.ptr + body, len(es))
@@ -647,9 +658,7 @@ class GpuModel:
         updated, decode plans recorded again at their next step."""
         from . import _native, planner
         pins = {int(i): sorted(set(int(e) for e in v)) for i, v in pins.items() if v}
-        fp = planner.vram_footprint(self.file, stream_experts=True, pinned=pins, n_ctx=self.n_ctx_plan,
-                                    chunk=self.chunk, int8=self.int8 or self.int8_prefill, logit_rows=self.logit_rows,
-                                    link_experts=self.link_experts, early_experts=self.early_experts)
+        fp = self._footprint(pins)
         if self.budget is not None:
             planner.check_fits(fp, self.budget, "the new pins")
         gpu.synchronize()
@@ -669,10 +678,7 @@ class GpuModel:
                 _native.gpu_memset8(self._hy["extra_idx"].ptr, 0xFF, self._hy["extra_idx"].nbytes)
             self._extras_state = "empty"
         if self._hy is not None:
-            table = np.full((self.hparams.n_layer, self.hparams.n_expert), -1, dtype=np.int32)
-            for i, idx in self._pin_idx.items():
-                table[i] = idx
-            self._hy["pin_idx"].upload(table)
+            self._hy["pin_idx"].upload(self._pin_table())
         self._repin_base = {i: c.copy() for i, c in self.route_counts.items()}
         self.repins += 1
         self._gen += 1                       # the decode plans name the old stores: recorded again
@@ -923,7 +929,7 @@ class GpuModel:
         if at + nbytes > self._arena.nbytes:
             raise RuntimeError(f"the {block} block's scratch outgrew its arena at {name!r} ({at + nbytes} > "
                                f"{self._arena.nbytes} bytes): planner.block_scratch misses a buffer")
-        self._arena_at = at + -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        self._arena_at = at + align_up(nbytes, ARENA_ALIGN)
         return gpu.BufferView(self._arena, at, nbytes, f"scratch p:{name}")
 
     def _rope_cs(self, n_ctx: int) -> gpu.Buffer:
@@ -961,7 +967,7 @@ class GpuModel:
             self._mm(w2, x, y2, n, xq)
             return
         k = self.k
-        if self.int8 and w1.qtype != gpu.F32:
+        if self._int8_for(w1, 1):
             if xq is None:
                 xq = self._q8_1(x, w1.ncols, "xq")
             k.gemv_dp4a(w1.qtype, w1.ptr, xq, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2, nrows2=w2.nrows)
@@ -1228,9 +1234,6 @@ class GpuModel:
             arr[:] = 0
             arr[HybridLayout.N_LINK] = self.link_experts     # the CPU's lookahead skips the link's share
             arr[HybridLayout.N_EARLY] = self.early_experts
-            table = np.full((hp.n_layer, hp.n_expert), -1, dtype=np.int32)
-            for i, idx in self._pin_idx.items():
-                table[i] = idx
             host_dev = {}
             if self.link_experts or self.early_experts or self.decode_extras:
                 if self._host is None:
@@ -1241,7 +1244,7 @@ class GpuModel:
             moe = [L["index"] for L in self.layers if "router" in L]
             self._hy = {"buf": pb, "arr": arr, "ptr": int(_native.ffi.cast("uintptr_t", pb.ptr)), "layout": lay,
                         "host_dev": host_dev,
-                        "pin_idx": gpu.Buffer.from_array(table, "hybrid pin indices"), "seq": 0,
+                        "pin_idx": gpu.Buffer.from_array(self._pin_table(), "hybrid pin indices"), "seq": 0,
                         # the decode extras' places [n_layer, n_expert] (-1: none, or not in the staging now)
                         "extra_idx": gpu.Buffer.from_array(np.full((hp.n_layer, hp.n_expert), -1, np.int32),
                                                            "hybrid decode extras' places"),
@@ -1357,14 +1360,9 @@ class GpuModel:
             slots, h = self.link_experts + self.early_experts, self._copy.handle
             for i, es in self.decode_extras.items():
                 base, per = self._pool.ptr + self._extras_at[i][0], slots + len(es)
-                for name, (host, _tb, eb, _off, _po) in zip(self._stage_names[i], self._stage_layout[i]):
-                    j = 0
-                    while j < len(es):                    # a run of consecutive ids: one copy
-                        r = j
-                        while r + 1 < len(es) and es[r + 1] == es[r] + 1:
-                            r += 1
-                        _native.gpu_copy_htod_addr(base + (slots + j) * eb, host + es[j] * eb, (r - j + 1) * eb, h)
-                        j = r + 1
+                for host, _tb, eb, _off, _po in self._stage_layout[i]:
+                    for j, n in consecutive_runs(es):
+                        _native.gpu_copy_htod_addr(base + (slots + j) * eb, host + es[j] * eb, n * eb, h)
                     base += per * eb
             self._extras_state = "filling"
             self.extras_refills += 1
@@ -1376,6 +1374,14 @@ class GpuModel:
               and time.perf_counter() >= self._extras_due):
             hy["extra_idx"].upload(self._extras_table())
             self._extras_state = "ready"
+
+    def _pin_table(self) -> np.ndarray:
+        """int32 [n_layer, n_expert]: each pinned expert's index in its layer's pin store, -1 elsewhere (the hybrid
+        decode's device table)."""
+        t = np.full((self.hparams.n_layer, self.hparams.n_expert), -1, dtype=np.int32)
+        for i, idx in self._pin_idx.items():
+            t[i] = idx
+        return t
 
     def _extras_table(self) -> np.ndarray:
         """int32 [n_layer, n_expert]: each decode extra's place among its layer's extras, -1 elsewhere."""

@@ -60,6 +60,11 @@ ALLOC_GRANULE = 2 * MiB
 WEIGHT_ALIGN = 256           # each resident tensor's offset inside the one weight allocation (cuMemAlloc's own)
 
 
+def align_up(n: int, a: int = 256) -> int:
+    """n rounded up to a multiple of a (WEIGHT_ALIGN, ARENA_ALIGN)."""
+    return -(-int(n) // a) * a
+
+
 def _round(n: int) -> int:
     return -(-int(n) // ALLOC_GRANULE) * ALLOC_GRANULE if n > 0 else 0
 
@@ -71,7 +76,7 @@ def weight_layout(file, names) -> tuple[dict, int]:
     offs, at = {}, 0
     for n in names:
         offs[n] = at
-        at += -(-gpu_tensor_bytes(file.tensors[n]) // WEIGHT_ALIGN) * WEIGHT_ALIGN
+        at += align_up(gpu_tensor_bytes(file.tensors[n]), WEIGHT_ALIGN)
     return offs, at
 
 
@@ -134,6 +139,11 @@ def layer_expert_bytes(file) -> dict:
         if names:
             out[i] = sum(gpu_tensor_bytes(file.tensors[n]) for n in names)
     return out
+
+
+def expert_bytes(file) -> dict:
+    """{layer: bytes in VRAM of one of its routed experts} for the layers that have experts."""
+    return {i: full // file.hparams.n_expert for i, full in layer_expert_bytes(file).items()}
 
 
 def gpu_tensor_bytes(t) -> int:
@@ -218,7 +228,7 @@ ARENA_NAMES = {"qkv": "gdn", "u": "gdn", "z": "gdn", "o": "gdn", "beta": "gdn", 
 
 def arena_bytes(hp, n: int, int8: bool) -> int:
     """The prefill's block arena for passes of n tokens: the largest block's buffers, each ARENA_ALIGN-aligned."""
-    return max((sum(-(-b // ARENA_ALIGN) * ARENA_ALIGN for b in blk.values())
+    return max((sum(align_up(b, ARENA_ALIGN) for b in blk.values())
                 for blk in block_scratch(hp, n, int8).values()), default=0)
 
 
@@ -548,24 +558,30 @@ def choose_pins(file, budget_bytes: int, counts: dict | None = None) -> dict:
     """{layer: [expert ids]} that fill budget_bytes, hottest first by `counts` {layer: [count per expert]}
     (routing statistics); without counts every expert is equally hot and the pins are spread evenly over the
     layers (round-robin, lower ids first)."""
-    hp = file.hparams
-    per = {i: full // hp.n_expert for i, full in layer_expert_bytes(file).items()}
+    per = expert_bytes(file)
     budget_bytes -= len(per) * ALLOC_GRANULE          # each layer's pin store is rounded up to the granule
     if not per or budget_bytes <= 0:
         return {}
-    cand = []
-    for i in per:
-        c = np.asarray(counts.get(i, np.zeros(hp.n_expert)) if counts else np.zeros(hp.n_expert), dtype=float)
-        for e in range(hp.n_expert):
-            cand.append((-c[e], e, i))       # hottest first; ties: lower id, then lower layer (round-robin)
-    cand.sort()
     pins, used = {}, 0
-    for _, e, i in cand:
+    for e, i in _ranked_experts(file, per, counts):
         if used + per[i] > budget_bytes:
             continue
         pins.setdefault(i, []).append(e)
         used += per[i]
     return {i: sorted(v) for i, v in sorted(pins.items())}
+
+
+def _ranked_experts(file, layers, counts: dict | None, skip: dict | None = None) -> list:
+    """[(expert, layer)] of `layers` hottest first by `counts` (none: all equally hot); ties: the lower id, then the
+    lower layer (round-robin over the layers); the experts in `skip` {layer: ids} left out."""
+    hp = file.hparams
+    cand = []
+    for i in layers:
+        c = np.asarray(counts.get(i, np.zeros(hp.n_expert)) if counts else np.zeros(hp.n_expert), dtype=float)
+        out = set(skip.get(i, ())) if skip else set()
+        cand += [(-c[e], e, i) for e in range(hp.n_expert) if e not in out]
+    cand.sort()
+    return [(e, i) for _, e, i in cand]
 
 
 def staging_pool_bytes(file) -> int:
@@ -579,14 +595,12 @@ def extras_regions(file, extras: dict, slots: int = 0) -> dict:
     """{layer: (offset, bytes)} of each MoE layer's region in the staging pool, packed in layer order: per expert
     tensor `slots` link/early experts then the layer's extras (WEIGHT_ALIGN-aligned); a layer with neither has
     none. The layout gpu_model uses."""
-    hp = file.hparams
     out, at = {}, 0
-    for i, full in layer_expert_bytes(file).items():
+    for i, eb in expert_bytes(file).items():
         n = slots + len(extras.get(i, ()))
         if n:
-            nb = -(-(n * (full // hp.n_expert)) // WEIGHT_ALIGN) * WEIGHT_ALIGN
-            out[i] = (at, nb)
-            at += nb
+            out[i] = (at, align_up(n * eb, WEIGHT_ALIGN))
+            at += out[i][1]
     return out
 
 
@@ -595,23 +609,16 @@ def choose_decode_extras(file, pins: dict, counts: dict | None = None, slots: in
     idle, staging_pool_bytes): the hottest experts not pinned by `counts` (none: spread evenly, as choose_pins),
     as many as the pool holds beside each layer's `slots` link/early experts (extras_regions). Used as pins by
     the decode once a prefill's staging is refilled with them."""
-    hp = file.hparams
-    per = {i: full // hp.n_expert for i, full in layer_expert_bytes(file).items()}
+    per = expert_bytes(file)
     pool = staging_pool_bytes(file)
     if not per or not pool:
         return {}
-    used = sum(-(-(slots * per[i]) // WEIGHT_ALIGN) * WEIGHT_ALIGN for i in per) if slots else 0
-    cand = []
-    for i in per:
-        c = np.asarray(counts.get(i, np.zeros(hp.n_expert)) if counts else np.zeros(hp.n_expert), dtype=float)
-        pinned = set(pins.get(i, ()))
-        cand += [(-c[e], e, i) for e in range(hp.n_expert) if e not in pinned]
-    cand.sort()
+    region = lambda i, n: align_up((slots + n) * per[i], WEIGHT_ALIGN)    # noqa: E731  (extras_regions' size)
+    used = sum(region(i, 0) for i in per)
     extras: dict = {}
-    for _, e, i in cand:
+    for e, i in _ranked_experts(file, per, counts, pins):
         n = len(extras.get(i, ()))
-        grow = (-(-((slots + n + 1) * per[i]) // WEIGHT_ALIGN) - -(-((slots + n) * per[i]) // WEIGHT_ALIGN)) \
-            * WEIGHT_ALIGN
+        grow = region(i, n + 1) - region(i, n)
         if used + grow > pool:
             continue
         extras.setdefault(i, []).append(e)
@@ -622,8 +629,7 @@ def choose_decode_extras(file, pins: dict, counts: dict | None = None, slots: in
 def pins_drift(file, pins: dict, counts: dict) -> tuple[float, dict]:
     """How far the routing `counts` have drifted from `pins`: (pinned_share of the best pins for those counts in
     the same bytes - pinned_share of `pins`, those best pins)."""
-    hp = file.hparams
-    per = {i: full // hp.n_expert for i, full in layer_expert_bytes(file).items()}
+    per = expert_bytes(file)
     used = sum(per[i] * len(v) for i, v in pins.items() if i in per)
     best = choose_pins(file, used + len(per) * ALLOC_GRANULE, counts) if used else {}
     return pinned_share(file, best, counts) - pinned_share(file, pins, counts), best
@@ -792,7 +798,7 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
             extras = choose_decode_extras(file, hpins, counts, link)       # the staging's bytes between prefills
             hyb, hparts = _hybrid_decode(m, file, fpd, merge_pins(hpins, extras), counts, link)
             hyb0, hparts0 = _hybrid_decode(m, file, fpd, hpins, counts, link)
-            per = {i: full // hp.n_expert for i, full in layer_expert_bytes(file).items()}
+            per = expert_bytes(file)
             refill_s = sum(per[i] * len(v) for i, v in extras.items()) / (m.link_gbps * 1e9)
             if max(gen, EXTRAS_MIN_GEN) * (hyb0 - hyb) <= refill_s:     # not worth their copy after each prefill
                 extras, hyb, hparts = {}, hyb0, hparts0
