@@ -28,6 +28,18 @@ def check(code: int, what: str) -> None:
         raise NativeError(code, f"{what}: {name}: {detail}")
 
 
+INT_MAX = 2**31 - 1  # the C API's int
+
+
+def c_int(value, what: str, lo: int = -INT_MAX - 1) -> int:
+    """value as an int the C API takes (in [lo, INT_MAX]); ValueError naming `what` otherwise, instead of
+    cffi's OverflowError."""
+    v = int(value)
+    if not lo <= v <= INT_MAX:
+        raise ValueError(f"{what} = {v} is outside [{lo}, {INT_MAX}]")
+    return v
+
+
 def _struct_to_dict(cdata) -> dict:
     out = {}
     for field, _ in ffi.typeof(cdata[0]).fields:
@@ -162,6 +174,7 @@ class NativeModel:
         self.ptr = ffi.gc(p[0], lib.le_model_free)
         self.keep = []
         self.n_layer = len(recurrent)
+        self.n_embd = int(hp["n_embd"])
 
     def set_weight(self, layer: int, slot: str, data: np.ndarray, qtype: int, ne0: int, ne1: int, ne2: int = 1,
                    nb2: int = 0, byte_offset: int = 0, what: str = "") -> None:
@@ -187,11 +200,13 @@ class NativeModel:
         wts = np.ascontiguousarray(wts, dtype=np.float32)
         if ids.shape != wts.shape or ids.ndim != 1:
             raise ValueError(f"ids {ids.shape} and wts {wts.shape}: one 1-D length")
+        if x.size != self.n_embd:  # the C core reads n_embd floats of x and writes as many to out
+            raise ValueError(f"x has {x.size} elements, the model's n_embd is {self.n_embd}")
         if out is None:
             out = np.empty(x.size, dtype=np.float32)
         elif out.dtype != np.float32 or out.size != x.size or not out.flags.c_contiguous:
             raise ValueError("out: a contiguous float32 array the size of x")
-        check(lib.le_moe_routed(self.ptr, layer, ffi.from_buffer("float[]", x), ids.size,
+        check(lib.le_moe_routed(self.ptr, c_int(layer, "layer"), ffi.from_buffer("float[]", x), ids.size,
                                 ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("float[]", wts),
                                 ffi.from_buffer("float[]", out)), "le_moe_routed")
         return out
@@ -255,6 +270,19 @@ class NativeModel:
     def pinned_cpus(self, n_threads: int) -> list[int]:
         return [lib.le_model_pinned_cpu(self.ptr, i) for i in range(n_threads)]
 
+    def pool_stats(self) -> dict:
+        """The thread pool's counters (le_pool_stats): jobs, joined, missed, worker_sleeps, caller_sleeps, yields,
+        stolen, spin_us."""
+        out = ffi.new("le_pool_stats *")
+        check(lib.le_model_pool_stats(self.ptr, out), "le_model_pool_stats")
+        return _struct_to_dict(out)
+
+    def pool_hold(self, thread: int, hold: int) -> None:
+        """Test hook (le_model_pool_hold) for worker `thread` until released (0): 1 keeps it out of every job (a
+        thread the scheduler does not run), 2 makes it sleep 20 ms inside each job it joins (one that lost its CPU
+        there)."""
+        check(lib.le_model_pool_hold(self.ptr, int(thread), int(hold)), "le_model_pool_hold")
+
     def set_profile(self, on: bool) -> None:
         """On: le_forward accumulates wall time per phase (reset by turning it on)."""
         check(lib.le_model_set_profile(self.ptr, int(on)), "le_model_set_profile")
@@ -273,7 +301,7 @@ class NativeState:
 
     def __init__(self, model: NativeModel, n_ctx: int):
         p = ffi.new("le_state **")
-        check(lib.le_state_create(model.ptr, n_ctx, p), "le_state_create")
+        check(lib.le_state_create(model.ptr, c_int(n_ctx, "n_ctx"), p), "le_state_create")
         self.model = model  # keeps the model alive while the state lives
         self.ptr = ffi.gc(p[0], lib.le_state_free)
 
@@ -330,7 +358,7 @@ class NativeState:
         return bytes(out)
 
     def kv_nbytes(self, n: int) -> int:
-        return int(lib.le_state_kv_nbytes(self.ptr, n))
+        return int(lib.le_state_kv_nbytes(self.ptr, c_int(n, "KV rows", 0)))
 
     def read_kv_into(self, start: int, n: int, out) -> None:
         """read_kv into a writable bytes-like of at least kv_nbytes(n)."""
@@ -338,10 +366,11 @@ class NativeState:
         buf = ffi.from_buffer(out, require_writable=True)
         if len(buf) < nb:
             raise ValueError(f"{nb} bytes of KV rows into a {len(buf)}-byte buffer")
-        check(lib.le_state_read_kv(self.ptr, start, n, buf, nb), "le_state_read_kv")
+        check(lib.le_state_read_kv(self.ptr, c_int(start, "KV start"), n, buf, nb), "le_state_read_kv")
 
     def write_kv(self, start: int, n: int, data: bytes) -> None:
-        check(lib.le_state_write_kv(self.ptr, start, n, ffi.from_buffer(data), len(data)), "le_state_write_kv")
+        check(lib.le_state_write_kv(self.ptr, c_int(start, "KV start"), c_int(n, "KV rows"), ffi.from_buffer(data),
+                                    len(data)), "le_state_write_kv")
 
 
 def forward(model: NativeModel, state: NativeState, tokens, n_vocab: int, all_logits: bool, chunked: bool,
@@ -910,3 +939,74 @@ def numa_set_library(name: str | None) -> None:
     """Test hook: the library NUMA calls load from now on (None: $LE_NUMA_LIB, else libnuma.so.1).
     A name that does not load simulates a machine without libnuma."""
     check(lib.le_numa_set_library(ffi.NULL if name is None else name.encode()), "le_numa_set_library")
+
+
+# ---- sampler --------------------------------------------------------------------------------------------------------
+# native/sample.c (le_sample.h): penalties, top-k, top-p, min-p, temperature and one draw over float32 logits in a few
+# O(n_vocab) passes. NaN or +inf logits: NativeError (LE_ERR_FORMAT); -inf is a masked token.
+
+SAMPLE_PATHS = {"greedy": 1, "list": 2, "band": 4, "fallback": 8, "all": 16, "pass": 32, "region": 64}  # info.path
+SAMPLE_FORCE = {"all": 1, "miss_high": 2, "miss_low": 4}   # tests: run the paths an estimate rarely takes
+
+
+class NativeSampler:
+    """le_sample with its parameters, scratch buffer (allocated once per vocabulary size) and result kept across
+    calls. pen_ids / pen_counts: int32[k], the distinct ids of the penalty window and how often each occurs."""
+
+    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 force=()):
+        flags = 0
+        for f in force:
+            flags |= SAMPLE_FORCE[f]
+        self.params = ffi.new("le_sample_params *", {
+            "temperature": float(temperature), "top_k": c_int(top_k, "top_k", 0), "top_p": float(top_p),
+            "min_p": float(min_p), "repetition_penalty": float(repetition_penalty),
+            "presence_penalty": float(presence_penalty), "frequency_penalty": float(frequency_penalty),
+            "flags": flags})
+        self.info = ffi.new("le_sample_info *")
+        self._token = ffi.new("int32_t *")
+        self._n = 0
+
+    def _args(self, logits: np.ndarray, pen_ids, pen_counts):
+        if logits.dtype != np.float32 or logits.ndim != 1 or not logits.flags.c_contiguous:
+            raise ValueError("logits: a contiguous float32[n_vocab] array")
+        n = logits.size
+        if n != self._n:
+            self._scratch = np.empty(lib.le_sample_scratch_bytes(n), np.uint8)
+            self._scratch_p, self._n = ffi.from_buffer(self._scratch, require_writable=True), n
+        if pen_ids is None or len(pen_ids) == 0:
+            return ffi.from_buffer("float[]", logits), n, ffi.NULL, ffi.NULL, 0
+        ids = np.ascontiguousarray(pen_ids, dtype=np.int32)
+        counts = np.ascontiguousarray(pen_counts, dtype=np.int32)
+        if ids.shape != counts.shape or ids.ndim != 1:
+            raise ValueError(f"pen_ids {ids.shape} and pen_counts {counts.shape}: one 1-D length")
+        return (ffi.from_buffer("float[]", logits), n, ffi.from_buffer("int32_t[]", ids),
+                ffi.from_buffer("int32_t[]", counts), ids.size)
+
+    def draw(self, logits: np.ndarray, u: float, pen_ids=None, pen_counts=None) -> int:
+        """logits: float32[n_vocab]; u: a uniform draw in [0, 1) -> the token (self.info: what was decided)."""
+        lp, n, ip, cp, k = self._args(logits, pen_ids, pen_counts)
+        check(lib.le_sample(lp, n, ip, cp, k, self.params, float(u), self._scratch_p, self._scratch.size,
+                            self._token, self.info), "le_sample")
+        return int(self._token[0])
+
+    def probs(self, logits: np.ndarray, pen_ids=None, pen_counts=None) -> np.ndarray:
+        """The distribution draw() samples: float64[n_vocab], zero outside the kept set, one-hot when greedy."""
+        lp, n, ip, cp, k = self._args(logits, pen_ids, pen_counts)
+        out = np.empty(n, np.float64)
+        check(lib.le_sample_probs(lp, n, ip, cp, k, self.params, self._scratch_p, self._scratch.size,
+                                  ffi.from_buffer("double[]", out), self.info), "le_sample_probs")
+        return out
+
+    def last(self) -> dict:
+        """The last call's le_sample_info: token, path (names), n_kept, cut_logit, cut_id, max_logit, isa."""
+        d = _struct_to_dict(self.info)
+        d["path"] = [name for name, bit in SAMPLE_PATHS.items() if d["path"] & bit]
+        d["isa"] = ISA_NAMES[d["isa"]]
+        return d
+
+
+def sample_isa() -> str:
+    """The tier that runs the sampler's passes now (ref or avx2; follows set_isa)."""
+    return ISA_NAMES[lib.le_sample_isa()]

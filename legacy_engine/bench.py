@@ -2,9 +2,11 @@
 
     legacy-engine bench decode MODEL.gguf [--threads N[,N...]] [--pp 64] [--tg 32] [--reps 3] [--json]
                                           [--isa all|ref,ssse3,...] [--llama auto|off|PATH] [--bandwidth GBPS|auto]
-    legacy-engine bench cache MODEL.gguf [--lengths 947 4096] [--threads N] [--disk DIR] [--json]
+                                          [--sample temp=0.8,top_p=0.95|off]
+    legacy-engine bench cache MODEL.gguf [--lengths 947] [--threads N] [--disk DIR] [--json]
     legacy-engine bench gpu MODEL.gguf [--pp 512,2048] [--tg 64] [--variants all|...] [--llama PATH]  (bench_gpu.py)
     legacy-engine bench split MODEL.gguf --vram 6GiB [--prompt 512,2048] [--ballast] [--llama PATH]  (bench_split.py)
+    legacy-engine bench shared MODEL.gguf [--threads 1,2] [--busy 1] [--tg 32] [--reps 5] [--json]  (bench_shared.py)
 
 bench decode — prefill and decode speed, ours per CPU tier next to llama.cpp, against the bandwidth roofline.
 
@@ -19,6 +21,10 @@ or the llama-bench binary --llama names), per thread count. Same file, same thre
             (tied); recurrent state and KV are not counted (weight_footprint)
   roofline  read bandwidth / bytes per token: the decode tok/s if weights streamed at the measured bandwidth
   % roof    tg tok/s / roofline tok/s
+Under the table, for our rows: decode as generation runs it (Session.stream: logits -> Sampler.sample -> the next
+token, the tokens so far as the penalties' history), tg steps from an empty state, greedy (temperature 0) and
+sampled with --sample (default temp=0.8,top_p=0.95, seed 0), their runs interleaved; sampled/greedy is the ratio
+of tok/s, `sampler` the extra milliseconds a sampled token took. Not in the table: llama.cpp's tg samples nothing.
 Each measurement: one untimed warm-up of the same work (page cache, thread pool), then --reps runs; the median
 counts, the runs' range is kept (JSON; in the table when reps > 1). llama-cpp-python runs `Llama(model,
 n_threads=T, n_threads_batch=T, n_batch=512)`, prefill = one `eval` of N tokens, decode = N `eval`s of one token
@@ -74,7 +80,7 @@ def _timed(fn, *args):
     return out, time.perf_counter() - t0
 
 
-def bench_cache(model_path: str, lengths=(947, 4096), n_threads: int | None = None, grid: int = 256,
+def bench_cache(model_path: str, lengths=(947,), n_threads: int | None = None, grid: int = 256,
                 page: int = 64, disk_dir: str | None = None, log=None) -> dict:
     """Runs the measurements of the module docstring; returns {"model", "threads", "L<n>": {...}, ...}.
     Times in seconds, sizes in bytes."""
@@ -226,6 +232,63 @@ def _times(run, reps: int) -> list[float]:
     return times
 
 
+SAMPLE_DEFAULT = "temp=0.8,top_p=0.95"
+_SAMPLE_KEYS = {"temp": "temperature", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                "min_p": "min_p", "repeat_penalty": "repetition_penalty", "repetition_penalty": "repetition_penalty",
+                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed"}
+
+
+def parse_sample(spec: str | None):
+    """"temp=0.8,top_p=0.95[,top_k=40,min_p=0.05,repeat_penalty=1.1,seed=S]" -> SamplingParams (seed 0 unless
+    given); "off", "" or None -> None."""
+    from .sampling import SamplingParams
+    if spec is None or spec.strip() in ("", "off", "none"):
+        return None
+    kw = {"seed": 0}
+    for item in spec.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in _SAMPLE_KEYS:
+            raise ValueError(f"--sample: {item!r} is not KEY=VALUE with KEY one of {', '.join(_SAMPLE_KEYS)}")
+        field_name = _SAMPLE_KEYS[key.strip()]
+        kw[field_name] = int(value) if field_name in ("top_k", "seed") else float(value)
+    params = SamplingParams(**kw)
+    params.validate()
+    return params
+
+
+def generate_steps(forward, state, first: int, n: int, sampler) -> None:
+    """n decode steps as Session.stream runs them: forward one token, Sampler.sample on its logits (the tokens fed
+    so far as the penalties' history), the drawn token next. forward: Model.forward or GpuModel.forward."""
+    history, tok = [], first
+    for _ in range(n):
+        logits = forward(state, [tok])
+        history.append(tok)
+        tok = sampler.sample(logits, history)
+
+
+def times_interleaved(runs, reps: int) -> list[list[float]]:
+    """Seconds of each of `runs`, reps times in turn (a, b, a, b, ...) after one warm-up of each: other work on
+    shared cores falls on all of them alike. A run that returns a number returns its own seconds (the part to
+    time); else the whole call counts."""
+    for run in runs:
+        run()
+    times = [[] for _ in runs]
+    for _ in range(reps):
+        for run, ts in zip(runs, times):
+            t0 = time.perf_counter()
+            own = run()
+            ts.append(own if own is not None else time.perf_counter() - t0)
+    return times
+
+
+def sampled_vs_greedy(t_greedy: list[float], t_sampled: list[float], tg: int, params) -> dict:
+    """The JSON fields of the greedy / sampled decode (medians)."""
+    g, s = statistics.median(t_greedy), statistics.median(t_sampled)
+    return dict(tg_greedy_tok_s=tg / g, tg_sampled_tok_s=tg / s, sampled_over_greedy=g / s,
+                sampler_ms_per_token=1e3 * (s - g) / tg, tg_greedy_runs_s=t_greedy, tg_sampled_runs_s=t_sampled,
+                sample=asdict(params))
+
+
 def _result(engine: str, threads: int, load: float, pp: int, tg: int, t_pp: list[float],
             t_tg: list[float]) -> dict:
     """tok/s from the median time; the runs' range kept to show the noise."""
@@ -245,11 +308,12 @@ def file_kernels(mf: ModelFile) -> dict[str, str]:
 
 
 def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[int], isa: str | None = None,
-               load_opts: dict | None = None) -> dict:
+               load_opts: dict | None = None, sample=None) -> dict:
     """Our pp/tg with tier `isa` forced (set before the model loads, the previous tier restored after); "f32":
     integer kernels off (dequantise + f32 dot products: the reference path); None: the tier in effect.
     load_opts: Model's mmap / numa / pin. After the timed runs, one more decode run with the C core's phase
-    timer on gives `profile_ms`: milliseconds per decoded token per phase (le_model_profile)."""
+    timer on gives `profile_ms`: milliseconds per decoded token per phase (le_model_profile). sample
+    (SamplingParams): also decode as generation does, greedy and with these (sampled_vs_greedy's fields)."""
     from . import _native
     from .model import Model
     prev = _native.get_isa()
@@ -281,11 +345,23 @@ def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[i
             decode()
             profile = {k: 1e3 * v / tg for k, v in model.native.profile().items()}
             model.native.set_profile(False)
+        gen = {}
+        if tg and sample is not None:
+            from .sampling import Sampler, SamplingParams
+
+            def generation(params):
+                def run():
+                    state.reset()
+                    generate_steps(model.forward, state, ids[0], tg, Sampler(params))   # a Sampler per request
+                return run
+            gen = sampled_vs_greedy(*times_interleaved([generation(SamplingParams()), generation(sample)], reps),
+                                    tg, sample)
         pinned = sum(c >= 0 for c in model.pinned)
     finally:
         _native.set_isa(prev)
     r = _result(f"legacy_engine {isa or prev}", threads, load, pp, tg, t_pp, t_tg)
     r["isa"], r["kernels"], r["profile_ms"], r["pinned_threads"] = isa or prev, kernels, profile, pinned
+    r.update(gen)
     return r
 
 
@@ -398,11 +474,12 @@ def parse_isas(spec: str) -> list[str]:
 
 def bench_decode(model_path: str, threads=(None,), pp: int = 64, tg: int = 32, reps: int = 3, isas=None,
                  llama: str = "auto", bandwidth: float | str | None = "auto", seed: int = 0, log=None,
-                 load_opts: dict | None = None) -> dict:
+                 load_opts: dict | None = None, sample=None) -> dict:
     """Runs the module docstring's `bench decode`; returns {"model", "footprint", "results": [row dicts], ...}.
     threads: thread counts (None: all cores). isas: tiers to force, "f32" for integer kernels off (None: every tier
     this CPU runs). llama: "auto" (llama-cpp-python if importable), "off", or the path of a llama-bench binary.
-    bandwidth: GB/s, "auto" (measured per thread count) or None (no roofline)."""
+    bandwidth: GB/s, "auto" (measured per thread count) or None (no roofline). sample: SamplingParams of the
+    sampled decode beside the greedy one (the command's --sample; None: neither)."""
     from .model import default_threads
     isas = parse_isas("all") if isas is None else list(isas)
     log = log or (lambda s: None)
@@ -432,7 +509,7 @@ def bench_decode(model_path: str, threads=(None,), pp: int = 64, tg: int = 32, r
         log(f"threads {n}: read bandwidth {bw:.1f} GB/s" if bw else f"threads {n}")
         rows = []
         for isa in isas:
-            rows.append(bench_ours(model_path, n, pp, tg, reps, ids, isa, load_opts))
+            rows.append(bench_ours(model_path, n, pp, tg, reps, ids, isa, load_opts, sample))
             log(f"  {rows[-1]['engine']}: pp {rows[-1]['pp_tok_s']:.2f} tok/s, tg {rows[-1]['tg_tok_s']:.2f} tok/s")
         if use_llama == "python":
             rows.append(bench_llama(model_path, n, pp, tg, reps, ids))
@@ -443,6 +520,9 @@ def bench_decode(model_path: str, threads=(None,), pp: int = 64, tg: int = 32, r
         out["results"] += [add_roofline(r, fp, pp, bw) for r in rows]
     out["load_avg_after"] = os.getloadavg()[0]
     return out
+
+
+_OFF = {"temperature": None, "top_k": 0, "top_p": 1.0, "min_p": 0.0}   # print_decode names what is on
 
 
 def print_decode(res: dict, profile: bool = False) -> None:
@@ -467,6 +547,16 @@ def print_decode(res: dict, profile: bool = False) -> None:
         print(note)
     print()
     print(decode_table(res))
+    gen = [r for r in res["results"] if "sampled_over_greedy" in r]
+    if gen:
+        sp = gen[0]["sample"]
+        spec = ", ".join(f"{k} {sp[k]}" for k in ("temperature", "top_k", "top_p", "min_p") if sp[k] != _OFF[k])
+        print(f"\ndecode as generation runs it (logits -> Sampler.sample -> next token), tg {res['tg']}, median of "
+              f"{res['reps']}, greedy and sampled ({spec}) interleaved:")
+        for r in gen:
+            print(f"  {r['engine']}, {r['threads']} threads: greedy {r['tg_greedy_tok_s']:.2f} tok/s, sampled "
+                  f"{r['tg_sampled_tok_s']:.2f} tok/s, sampled/greedy {r['sampled_over_greedy']:.3f} (sampler "
+                  f"{r['sampler_ms_per_token']:+.3f} ms/token)")
     if profile:
         for r in res["results"]:
             if r.get("profile_ms"):
@@ -502,20 +592,28 @@ def main(argv=None) -> int:
     dp.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     dp.add_argument("--profile", action="store_true",
                     help="also print where a decoded token's time goes, per phase (always in --json)")
+    dp.add_argument("--sample", default=SAMPLE_DEFAULT, metavar="KEY=V,...|off",
+                    help="also decode as generation does, greedy and sampled with these settings (temp, top_k, "
+                         f"top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed); off: skip "
+                         f"({SAMPLE_DEFAULT})")
     load_flags(dp)
     ap = sub.add_parser("cache", help="time to first token with the prefix cache (cold, repeat, follow-up, shared)")
     ap.add_argument("model", help="a Qwen3.5/3.6 GGUF file")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[947, 4096], help="prompt lengths (947 4096)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[947],   # the demo model: 49 s on 2 busy cores
+                    help="prompt lengths (947: about a minute on 2 cores; each 4096 adds minutes)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (all cores)")
     ap.add_argument("--grid", type=int, default=256, help="snapshot grid in tokens, a multiple of 64 (256)")
     ap.add_argument("--disk", metavar="DIR", default=None, help="also measure the disk tier in a temp dir under DIR")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
-    from . import bench_gpu, bench_split
+    from . import bench_gpu, bench_shared, bench_split
     bench_gpu.add_parser(sub)
     bench_split.add_parser(sub)
+    bench_shared.add_parser(sub)
     args = top.parse_args(argv)
     if args.what == "gpu":
         return bench_gpu.main(args)
+    if args.what == "shared":
+        return bench_shared.main(args)
     if args.what == "split":
         return bench_split.main(args)
     if args.what == "decode":
@@ -560,9 +658,14 @@ def _main_decode(args, parser) -> int:
             bw = float(bw)
         except ValueError:
             parser.error(f"decode: --bandwidth takes GB/s or auto, not {bw!r}")
+    try:
+        sample = parse_sample(args.sample)
+    except ValueError as e:
+        parser.error(f"decode: {e}")
     res = bench_decode(args.model, threads, args.pp, args.tg, args.reps, parse_isas(args.isa), args.llama, bw,
-                       args.seed, log=lambda s: print(s, file=sys.stderr, flush=True),
-                       load_opts=dict(mmap=args.mmap, numa=args.numa, pin=args.pin))
+                       args.seed, log=lambda s: print(s, file=sys.stderr, flush=True), sample=sample,
+                       load_opts=dict(mmap=args.mmap, numa=args.numa, pin=args.pin,
+                                      check_tensors=args.check_tensors))
     if args.json:
         print(json.dumps(res, indent=1))
     else:

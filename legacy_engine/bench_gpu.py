@@ -1,13 +1,16 @@
 """`legacy-engine bench gpu`: the GPU-resident engine (gpu_model.py) per kernel tier, next to llama.cpp's CUDA build.
 
     legacy-engine bench gpu MODEL.gguf [--pp 512,2048] [--tg 64] [--reps 3] [--variants all|TIER-smARCH,...]
-                                       [--llama PATH] [--json]
+                                       [--llama PATH] [--sample temp=0.8,top_p=0.95|off] [--json]
 
 Rows: legacy_engine with each tier variant (fermi-sm35, kepler-sm35: compute_35 PTX; dp4a-sm61, dp4a-sm70: the
 Pascal/Volta PTX; and every tier built for the card's own arch), DP4A decode GEMVs on the dp4a tier (int8) and f32
 GEMVs below it; llama.cpp = a llama-bench binary built with CUDA (`-ngl 99`, all layers on the GPU). Same file.
   pp N      one forward of N seeded tokens from an empty state (chunks of 512), last logits: tok/s = N / time
   tg N      N single-token steps after a 16-token prefill, logits downloaded each step: tok/s = N / time
+  greedy, sampled  the same steps as generation runs them (logits -> Sampler.sample on the CPU -> the next token),
+            temperature 0 and --sample (default temp=0.8,top_p=0.95, seed 0), runs interleaved; smp/gr = sampled
+            tok/s / greedy tok/s (the issue's target: >= 0.9 on the GPU-resident 0.8B)
   bytes/tok weights read per decoded token (bench.weight_footprint: experts at top-k/n_expert of their bytes)
   % HBM     tg tok/s * bytes/tok / the device-to-device copy bandwidth measured here (read + write counted)
 Each measurement: one untimed warm-up, then --reps runs; the median counts.
@@ -22,7 +25,8 @@ import time
 import numpy as np
 
 from . import gpu
-from .bench import _times, seeded_tokens, weight_footprint
+from .bench import (SAMPLE_DEFAULT, _times, generate_steps, parse_sample, sampled_vs_greedy, seeded_tokens,
+                    times_interleaved, weight_footprint)
 from .errors import UnavailableError
 
 WARM_PREFILL = 16
@@ -53,7 +57,7 @@ def _median_time(fn, reps: int) -> float:
 
 
 def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: int,
-               graphs: bool | None = None) -> dict:
+               graphs: bool | None = None, sample=None) -> dict:
     from .gpu_model import GpuModel
     tier, arch = variant
     gm = GpuModel(model, tier=tier, arch=arch, graphs=graphs)
@@ -79,8 +83,27 @@ def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: 
     decode()
     row["tg"] = tg / statistics.median(decode() for _ in range(reps))
     row["launches_per_token"] = len(st._plan) if st._plan is not None else None
+    if tg and sample is not None:
+        row.update(generation_vs_greedy(gm, st, ids, tg, reps, sample))
     gm.close()
     return row
+
+
+def generation_vs_greedy(gm, st, ids, tg: int, reps: int, sample) -> dict:
+    """tg steps after the warm prefill as generation runs them, greedy and with `sample`, interleaved
+    (bench.sampled_vs_greedy's fields); only the steps are timed."""
+    from .sampling import Sampler, SamplingParams
+
+    def generation(params):
+        def run():
+            st.reset()
+            gm.forward(st, ids[:WARM_PREFILL], want_logits=False)
+            t0 = time.perf_counter()
+            generate_steps(gm.forward, st, ids[WARM_PREFILL], tg, Sampler(params))
+            return time.perf_counter() - t0
+        return run
+    return sampled_vs_greedy(*times_interleaved([generation(SamplingParams()), generation(sample)], reps), tg,
+                             sample)
 
 
 def bench_llama(binary: str, path: str, pps, tg: int, reps: int, flags=("-ngl", "99"),
@@ -109,7 +132,7 @@ def bench_llama(binary: str, path: str, pps, tg: int, reps: int, flags=("-ngl", 
 
 
 def bench_gpu(path: str, pps=(512, 2048), tg: int = 64, reps: int = 3, variants=None, llama: str | None = None,
-              log=None) -> dict:
+              log=None, sample=None) -> dict:
     from .model import Model
     from .gguf_model import ModelFile
     log = log or (lambda s: None)
@@ -128,7 +151,7 @@ def bench_gpu(path: str, pps=(512, 2048), tg: int = 64, reps: int = 3, variants=
     for v, graphs in runs:
         log(f"legacy_engine {gpu.variant_name(*v)}{' no graphs' if graphs is False else ''} …")
         try:
-            res["rows"].append(bench_ours(model, v, pps, tg, reps, n_ctx, graphs))
+            res["rows"].append(bench_ours(model, v, pps, tg, reps, n_ctx, graphs, sample))
         except Exception as e:      # a variant that cannot be built or run here: its row says why
             res["rows"].append({"engine": f"legacy_engine {gpu.variant_name(*v)}", "error": str(e)[:300]})
     if llama:
@@ -153,7 +176,7 @@ def print_gpu(res: dict) -> None:
     print(f"{res['model']} on {res['device']} (sm_{res['arch']}): {res['bytes_per_token'] / 2**20:.1f} MiB read per "
           f"decoded token, device copy bandwidth {res['copy_bandwidth'] / 1e9:.0f} GB/s")
     head = f"{'engine':<40}" + "".join(f"{'pp' + str(p):>10}" for p in pps) + f"{'tg' + str(res['tg']):>9}"
-    head += f"{'tg ratio':>9}{'% HBM':>7}"
+    head += f"{'tg ratio':>9}{'% HBM':>7}{'greedy':>9}{'sampled':>9}{'smp/gr':>8}"
     print(head)
     for r in res["rows"]:
         if "error" in r:
@@ -161,7 +184,13 @@ def print_gpu(res: dict) -> None:
             continue
         line = f"{r['engine']:<40}" + "".join(f"{r['pp'].get(p, float('nan')):>10.1f}" for p in pps)
         line += f"{r['tg']:>9.1f}{r.get('tg_ratio', float('nan')):>9.2f}{r['hbm_pct']:>6.1f}%"
+        if "sampled_over_greedy" in r:
+            line += f"{r['tg_greedy_tok_s']:>9.1f}{r['tg_sampled_tok_s']:>9.1f}{r['sampled_over_greedy']:>8.3f}"
         print(line)
+    sp = next((r["sample"] for r in res["rows"] if "sample" in r), None)
+    if sp:
+        print(f"greedy / sampled: tg{res['tg']} as generation runs it, sampled with " + ", ".join(
+            f"{k} {sp[k]}" for k in ("temperature", "top_k", "top_p", "min_p", "seed")))
 
 
 def main(args) -> int:
@@ -173,7 +202,7 @@ def main(args) -> int:
             tier, _, sm = v.partition("-sm")
             variants.append((tier, int(sm)))
     res = bench_gpu(args.model, pps, args.tg, args.reps, variants, args.llama,
-                    log=lambda s: print(s, flush=True, file=__import__("sys").stderr))
+                    log=lambda s: print(s, flush=True, file=__import__("sys").stderr), sample=parse_sample(args.sample))
     if args.json:
         print(json.dumps(res, indent=1, default=float))
     else:
@@ -190,4 +219,7 @@ def add_parser(sub) -> None:
     gp.add_argument("--reps", type=int, default=3, help="timed runs after one warm-up; the median counts (3)")
     gp.add_argument("--variants", default="all", help="all, or TIER-smARCH,... e.g. dp4a-sm90,fermi-sm35 (all)")
     gp.add_argument("--llama", default=None, metavar="PATH", help="a llama-bench binary built with CUDA (none)")
+    gp.add_argument("--sample", default=SAMPLE_DEFAULT, metavar="KEY=V,...|off",
+                    help="also decode as generation does, greedy and sampled with these settings (bench decode's "
+                         f"--sample); off: skip ({SAMPLE_DEFAULT})")
     gp.add_argument("--json", action="store_true", help="print JSON instead of the table")

@@ -1,6 +1,7 @@
 """The `legacy-engine` command line.
 
-  legacy-engine run MODEL -p TEXT | --chat   generate text (streams, then a timing line)
+  legacy-engine run MODEL -p TEXT       generate text (streams, then a timing line)
+  legacy-engine chat MODEL              interactive chat: a line per turn from stdin, /reset, /exit
   legacy-engine info [MODEL] [--json]   what the machine has and chose; a model's architecture and tensors
   legacy-engine demo                    generate with the built-in tiny MoE model (made on first use, cached)
   legacy-engine make-model …            random-weight GGUFs in llama.cpp's layout (see make-model -h)
@@ -10,28 +11,25 @@
   legacy-engine bench decode|cache MODEL  benchmarks: tok/s per CPU tier vs llama.cpp; prefix cache (bench -h)
   legacy-engine build-kernels …         compile cuda8/ to PTX for every GPU tier (see build-kernels -h)
 
-Errors the user can fix (a bad file, a missing feature) print one line and exit 1; bad flags exit 2.
+Errors the user can fix (a bad file, a missing feature) print one line and exit 1; bad flags exit 2, and are
+checked before a model loads. LE_DEBUG=1 adds the C core's file:line and the traceback.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
-from .errors import EngineError
+from . import __version__
+from .errors import ContextLengthError, EngineError, NativeError, UnavailableError
+from .paths import cache_dir
 
 DEMO_PRESET = "tiny-moe"
 DEMO_SEED = 1234
-
-
-def cache_dir() -> str:
-    """The user cache dir for legacy_engine ($LE_CACHE_DIR, else $XDG_CACHE_HOME/legacy_engine)."""
-    d = os.environ.get("LE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "legacy_engine")
-    os.makedirs(d, exist_ok=True)
-    return d
+CHAT_HELP = "a line per turn; /reset forgets the conversation, /exit (or Ctrl-D) ends it, Ctrl-C stops an answer"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -42,12 +40,15 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def model_report(path: str) -> tuple[dict, list[str]]:
-    from .gguf_model import ModelFile
+def model_report(path: str, check_tensors: bool = False) -> tuple[dict, list[str]]:
+    """`info MODEL`'s (JSON data, text lines); check_tensors: scan every tensor's values too (FormatError on the
+    first non-finite one)."""
+    from .gguf_model import ModelFile, check_tensor_values
 
     t0 = time.perf_counter()
     m = ModelFile.open(path)
     load_s = time.perf_counter() - t0
+    checked = check_tensor_values(m.gguf) if check_tensors else None
     hp = m.hparams
     total = sum(t.n_bytes for t in m.tensors.values())
     by_type = m.bytes_by_type()
@@ -88,6 +89,12 @@ def model_report(path: str) -> tuple[dict, list[str]]:
         lines.append(f"  tokenizer: {tok} / {m.metadata.get('tokenizer.ggml.pre', '?')}, "
                      f"{len(m.metadata.get('tokenizer.ggml.tokens', []))} tokens, "
                      f"chat template {'present' if 'tokenizer.chat_template' in m.metadata else 'absent (ChatML)'}")
+    if checked is not None:
+        data["tensor_check"] = checked
+        lines.append(f"  tensor values: finite ({checked['tensors'] - len(checked['unchecked'])} tensors, "
+                     f"{_fmt_bytes(checked['bytes'])} scanned in {checked['seconds']:.2f} s"
+                     + (f"; {len(checked['unchecked'])} of a type without float fields not checked"
+                        if checked["unchecked"] else "") + ")")
     return data, lines
 
 
@@ -97,12 +104,20 @@ def cmd_info(args) -> int:
     from .planner import cached_machines, format_machines
 
     rep = machine_report()
-    saved = cached_machines()
-    data = {"machine": rep, "planner_probes": saved}
+    try:
+        saved = cached_machines()
+        planner = format_machines(saved)
+    except Exception as e:  # why: a damaged probe cache must not hide the rest of the report
+        saved = {"error": f"{type(e).__name__}: {e}"}
+        planner = [f"Planner  the cached machine probes are unreadable ({type(e).__name__}: {e}); "
+                   "`legacy-engine plan --remeasure` measures them again"]
+    from .cpu_load import format_report, report
+    load = report()  # other work on the CPUs now: the default threads and pinning (issue 21)
+    data = {"machine": rep, "planner_probes": saved, "cpu_load": load}
     lines = [f"legacy_engine {__import__('legacy_engine').__version__}"] + format_machine_report(rep)
-    lines += format_machines(saved)
+    lines += format_report(load) + planner
     if args.model:
-        mdata, mlines = model_report(args.model)
+        mdata, mlines = model_report(args.model, check_tensors=getattr(args, "check_tensors", False))
         data["model"] = mdata
         lines += mlines
     if args.json:
@@ -131,19 +146,75 @@ def _sampling(args):
                           frequency_penalty=args.frequency_penalty, seed=args.seed)
 
 
-def _generate(path: str, args, messages_or_text, chat: bool) -> int:
-    from .generate import Engine
+def check_gpu() -> None:
+    """UnavailableError with the reason when --gpu cannot run here (no driver, no device), before anything loads."""
+    from . import gpu
 
+    ok, why = gpu.available()
+    if not ok:
+        raise UnavailableError(f"--gpu: no usable GPU: {why} (without --gpu the model runs on the CPU)")
+
+
+def _preflight(args):
+    """What the flags of run/chat/demo can get wrong, checked before a model loads -> (SamplingParams, Engine
+    kwargs): the sampling ranges, the --gpu flags, and a GPU to run them on."""
     params = _sampling(args)
     params.validate()
-    eng = Engine(path, **engine_kwargs(args))
+    kw = engine_kwargs(args)
+    if kw["gpu"]:
+        check_gpu()
+    return params, kw
+
+
+def _upload_bar(names):
+    from tqdm import tqdm
+
+    return tqdm(names, desc="upload to the GPU", unit="tensor", leave=False, disable=None)  # None: terminals only
+
+
+def load_engine(path: str, kw: dict):
+    """Engine(path, **kw). On a terminal, stderr shows `loading NAME (SIZE) …` while it loads (a GPU upload: a tqdm
+    bar), cleared when done: the timing line after the answer reports the load time, and a pipe or a log gets no
+    carriage returns."""
+    from .generate import Engine
+
+    status = sys.stderr.isatty()
+    if status:
+        size = f" ({_fmt_bytes(os.path.getsize(path))})" if os.path.isfile(path) else ""
+        print(f"loading {os.path.basename(path)}{size} …", end="", file=sys.stderr, flush=True)
+    try:
+        return Engine(path, progress=_upload_bar if kw.get("gpu") else None, **kw)
+    finally:
+        if status:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
+def _describe_gpu(eng) -> None:
     if eng.gpu is not None:
         print(eng.model.describe(), file=sys.stderr)
         print(f"placement: {eng.placement.why}", file=sys.stderr)
+
+
+def _max_tokens(args, eng) -> int:
+    """-n N, or -n -1: until the model stops or the context is full."""
+    return eng.n_ctx if args.n_predict < 0 else args.n_predict
+
+
+def _print_text(t: str) -> None:
+    print(t, end="", flush=True)
+
+
+def _generate(path: str, args, messages_or_text, chat: bool, checked=None) -> int:
+    params, kw = checked or _preflight(args)
+    eng = load_engine(path, kw)
+    _describe_gpu(eng)
     sess = eng.session()
-    prompt = eng.chat_prompt(messages_or_text, enable_thinking=not args.no_think) if chat else messages_or_text
-    res = sess.generate(prompt, max_tokens=args.n_predict, params=params, stop=args.stop,
-                        on_text=lambda t: print(t, end="", flush=True))
+    prompt = messages_or_text
+    if chat:  # user text that spells a control token stays text (chat.render_prompt)
+        prompt = eng.tokenizer.encode_prompt(*eng.chat_text(messages_or_text, enable_thinking=not args.no_think,
+                                                            special_in_user_text=args.special_in_user_text))
+    res = sess.generate(prompt, max_tokens=_max_tokens(args, eng), params=params, stop=args.stop,
+                        on_text=_print_text)
     print()
     print(f"[{res.finish_reason}] {res.timings.summary()}", file=sys.stderr)
     return 0
@@ -153,44 +224,125 @@ def cmd_run(args) -> int:
     if args.chat:
         return cmd_chat(args)
     if args.prompt is None:
-        args.parser.error("give a prompt with -p TEXT, or --chat")  # exits 2, like any bad flag
+        args.parser.error("give a prompt with -p TEXT, or use `legacy-engine chat`")  # exits 2, like any bad flag
+    if not args.prompt:
+        args.parser.error("empty prompt: nothing to run (give some text with -p)")
     return _generate(args.model, args, args.prompt, chat=False)
 
 
-def cmd_chat(args) -> int:
-    """Interactive chat: one line per user turn; an empty line or EOF ends it."""
-    from .generate import Engine
+_PROBE = [{"role": "user", "content": "probe-u1"}, {"role": "assistant", "content": "probe-a1"},
+          {"role": "user", "content": "probe-u2"}]
 
-    params = _sampling(args)
-    params.validate()
-    eng = Engine(args.model, **engine_kwargs(args))
-    messages = []
-    if args.prompt:
-        messages.append({"role": "system", "content": args.prompt})
+
+def _turn_renderer(eng, enable_thinking: bool, specials=()):
+    """(closing, turn) when the chat template renders a user turn the same alone as after earlier turns (checked
+    on a probe conversation): closing = the text after an answer that ends its turn, turn(m) = user message m and
+    the generation prompt. Then a chat feeds only those, as llama.cpp's does, and the state keeps what the model
+    really said (its <think> block too, which the template drops from earlier turns). None otherwise: the whole
+    conversation runs again every turn."""
+    from .chat import render_chat, render_prompt
+
+    def render(msgs, gen):
+        return render_chat(msgs, eng.chat_template, add_generation_prompt=gen, enable_thinking=enable_thinking)
+    try:
+        new, whole = render(_PROBE[2:], True), render(_PROBE, True)
+    except Exception:   # a template that refuses the probe (jinja raises many types): no shortcut
+        return None
+    answer = _PROBE[1]["content"]
+    if not whole.endswith(new) or whole.count(answer) != 1:
+        return None
+    head = whole[:len(whole) - len(new)]      # ... user u1, assistant a1 and the end of its turn
+    return head[head.index(answer) + len(answer):], lambda m: render_prompt(    # (text, literal spans)
+        [m], eng.chat_template, specials, add_generation_prompt=True, enable_thinking=enable_thinking)
+
+
+def cmd_chat(args) -> int:
+    """Interactive chat through the model's chat template, one user turn per line of stdin (CHAT_HELP). The session
+    keeps its state between turns, so a turn runs only the tokens it adds (_turn_renderer)."""
+    from .generate import Timings
+
+    params, kw = _preflight(args)
+    eng = load_engine(args.model, kw)
+    _describe_gpu(eng)
+    think = not args.no_think
+    incremental = _turn_renderer(eng, think, () if args.special_in_user_text else eng.tokenizer.control_tokens)
+    system = [{"role": "system", "content": args.prompt}] if args.prompt else []
+    messages, sess = list(system), eng.session()
+    tty = sys.stdin.isatty()
+    if tty:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        print(f"chat with {os.path.basename(args.model)}: {CHAT_HELP}", file=sys.stderr)
     while True:
         try:
-            line = input("> ")
+            line = input("> " if tty else "")
         except EOFError:
             break
-        if not line.strip():
+        command = line.strip()
+        if command in ("/exit", "/quit", "/bye"):
             break
-        messages.append({"role": "user", "content": line})
-        sess = eng.session()  # the snapshot cache will make re-running the history cheap
-        prompt = eng.chat_prompt(messages, enable_thinking=not args.no_think)
-        res = sess.generate(prompt, max_tokens=args.n_predict, params=params, stop=args.stop,
-                            on_text=lambda t: print(t, end="", flush=True))
+        if command == "/reset":
+            messages = list(system)
+            sess.reset()
+            print("(conversation reset)", file=sys.stderr)
+            continue
+        if not command:
+            continue
+        user = {"role": "user", "content": line}
+        if incremental and sess.tokens:   # the session holds the conversation up to the last answer
+            closing, turn = incremental
+            text, literal = turn(user)    # user text that spells a control token stays text (chat.render_prompt)
+            ids = eng.tokenizer.encode_prompt(closing + text, [(a + len(closing), b + len(closing))
+                                                               for a, b in literal], add_bos=False)
+        else:
+            sess.reset()
+            ids = eng.tokenizer.encode_prompt(*eng.chat_text(messages + [user], enable_thinking=think,
+                                                             special_in_user_text=args.special_in_user_text))
+        sess.timings = Timings(load_s=eng.load_s)     # this turn's numbers
+        try:
+            res = sess.generate(ids, max_tokens=_max_tokens(args, eng), params=params, stop=args.stop,
+                                on_text=_print_text)
+        except ContextLengthError as e:   # refused before it ran: the state is as it was
+            print(f"legacy-engine: {e}; /reset starts a new conversation", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:   # stops this answer, not the chat; the state may be mid-token: the next turn
+            sess.reset()            # runs the whole conversation again
+            print("\n[interrupted]", file=sys.stderr)
+            continue
         print()
         print(f"[{res.finish_reason}] {res.timings.summary()}", file=sys.stderr)
-        messages.append({"role": "assistant", "content": res.text})
+        messages += [user, {"role": "assistant", "content": res.text}]
     return 0
 
 
 def cmd_demo(args) -> int:
+    checked = _preflight(args)   # bad flags, or --gpu without a GPU, fail before the demo model is made
     path = demo_model_path()
     _, lines = model_report(path)
     print("\n".join(lines), file=sys.stderr)
     print(f"\nuser: {args.prompt}\nassistant (random weights, so the words are noise):", file=sys.stderr)
-    return _generate(path, args, [{"role": "user", "content": args.prompt}], chat=True)
+    return _generate(path, args, [{"role": "user", "content": args.prompt}], chat=True, checked=checked)
+
+
+def token_text(b: bytes) -> str:
+    """A token's bytes as a quoted piece of text: UTF-8 as text (quotes, backslashes and control characters escaped
+    as in a Python string), each byte that is not part of a whole UTF-8 character as \\xNN."""
+    out, i = [], 0
+    while i < len(b):
+        for n in range(1, min(4, len(b) - i) + 1):
+            try:
+                ch = b[i:i + n].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            out.append("\\'" if ch == "'" else repr(ch)[1:-1])
+            i += n
+            break
+        else:
+            out.append(f"\\x{b[i]:02x}")
+            i += 1
+    return "'" + "".join(out) + "'"
 
 
 def cmd_tokenize(args) -> int:
@@ -204,7 +356,7 @@ def cmd_tokenize(args) -> int:
         print(json.dumps(ids))
     else:
         for i in ids:
-            print(f"{i:>8}  {tok.token_bytes(i)!r}")
+            print(f"{i:>8}  {token_text(tok.token_bytes(i))}")
     return 0
 
 
@@ -213,6 +365,25 @@ def _positive_int(v: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
     return n
+
+
+def _n_predict(v: str) -> int:
+    n = int(v)
+    if n < -1:
+        raise argparse.ArgumentTypeError(f"expected a token count >= 0, or -1 (until the model stops), got {v}")
+    return n
+
+
+def _seed(v: str) -> int | None:
+    n = int(v)
+    if n < -1:
+        raise argparse.ArgumentTypeError(f"expected a seed >= 0, or -1 for a random one, got {v}")
+    return None if n == -1 else n
+
+
+CHECK_TENSORS_HELP = ("scan every tensor once at load: the scales of every quantised block and every f32/f16/bf16 "
+                      "value must be finite; a bad file fails naming the tensor and block (reads the weights once "
+                      "more: ~0.1 s per GiB from the page cache)")
 
 
 def _numa_arg(v: str) -> str:
@@ -226,8 +397,9 @@ def _numa_arg(v: str) -> str:
 
 
 def load_flags(s) -> None:
-    """--no-mmap, --numa and --no-pin, for every command that loads a model (run, demo, serve, bench ...);
-    pass them on as Engine/Model(mmap=args.mmap, numa=args.numa, pin=args.pin)."""
+    """--no-mmap, --numa, --no-pin and --check-tensors, for every command that loads a model (run, demo, serve,
+    bench ...); pass them on as Engine/Model(mmap=args.mmap, numa=args.numa, pin=args.pin,
+    check_tensors=args.check_tensors)."""
     s.add_argument("--no-pin", dest="pin", action="store_false",
                    help="leave the worker threads unpinned (default: worker i pinned to the i-th physical core, "
                         "spread over NUMA nodes; the calling thread is never pinned)")
@@ -239,6 +411,7 @@ def load_flags(s) -> None:
                         "(default: the kernel's first touch). Needs libnuma; a no-op on one node (see `info`). "
                         "With the file map, pages already in the page cache stay where they are: use --no-mmap "
                         "to place every page")
+    s.add_argument("--check-tensors", action="store_true", help=CHECK_TENSORS_HELP)
 
 
 def gpu_flags(s) -> None:
@@ -284,6 +457,8 @@ def engine_kwargs(args) -> dict:
             or decode is not None or kw["gpu_mma"] is not None) and not kw["gpu"]:
         raise SystemExit("error: --gpu-tier, --gpu-f32, --gpu-no-mma, --vram, --decode and --no-cuda-graphs need "
                          "--gpu")
+    if getattr(args, "check_tensors", False):
+        kw["check_tensors"] = True
     if getattr(args, "threads", None) is not None:
         kw["n_threads"] = args.threads
     if getattr(args, "ctx", None) is not None:
@@ -292,7 +467,10 @@ def engine_kwargs(args) -> dict:
 
 
 def _gen_flags(s, n_predict: int = 128) -> None:
-    s.add_argument("-n", "--n-predict", type=int, default=n_predict, help=f"tokens to generate (default {n_predict})")
+    """The generation flags of run, chat and demo (checked before the model loads: _preflight)."""
+    until = "-1: until the model stops or the context is full"
+    s.add_argument("-n", "--n-predict", type=_n_predict, default=n_predict, metavar="N",
+                   help=f"tokens to generate per answer ({until}; default {n_predict})")
     s.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
     load_flags(s)
     gpu_flags(s)
@@ -304,27 +482,39 @@ def _gen_flags(s, n_predict: int = 128) -> None:
     s.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (1 = off)")
     s.add_argument("--presence-penalty", type=float, default=0.0, help="presence penalty")
     s.add_argument("--frequency-penalty", type=float, default=0.0, help="frequency penalty")
-    s.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
+    s.add_argument("--seed", type=_seed, default=None, metavar="S",
+                   help="random seed: same seed, same text (default -1: a random one)")
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--no-think", action="store_true", help="chat: disable the <think> block")
+    s.add_argument("--special-in-user-text", action="store_true",
+                   help="chat: parse control tokens (<|im_start|> ...) typed in messages; default: they are text")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="legacy-engine", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"legacy_engine {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     s = sub.add_parser("info", help="machine capabilities, chosen paths, and a model's structure")
     s.add_argument("model", nargs="?", help="a GGUF file to describe")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
+    s.add_argument("--check-tensors", action="store_true", help="with MODEL: " + CHECK_TENSORS_HELP)
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("run", help="generate text from MODEL")
     s.add_argument("model", help="a Qwen3.5/3.6 GGUF file")
     s.add_argument("-p", "--prompt", help="the prompt (raw text; with --chat: a system message)")
-    s.add_argument("--chat", action="store_true", help="interactive chat through the model's chat template")
+    s.add_argument("--chat", action="store_true", help="the same as `legacy-engine chat MODEL`")
     _gen_flags(s)
     s.set_defaults(func=cmd_run, parser=s)
+
+    s = sub.add_parser("chat", help="interactive chat with MODEL through its chat template",
+                       description=f"Interactive chat with MODEL through its chat template: {CHAT_HELP}.")
+    s.add_argument("model", help="a Qwen3.5/3.6 GGUF file")
+    s.add_argument("-p", "--prompt", "--system", dest="prompt", metavar="TEXT", help="a system message")
+    _gen_flags(s, n_predict=-1)
+    s.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("demo", help="generate with the built-in tiny MoE model")
     s.add_argument("-p", "--prompt", default="Hello! What can a 2012 GPU still do?", help="the user message")
@@ -354,6 +544,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_C_LOCATION = re.compile(r"\b[\w./-]+\.(?:c|h|cu|cuh):\d+: ")   # le_fail's "threads.c:125: " in a NativeError
+
+
+def error_text(e: EngineError) -> str:
+    """The message a user sees: a NativeError without the C function and file:line it carries (LE_DEBUG=1 keeps
+    them); e.code still says which status the C core returned."""
+    text = str(e)
+    if isinstance(e, NativeError) and not os.environ.get("LE_DEBUG"):
+        text = _C_LOCATION.sub("", re.sub(r"^le_\w+: ", "", text))
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     for stream in (sys.stdout, sys.stderr):  # generated text is any Unicode: never die on an ASCII terminal
@@ -378,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except EngineError as e:
-        print(f"legacy-engine: error: {e}", file=sys.stderr)
+        print(f"legacy-engine: error: {error_text(e)}", file=sys.stderr)
+        if os.environ.get("LE_DEBUG"):
+            raise
         return 1
     except ValueError as e:  # bad values that argparse cannot see (a sampling range, an empty prompt)
         print(f"legacy-engine: error: {e}", file=sys.stderr)

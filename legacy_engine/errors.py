@@ -23,3 +23,12 @@ class NativeError(RuntimeError, EngineError):
     def __init__(self, code: int, message: str):
         super().__init__(message)
         self.code = code
+
+
+class TemplateRenderError(ValueError, EngineError):
+    """A chat template failed: it does not parse, raised, ran too long or produced too much; the message names the
+    template."""
+
+
+class Cancelled(EngineError):
+    """A caller's cancel() stopped a prefill between chunks; the session holds the chunks already run."""

@@ -9,8 +9,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .chat import render_chat
-from .errors import ContextLengthError, EngineError
+from .chat import render_chat, render_prompt
+from .errors import Cancelled, ContextLengthError, EngineError
 from .model import DEFAULT_CTX, Model
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
@@ -54,8 +54,9 @@ class Engine:
                  mmap: bool = True, numa: str = "off", pin: bool = True, gpu: bool = False,
                  gpu_tier: str | None = None, gpu_int8: bool | None = None, gpu_graphs: bool | None = None,
                  gpu_vram: int | None = None, gpu_min_tokens: int | None = None, gpu_decode: str = "auto",
-                 gpu_mma: bool | None = None, progress=None):
-        """mmap, numa: where the weights live; pin: worker threads pinned (Model's arguments of the same names).
+                 gpu_mma: bool | None = None, progress=None, check_tensors: bool = False):
+        """mmap, numa: where the weights live; pin: worker threads pinned; check_tensors: every weight's values
+        scanned at load (Model's arguments of the same names).
         gpu: GPU-resident mode (gpu_model.GpuModel: the whole model in VRAM, prefill and decode on the GPU;
         gpu_tier 'fermi' | 'kepler' | 'dp4a' forces a kernel tier, gpu_int8 the DP4A decode GEMVs, gpu_graphs
         CUDA graphs for decode steps, gpu_mma the int8 prefill GEMMs on tensor cores; None = GpuModel's defaults; gpu_vram the VRAM budget in bytes, default
@@ -64,7 +65,8 @@ class Engine:
         on the CPU, the rest on the GPU) or 'auto' (the planner's faster));
         `self.cpu_model` stays the CPU engine of the same file."""
         t0 = time.perf_counter()
-        self.cpu_model = self.model = Model(path, n_threads, mmap=mmap, numa=numa, pin=pin)
+        self.cpu_model = self.model = Model(path, n_threads, mmap=mmap, numa=numa, pin=pin,
+                                            check_tensors=check_tensors)
         self.gpu = None
         self.placement = None
         if gpu:
@@ -88,6 +90,7 @@ class Engine:
         meta = self.model.file.metadata
         self.tokenizer = Tokenizer.from_metadata(meta)
         self.chat_template = meta.get("tokenizer.chat_template")
+        self.template_source = f"the chat template of {os.path.basename(os.fspath(path))}"  # for its errors
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         self.n_ctx = min(n_ctx, self.model.hparams.n_ctx_train)
@@ -98,7 +101,16 @@ class Engine:
 
     def chat_prompt(self, messages: list[dict], enable_thinking: bool = True, tools=None) -> str:
         return render_chat(messages, self.chat_template, add_generation_prompt=True,
-                           enable_thinking=enable_thinking, tools=tools)
+                           enable_thinking=enable_thinking, tools=tools, source=self.template_source)
+
+    def chat_text(self, messages: list[dict], enable_thinking: bool = True, tools=None,
+                  special_in_user_text: bool = False, render=render_chat) -> tuple[str, list[tuple[int, int]]]:
+        """(prompt, literal) for tokenizer.encode_prompt: control tokens then come only from the template's markup,
+        user text that spells one (<|im_start|>) is tokenized as text (chat.render_prompt), unless
+        special_in_user_text. render: render_chat or a TemplateRenderer's render."""
+        specials = () if special_in_user_text else self.tokenizer.control_tokens
+        return render_prompt(messages, self.chat_template, specials, render=render, add_generation_prompt=True,
+                             enable_thinking=enable_thinking, tools=tools, source=self.template_source)
 
 
 class Session:
@@ -130,9 +142,11 @@ class Session:
             self.reset()
             raise
 
-    def prefill(self, ids: list[int], all_logits: bool = False, chunked: bool = True) -> np.ndarray:
+    def prefill(self, ids: list[int], all_logits: bool = False, chunked: bool = True,
+                cancel: Callable[[], bool] | None = None) -> np.ndarray:
         """Runs ids after what the session holds. Returns logits of the last token
-        (float32[n_vocab]) or of every token ([n, n_vocab]) when all_logits."""
+        (float32[n_vocab]) or of every token ([n, n_vocab]) when all_logits. cancel() is asked before each
+        PREFILL_BATCH chunk; True raises Cancelled, the session then holds the chunks already run."""
         if not ids:
             raise ValueError("empty prompt: nothing to run")
         if self.pos + len(ids) > self.state.n_ctx:
@@ -142,6 +156,8 @@ class Session:
         t0 = time.perf_counter()
         outs = []
         for i in range(0, len(ids), PREFILL_BATCH):
+            if cancel is not None and cancel():
+                raise Cancelled(f"prefill cancelled after {i} of {len(ids)} tokens")
             part = ids[i:i + PREFILL_BATCH]
             last = i + PREFILL_BATCH >= len(ids)
             out = self._forward(part, all_logits=all_logits, chunked=chunked)

@@ -9,6 +9,11 @@ the type tables (GGMLQuantizationType, GGML_QUANT_SIZES, GGUFValueType) and is t
 oracle the tests compare this reader with. Any violation is a FormatError naming the
 key or tensor and what was expected.
 
+Header arrays under keys the engine does not read (EAGER_ARRAY_KEYS say which it does) are not
+turned into Python objects from LAZY_ARRAY_BYTES up: the metadata holds a GGUFArray (where the
+array is), and GGUFFile.array(key) reads it on demand. A 96 MiB junk u8 array cost 865 MiB of RSS
+as a list; skipped, nothing (tests/test_hostile.py).
+
 Where the tensor data lives (GGUFFile.load_data): the file's memory map (default), or
 anonymous memory filled by reading the file (--no-mmap), with a NUMA policy if asked for.
 
@@ -38,6 +43,10 @@ MAX_ELEMENTS = 1 << 50         # far above any model; guards arithmetic on hosti
 READ_CHUNK = 64 << 20          # --no-mmap reads the data section in pieces of this many bytes
 PROGRESS_MIN_BYTES = 1 << 30   # --no-mmap shows a progress bar (on a terminal) from this size up
 PAGE_SAMPLE = 2 << 20          # page placement is sampled once per 2 MiB (one huge page)
+LAZY_ARRAY_BYTES = 1 << 20     # an array of an unused key this large stays in the file (GGUFArray)
+# The header arrays the engine reads: always materialised, whatever their size.
+EAGER_ARRAY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+EAGER_ARRAY_SUFFIXES = (".rope.dimension_sections", ".attention.recurrent_layers")
 
 # byte size of each scalar value type
 _SCALAR_SIZE = {
@@ -66,6 +75,21 @@ class TensorInfo:
         for d in self.ne:
             n *= d
         return n
+
+
+@dataclass(frozen=True)
+class GGUFArray:
+    """A header array left in the file (an unused key, LAZY_ARRAY_BYTES or more): where it is, not what it
+    holds. GGUFFile.array(key) reads it; its strings are checked for UTF-8 only then."""
+    elem_type: GGUFValueType
+    count: int
+    offset: int               # absolute byte offset of the first element
+    nbytes: int
+
+
+def eager_array(key: str) -> bool:
+    """True for the header arrays the engine reads (materialised whatever their size)."""
+    return key in EAGER_ARRAY_KEYS or key.endswith(EAGER_ARRAY_SUFFIXES)
 
 
 class _Cursor:
@@ -138,33 +162,65 @@ def _read_value(cur: _Cursor, vtype: int, key: str):
     if t == GGUFValueType.ARRAY:
         it = _value_type(cur, cur.u32(f"element type of {key!r}"), key)
         count = cur.u64(f"element count of {key!r}")
-        if it in _SCALAR_SIZE:
-            cur.need(count * _SCALAR_SIZE[it], f"{count} elements of {key!r}")
-            arr = np.frombuffer(cur.buf, dtype=_SCALAR_NP[it], count=count, offset=cur.pos)
-            cur.pos += count * _SCALAR_SIZE[it]
-            return (arr.astype(bool) if it == GGUFValueType.BOOL else arr).tolist(), it
-        if it == GGUFValueType.STRING:
-            # each string needs at least its 8-byte length: bounds the loop by the file size
-            cur.need(count * 8, f"{count} strings of {key!r}")
-            buf, pos, size = cur.buf, cur.pos, cur.size
-            out = []
-            unpack = struct.Struct("<Q").unpack_from
-            try:
-                for i in range(count):
-                    if pos + 8 > size:
-                        raise FormatError(f"{cur.path}: truncated: {key!r}[{i}] runs past the end of the file")
-                    n = unpack(buf, pos)[0]
-                    pos += 8
-                    if pos + n > size:
-                        raise FormatError(f"{cur.path}: truncated: {key!r}[{i}] runs past the end of the file")
-                    out.append(str(buf[pos:pos + n], "utf-8"))
-                    pos += n
-            except UnicodeDecodeError:
-                raise FormatError(f"{cur.path}: {key!r}[{len(out)}] is not valid UTF-8") from None
-            cur.pos = pos
-            return out, it
-        raise FormatError(f"{cur.path}: array {key!r} has element type {it.name}, which GGUF models do not use")
+        if it not in _SCALAR_SIZE and it != GGUFValueType.STRING:
+            raise FormatError(f"{cur.path}: array {key!r} has element type {it.name}, which GGUF models do not use")
+        if not eager_array(key):
+            start = cur.pos
+            nbytes = _skip_array(cur, it, count, key)
+            if nbytes >= LAZY_ARRAY_BYTES:  # why: a junk array must not cost RAM (a list of 96M ints: 865 MiB)
+                return GGUFArray(it, count, start, nbytes), it
+            cur.pos = start
+        return _read_array(cur, it, count, key), it
     raise FormatError(f"{cur.path}: key {key!r} has unhandled type {t.name}")  # pragma: no cover
+
+
+def _read_array(cur: _Cursor, it: GGUFValueType, count: int, key: str) -> list:
+    """The elements of an array whose type and count were read; the cursor ends past them."""
+    if it in _SCALAR_SIZE:
+        cur.need(count * _SCALAR_SIZE[it], f"{count} elements of {key!r}")
+        arr = np.frombuffer(cur.buf, dtype=_SCALAR_NP[it], count=count, offset=cur.pos)
+        cur.pos += count * _SCALAR_SIZE[it]
+        return (arr.astype(bool) if it == GGUFValueType.BOOL else arr).tolist()
+    # each string needs at least its 8-byte length: bounds the loop by the file size
+    cur.need(count * 8, f"{count} strings of {key!r}")
+    buf, pos, size = cur.buf, cur.pos, cur.size
+    out = []
+    unpack = struct.Struct("<Q").unpack_from
+    try:
+        for i in range(count):
+            if pos + 8 > size:
+                raise FormatError(f"{cur.path}: truncated: {key!r}[{i}] runs past the end of the file")
+            n = unpack(buf, pos)[0]
+            pos += 8
+            if pos + n > size:
+                raise FormatError(f"{cur.path}: truncated: {key!r}[{i}] runs past the end of the file")
+            out.append(str(buf[pos:pos + n], "utf-8"))
+            pos += n
+    except UnicodeDecodeError:
+        raise FormatError(f"{cur.path}: {key!r}[{len(out)}] is not valid UTF-8") from None
+    cur.pos = pos
+    return out
+
+
+def _skip_array(cur: _Cursor, it: GGUFValueType, count: int, key: str) -> int:
+    """Moves the cursor past an array without building its elements; returns its size in bytes."""
+    if it in _SCALAR_SIZE:
+        nbytes = count * _SCALAR_SIZE[it]
+        cur.need(nbytes, f"{count} elements of {key!r}")
+        cur.pos += nbytes
+        return nbytes
+    cur.need(count * 8, f"{count} strings of {key!r}")
+    buf, start, size = cur.buf, cur.pos, cur.size
+    pos = start
+    unpack = struct.Struct("<Q").unpack_from
+    for i in range(count):  # only the lengths are read: no string objects
+        if pos + 8 > size:
+            raise FormatError(f"{cur.path}: truncated: {key!r}[{i}] runs past the end of the file")
+        pos += 8 + unpack(buf, pos)[0]
+        if pos > size:
+            raise FormatError(f"{cur.path}: truncated: {key!r}[{i}] runs past the end of the file")
+    cur.pos = pos
+    return pos - start
 
 
 def parse_header(path: str) -> tuple[int, dict, dict, list[TensorInfo], int]:
@@ -174,14 +230,16 @@ def parse_header(path: str) -> tuple[int, dict, dict, list[TensorInfo], int]:
     magic/version, truncation, bad value types, duplicate keys or tensors, bad dims,
     unknown ggml types, misaligned offsets, data outside the file, overlapping tensors.
     """
+    if os.path.isdir(path):
+        raise FormatError(f"{path}: is a directory; give the path of a .gguf file")
     try:
         size = os.path.getsize(path)
+        if size < 24:
+            raise FormatError(f"{path}: {size} bytes is too short for a GGUF header (24 bytes)")
+        with open(path, "rb") as f:
+            mm = np.memmap(f, dtype=np.uint8, mode="r")
     except OSError as e:
         raise FormatError(f"{path}: cannot read: {e.strerror}") from None
-    if size < 24:
-        raise FormatError(f"{path}: {size} bytes is too short for a GGUF header (24 bytes)")
-    with open(path, "rb") as f:
-        mm = np.memmap(f, dtype=np.uint8, mode="r")
     buf = memoryview(mm)
     cur = _Cursor(buf, size, path)
     magic = cur.u32("magic")
@@ -269,7 +327,8 @@ def parse_header(path: str) -> tuple[int, dict, dict, list[TensorInfo], int]:
 class GGUFFile:
     """A validated, memory-mapped GGUF file.
 
-    metadata: dict key -> Python value (str, int, float, bool, list);
+    metadata: dict key -> Python value (str, int, float, bool, list), or a GGUFArray for a large array
+    of a key the engine does not read (array(key) reads it);
     tensors: dict name -> TensorInfo; data(name) -> numpy view of a tensor's bytes, in the
     memory map, or in anonymous memory after load_data(mmap=False).
     """
@@ -366,6 +425,17 @@ class GGUFFile:
                                       f"bytes of {self.file_size}")
                 pos += got
                 bar.update(got)
+
+    def array(self, key: str) -> list:
+        """The elements of an array key, also of one the header left in the file (a GGUFArray in metadata)."""
+        v = self.metadata[key]
+        if not isinstance(v, GGUFArray):
+            return v
+        with open(self.path, "rb") as f:
+            mm = np.memmap(f, dtype=np.uint8, mode="r")
+        cur = _Cursor(memoryview(mm), self.file_size, self.path)
+        cur.pos = v.offset
+        return _read_array(cur, v.elem_type, v.count, key)
 
     def value_type(self, key: str) -> GGUFValueType:
         """The GGUF value type of a key (the element type for arrays)."""

@@ -35,10 +35,21 @@ from pathlib import Path
 import numpy as np
 
 from .errors import EngineError, UnavailableError
+from .paths import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_DIR = ROOT / "cuda8"
-INCLUDE_DIR = ROOT / "native" / "include"
+
+
+def kernel_source_dirs() -> tuple[Path, Path]:
+    """(cuda8, native/include) to build from: the copies a wheel or `pip install .` ships in
+    legacy_engine/_kernels/ (setup.py), else the source tree's (an editable install)."""
+    shipped = Path(__file__).resolve().parent / "_kernels"
+    if (shipped / "cuda8").is_dir():
+        return shipped / "cuda8", shipped / "include"
+    return ROOT / "cuda8", ROOT / "native" / "include"
+
+
+CUDA_DIR, INCLUDE_DIR = kernel_source_dirs()
 
 SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "gemm_mma", "conv1d", "gdn",
            "attention", "moe_route", "moe_sort", "argmax", "elementwise", "rope", "get_rows", "moe_combine",
@@ -93,14 +104,6 @@ MAX_PAIRS = 65535  # (token, expert) pairs of one MoE GEMV launch: grid.y
 
 class KernelBuildError(RuntimeError, EngineError):
     """A kernel source failed to compile; the message carries the compiler's log."""
-
-
-def cache_dir() -> Path:
-    """$LE_CACHE_DIR, else $XDG_CACHE_HOME/legacy_engine (as legacy_engine.cli.cache_dir)."""
-    d = os.environ.get("LE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "legacy_engine")
-    os.makedirs(d, exist_ok=True)
-    return Path(d)
 
 
 def source_hash(name: str) -> str:

@@ -661,9 +661,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tame", action="store_true",
                    help="scale residual-branch output projections (ssm_out, attn_output, ffn_down*) by 0.25: "
                         "less chaotic under quantisation, for accuracy comparisons")
-    p.add_argument("--out", required=False, metavar="F.gguf", help="output path (written atomically)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the tensor plan (types and bytes) without writing anything")
+    target = p.add_mutually_exclusive_group(required=True)   # usage: (--out F.gguf | --dry-run)
+    target.add_argument("--out", metavar="F.gguf", help="output path (written atomically); required unless --dry-run")
+    target.add_argument("--dry-run", action="store_true",
+                        help="print the tensor plan (types and bytes) without writing anything")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     return p
 

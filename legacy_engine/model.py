@@ -2,8 +2,10 @@
 
 `Model(path)` validates the file (gguf_model.ModelFile), hands every weight to the C
 core as a pointer into the map (no copy), and creates sequence states. `forward` runs
-tokens through the model and returns logits. `Model(path, mmap=False)` reads the weights
-into anonymous memory instead, and `numa=` places their pages (GGUFFile.load_data).
+tokens through the model and returns logits, and raises when a returned row is not finite.
+`Model(path, mmap=False)` reads the weights into anonymous memory instead, and `numa=`
+places their pages (GGUFFile.load_data); `check_tensors=True` scans every weight's scales
+and values first (gguf_model.check_tensor_values).
 """
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ import os
 
 import numpy as np
 
-from . import _native
-from .errors import UnavailableError
-from .gguf_model import ModelFile
+from . import _native, cpu_load
+from .errors import ContextLengthError, FormatError, UnavailableError
+from .gguf_model import ModelFile, check_tensor_values
 
 # GGUF tensor suffix -> C weight slot, per layer (spec §3.3)
 LAYER_SLOTS = {
@@ -33,6 +35,7 @@ GLOBAL_SLOTS = {"token_embd.weight": "LE_W_TOKEN_EMBD", "output_norm.weight": "L
                 "output.weight": "LE_W_OUTPUT"}
 
 DEFAULT_CTX = 4096
+MAX_THREADS = 1024     # native/threads.c's pool
 
 
 def parse_numa(value: str | None) -> tuple[str, int]:
@@ -78,7 +81,11 @@ def physical_cpus() -> list[int]:
 
 def default_threads() -> int:
     """One thread per physical core available: the kernels are bound by memory bandwidth, and a second
-    hyper-thread on a core only competes for the same load ports."""
+    hyper-thread on a core only competes for the same load ports. Also where other work runs on some or all of
+    the cores (issue 21): the pool does not wait for a thread that the scheduler has not run (native/threads.c),
+    so a thread on a busy core adds its share of that core and costs little; measured (`legacy-engine bench
+    shared`, 2 and 16 cores, 1, half and all of them busy) this count was the fastest or within the runs' spread
+    of it, while one per idle core lost 1.6x (2 cores) and 5x (16 cores) with every core busy."""
     return max(1, len(physical_cpus()))
 
 
@@ -104,42 +111,110 @@ def pin_order(n_threads: int) -> list[int] | None:
     return order + [c for c in allowed if c not in order]
 
 
+def pin_decision(pin, n_threads: int, load: cpu_load.CpuLoad | None = None) -> tuple[list[int] | None, str]:
+    """(the CPUs to pin the pool's threads to or None, why). pin=True pins (pin_order) only where no other work
+    runs on the allowed CPUs (`load`, default cpu_load.current()): a pinned thread cannot leave a core that
+    other work takes, an unpinned one is moved by the scheduler; pin='always' pins anyway; False never."""
+    if n_threads < 2:
+        return None, "one thread: nothing to pin"
+    if not pin:
+        return None, "not pinned (--no-pin)"
+    order = pin_order(n_threads)
+    if order is None:
+        return None, f"not pinned: {n_threads} threads for fewer CPUs (the scheduler places them)"
+    if pin != "always":
+        load = cpu_load.current() if load is None else load
+        if load and load.shared:
+            return None, (f"not pinned: other work on {load.other:.1f} CPUs at load (the scheduler moves unpinned "
+                          "threads off busy CPUs)")
+    return order, f"workers pinned to CPUs {','.join(map(str, order[1:n_threads]))}" + (
+        " (pin='always')" if pin == "always" else " (no other work on the CPUs at load)")
+
+
+# le_hparams field -> the GGUF key (after "{arch}.") it comes from, for error messages
+HPARAM_KEYS = {"n_layer": "block_count", "n_embd": "embedding_length", "n_head": "attention.head_count",
+               "n_head_kv": "attention.head_count_kv", "head_dim": "attention.key_length",
+               "n_rot": "rope.dimension_count", "ssm_conv_kernel": "ssm.conv_kernel", "ssm_d_state": "ssm.state_size",
+               "ssm_n_group": "ssm.group_count", "ssm_dt_rank": "ssm.time_step_rank", "ssm_d_inner": "ssm.inner_size",
+               "n_ff": "feed_forward_length", "n_expert": "expert_count", "n_expert_used": "expert_used_count",
+               "n_ff_exp": "expert_feed_forward_length", "n_ff_shexp": "expert_shared_feed_forward_length"}
+
+
+def native_hparams(hp, faults: dict | None = None) -> dict:
+    """The le_hparams fields of a file's hyperparameters; FormatError for a value no C int holds (a hostile
+    file: n_vocab = 2**31 rows of token_embd.weight, say), before anything reaches the C core."""
+    c = dict(n_layer=hp.n_layer, n_embd=hp.n_embd, n_vocab=hp.n_vocab, n_head=hp.n_head,
+             n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, n_rot=hp.n_rot, rope_theta=hp.rope_theta,
+             rms_eps=hp.rms_eps, ssm_conv_kernel=hp.ssm_conv_kernel, ssm_d_state=hp.ssm_d_state,
+             ssm_n_group=hp.ssm_n_group, ssm_dt_rank=hp.ssm_dt_rank, ssm_d_inner=hp.ssm_d_inner,
+             gdn_tiled=0 if (faults or {}).get("gdn_grouped") else 1, n_ff=hp.n_ff, n_expert=hp.n_expert,
+             n_expert_used=hp.n_expert_used, n_ff_exp=hp.n_ff_exp, n_ff_shexp=hp.n_ff_shexp,
+             faults=_native.fault_bits(faults or {}))
+    for k, v in c.items():
+        if isinstance(v, int) and not 0 <= v <= _native.INT_MAX:
+            src = "rows of token_embd.weight" if k == "n_vocab" else f"{hp.arch}.{HPARAM_KEYS.get(k, k)}"
+            raise FormatError(f"{k} = {v} ({src}) is more than this engine handles ({_native.INT_MAX}, a C int)")
+    return c
+
+
+def check_logits(logits: np.ndarray, first_pos: int) -> None:
+    """FormatError when a row of logits (row i at position first_pos + i) holds NaN or inf: bad weights
+    (or an overflow they cause) would otherwise run on silently. ~30 us per 248k-entry row.
+    What it cannot see: the integer kernels quantise activations with a max that skips NaN, so a NaN
+    born before a quantised matmul (a NaN scale in a Q4_K block, say) leaves finite, wrong logits on the
+    int8 path; check_tensor_values (--check-tensors) finds those weights."""
+    if np.isfinite(logits).all():
+        return
+    row = int(np.argmax(~np.isfinite(logits).all(axis=-1)))
+    raise FormatError(f"the model produced non-finite logits at position {first_pos + row}; run with "
+                      f"--check-tensors (Model(check_tensors=True)) to find a bad tensor")
+
+
 class Model:
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, mmap: bool = True,
-                 numa: str = "off", pin: bool = True, _faults: dict | None = None):
+                 numa: str = "off", pin: bool | str = True, check_tensors: bool = False, _faults: dict | None = None):
         """n_threads: default one per physical core (default_threads).
         mmap: weights in the file's memory map (True) or read into anonymous memory (False).
         numa: 'off', 'interleave' (weight pages over every NUMA node) or 'node:N' (all on node N);
         ValueError for another value, UnavailableError without libnuma or for a node this machine
         lacks. `load_report` says what the kernel did (huge pages, where the pages are).
         pin: pin worker thread i to pin_order()[i] (the calling thread, thread 0, stays free: it is the
-        application's); `pinned` lists the CPU of each thread (-1: not pinned).
+        application's) where no other work runs on the CPUs at load (pin_decision; 'always': regardless);
+        `pinned` lists the CPU of each thread (-1: not pinned), `pin_why` and load_report say why.
+        check_tensors: scan every tensor's scales and values once loaded (check_tensor_values; ~0.1 s
+        per GiB in the page cache): FormatError naming the first non-finite one;
+        `tensor_check` holds the scan's report (None when not asked for).
         _faults (tests only): inject known bugs for negative controls, e.g.
         {"rope_interleaved": True, "no_topk_renorm": True, "gdn_grouped": True}."""
         numa_mode, numa_node = parse_numa(numa)
+        self.n_threads = n_threads or default_threads()
+        if not 1 <= self.n_threads <= MAX_THREADS:
+            raise ValueError(f"n_threads = {self.n_threads}, expected 1..{MAX_THREADS}")
         self.faults = dict(_faults or {})   # the GPU engine (gpu_model.py) injects the same ones
         self.file = ModelFile.open(path)
         hp = self.hparams = self.file.hparams
         if hp.arch == "qwen3next":
             raise UnavailableError("the forward pass for qwen3next (fused ssm_in/ssm_ba) is not implemented; "
                                    "qwen35 and qwen35moe files run")
+        try:
+            c = native_hparams(hp, _faults)
+        except FormatError as e:
+            raise FormatError(f"{self.file.path}: {e}") from None
         # before any weight view is taken: the views point into wherever the data now lives,
         # and keep it alive as long as the C model holds them (NativeModel.keep)
         self.load_report = self.file.gguf.load_data(mmap=mmap, numa=numa_mode, node=numa_node)
-        self.n_threads = n_threads or default_threads()
-        c = dict(n_layer=hp.n_layer, n_embd=hp.n_embd, n_vocab=hp.n_vocab, n_head=hp.n_head,
-                 n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, n_rot=hp.n_rot, rope_theta=hp.rope_theta,
-                 rms_eps=hp.rms_eps, ssm_conv_kernel=hp.ssm_conv_kernel, ssm_d_state=hp.ssm_d_state,
-                 ssm_n_group=hp.ssm_n_group, ssm_dt_rank=hp.ssm_dt_rank, ssm_d_inner=hp.ssm_d_inner,
-                 gdn_tiled=0 if (_faults or {}).get("gdn_grouped") else 1, n_ff=hp.n_ff, n_expert=hp.n_expert, n_expert_used=hp.n_expert_used,
-                 n_ff_exp=hp.n_ff_exp, n_ff_shexp=hp.n_ff_shexp, faults=_native.fault_bits(_faults or {}))
+        self.tensor_check = check_tensor_values(self.file.gguf) if check_tensors else None
         self.native = _native.NativeModel(c, list(hp.recurrent), hp.rope_sections, self.n_threads)
         self._set_weights()
         self.native.finalize()
-        order = pin_order(self.n_threads) if pin else None
-        if order and self.n_threads > 1:
+        # other work on the CPUs (cpu_load) decides whether to pin (issue 21)
+        self.cpu_load = cpu_load.current() if pin is True and self.n_threads > 1 else None
+        order, self.pin_why = pin_decision(pin, self.n_threads, self.cpu_load)
+        if order:
             self.native.pin_threads(order)
         self.pinned = self.native.pinned_cpus(self.n_threads)
+        self.load_report.update(threads=self.n_threads, pinning=self.pin_why,
+                                cpu_load=self.cpu_load.as_dict() if self.cpu_load else None)
 
     def _set(self, layer: int, slot: str, name: str, rows: tuple[int, int] | None = None, nb2: int = 0,
              ne1: int | None = None) -> None:
@@ -184,9 +259,15 @@ class Model:
                 self._set(i, "LE_W_UP_EXPS", name, rows=(ff, 2 * ff), nb2=stride)
 
     def new_state(self, n_ctx: int = DEFAULT_CTX) -> _native.NativeState:
+        if not 1 <= n_ctx <= _native.INT_MAX:
+            raise ContextLengthError(f"a context of {n_ctx} tokens: this engine's contexts hold 1..{_native.INT_MAX}")
         return _native.NativeState(self.native, n_ctx)
 
     def forward(self, state: _native.NativeState, tokens, all_logits: bool = False, chunked: bool = True,
                 want_logits: bool = True) -> np.ndarray | None:
-        """tokens: int[n] at positions state.pos.. -> logits float32[n or 1, n_vocab]."""
-        return _native.forward(self.native, state, tokens, self.hparams.n_vocab, all_logits, chunked, want_logits)
+        """tokens: int[n] at positions state.pos.. -> logits float32[n or 1, n_vocab].
+        FormatError when a returned row is not finite (check_logits); the state has advanced then."""
+        out = _native.forward(self.native, state, tokens, self.hparams.n_vocab, all_logits, chunked, want_logits)
+        if out is not None:
+            check_logits(out, state.pos - out.shape[0])
+        return out

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import numpy as np
 
@@ -369,6 +370,12 @@ LINK_COMMIT = 0.8
 EXTRAS_MIN_GEN = 128
 MACHINE_FILE = "machine.json"
 PROBE_VERSION = 3   # part of the cache key: 3 = the GEMM probe times the prefill's own GEMM (gemm_mma / gemm_dp4a)
+# A probe taken while other work ran on the CPUs reads low (issue 21: 6.6 GB/s host reads on a 2-core box with other
+# work on the cores, 35 GB/s idle, and `plan` predicted 5x too low until --remeasure). measure() records the other
+# work (cpu_load: CPUs' worth before and during the probe, and the load average) and flags the probe `under_load`
+# from cpu_load.BUSY_CPU; a flagged probe (or one without a record, older than this rule) is retaken by the next
+# measure() that finds the machine idle, and used, flagged, while it is not. `plan` prints the probe's age and load.
+PROBE_STALE_DAYS = 30   # `plan` calls an older probe stale: the machine (or what runs on it) may have changed
 
 
 @dataclasses.dataclass
@@ -384,10 +391,68 @@ class Machine:
     gpu_gemv_gbps: float = 0.0           # decode GEMV weight streaming (the tier's decode kernel, Q4_K)
     gpu_launch_us: float = 0.0           # per kernel inside a decode step (graph replay)
     simulated_link: bool = False
+    measured_at: float = 0.0             # Unix time of the probe (0: described, or cached before the load record)
+    load_cpus: float = -1.0              # CPUs' worth of other work before or during the probe (-1: unknown)
+    load_avg: float = -1.0               # the 1-minute load average at the probe (-1: unknown)
+    under_load: bool = False             # load_cpus >= cpu_load.BUSY_CPU: the CPU rates read low
 
     @property
     def has_gpu(self) -> bool:
         return bool(self.gpu_name)
+
+    def probe_note(self, now: float | None = None) -> str:
+        """When the probe was taken and whether other work ran during it (`plan`, `info`)."""
+        if not self.measured_at:
+            return "probe: no record of when or under what load (retaken on an idle machine; --remeasure)"
+        age = (time.time() if now is None else now) - self.measured_at
+        days = age / 86400
+        when = "probe taken " + (f"{days:.0f} days" if days >= 2 else f"{age / 3600:.1f} h" if age >= 3600 else
+                                 f"{age / 60:.0f} min") + " ago"
+        if self.under_load:
+            return (f"{when} UNDER LOAD (other work on {self.load_cpus:.1f} CPUs, load average {self.load_avg:.2f}): "
+                    "its CPU rates read low; retaken once the machine is idle, or --remeasure")
+        note = f"{when} on an idle machine (other work on {self.load_cpus:.1f} CPUs)"
+        if days > PROBE_STALE_DAYS:
+            note += f"; STALE (over {PROBE_STALE_DAYS} days): --remeasure if the machine changed"
+        return note
+
+
+_JSON_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def machine_from_json(d) -> Machine | None:
+    """A cached probe (an entry of machine.json) as a Machine; None when it is malformed: not an object, a field
+    without a default missing, a field of the wrong type, a rate not a finite number, no thread or no bandwidth.
+    Unknown keys are ignored."""
+    if not isinstance(d, dict):
+        return None
+    kw = {}
+    for f in dataclasses.fields(Machine):
+        if f.name not in d:
+            if f.default is dataclasses.MISSING:
+                return None
+            continue
+        v = d[f.name]
+        if not isinstance(v, _JSON_TYPES[f.type]) or (isinstance(v, bool) and f.type != "bool"):
+            return None
+        if f.type == "float":
+            if not math.isfinite(v):
+                return None
+            v = float(v)
+        kw[f.name] = v
+    m = Machine(**kw)
+    return m if m.cpu_threads >= 1 and m.cpu_read_gbps > 0 else None
+
+
+def _read_probes(path: str) -> dict:
+    """machine.json's object ({} when absent, unreadable, not JSON or not an object)."""
+    import json
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def _gpu_probes(tier: str | None = None) -> dict:
@@ -463,27 +528,41 @@ def _gpu_probes(tier: str | None = None) -> dict:
 def measure(n_threads: int | None = None, gpu: bool = True, cache: bool = True, refresh: bool = False,
             log=None) -> Machine:
     """Probes this machine (CPU read bandwidth at the decode thread count; the GPU's link, GEMM, GEMV and launch
-    cost) or returns the cached probe of the same thread count. Takes ~10 s the first time."""
+    cost) or returns the cached probe of the same thread count. Takes ~10 s the first time. A cached probe taken
+    under load (or without a load record) is retaken when the machine is idle now, else returned as it is,
+    flagged (under_load); a malformed cache is treated as absent."""
     import json
     import os
 
+    from . import cpu_load
     from .bench import machine_bandwidth
-    from .cli import cache_dir
     from .model import default_threads
+    from .paths import cache_dir
+    say = log or (lambda s: None)
     n_threads = n_threads or default_threads()
     path = os.path.join(cache_dir(), MACHINE_FILE)
     key = f"v{PROBE_VERSION},threads={n_threads},gpu={int(gpu)}"
-    saved = {}
-    if cache and os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                saved = json.load(f)
-        except (OSError, ValueError):
-            saved = {}
-    if key in saved and not refresh:
-        return Machine(**saved[key])
-    (log or (lambda s: None))(f"measuring this machine ({n_threads} threads{', GPU' if gpu else ''}) …")
-    m = {"cpu_threads": n_threads, "cpu_read_gbps": machine_bandwidth(n_threads, size_mib=512, reps=3)}
+    saved = _read_probes(path) if cache else {}
+    old = machine_from_json(saved.get(key))
+    if old is not None and not refresh:
+        if old.measured_at and not old.under_load:
+            return old
+        now = cpu_load.sample()
+        if now is not None and now.shared:   # a probe now would read low again
+            say(f"the cached machine probe was taken under load (or has no record); other work still runs "
+                f"({now.describe()}): using it")
+            return old
+        say("retaking the machine probe: the cached one was taken under load (or has no record of it)")
+    say(f"measuring this machine ({n_threads} threads{', GPU' if gpu else ''}) …")
+    before = cpu_load.sample()
+    bw, during = cpu_load.during(lambda: machine_bandwidth(n_threads, size_mib=512, reps=3))
+    loads = [x for x in (before, during) if x is not None]
+    other = max((x.other for x in loads), default=-1.0)
+    m = {"cpu_threads": n_threads, "cpu_read_gbps": bw, "measured_at": time.time(), "load_cpus": round(other, 2),
+         "load_avg": round(loads[-1].load_avg, 2) if loads else -1.0,
+         "under_load": other >= cpu_load.BUSY_CPU}
+    if m["under_load"]:
+        say(f"other work ran during the probe ({other:.1f} CPUs): flagged, retaken once the machine is idle")
     if gpu:
         from . import gpu as gpu_mod
         ok, _why = gpu_mod.available()
@@ -498,30 +577,32 @@ def measure(n_threads: int | None = None, gpu: bool = True, cache: bool = True, 
 
 
 def cached_machines() -> dict:
-    """The machine probes saved by measure() ({"vV,threads=T,gpu=G": Machine fields}), {} when none."""
-    import json
+    """The well-formed machine probes saved by measure() ({"vV,threads=T,gpu=G": Machine fields}), {} when none;
+    malformed entries (or a malformed file) are left out."""
     import os
 
-    from .cli import cache_dir
-    path = os.path.join(cache_dir(), MACHINE_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
+    from .paths import cache_dir
+    saved = _read_probes(os.path.join(cache_dir(), MACHINE_FILE))
+    out = {}
+    for key, d in saved.items():
+        m = machine_from_json(d)
+        if m is not None:
+            out[key] = dataclasses.asdict(m)
+    return out
 
 
 def format_machines(saved: dict) -> list[str]:
-    """`info`'s planner lines: what the planner will use without measuring again."""
-    if not saved:
+    """`info`'s planner lines: what the planner will use without measuring again (malformed entries skipped)."""
+    ms = {k: m for k, m in ((k, machine_from_json(d)) for k, d in saved.items()) if m is not None}
+    if not ms:
         return ["Planner  no machine probe cached yet (`legacy-engine plan` measures once, ~10 s)"]
     out = ["Planner  cached machine probes (`legacy-engine plan --remeasure` refreshes):"]
-    for key, m in sorted(saved.items()):
-        line = f"  {key}: CPU {m['cpu_read_gbps']:.1f} GB/s read"
-        if m.get("gpu_name"):
-            line += (f"; GPU {m['gpu_name']} ({m['gpu_tier']}): link {m['link_gbps']:.1f} GB/s, GEMM "
-                     f"{m['gpu_gemm_tflops']:.1f} TFLOP/s, GEMV {m['gpu_gemv_gbps']:.0f} GB/s")
-        out.append(line)
+    for key, m in sorted(ms.items()):
+        line = f"  {key}: CPU {m.cpu_read_gbps:.1f} GB/s read"
+        if m.gpu_name:
+            line += (f"; GPU {m.gpu_name} ({m.gpu_tier}): link {m.link_gbps:.1f} GB/s, GEMM "
+                     f"{m.gpu_gemm_tflops:.1f} TFLOP/s, GEMV {m.gpu_gemv_gbps:.0f} GB/s")
+        out += [line, f"    {m.probe_note()}"]
     return out
 
 
@@ -865,6 +946,7 @@ def print_plan(name: str, m: Machine, strategies: list[Strategy], prompt: int, g
     print(f"{name}: prompt {prompt}, generate {gen}, VRAM budget "
           f"{'all free' if vram is None else f'{vram / GiB:.2f} GiB'}")
     print(f"CPU {m.cpu_threads} threads, {m.cpu_read_gbps:.1f} GB/s read; {gpu_line}")
+    print(m.probe_note())
     print(f"{'strategy':<10}{'fits':>5}{'prefill tok/s':>15}{'decode tok/s':>14}{'total s':>10}  placement / why")
     for s in strategies:
         pre = prompt / s.prefill_s if s.fits and s.prefill_s > 0 else float("nan")
@@ -1024,7 +1106,7 @@ def routing_path(model) -> str:
     import os
 
     from .cache import model_fingerprint
-    from .cli import cache_dir
+    from .paths import cache_dir
     d = os.path.join(cache_dir(), ROUTING_DIR)
     os.makedirs(d, exist_ok=True)
     return os.path.join(d, model_fingerprint(model).hex()[:32] + ".json")

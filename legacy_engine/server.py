@@ -7,14 +7,23 @@
     GET  /health                 {"status": "ok", …}; 503 once the worker has died
     GET  /metrics                Prometheus text: requests, tokens, prefill/decode speed, cache, queue
 
-How a request flows. The HTTP side is starlette on uvicorn (one asyncio loop). A handler reads the body
-(bounded by --max-body), validates it, renders the chat template and tokenizes, all without yielding to the
-loop, so a bad request is answered 4xx at once and good ones enter one FIFO queue exactly in the order
-their bodies arrived. One worker thread owns the model and one Session: it takes jobs in order, prefills
-through a seam, `prefill(session, ids) -> logits of the last token` (a fresh prefill, or
-PrefixCache.prefill, which restores the longest prefix any earlier request left in the shared cache),
-samples, and sends text pieces back to the loop. A job whose client is gone (or that the server drops) is
-cancelled before its next token; a job still queued is skipped.
+How a request flows. The HTTP side is starlette on uvicorn (one asyncio loop). A connection must send a whole
+request head within --read-timeout of opening (or of its last answer), and its body within --read-timeout too,
+at most ServeConfig.max_reading bodies at a time: 408 otherwise, so slow or silent sockets do not pile up. A
+handler checks Host and Origin (ORIGIN_POLICY) and the key, reads the body (bounded by --max-body, JSON only),
+then hands it to a thread: JSON parsing, validation, the chat template (rendered in a child process that is
+stopped when it runs too long: chat.TemplateRenderer) and tokenization (without the GIL) never run on the loop,
+so /health and every stream keep flowing. A bad request is answered 4xx; good ones enter one FIFO queue in the
+order their plans are ready. One worker thread owns the model and one Session: it takes jobs in order, prefills
+through a seam, `prefill(session, ids, cancel) -> logits of the last token` (a fresh prefill, or
+PrefixCache.prefill, which restores the longest prefix any earlier request left in the shared cache), samples,
+and sends text pieces back to the loop. A job whose client is gone is cancelled between prefill chunks or before
+its next token; a job still queued is skipped. On SIGTERM (or SIGINT) the running job ends with an error (a
+stream: an error event, then [DONE]) and queued ones get 503.
+
+Control tokens (<|im_start|> …) come only from the chat template's own markup: user text (message contents, tool
+calls, tools) that spells one is tokenized as text (chat.render_prompt), unless --special-in-user-text. A
+/v1/completions prompt is the caller's whole prompt: its special tokens are parsed.
 
 Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
@@ -22,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import hmac
+import ipaddress
 import json
 import os
 import queue
@@ -34,8 +45,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
-from .errors import ContextLengthError, UnavailableError
+from .chat import TemplateRaised, TemplateRenderer, render_chat
+from .errors import Cancelled, ContextLengthError, TemplateRenderError, UnavailableError
 
 if TYPE_CHECKING:
     from .sampling import SamplingParams
@@ -43,6 +56,13 @@ if TYPE_CHECKING:
 # numpy (through .sampling) and the web stack are imported where used: `legacy-engine --help` stays instant.
 
 SERVE_DEPS = "starlette>=0.37 uvicorn>=0.30"  # the server's only dependencies beyond the engine's
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+ORIGIN_POLICY = (
+    "Requests must name this server in Host: localhost, 127.0.0.1, [::1], an IP address or the --host value "
+    "(any port); a browser's Origin must be this server's own (http://localhost:PORT ...). So a web page cannot "
+    "drive a keyless local server, neither cross-site nor by DNS rebinding: 403 otherwise. --allow-origin NAME "
+    "(repeatable) adds a server name (a host, as in Host) or a web origin (scheme://host[:port], also answered "
+    "with CORS headers); '*' allows any. POST bodies must be Content-Type: application/json (415 otherwise).")
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -147,6 +167,13 @@ class ServeConfig:
     max_tokens: int | None = None         # cap on (and default of) a request's max_tokens; None: the context
     defaults: SamplingParams | None = None  # for fields a request leaves out; None: OpenAI's (temperature 1)
     enable_thinking: bool = True          # for chat requests that do not set chat_template_kwargs
+    host: str = "127.0.0.1"               # --host: a name requests may give in Host (ORIGIN_POLICY)
+    port: int | None = None               # --port: of this server's own origin; None: any
+    allow_origins: tuple = ()             # --allow-origin: more server names and web origins; '*': any
+    read_timeout: float = 30.0            # seconds for a request head, and for its body
+    max_reading: int = 64                 # request bodies read at once; more wait (within read_timeout)
+    special_in_user_text: bool = False    # parse control tokens in user text (the old, unsafe behaviour)
+    render_seconds: float = 10.0          # a chat template render that takes longer is stopped
 
 
 @dataclass
@@ -203,8 +230,9 @@ def _check_tools(tools) -> list[dict]:
     return tools
 
 
-def plan_chat(body: dict, engine, cfg: ServeConfig) -> Plan:
-    """Validates a /v1/chat/completions body and renders + tokenizes its prompt."""
+def plan_chat(body: dict, engine, cfg: ServeConfig, render=None) -> Plan:
+    """Validates a /v1/chat/completions body and renders + tokenizes its prompt. render: render_chat (default) or
+    a TemplateRenderer's render. Blocks: the server calls it in a thread."""
     _check_model(body, cfg)
     _unsupported(body, chat=True)
     opts = _options(body, cfg, chat=True)
@@ -231,10 +259,15 @@ def plan_chat(body: dict, engine, cfg: ServeConfig) -> Plan:
                    "chat_template_kwargs", "unsupported_value")
     thinking = _field(kwargs, "enable_thinking", (bool,), cfg.enable_thinking)
     try:
-        prompt = engine.chat_prompt(messages, enable_thinking=thinking, tools=tools)
+        prompt, literal = engine.chat_text(messages, enable_thinking=thinking, tools=tools,
+                                           special_in_user_text=cfg.special_in_user_text, render=render or render_chat)
+    except TemplateRaised as e:  # the template refused these messages
+        raise _bad(str(e), "messages") from None
+    except TemplateRenderError as e:  # the template itself failed: the server's fault, not the request's
+        raise APIError(500, str(e), "server_error", code="template_error") from None
     except ValueError as e:
-        raise _bad(str(e), "messages") from e
-    ids = engine.tokenizer.encode(prompt)
+        raise _bad(str(e), "messages") from None
+    ids = engine.tokenizer.encode_prompt(prompt, literal)
     return Plan(**_fit(ids, opts, cfg, engine.n_ctx, "messages"), thinking=prompt.rstrip().endswith("<think>"),
                 tools=tools)
 
@@ -249,7 +282,7 @@ def plan_completion(body: dict, engine, cfg: ServeConfig) -> Plan:
         prompt = prompt[0]
     n_vocab = engine.model.hparams.n_vocab  # what Session accepts
     if isinstance(prompt, str):
-        ids = engine.tokenizer.encode(prompt)
+        ids = engine.tokenizer.encode_prompt(prompt)  # the caller's whole prompt: special tokens are parsed
     elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         if not all(0 <= t < n_vocab for t in prompt):
             raise _bad(f"'prompt' holds a token id outside [0, {n_vocab})", "prompt")
@@ -417,10 +450,10 @@ class ChatOutput:
 
 # ------------------------------------------------------------------------------------------------ worker
 
-def fresh_prefill(session, ids):
+def fresh_prefill(session, ids, cancel=None):
     """The default prefill seam: the whole prompt from an empty state."""
     session.reset()
-    return session.prefill(ids)
+    return session.prefill(ids, cancel=cancel)
 
 
 class Job:
@@ -434,8 +467,11 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self._loop = loop
         self._cancel = threading.Event()
+        self.error: APIError | None = None  # why it was cancelled, when its client still listens (a shutdown)
 
-    def cancel(self) -> None:
+    def cancel(self, error: APIError | None = None) -> None:
+        if error is not None and not self._cancel.is_set():
+            self.error = error
         self._cancel.set()
 
     @property
@@ -467,8 +503,9 @@ class Counters:
 class Worker:
     """Runs every job on one thread, one at a time, in the order submitted (FIFO).
 
-    prefill(session, ids) -> float32[n_vocab] is the seam through which the prompt is run: by default a fresh
-    prefill, with `cache` the PrefixCache's (shared by every request). make_sampler(params) -> an object with
+    prefill(session, ids, cancel) -> float32[n_vocab] is the seam through which the prompt is run: by default a
+    fresh prefill, with `cache` the PrefixCache's (shared by every request); it asks cancel() between chunks and
+    raises Cancelled when the job was cancelled. make_sampler(params) -> an object with
     sample(logits, history) -> id: a seam for tests that need scripted output. max_queue bounds the jobs
     waiting (not counting the one running)."""
 
@@ -507,20 +544,27 @@ class Worker:
     def submit(self, job: Job) -> None:
         with self._lock:
             if self._stopping:
-                raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+                raise _shutting_down()
             if self._queue.qsize() >= self.max_queue:
                 raise APIError(503, f"the queue is full ({self.max_queue} requests waiting); retry later",
                                "server_error", code="queue_full")
             job.seq, self._seq = self._seq, self._seq + 1
             self._queue.put(job)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Cancels the running job and every queued one, and stops the thread."""
+    def stop(self) -> None:
+        """Refuses new jobs, cancels the running one and every queued one: each gets a 503 shutting_down (a stream:
+        an error event), and the thread ends after them."""
         with self._lock:
+            if self._stopping:
+                return
             self._stopping = True
             if self.current is not None:
-                self.current.cancel()
+                self.current.cancel(_shutting_down())
             self._queue.put(None)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """stop(), then waits for the thread."""
+        self.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -532,16 +576,23 @@ class Worker:
             if job is None:
                 break
             if self._stopping:
-                job.cancel()
+                job.cancel(_shutting_down())
             if job.cancelled:  # its client left while it waited, or the server is stopping
                 self.log.append((job.seq, "cancelled", len(job.plan.ids), 0))
                 self.counters.jobs_cancelled += 1
-                job.send("error", APIError(503, "the request was cancelled before it ran", "server_error",
-                                           code="cancelled"))
+                job.send("error", job.error or APIError(503, "the request was cancelled before it ran",
+                                                        "server_error", code="cancelled"))
                 continue
             self.current = job
+            if self._stopping:  # stop() came between the two checks above
+                job.cancel(_shutting_down())
             try:
                 self._execute(job)
+            except Cancelled:  # between prefill chunks: its client left, or the server is stopping
+                self.counters.jobs_cancelled += 1
+                self.log.append((job.seq, "cancelled", len(job.plan.ids), 0))
+                job.send("error", job.error or APIError(499, "the client closed the connection",
+                                                        code="client_closed_request"))
             except Exception as e:  # the worker outlives any one request
                 if isinstance(e, ContextLengthError):
                     err = APIError(400, str(e), code="context_length_exceeded")
@@ -557,7 +608,7 @@ class Worker:
         plan, sess, tok, c = job.plan, self.session, self.engine.tokenizer, self.counters
         t = sess.timings
         p0, ps0, d0, ds0 = t.prefill_tokens, t.prefill_s, t.decode_tokens, t.decode_s
-        logits = self.prefill(sess, plan.ids)
+        logits = self.prefill(sess, plan.ids, cancel=lambda: job.cancelled)
         cached = max(0, len(plan.ids) - (t.prefill_tokens - p0))  # the cache counts only what it ran
         job.send("start", {"prompt_tokens": len(plan.ids), "cached_tokens": cached})
         sampler = self.make_sampler(plan.params)
@@ -597,7 +648,14 @@ class Worker:
         c.jobs_cancelled += finish == "cancelled"
         c.jobs_done += finish != "cancelled"
         self.log.append((job.seq, finish, len(plan.ids), n))
-        job.send("done", {"finish_reason": finish, "completion_tokens": n})
+        if finish == "cancelled" and job.error is not None:  # the server is stopping; the client still listens
+            job.send("error", job.error)
+        else:
+            job.send("done", {"finish_reason": finish, "completion_tokens": n})
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", "server_error", code="shutting_down")
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -631,6 +689,9 @@ def render_metrics(worker: Worker, requests: dict) -> str:
     metric("cache_hits_total", "counter", "Prefills that restored a cached prefix.", stats.get("hits", 0))
     metric("cache_misses_total", "counter", "Prefills that found no cached prefix.", stats.get("misses", 0))
     metric("cache_ram_bytes", "gauge", "Bytes the prefix cache holds in RAM.", stats.get("ram_bytes", 0))
+    metric("cache_disk_bytes", "gauge", "Bytes of the prefix cache's disk files.", stats.get("disk_bytes", 0))
+    metric("cache_disk_rejected_total", "counter", "Prefix-cache disk files refused: bad ones (deleted) and other "
+           "models' (left alone).", stats.get("disk_rejected", 0))
     metric("jobs_total", "counter", "Generations by outcome.",
            [('{outcome="done"}', c.jobs_done), ('{outcome="cancelled"}', c.jobs_cancelled),
             ('{outcome="failed"}', c.jobs_failed)])
@@ -655,24 +716,72 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _read_json(request, limit: int) -> dict:
-    size = request.headers.get("content-length")
-    if size is not None and (not size.isdigit() or int(size) > limit):
-        raise APIError(413, f"the request body is {size} bytes; this server accepts at most {limit} (--max-body)",
-                       code="request_too_large")
-    chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:
-            raise APIError(413, f"the request body exceeds {limit} bytes (--max-body)", code="request_too_large")
-        chunks.append(chunk)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body -> its JSON object; 400 for anything else, a lone UTF-16 surrogate ("\\ud800") included:
+    JSON allows the escape, but no text holds it (it would fail later, in encode)."""
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):  # rare (clients that escape non-BMP text): only then the full check
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its "
+                                "pair): not text", code="invalid_json") from None
     return body
+
+
+def _hostname(netloc: str) -> str:
+    """'Example.com:8080' -> 'example.com', '[::1]:80' -> '::1'; '' when it is not a plain host[:port]."""
+    if "@" in netloc or "/" in netloc:
+        return ""
+    if netloc.count(":") > 1 and not netloc.startswith("["):  # a bare IPv6 address (--host ::)
+        return netloc.lower()
+    try:
+        return urlsplit("//" + netloc).hostname or ""
+    except ValueError:
+        return ""
+
+
+def _origin(value: str) -> tuple | None:
+    """'HTTP://Host:80' -> ('http', 'host', 80): an origin compared as browsers do; None if it is not one."""
+    try:
+        u = urlsplit(value)
+        return (u.scheme, u.hostname, u.port or {"http": 80, "https": 443}.get(u.scheme)) if u.hostname else None
+    except ValueError:
+        return None
+
+
+def check_origin(headers, cfg: ServeConfig) -> None:
+    """ORIGIN_POLICY: 403 unless Host names this server and Origin (sent by browsers) is its own or allowed."""
+    allow = cfg.allow_origins
+    if "*" in allow:
+        return
+    names = ({*LOOPBACK, _hostname(cfg.host)} | {_hostname(v) for v in allow if "://" not in v}) - {""}
+    host = headers.get("host")
+    if host is not None:
+        name = _hostname(host)
+        try:
+            ipaddress.ip_address(name)  # an address, not a name: DNS rebinding needs a name
+        except ValueError:
+            if name not in names:
+                raise APIError(403, f"the Host header names {host!r}, not this server: use localhost, 127.0.0.1 "
+                                    f"or its --host; to serve under that name restart with --allow-origin "
+                                    f"{name or host} (a guard against DNS rebinding)", code="forbidden_host")
+    origin = headers.get("origin")
+    if origin is not None:
+        o = _origin(origin)
+        own = o is not None and o[0] in ("http", "https") and o[1] in names and cfg.port in (None, o[2])
+        if not own and (o is None or o not in {_origin(v) for v in allow if "://" in v}):
+            raise APIError(403, f"requests from web pages at {origin} are refused (a guard against cross-site use "
+                                f"of this server): restart with --allow-origin {origin} to allow that site",
+                           code="forbidden_origin")
 
 
 async def _next_event(job: Job, request) -> tuple[str, object]:
@@ -720,6 +829,8 @@ class _App:
         self.created = _now()
         self.requests: dict[tuple[str, int], int] = {}
         self.fingerprint = f"legacy_engine-{__import__('legacy_engine').__version__}"
+        self.renderer = TemplateRenderer(cfg.render_seconds)
+        self._reading = asyncio.Semaphore(cfg.max_reading)  # bodies being read
 
     # ---- plumbing
 
@@ -738,16 +849,57 @@ class _App:
 
         async def handle(request):
             try:
+                check_origin(request.headers, self.cfg)
                 if auth:
                     self._authorize(request)
                 response = await fn(request)
             except APIError as e:
-                response = JSONResponse(e.body(), status_code=e.status,
-                                        headers={"Retry-After": "1"} if e.code == "queue_full" else None)
+                headers = {"Retry-After": "1"} if e.code in ("queue_full", "server_busy") else {}
+                if e.status == 408:  # the rest of the body may still come: this connection is done
+                    headers["Connection"] = "close"
+                response = JSONResponse(e.body(), status_code=e.status, headers=headers)
             key = (name, response.status_code)
             self.requests[key] = self.requests.get(key, 0) + 1
             return response
         return handle
+
+    async def _body(self, request) -> bytes:
+        """The request body: at most cfg.max_body bytes (413), all of it within cfg.read_timeout (408), read while
+        fewer than cfg.max_reading others are (else it waits, within the same deadline; then 503), and JSON (415)."""
+        cfg, loop = self.cfg, asyncio.get_running_loop()
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > cfg.max_body):
+            raise APIError(413, f"the request body is {size} bytes; this server accepts at most {cfg.max_body} "
+                                f"(--max-body)", code="request_too_large")
+        deadline = loop.time() + cfg.read_timeout
+        try:
+            await asyncio.wait_for(self._reading.acquire(), cfg.read_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"{cfg.max_reading} requests are sending their bodies already; retry later",
+                           "server_error", code="server_busy") from None
+        try:
+            chunks, n, more = [], 0, True
+            while more:
+                try:
+                    message = await asyncio.wait_for(request.receive(), max(deadline - loop.time(), 0))
+                except asyncio.TimeoutError:
+                    raise APIError(408, f"the request body did not arrive within {cfg.read_timeout:g} s "
+                                        f"(--read-timeout)", code="request_timeout") from None
+                if message["type"] == "http.disconnect":
+                    raise APIError(499, "the client closed the connection", code="client_closed_request")
+                chunks.append(message.get("body", b""))
+                n += len(chunks[-1])
+                if n > cfg.max_body:
+                    raise APIError(413, f"the request body exceeds {cfg.max_body} bytes (--max-body)",
+                                   code="request_too_large")
+                more = message.get("more_body", False)
+        finally:
+            self._reading.release()
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";")[0].strip().lower() != "application/json":  # forms and text/plain are what pages send
+            raise APIError(415, f"the body must be sent as Content-Type: application/json, not "
+                                f"{ctype or 'without a type'}", code="unsupported_media_type")
+        return b"".join(chunks)
 
     async def _start(self, plan: Plan, request) -> tuple[Job, dict]:
         """Queues the plan; waits for its prefill (or its error, which becomes this request's answer)."""
@@ -818,8 +970,8 @@ class _App:
 
     async def chat(self, request):
         from starlette.responses import JSONResponse
-        body = await _read_json(request, self.cfg.max_body)
-        plan = plan_chat(body, self.engine, self.cfg)
+        raw = await self._body(request)
+        plan = await asyncio.to_thread(lambda: plan_chat(parse_json(raw), self.engine, self.cfg, self.renderer.render))
         rid, created = "chatcmpl-" + secrets.token_hex(12), _now()
         job, start = await self._start(plan, request)
         out = ChatOutput(plan.thinking, plan.tools)
@@ -872,13 +1024,14 @@ class _App:
                     return
                 else:
                     yield _sse(payload.body())
+                    yield "data: [DONE]\n\n"
                     return
         return self._stream(job, events())
 
     async def completions(self, request):
         from starlette.responses import JSONResponse
-        body = await _read_json(request, self.cfg.max_body)
-        plan = plan_completion(body, self.engine, self.cfg)
+        raw = await self._body(request)
+        plan = await asyncio.to_thread(lambda: plan_completion(parse_json(raw), self.engine, self.cfg))
         rid, created = "cmpl-" + secrets.token_hex(12), _now()
         job, start = await self._start(plan, request)
 
@@ -907,15 +1060,19 @@ class _App:
                     return
                 else:
                     yield _sse(payload.body())
+                    yield "data: [DONE]\n\n"
                     return
         return self._stream(job, events())
 
 
 def create_app(worker: Worker, cfg: ServeConfig):
-    """The starlette ASGI app. Its lifespan starts the worker and closes it (cancelling what runs) at shutdown."""
+    """The starlette ASGI app. Its lifespan starts the worker and the template renderer, and closes them
+    (cancelling what runs) at shutdown. Serve it with uvicorn_config(app, ...)."""
     try:
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
         from starlette.responses import JSONResponse
         from starlette.routing import Route
     except ImportError as e:
@@ -927,10 +1084,12 @@ def create_app(worker: Worker, cfg: ServeConfig):
     @contextlib.asynccontextmanager
     async def lifespan(_):
         worker.start()
+        await asyncio.to_thread(app.renderer.start)
         try:
             yield
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, worker.close)
+            await asyncio.to_thread(worker.close)
+            await asyncio.to_thread(app.renderer.close)
 
     async def http_error(request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
@@ -949,10 +1108,87 @@ def create_app(worker: Worker, cfg: ServeConfig):
         Route("/health", app.endpoint("health", app.health, auth=False), methods=["GET"]),
         Route("/metrics", app.endpoint("metrics", app.metrics), methods=["GET"]),
     ]
-    star = Starlette(routes=routes, lifespan=lifespan,
+    web = [v for v in cfg.allow_origins if v == "*" or "://" in v]  # origins of pages that may call it: CORS
+    middleware = [Middleware(CORSMiddleware, allow_origins=web, allow_methods=["GET", "POST"],
+                             allow_headers=["*"])] if web else []
+    star = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                      exception_handlers={HTTPException: http_error, Exception: internal_error})
     star.state.api = app
     return star
+
+
+def uvicorn_config(app, **kw):
+    """uvicorn.Config for create_app's `app`, with a deadline on request heads (cfg.read_timeout)."""
+    import uvicorn
+
+    return uvicorn.Config(app, http=_timed_h11(app.state.api.cfg.read_timeout), **kw)
+
+
+def _timed_h11(timeout: float):
+    """uvicorn's h11 protocol with a deadline on request heads: a connection that has not sent a whole request head
+    `timeout` seconds after it opened, or after its last answer, gets 408 and is closed. uvicorn has no such timer:
+    a client that sends nothing, or a header a byte at a time, would hold its socket forever."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    body = json.dumps(APIError(408, f"no whole request head within {timeout:g} s (--read-timeout)",
+                               code="request_timeout").body()).encode()
+    answer = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+    class TimedH11(H11Protocol):
+        head_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the head is in
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:  # waits for the next head
+                self._arm()
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self.head_timer = self.loop.call_later(timeout, self._expire)
+
+        def _disarm(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def _expire(self) -> None:
+            self.head_timer = None
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self.transport.write(answer)  # raw: h11 cannot answer a request it has not seen
+                self.transport.close()
+
+    return TimedH11
+
+
+def stopping_server(config, worker: Worker):
+    """A uvicorn.Server that, on SIGTERM or SIGINT, stops the worker at once (Worker.stop: the running request ends
+    with a 503, a stream with an error event and [DONE], queued ones get 503) instead of waiting for them."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            try:  # a signal handler may not take the worker's lock: the loop calls stop() next
+                asyncio.get_running_loop().call_soon_threadsafe(worker.stop)
+            except RuntimeError:
+                worker.stop()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 # ------------------------------------------------------------------------------------------------ command line
@@ -978,12 +1214,18 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "serve", help="OpenAI-compatible HTTP server for MODEL",
         description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                     "/v1/models, /health, /metrics). Requests run one at a time, in order of arrival; a prefix "
-                    f"cache lets requests that share a beginning skip it. Needs: pip install {SERVE_DEPS}")
+                    "cache lets requests that share a beginning skip it. " + ORIGIN_POLICY + " Control tokens "
+                    "(<|im_start|> ...) in chat messages and tools are tokenized as text; a /v1/completions "
+                    f"prompt's are parsed (it is the caller's whole prompt). Needs: pip install {SERVE_DEPS}")
     s.add_argument("model", help="a Qwen3.5/3.6 GGUF file")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the "
                         "network, so set --api-key)")
     s.add_argument("--port", type=int, default=8080, help="TCP port (default 8080)")
+    s.add_argument("--allow-origin", action="append", default=[], metavar="NAME",
+                   help="repeatable: a name this server is reached by (a host, e.g. gpu-box.lan) or a web origin "
+                        "that may call it (e.g. https://app.example.com, answered with CORS headers); '*' allows "
+                        "any (default: localhost, 127.0.0.1, [::1], IP addresses and --host only)")
     s.add_argument("--api-key", default=os.environ.get("LEGACY_ENGINE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $LEGACY_ENGINE_API_KEY; unset: no key)")
@@ -1007,12 +1249,19 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--min-p", type=float, default=0.0, help="min_p for requests that give none (default 0 = off)")
     s.add_argument("--no-think", action="store_true",
                    help="chat requests that do not set chat_template_kwargs.enable_thinking get it false")
+    s.add_argument("--special-in-user-text", action="store_true",
+                   help="parse control tokens (<|im_start|> ...) written in chat messages and tools, as servers "
+                        "once did: a user can then open a turn of any role. Default: they are text")
+    s.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request's head, and then its body, must each arrive within SECONDS; else 408 and the "
+                        "connection is closed (default 30)")
     s.add_argument("--cache-ram", type=_size, default=2 << 30, metavar="BYTES",
                    help="RAM for the prefix cache shared by all requests; 0 turns it off (default 2G)")
     s.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="also keep prefix snapshots on disk in DIR (write-through; reused after a restart)")
     s.add_argument("--cache-disk", type=_size, default=None, metavar="BYTES",
-                   help="disk budget of --cache-dir; the oldest files go first (default: unbounded)")
+                   help="disk budget of --cache-dir: the most recently used snapshots stay, each with the pages "
+                        "it needs (default: unbounded)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info: one line per request)")
     s.set_defaults(func=cmd_serve)
@@ -1030,15 +1279,38 @@ def build_server(args):
     engine = Engine(args.model, **engine_kwargs(args))
     cache = None
     if args.cache_ram > 0 or args.cache_dir:
-        from .cache import PrefixCache, model_fingerprint
+        from .cache import PrefixCache
 
-        cache = PrefixCache(model_fingerprint(engine.model), ram_bytes=args.cache_ram, disk_dir=args.cache_dir,
-                            disk_bytes=args.cache_disk)
+        cache = PrefixCache.for_model(engine.model, ram_bytes=args.cache_ram, disk_dir=args.cache_dir,
+                                      disk_bytes=args.cache_disk)
     worker = Worker(engine, cache=cache, max_queue=args.max_queue)
     name = args.alias or os.path.basename(args.model).removesuffix(".gguf")
     cfg = ServeConfig(model_id=name, api_key=args.api_key or None, max_body=args.max_body,
-                      max_tokens=args.max_tokens, defaults=defaults, enable_thinking=not args.no_think)
+                      max_tokens=args.max_tokens, defaults=defaults, enable_thinking=not args.no_think,
+                      host=args.host, port=args.port, allow_origins=tuple(args.allow_origin),
+                      read_timeout=args.read_timeout, special_in_user_text=args.special_in_user_text)
     return create_app(worker, cfg), worker
+
+
+def listen_socket(host: str, port: int):
+    """A socket bound to (host, port), taken before the model loads: a port in use fails in a second, not after
+    the load. uvicorn serves on it."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise UnavailableError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn: a restart reuses the port at once
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        hint = "; another server runs there: pick another --port" if e.errno == errno.EADDRINUSE else ""
+        raise UnavailableError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    return sock
 
 
 def cmd_serve(args) -> int:
@@ -1049,14 +1321,22 @@ def cmd_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"legacy-engine serve: warning: listening on {args.host} without --api-key: anyone who can reach "
               f"this port can use the model", file=sys.stderr)
-    app, worker = build_server(args)
+    if args.gpu:
+        from .cli import check_gpu
+        check_gpu()                                 # no GPU, or a port in use: said before the model loads
+    sock = listen_socket(args.host, args.port)
+    try:
+        app, worker = build_server(args)
+    except BaseException:
+        sock.close()
+        raise
     model_id = app.state.api.cfg.model_id
     print(f"legacy-engine serve: {model_id} (context {worker.engine.n_ctx}, cache "
           f"{'on' if worker.cache is not None else 'off'}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     try:
-        uvicorn.Server(config).run()
+        stopping_server(config, worker).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on: that is the normal way to stop
         print("legacy-engine serve: stopped", file=sys.stderr)
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import numbers
+import re
 from collections.abc import Iterable, Mapping
 
 from .errors import FormatError, UnavailableError
@@ -66,6 +67,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self._bytes = self._token_bytes_table(tokens, token_types)
         self._ids = {t: i for i, (t, ty) in enumerate(zip(tokens, token_types)) if ty in (CONTROL, USER_DEFINED)}
+        self.control_tokens = tuple(t for t, ty in zip(tokens, token_types) if ty == CONTROL)
+        # leftmost-longest, as tokenizers' own added-token split (encode_prompt)
+        self._control_re = re.compile("|".join(map(re.escape, sorted(self.control_tokens, key=len, reverse=True))))
         self._hf, self._hf_plain = self._build(merges)
         self.eos_ids = frozenset({i for t in EOG_TEXTS if (i := self._ids.get(t)) is not None}
                                  | ({eos_id} if eos_id is not None else set()))
@@ -143,14 +147,27 @@ class Tokenizer:
             sp = m.find(" ", 1) if isinstance(m, str) else -1  # llama.cpp splits at the first space after 0
             if sp < 0:
                 raise FormatError(f"{K}merges[{k}] = {m!r} is not 'left right'")
-            pairs.append((m[:sp], m[sp + 1:]))
+            a, b = m[:sp], m[sp + 1:]
+            # why here (~0.1 s for 248k merges): tokenizers panics, not raises, on a merge whose join is longer than
+            # every token (two special tokens, say), and a Rust panic prints its backtrace before Python sees it
+            if a + b not in vocab:
+                raise FormatError(f"tokenizer metadata rejected: {K}merges[{k}] = {m!r} makes {a + b!r}, a token "
+                                  f"missing from {K}tokens")
+            pairs.append((a, b))
         try:
             bpe = BPE(vocab=vocab, merges=pairs, dropout=None, unk_token=None, continuing_subword_prefix="",
                       end_of_word_suffix="", fuse_unk=False, byte_fallback=False, ignore_merges=False)
-        except Exception as e:  # tokenizers raises plain Exception; name the first bad merge
+        except BaseException as e:  # noqa: B036 - a panic (pyo3's PanicException) is a BaseException
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
+            # name the first bad merge
             k = next((k for k, (a, b) in enumerate(pairs) if not {a, b, a + b} <= vocab.keys()), None)
-            where = f"{K}merges[{k}] = {merges[k]!r} names a token missing from {K}tokens" if k is not None else e
-            raise FormatError(f"tokenizer metadata rejected: {where}") from e
+            if k is not None:
+                gone = next(t for t in (*pairs[k], "".join(pairs[k])) if t not in vocab)
+                where = f"{K}merges[{k}] = {merges[k]!r} names {gone!r}, a token missing from {K}tokens"
+            else:
+                where = f"{type(e).__name__}: {e}"
+            raise FormatError(f"tokenizer metadata rejected: {where}") from None
 
         out = []
         for match_control in (True, False):
@@ -182,6 +199,37 @@ class Tokenizer:
         add_bos (default: tokenizer.ggml.add_bos_token)."""
         hf = self._hf if special else self._hf_plain
         ids = hf.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def encode_prompt(self, text: str, literal: Iterable[tuple[int, int]] = (),
+                      add_bos: bool | None = None) -> list[int]:
+        """encode(text) of a rendered chat prompt, except that control tokens inside the [start, end) spans `literal`
+        (user text that holds their literals, chat.render_prompt) stay plain text. The text between control tokens
+        goes through BPE whole, so the ids equal encode(text) wherever no span is involved, and a span's literal
+        merges with its neighbours as any text would. Unlike encode, it runs without holding the GIL
+        (tokenizers' encode_batch releases it, encode does not): a long prompt does not stall other threads."""
+        spans = sorted(literal)
+        if not spans:
+            ids = self._hf.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            pieces, cuts, pos, j = [], [], 0, 0
+            for m in self._control_re.finditer(text) if self.control_tokens else ():
+                while j < len(spans) and spans[j][1] <= m.start():
+                    j += 1
+                if j < len(spans) and spans[j][0] < m.end():  # inside user text: plain text
+                    continue
+                pieces.append(text[pos:m.start()])
+                cuts.append(self._ids[m.group()])
+                pos = m.end()
+            pieces.append(text[pos:])
+            encs = self._hf_plain.encode_batch(pieces, add_special_tokens=False)
+            ids = []
+            for enc, cut in zip(encs, cuts + [None]):
+                ids += enc.ids
+                if cut is not None:
+                    ids.append(cut)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids

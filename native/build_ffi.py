@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INCLUDE = os.path.join(ROOT, "native", "include")
 
 # Order matters: later headers use types of earlier ones.
-API_HEADERS = ["le_status.h", "le_quants.h", "le_caps.h", "le_gpu.h", "le_model.h", "le_memory.h"]
+API_HEADERS = ["le_status.h", "le_quants.h", "le_caps.h", "le_gpu.h", "le_model.h", "le_memory.h",
+               "le_sample.h"]
 
 
 def cdef_text(path):

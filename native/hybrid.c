@@ -4,7 +4,11 @@
  * Per layer: spin on READY (a load-acquire; the GPU fenced its writes before setting it), run the experts with
  * le_moe_routed on the thread pool (its workers spin between jobs, so a layer costs no wake-up), write ROW, then
  * DONE with a store-release. The caller's thread spins: the gap between layers is the GPU's ~50-100 µs of
- * attention and routing, shorter than any sleep's wake-up.
+ * attention and routing, shorter than any sleep's wake-up. A wait longer than the pool's spin budget (LE_SPIN_US,
+ * 1 ms: the GPU is slow, or the host is busy with other work that needs this CPU) backs off (backoff_step): it
+ * sleeps POLL_SLEEP_US between looks (the GPU cannot wake a futex), so a long wait costs at most that much latency
+ * and almost no CPU (stat SLEEPS). No sched_yield: on a CPU shared with a CPU-bound process a yield hands it the CPU
+ * until its next tick (1-4 ms), a sleeper is woken in time (native/threads.c).
  * Lookahead (prefetch_bytes > 0, le_hybrid.h): done with a layer, if the next layer's slot holds this token's
  * predicted experts (PRED_READY == seq), the pool loads their weights (in predicted order, up to prefetch_bytes)
  * into the caches until the next layer's routing arrives; the experts it then runs are the same, only sooner.
@@ -32,6 +36,23 @@ static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* READY's back-off: past the spin budget a look every POLL_SLEEP_US (plus the kernel's timer slack, 50 µs by
+ * default): the latency a wait that long may add, small beside a wait that has lasted 1 ms already. */
+#define POLL_SLEEP_US 50
+
+/* One look's wait: spin (cpu_relax) until spin_s has passed since t0, then sleep; the clock is read every 1024 looks
+ * while spinning. */
+static void backoff_step(double t0, double spin_s, unsigned spins, int *sleeping, double *acc) {
+    if (!*sleeping) {
+        cpu_relax();
+        if ((spins & 1023) != 1023 || now_s() - t0 <= spin_s) return;
+        *sleeping = 1;
+    }
+    const struct timespec ts = {0, POLL_SLEEP_US * 1000L};
+    nanosleep(&ts, NULL);
+    acc[LE_HY_STAT_SLEEPS]++;
 }
 
 /* The lookahead's prefetch: each thread loads, expert after expert in predicted order, the rows of the gate, up and
@@ -217,6 +238,8 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
             n_aimed = 0;
         }
         const double t0 = now_s();
+        const double spin_s = 1e-9 * (double)le_pool_spin_ns(m->pool);
+        int sleeping = 0;
         for (unsigned spins = 0; __atomic_load_n(&slot[LE_HY_READY], __ATOMIC_ACQUIRE) != seq; spins++) {
             if (pending) { /* the copies done: the GPU may use them (if its publish has not run yet) */
                 int done = 0;
@@ -227,7 +250,7 @@ int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *laye
                     acc[LE_HY_STAT_E_READY] += n_early;
                 }
             }
-            cpu_relax();
+            backoff_step(t0, spin_s, spins, &sleeping, acc);
             if ((spins & 1023) == 1023 && now_s() - t0 > timeout_s) {
                 rc = LE_FAIL(LE_ERR_TIMEOUT, "le_hybrid_serve: layer %d's routing did not arrive in %g s (token %d)",
                              layer, timeout_s, (int)seq);

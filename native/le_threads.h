@@ -3,12 +3,15 @@
  * le_parallel_for splits [0, n) into chunks of `grain` items that the workers and the
  * calling thread take from a shared atomic counter (so no thread idles while another
  * has a long tail), and returns when all chunks are done. Workers spin briefly on a new
- * job, then sleep on a condition variable. `thread` passed to fn is 0..n_threads-1 (the
- * caller is 0), for per-thread scratch buffers. */
+ * job, then sleep on a futex; a worker that comes after the caller has run out of chunks
+ * is not waited for (threads.c). `thread` passed to fn is 0..n_threads-1 (the caller is
+ * 0), for per-thread scratch buffers. */
 #ifndef LE_THREADS_H
 #define LE_THREADS_H
 
 #include <stdint.h>
+
+#include "le_model.h" /* le_pool_stats */
 
 typedef void (*le_task_fn)(void *ctx, int64_t begin, int64_t end, int thread);
 
@@ -21,8 +24,15 @@ int le_pool_threads(const le_pool *p);
 int le_pool_pin(le_pool *p, const int *cpus, int n_cpus);
 /* The CPU a thread of the pool is pinned to, or -1. */
 int le_pool_pinned_cpu(const le_pool *p, int thread);
+/* The spin budget of a waiting thread before it sleeps, ns (LE_SPIN_US at creation; the hybrid decode's poll uses it
+ * too). */
+long le_pool_spin_ns(const le_pool *p);
+/* Test hook (le_model_pool_hold): hold 1, the worker joins no job; 2, it sleeps 20 ms inside each job it joins. */
+int le_pool_hold(le_pool *p, int thread, int hold);
+void le_pool_get_stats(const le_pool *p, le_pool_stats *out);
 void le_parallel_for(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *ctx);
-/* Every thread of the pool runs fn(ctx, t, t + 1, t) once, t = 0..n_threads-1 (the caller is 0): a static split,
+/* fn(ctx, t, t + 1, thread) runs once for every t = 0..n_threads-1, on thread t (the caller is 0), or, where
+ * thread t is late, on another one (`thread` names whose scratch to use): a static split,
  * where a thread must later find in its own caches what it read before (the hybrid decode's lookahead: each thread
  * prefetches the rows of the predicted experts it will compute). */
 void le_parallel_each(le_pool *p, le_task_fn fn, void *ctx);

@@ -18,6 +18,7 @@
  * each thread computes the same rows of every expert (le_split), the rows the lookahead prefetched into its caches
  * (native/hybrid.c); the sums are the same bits either way.
  * Test: tests/test_model.py, tests/test_quantized.py (test_moe_routed_*). */
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -124,13 +125,21 @@ static void down_split(void *ctx, int64_t t, int64_t t1, int thread) {
     if (r0 < r1) down_rows(ctx, r0, r1, thread);
 }
 
+/* Token-slots n * k of a batch; they index int arrays, so the product must fit an int. */
+static int slots(int n, int k, int *nk) {
+    if (n < 0 || k < 0 || (int64_t)n * k > INT_MAX)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "%d tokens x %d experts: more token-slots than an int holds", n, k);
+    *nk = n * k;
+    return LE_OK;
+}
+
 static int routed(const le_model *m, const le_weight *w, const float *x, int n, int k, const int *sel,
                   const float *wsel, const float *acts, const float *sgate, float *out, int split) {
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd, ne = hp->n_expert, shared = acts != NULL;
     int64_t fe = hp->n_ff_exp, fs = hp->n_ff_shexp;
-    int nk = n * k;
-    int rc = LE_OK;
+    int nk = 0, rc = slots(n, k, &nk);
+    if (rc) return rc;
     /* scratch: wrow [nk], xg [nk, E] (several tokens), act [nk, fe]; ints: tok_of [nk], count, start, used [ne] */
     size_t floats = (size_t)nk + (n > 1 ? (size_t)nk * E : 0) + (size_t)nk * fe;
     float *buf = malloc(floats * sizeof(float));
@@ -213,8 +222,8 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd, ne = hp->n_expert, k = hp->n_expert_used, shared = hp->n_ff_shexp > 0;
     int64_t fs = hp->n_ff_shexp;
-    int nk = n * k;
-    int rc = LE_OK;
+    int nk = 0, rc = slots(n, k, &nk);
+    if (rc) return rc;
     /* scratch (f32): logits [n, ne], wsel [n, k], sgate [n], acts [n, fs]; ints: sel [nk] */
     size_t floats = (size_t)n * ne + (size_t)nk + n + (size_t)n * fs;
     float *buf = malloc(floats * sizeof(float));

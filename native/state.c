@@ -65,8 +65,10 @@ static int64_t row_floats(const le_state *s) { return (int64_t)s->m->hp.n_head_k
 
 int64_t le_state_nbytes(const le_state *s) {
     const le_model *m = s->m;
+    /* why int64 first: 2 * n_attn * pos overflows an int from a few million positions up */
     return (int64_t)sizeof(state_header) +
-           (int64_t)sizeof(float) * (m->n_gdn * (s->conv_floats + s->ssm_floats) + 2 * m->n_attn * s->pos * row_floats(s));
+           (int64_t)sizeof(float) * (m->n_gdn * (s->conv_floats + s->ssm_floats) +
+                                     (int64_t)2 * m->n_attn * s->pos * row_floats(s));
 }
 
 int le_state_save(const le_state *s, void *buf, int64_t nbytes) {
@@ -169,12 +171,14 @@ int le_state_restore_recurrent(le_state *s, const void *buf, int64_t nbytes, int
 }
 
 int64_t le_state_kv_nbytes(const le_state *s, int n) {
-    return (int64_t)sizeof(float) * 2 * s->m->n_attn * n * row_floats(s);
+    return (int64_t)sizeof(float) * 2 * s->m->n_attn * (int64_t)n * row_floats(s);
 }
 
 static int check_kv_range(const le_state *s, int start, int n, const void *buf, int64_t nbytes) {
-    if (start < 0 || n < 0 || start + n > s->n_ctx)
-        return LE_FAIL(LE_ERR_INVALID_ARG, "KV rows [%d, %d) outside the context of %d", start, start + n, s->n_ctx);
+    /* why not start + n > n_ctx: the sum wraps for start near INT_MAX and the copy lands outside the cache */
+    if (start < 0 || n < 0 || start > s->n_ctx || n > s->n_ctx - start)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "KV rows [%d, %lld) outside the context of %d", start,
+                       (long long)start + n, s->n_ctx);
     if (!buf || nbytes != le_state_kv_nbytes(s, n))
         return LE_FAIL(LE_ERR_INVALID_ARG, "KV buffer of %lld bytes, %lld expected", (long long)nbytes,
                        (long long)le_state_kv_nbytes(s, n));

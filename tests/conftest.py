@@ -10,13 +10,22 @@ from pathlib import Path
 
 import pytest
 
+from legacy_engine.paths import cache_dir as le_cache_dir   # the package's one cache folder rule
 
-def le_cache_dir() -> Path:
-    """$LE_CACHE_DIR, else $XDG_CACHE_HOME/legacy_engine (same rule as legacy_engine.cli.cache_dir)."""
-    d = os.environ.get("LE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "legacy_engine")
-    os.makedirs(d, exist_ok=True)
-    return Path(d)
+# ------------------------------------------------------------------------------------------------ skip summary
+# Without a GPU every gpu-marked test skips for the same reason: `-ra` prints it once, on one line
+# ("SKIPPED [728] gpu-marked tests: no GPU: …"), not once per test function. Other skips stay per file and line.
+
+GPU_SKIPS = "gpu-marked tests"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = yield
+    if (rep.skipped and not hasattr(rep, "wasxfail") and isinstance(rep.longrepr, tuple)
+            and item.get_closest_marker("gpu") is not None):
+        rep.longrepr = (str(item.config.rootpath / GPU_SKIPS), None, rep.longrepr[2])   # folded by (path, line, reason)
+    return rep
 
 
 # ------------------------------------------------------------------------------------------------ tiny HF models

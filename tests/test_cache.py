@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,9 +23,10 @@ from fixtures.make_reference import tiny_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import legacy_engine.cache as cache_mod
 from legacy_engine.cache import (FORMAT_VERSION, CacheFileWarning, PrefixCache, Sizes, chain_keys, end_key,
                                  model_fingerprint)
-from legacy_engine.errors import ContextLengthError
+from legacy_engine.errors import Cancelled, ContextLengthError
 from legacy_engine.generate import Engine
 
 pytestmark = pytest.mark.cpu
@@ -93,6 +100,40 @@ def test_chain_keys_share_prefixes_and_split_at_the_first_difference():
     assert len(ka) == 4 and ka[:2] == kb[:2] and all(x != y for x, y in zip(ka[2:], kb[2:]))
     assert chain_keys(a[:200], 64) == ka[:3]       # a position's key does not depend on what follows
     assert chain_keys(a, 128)[0] != ka[1]           # the page size is part of the key
+
+
+def test_model_fingerprint_covers_every_byte(model_file, tmp_path):
+    """A byte of tensor data anywhere changes the fingerprint: here past the first 4 MiB of data and before the last
+    1 MiB, where a head-and-tail hash would not look."""
+    grown = tmp_path / "grown.gguf"
+    grown.write_bytes(Path(model_file("moe")).read_bytes() + bytes(8 << 20))   # trailing data: still a GGUF
+    before = model_fingerprint(grown)
+    with open(grown, "r+b") as f:
+        f.seek(os.path.getsize(grown) - (2 << 20))
+        f.write(b"\x01")
+    assert model_fingerprint(grown) != before
+
+
+def test_model_fingerprint_is_remembered_by_file_identity(tmp_path, monkeypatch):
+    """Files of 64 MiB and more are hashed once: the digest is kept in the memo dir under (device, inode, size,
+    mtime, ctime); a file rewritten in place with its mtime put back is hashed again (its ctime moved)."""
+    big = tmp_path / "big.gguf"
+    with open(big, "wb") as f:
+        f.truncate(80 << 20)                                 # sparse: 80 MiB of zeros, no disk used
+    memo = tmp_path / "memo"
+    first = model_fingerprint(big, memo_dir=memo)
+    assert len(os.listdir(memo)) == 1
+    real = cache_mod._hash_file
+    monkeypatch.setattr(cache_mod, "_hash_file", lambda *a: pytest.fail("hashed again"))
+    assert model_fingerprint(big, memo_dir=memo) == first
+    st_ = os.stat(big)
+    time.sleep(0.01)
+    with open(big, "r+b") as f:
+        f.seek(40 << 20)
+        f.write(b"\x01")
+    os.utime(big, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+    monkeypatch.setattr(cache_mod, "_hash_file", real)
+    assert model_fingerprint(big, memo_dir=memo) != first
 
 
 def test_model_fingerprint_is_content_not_path(model_file, tmp_path):
@@ -399,6 +440,8 @@ def test_disk_budget_drops_the_oldest_files(engine, recompute, tmp_path):
 
 
 def test_corrupt_and_foreign_disk_files_are_ignored_and_counted(engine, recompute, tmp_path):
+    """A start checks every file's header once: bad files are deleted (rejected once, not at every start), another
+    model's and a newer format's are left alone; a payload's checksum is checked when it is read."""
     moe, dense = engine("moe"), engine("dense")
     a = tokens(19, 300)
     writer = new_cache(moe, disk_dir=tmp_path)
@@ -407,10 +450,11 @@ def test_corrupt_and_foreign_disk_files_are_ignored_and_counted(engine, recomput
     assert len(snaps) == 2 and len(pages) == 4
 
     # another model on the same directory: every file has the same name (same tokens) but not its fingerprint
-    foreign = new_cache(dense, disk_dir=tmp_path)
-    with pytest.warns(CacheFileWarning, match="another model"):
-        run(foreign, dense.session(), "dense", a, recompute, reused=0)
-    assert foreign.stats["disk_rejected"] == 2            # both snapshots (256 then 128), never loaded
+    with pytest.warns(CacheFileWarning, match="6 x made for another model"):
+        foreign = new_cache(dense, disk_dir=tmp_path)
+    assert foreign.stats["disk_rejected"] == 6 and foreign.stats["disk_files"] == 0   # never loaded ...
+    assert _files(tmp_path, ".snap") == snaps                                          # ... nor deleted
+    run(foreign, dense.session(), "dense", a, recompute, reused=0)
     assert foreign.stats["disk_hits"] == 0
 
     # fresh moe files, then damage them in every way the header catches
@@ -428,9 +472,10 @@ def test_corrupt_and_foreign_disk_files_are_ignored_and_counted(engine, recomput
     page0 = tmp_path / (chain_keys(a, 64)[0].hex() + ".kv")
     page0.write_bytes(page0.read_bytes()[:-8])           # a truncated page: 128 and 256 both need it
 
-    reader = new_cache(moe, disk_dir=tmp_path)
     with pytest.warns(CacheFileWarning) as w:
-        run(reader, moe.session(), "moe", a, recompute, reused=0)
+        reader = new_cache(moe, disk_dir=tmp_path)       # the start drops the truncated page (its size) ...
+        assert reader.stats["disk_rejected"] == 1 and not page0.exists()
+        run(reader, moe.session(), "moe", a, recompute, reused=0)    # ... the read of 256 its checksum
     reasons = " | ".join(str(x.message) for x in w)
     assert "checksum" in reasons and "payload of" in reasons
     assert reader.stats["disk_rejected"] == 2 and reader.stats["disk_hits"] == 0
@@ -439,20 +484,106 @@ def test_corrupt_and_foreign_disk_files_are_ignored_and_counted(engine, recomput
     run(again, moe.session(), "moe", a, recompute, reused=256)
     assert again.stats["disk_rejected"] == 0
 
-    # another format version and a file that is not ours at all
+    # another format version and a file that is not ours at all: both found by the start
     raw = bytearray(p128.read_bytes())
     raw[8:12] = (FORMAT_VERSION + 1).to_bytes(4, "little")
     p128.write_bytes(bytes(raw))
     p256.write_bytes(b"not a cache file")
-    late = new_cache(moe, disk_dir=tmp_path)
     with pytest.warns(CacheFileWarning) as w:
-        run(late, moe.session(), "moe", a[:250], recompute, reused=0)
+        late = new_cache(moe, disk_dir=tmp_path)
     reasons = " | ".join(str(x.message) for x in w)
-    assert "format version" in reasons and late.stats["disk_rejected"] == 1     # 250 tokens look up 192, 128
-    with pytest.warns(CacheFileWarning, match="shorter than the header"):
-        run(late, moe.session(), "moe", a + [1], recompute, reused=192)   # 256 is junk; 192 came with a[:250]
+    assert "format version" in reasons and "shorter than the header" in reasons
+    assert late.stats["disk_rejected"] == 2 and p128.exists() and not p256.exists()  # a newer engine's file stays
+    run(late, moe.session(), "moe", a[:250], recompute, reused=0)       # 250 tokens look up 192, 128
+    run(late, moe.session(), "moe", a + [1], recompute, reused=192)     # 256 is gone; 192 came with a[:250]
     assert late.stats["disk_rejected"] == 2
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheFileWarning)                 # rejected once: the next start is clean
+        assert new_cache(moe, disk_dir=tmp_path).stats["disk_rejected"] == 0
+
+
+def test_special_files_are_refused_unread(engine, recompute, tmp_path):
+    """A FIFO, a symlink to /dev/zero and a sparse 20 GB file under cache names: refused from their directory entry,
+    at start and when read, never opened (a FIFO would block, /dev/zero and the sparse file never end)."""
+    eng = engine("moe")
+    a = tokens(26, 300)
+    run(new_cache(eng, disk_dir=tmp_path), eng.session(), "moe", a, recompute)
+    keys = chain_keys(a, 64)
+    fifo, link, sparse = (tmp_path / (keys[1].hex() + ".kv"), tmp_path / (keys[3].hex() + ".snap"),
+                          tmp_path / (keys[1].hex() + ".snap"))
+    for p in (fifo, link, sparse):
+        p.unlink()
+    os.mkfifo(fifo)
+    os.symlink("/dev/zero", link)
+    with open(sparse, "wb") as f:
+        f.truncate(20 << 30)
+    signal.alarm(60)                                      # a hang fails the test instead of stalling the suite
+    try:
+        with pytest.warns(CacheFileWarning, match="3 files"):
+            cache = new_cache(eng, disk_dir=tmp_path)
+        assert cache.stats["disk_rejected"] == 3 and not any(p.exists() or p.is_symlink() for p in (fifo, link, sparse))
+        run(cache, eng.session(), "moe", a, recompute, reused=0)
+        # the same once a cache is running: the page of its snapshot at 256 becomes a FIFO
+        page2 = tmp_path / (keys[2].hex() + ".kv")
+        again = new_cache(eng, disk_dir=tmp_path)
+        page2.unlink()
+        os.mkfifo(page2)
+        with pytest.warns(CacheFileWarning, match="not a regular file"):
+            run(again, eng.session(), "moe", a, recompute, reused=128)
+    finally:
+        signal.alarm(0)
+
+
+def test_orphan_temp_files_are_removed_at_start(engine, recompute, tmp_path):
+    eng = engine("moe")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"{'ab' * 32}.kv.{int(dead.stdout)}.1.tmp"       # a writer killed mid-write
+    live = tmp_path / f"{'cd' * 32}.kv.{os.getpid()}.1.tmp"              # a writer still at work
+    orphan.write_bytes(b"x" * 1000)
+    live.write_bytes(b"y")
+    cache = new_cache(eng, disk_dir=tmp_path)
+    assert not orphan.exists() and live.exists() and cache.stats["disk_orphans"] == 1
+
+
+def test_disk_budget_keeps_snapshots_usable(engine, recompute, tmp_path):
+    """A budget for one snapshot with four pages and a 600-token prompt: page 0 is the oldest file, yet it stays (every
+    snapshot needs it); the snapshots past 256 need more pages than fit and are not written; a restart reuses 256.
+    (Deleting the oldest files first left the newest files, none usable: zero hits.)"""
+    eng = engine("moe")
+    sizes = Sizes.of(eng.model, 64)
+    header = 136
+    budget = header + 32 * 4 + sizes.snapshot + 4 * (header + sizes.page)   # the snapshot at 256 with pages 0-3
+    b = tokens(28, 600)
+    cache = new_cache(eng, disk_dir=tmp_path, disk_bytes=budget)
+    run(cache, eng.session(), "moe", b, recompute, reused=0)
+    st_ = cache.stats
+    assert st_["disk_bytes"] <= budget and st_["disk_evictions"] > 0 and st_["disk_files"] == 5
+    assert sum(os.path.getsize(tmp_path / p) for p in os.listdir(tmp_path)) == st_["disk_bytes"]
+    restart = new_cache(eng, disk_dir=tmp_path, disk_bytes=budget)
+    assert restart.cached_prefix(b + [1]) == 256
+    run(restart, eng.session(), "moe", b + [1], recompute, reused=256)
+
+
+def test_a_cancelled_prefill_leaves_a_consistent_session_and_cache(engine, recompute):
+    """cancel() is asked before each forward call: True raises Cancelled; the session holds what ran, the snapshots
+    taken before it serve the next prefill, and every result stays bit-identical."""
+    eng = engine("moe")
+    a = tokens(29, 600)
+
+    def after(n):
+        asked = []
+        return lambda: asked.append(1) or len(asked) > n
+    sess = eng.session()
+    with pytest.raises(Cancelled):
+        sess.prefill(a, cancel=after(2))                   # Session.prefill: chunks of PREFILL_BATCH = 256
+    assert sess.tokens == a[:512] and sess.pos == 512
+    assert np.array_equal(sess.prefill(a[512:]), recompute("moe", a))
+    cache = new_cache(eng)
+    with pytest.raises(Cancelled):
+        cache.prefill(sess, a, cancel=after(3))            # cuts at 128, 256, 384, 512, 576, 600 (grid 128)
+    assert sess.tokens == a[:384] and sess.pos == 384 and cache.stats["snapshots"] == 3
+    run(cache, sess, "moe", a, recompute, reused=384)
 
 
 # ------------------------------------------------------------------------------------------------ negative control

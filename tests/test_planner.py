@@ -232,6 +232,104 @@ def test_info_shows_the_cached_probe(tmp_path):
     assert "threads=2,gpu=0: CPU 90.0 GB/s read" in info()
 
 
+MALFORMED_CACHES = ["not json {", "[1, 2]", '"text"', '{"v3,threads=2,gpu=0": 5}',
+                    '{"v3,threads=2,gpu=0": {"cpu_threads": 2}}',                                   # a key missing
+                    '{"v3,threads=2,gpu=0": {"cpu_threads": "2", "cpu_read_gbps": 9.0}}',            # a wrong type
+                    '{"v3,threads=2,gpu=0": {"cpu_threads": 2, "cpu_read_gbps": null}}',
+                    '{"v3,threads=2,gpu=0": {"cpu_threads": 2, "cpu_read_gbps": NaN}}',
+                    '{"v3,threads=2,gpu=0": {"cpu_threads": 2, "cpu_read_gbps": 9.0, "gpu_name": 3}}',
+                    '{"v3,threads=2,gpu=0": {"cpu_threads": true, "cpu_read_gbps": 9.0}}']
+
+
+def fake_probe(monkeypatch, gbps: float, other: float) -> list:
+    """measure()'s CPU probe returns gbps while other work of `other` CPUs runs; returns the list of the probe's
+    calls."""
+    from legacy_engine import bench, cpu_load
+    calls = []
+
+    def bandwidth(n, **kw):
+        calls.append(n)
+        return gbps
+    reading = cpu_load.CpuLoad([0, 1], {0: other}, 0.0, 2.0 * other, 0.1)
+    monkeypatch.setattr(bench, "machine_bandwidth", bandwidth)
+    monkeypatch.setattr(cpu_load, "sample", lambda *a: reading)
+    monkeypatch.setattr(cpu_load, "during", lambda fn: (fn(), reading))
+    return calls
+
+
+@pytest.mark.parametrize("text", MALFORMED_CACHES)
+def test_malformed_machine_cache_is_absent(tmp_path, monkeypatch, text):
+    """A machine.json that is not JSON, not an object, or whose entry lacks a key or has a wrong type is treated as
+    absent: no KeyError/TypeError in `info`'s lines or in measure(), which probes again and rewrites it."""
+    import json
+    monkeypatch.setenv("LE_CACHE_DIR", str(tmp_path))
+    (tmp_path / P.MACHINE_FILE).write_text(text)
+    assert P.cached_machines() == {}
+    assert "no machine probe cached yet" in P.format_machines(P.cached_machines())[0]
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        raw = None
+    if isinstance(raw, dict):
+        assert "no machine probe cached yet" in P.format_machines(raw)[0]
+    calls = fake_probe(monkeypatch, 30.0, 0.0)
+    m = P.measure(2, gpu=False)
+    assert calls == [2] and m.cpu_read_gbps == 30.0
+    assert P.machine_from_json(P.cached_machines()["v3,threads=2,gpu=0"]) == m
+
+
+@pytest.mark.parametrize("text", MALFORMED_CACHES[:2] + MALFORMED_CACHES[4:6])
+def test_info_survives_a_malformed_machine_cache(tmp_path, text):
+    env = {"LE_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8"}
+    (tmp_path / P.MACHINE_FILE).write_text(text)
+    r = subprocess.run([sys.executable, "-m", "legacy_engine", "info"], capture_output=True, encoding="utf-8",
+                       errors="replace", env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "no machine probe cached yet" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_probe_under_load_is_flagged_and_retaken(tmp_path, monkeypatch):
+    """Issue 21: a probe taken while other work runs is flagged (the load recorded) and `plan` says so; the next
+    measure() keeps it while the machine is still busy and retakes it once it is idle; then the clean one stays."""
+    monkeypatch.setenv("LE_CACHE_DIR", str(tmp_path))
+    calls = fake_probe(monkeypatch, 6.6, 1.0)                  # other work on a whole CPU
+    m = P.measure(2, gpu=False)
+    assert m.under_load and m.load_cpus == 1.0 and m.measured_at > 0 and calls == [2]
+    assert "UNDER LOAD" in m.probe_note() and "retaken" in m.probe_note()
+    assert P.cached_machines()["v3,threads=2,gpu=0"]["under_load"] is True
+    assert "UNDER LOAD" in "\n".join(P.format_machines(P.cached_machines()))
+    assert P.measure(2, gpu=False).cpu_read_gbps == 6.6 and calls == [2]     # still busy: kept, not retaken
+    calls = fake_probe(monkeypatch, 35.0, 0.0)                 # idle now
+    m = P.measure(2, gpu=False)
+    assert calls == [2] and m.cpu_read_gbps == 35.0 and not m.under_load
+    assert "idle" in m.probe_note() and "STALE" not in m.probe_note()
+    assert P.measure(2, gpu=False).cpu_read_gbps == 35.0 and calls == [2]    # clean: cached
+    assert P.measure(2, gpu=False, refresh=True) and calls == [2, 2]        # --remeasure
+
+
+def test_probe_without_a_load_record_is_retaken_when_idle(tmp_path, monkeypatch):
+    """A probe cached before the load was recorded (the issue's 6.6 GB/s) is retaken on an idle machine."""
+    import json
+    monkeypatch.setenv("LE_CACHE_DIR", str(tmp_path))
+    (tmp_path / P.MACHINE_FILE).write_text(json.dumps({"v3,threads=2,gpu=0": {"cpu_threads": 2,
+                                                                                "cpu_read_gbps": 6.6}}))
+    old = P.machine_from_json(P.cached_machines()["v3,threads=2,gpu=0"])
+    assert old.cpu_read_gbps == 6.6 and "no record" in old.probe_note()
+    calls = fake_probe(monkeypatch, 35.0, 0.0)
+    assert P.measure(2, gpu=False).cpu_read_gbps == 35.0 and calls == [2]
+
+
+def test_plan_prints_the_probe_note(capsys):
+    now = __import__("time").time()
+    stale = dataclasses.replace(NO_GPU, measured_at=now - 40 * 86400, load_cpus=0.0, load_avg=0.1)
+    assert "STALE" in stale.probe_note(now)
+    loaded = dataclasses.replace(NO_GPU, measured_at=now - 60, load_cpus=1.2, load_avg=3.0, under_load=True)
+    ss = P.plan(A3B, loaded, None, prompt=64, gen=8)
+    P.print_plan("a3b", loaded, ss, 64, 8, None)
+    out = capsys.readouterr().out
+    assert "UNDER LOAD (other work on 1.2 CPUs" in out
+
+
 def test_streamed_models_keep_fewer_logit_rows():
     """A streamed model runs the head in STREAM_LOGIT_ROWS pieces, so its scratch holds that many rows of logits, not
     LOGIT_ROWS: the difference goes to pinned experts."""

@@ -144,3 +144,24 @@ GDN_STEP_CHAIN = 2
 GDN_STEP_EXTRA = 8
 # f32 dot product: a chain of at most n additions per lane plus the lane reduction: (n + 8) u sum |a_i b_i|.
 DOT_F32_EXTRA = 8
+
+# ---- the sampler (native/sample.c) against the float64 numpy reference of tests/test_sampling.py
+# A weight is exp(arg), arg = (x - max) / T: float exp within 1.2e-7 relative (Cephes' expf, measured on every float in
+# [-87.3, 0]) of an argument rounded to float up to three times (x - max, 1/T, the product: 3 * 2^-24 = 1.8e-7 of
+# |arg|). A probability w_i / W adds the same for W (a weighted mean over the kept tokens, summed in double):
+#   |p_i - p_ref_i| <= SAMPLING_W_REL * (2 + |arg_i| + sum_j p_ref_j |arg_j|) * p_ref_i + SAMPLING_FLUSH_ABS
+# SAMPLING_W_REL = 2e-7 covers 1.2e-7 per exp and 1.8e-7 per unit of |arg|. Measured: 6.3e-6 relative at most (|arg|
+# near 87 on logits of std 8), 1e-6 at |arg| ~ 5. A wrong temperature, a token too many or too few moves a
+# probability by far more (the negative controls).
+SAMPLING_W_REL = 2e-7
+# arg below ln(FLT_MIN) = -87.34: the float exp gives 0 where float64 gives at most FLT_MIN of the max (2x margin).
+SAMPLING_FLUSH_ABS = 2.0**-125
+# top-p compares running masses of those float weights (T = 1, at most 2 roundings of x - max: 2.4e-7 + 6e-8 |arg|
+# relative each) with top_p * S: the kept set may differ from the reference's only where the reference's running
+# mass fraction lies this close to top_p (tokens of up to |arg| = 80 near the cut). The fixed seeds of the tests
+# never come that close (kept sets identical in every case), so this bounds a flake, not a measured difference.
+SAMPLING_CUT_MASS_REL = 1e-5
+# The draw inverts u * W over float weights summed per block of 256 in float (32 additions a lane: up to 1.9e-6 of
+# W), then in double: the token may differ from the reference's inversion only where u lies this close (as a
+# fraction of the mass) to a running sum of the reference's probabilities.
+SAMPLING_DRAW_ABS = 1e-5

@@ -84,6 +84,22 @@ int le_model_profile(const le_model *m, double *seconds, int n);
  * thread (thread 0) is not pinned. le_model_pinned_cpu: the CPU of thread i or -1. */
 int le_model_pin_threads(le_model *m, const int *cpus, int n_cpus);
 int le_model_pinned_cpu(const le_model *m, int thread);
+/* The thread pool's counters since the model was created (native/threads.c): how its threads waited. */
+typedef struct {
+    int64_t jobs;          /* parallel jobs the caller published (a job of one thread runs inline: not counted) */
+    int64_t joined;        /* workers' joins: a worker that joined a job and ran in it */
+    int64_t missed;        /* jobs a worker came to after the caller had closed them (asleep, descheduled, held) */
+    int64_t worker_sleeps; /* futex sleeps of workers waiting for a job, past their spin budget */
+    int64_t caller_sleeps; /* futex sleeps of the caller waiting for workers still inside a job */
+    int64_t yields;        /* sched_yield calls of a waiting thread to a thread of the pool with work on its CPU */
+    int64_t stolen;        /* le_parallel_each shares a thread ran for another, late one */
+    double spin_us;        /* a worker's spin budget before it sleeps (LE_SPIN_US, default 1000) */
+} le_pool_stats;
+int le_model_pool_stats(const le_model *m, le_pool_stats *out);
+/* Test hook for worker `thread` (1..n_threads-1) until released (hold = 0): hold = 1 keeps it out of every job, as
+ * a thread the scheduler does not run (the jobs run on the other threads); hold = 2 makes it sleep 20 ms inside
+ * every job it joins, as a thread that lost its CPU there (the caller waits for it). */
+int le_model_pool_hold(le_model *m, int thread, int hold);
 
 /* Checks that every weight the hyperparameters need is set. */
 int le_model_finalize(le_model *m);
@@ -155,7 +171,8 @@ enum {
     LE_HY_STAT_E_HITS = 10,    /* early experts the layer routed to */
     LE_HY_STAT_SPLIT_LAG = 11, /* seconds from the experts' parallel jobs' start to their last thread's (inside CPU_S) */
     LE_HY_STAT_SPLIT_TAIL = 12, /* seconds their slowest thread ran past the threads' mean (le_pool_each_totals) */
-    LE_HY_STATS = 13
+    LE_HY_STAT_SLEEPS = 13,    /* sleeps waiting for READY (past the pool's spin budget) */
+    LE_HY_STATS = 14
 };
 typedef struct {
     int n_early;          /* experts a layer copies early (<= LE_HY_EARLY_MAX; 0: off) */
