@@ -951,11 +951,13 @@ SAMPLE_FORCE = {"all": 1, "miss_high": 2, "miss_low": 4}   # tests: run the path
 
 class NativeSampler:
     """le_sample with its parameters, scratch buffer (allocated once per vocabulary size) and result kept across
-    calls. pen_ids / pen_counts: int32[k], the distinct ids of the penalty window and how often each occurs."""
+    calls. pen_ids / pen_counts: int32[k], the distinct ids of the penalty window and how often each occurs.
+    model: a NativeModel whose thread pool runs the passes over the vocabulary (le_sample_on; the same results for
+    any thread count), None: the calling thread only."""
 
     def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 force=()):
+                 force=(), model: "NativeModel | None" = None):
         flags = 0
         for f in force:
             flags |= SAMPLE_FORCE[f]
@@ -965,6 +967,8 @@ class NativeSampler:
             "presence_penalty": float(presence_penalty), "frequency_penalty": float(frequency_penalty),
             "flags": flags})
         self.info = ffi.new("le_sample_info *")
+        self.model = model   # kept alive with the sampler
+        self._m = ffi.NULL if model is None else model.ptr
         self._token = ffi.new("int32_t *")
         self._n = 0
 
@@ -987,16 +991,16 @@ class NativeSampler:
     def draw(self, logits: np.ndarray, u: float, pen_ids=None, pen_counts=None) -> int:
         """logits: float32[n_vocab]; u: a uniform draw in [0, 1) -> the token (self.info: what was decided)."""
         lp, n, ip, cp, k = self._args(logits, pen_ids, pen_counts)
-        check(lib.le_sample(lp, n, ip, cp, k, self.params, float(u), self._scratch_p, self._scratch.size,
-                            self._token, self.info), "le_sample")
+        check(lib.le_sample_on(self._m, lp, n, ip, cp, k, self.params, float(u), self._scratch_p,
+                               self._scratch.size, self._token, self.info), "le_sample")
         return int(self._token[0])
 
     def probs(self, logits: np.ndarray, pen_ids=None, pen_counts=None) -> np.ndarray:
         """The distribution draw() samples: float64[n_vocab], zero outside the kept set, one-hot when greedy."""
         lp, n, ip, cp, k = self._args(logits, pen_ids, pen_counts)
         out = np.empty(n, np.float64)
-        check(lib.le_sample_probs(lp, n, ip, cp, k, self.params, self._scratch_p, self._scratch.size,
-                                  ffi.from_buffer("double[]", out), self.info), "le_sample_probs")
+        check(lib.le_sample_probs_on(self._m, lp, n, ip, cp, k, self.params, self._scratch_p, self._scratch.size,
+                                     ffi.from_buffer("double[]", out), self.info), "le_sample_probs")
         return out
 
     def last(self) -> dict:

@@ -352,7 +352,7 @@ def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[i
             def generation(params):
                 def run():
                     state.reset()
-                    generate_steps(model.forward, state, ids[0], tg, Sampler(params))   # a Sampler per request
+                    generate_steps(model.forward, state, ids[0], tg, Sampler(params, model=model))   # one a request
                 return run
             gen = sampled_vs_greedy(*times_interleaved([generation(SamplingParams()), generation(sample)], reps),
                                     tg, sample)

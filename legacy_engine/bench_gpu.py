@@ -99,7 +99,8 @@ def generation_vs_greedy(gm, st, ids, tg: int, reps: int, sample) -> dict:
             st.reset()
             gm.forward(st, ids[:WARM_PREFILL], want_logits=False)
             t0 = time.perf_counter()
-            generate_steps(gm.forward, st, ids[WARM_PREFILL], tg, Sampler(params))
+            # the CPU model's pool (idle while the GPU decodes) runs the sampler's passes, as Session.stream does
+            generate_steps(gm.forward, st, ids[WARM_PREFILL], tg, Sampler(params, model=getattr(gm, "model", gm)))
             return time.perf_counter() - t0
         return run
     return sampled_vs_greedy(*times_interleaved([generation(SamplingParams()), generation(sample)], reps), tg,

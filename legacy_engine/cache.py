@@ -132,9 +132,13 @@ def _hash_file(path: str, size: int) -> bytes:
         view = memoryview(m)
         pieces = [view[i:i + FINGERPRINT_PIECE] for i in range(0, size, FINGERPRINT_PIECE)]
         try:
-            with ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1)) as pool:
-                for d in pool.map(lambda p: hashlib.sha256(p).digest(), pieces):
-                    h.update(d)
+            try:
+                with ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1)) as pool:
+                    digests = list(pool.map(lambda p: hashlib.sha256(p).digest(), pieces))
+            except RuntimeError:  # no new threads at interpreter shutdown (an atexit routing flush): one core
+                digests = [hashlib.sha256(p).digest() for p in pieces]
+            for d in digests:
+                h.update(d)
         finally:
             for p in pieces:  # the map cannot close while views of it live
                 p.release()

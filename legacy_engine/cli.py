@@ -17,6 +17,7 @@ checked before a model loads. LE_DEBUG=1 adds the C core's file:line and the tra
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import sys
 import time
 
 from . import __version__
+from .chat import TemplateRenderer
 from .errors import ContextLengthError, EngineError, NativeError, UnavailableError
 from .paths import cache_dir
 
@@ -211,8 +213,13 @@ def _generate(path: str, args, messages_or_text, chat: bool, checked=None) -> in
     sess = eng.session()
     prompt = messages_or_text
     if chat:  # user text that spells a control token stays text (chat.render_prompt)
-        prompt = eng.tokenizer.encode_prompt(*eng.chat_text(messages_or_text, enable_thinking=not args.no_think,
-                                                            special_in_user_text=args.special_in_user_text))
+        renderer = TemplateRenderer()   # the model file's template may not end: a process stopped after its limit
+        try:
+            prompt = eng.tokenizer.encode_prompt(*eng.chat_text(
+                messages_or_text, enable_thinking=not args.no_think, special_in_user_text=args.special_in_user_text,
+                render=renderer.render))
+        finally:
+            renderer.close()
     res = sess.generate(prompt, max_tokens=_max_tokens(args, eng), params=params, stop=args.stop,
                         on_text=_print_text)
     print()
@@ -234,16 +241,17 @@ _PROBE = [{"role": "user", "content": "probe-u1"}, {"role": "assistant", "conten
           {"role": "user", "content": "probe-u2"}]
 
 
-def _turn_renderer(eng, enable_thinking: bool, specials=()):
+def _turn_renderer(eng, enable_thinking: bool, specials=(), render_fn=None):
     """(closing, turn) when the chat template renders a user turn the same alone as after earlier turns (checked
     on a probe conversation): closing = the text after an answer that ends its turn, turn(m) = user message m and
     the generation prompt. Then a chat feeds only those, as llama.cpp's does, and the state keeps what the model
     really said (its <think> block too, which the template drops from earlier turns). None otherwise: the whole
     conversation runs again every turn."""
     from .chat import render_chat, render_prompt
+    render_fn = render_fn or render_chat
 
     def render(msgs, gen):
-        return render_chat(msgs, eng.chat_template, add_generation_prompt=gen, enable_thinking=enable_thinking)
+        return render_fn(msgs, eng.chat_template, add_generation_prompt=gen, enable_thinking=enable_thinking)
     try:
         new, whole = render(_PROBE[2:], True), render(_PROBE, True)
     except Exception:   # a template that refuses the probe (jinja raises many types): no shortcut
@@ -253,7 +261,8 @@ def _turn_renderer(eng, enable_thinking: bool, specials=()):
         return None
     head = whole[:len(whole) - len(new)]      # ... user u1, assistant a1 and the end of its turn
     return head[head.index(answer) + len(answer):], lambda m: render_prompt(    # (text, literal spans)
-        [m], eng.chat_template, specials, add_generation_prompt=True, enable_thinking=enable_thinking)
+        [m], eng.chat_template, specials, render=render_fn, add_generation_prompt=True,
+        enable_thinking=enable_thinking)
 
 
 def cmd_chat(args) -> int:
@@ -265,7 +274,10 @@ def cmd_chat(args) -> int:
     eng = load_engine(args.model, kw)
     _describe_gpu(eng)
     think = not args.no_think
-    incremental = _turn_renderer(eng, think, () if args.special_in_user_text else eng.tokenizer.control_tokens)
+    renderer = TemplateRenderer()   # the model file's template may not end: a process stopped after its limit
+    atexit.register(renderer.close)
+    incremental = _turn_renderer(eng, think, () if args.special_in_user_text else eng.tokenizer.control_tokens,
+                                 renderer.render)
     system = [{"role": "system", "content": args.prompt}] if args.prompt else []
     messages, sess = list(system), eng.session()
     tty = sys.stdin.isatty()
@@ -299,7 +311,8 @@ def cmd_chat(args) -> int:
         else:
             sess.reset()
             ids = eng.tokenizer.encode_prompt(*eng.chat_text(messages + [user], enable_thinking=think,
-                                                             special_in_user_text=args.special_in_user_text))
+                                                             special_in_user_text=args.special_in_user_text,
+                                                             render=renderer.render))
         sess.timings = Timings(load_s=eng.load_s)     # this turn's numbers
         try:
             res = sess.generate(ids, max_tokens=_max_tokens(args, eng), params=params, stop=args.stop,

@@ -11,7 +11,7 @@ import numpy as np
 
 from .chat import render_chat, render_prompt
 from .errors import Cancelled, ContextLengthError, EngineError
-from .model import DEFAULT_CTX, Model
+from .model import DEFAULT_CTX, Model, check_logits
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -136,7 +136,10 @@ class Session:
         if bad:  # refused before anything runs: the session keeps its state
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {n_vocab})")
         try:
-            return self.engine.model.forward(self.state, ids, all_logits=all_logits, chunked=chunked)
+            out = self.engine.model.forward(self.state, ids, all_logits=all_logits, chunked=chunked)
+            if self.engine.model is not self.engine.cpu_model:   # Model.forward checks its own rows
+                check_logits(out, self.state.pos - out.shape[0])
+            return out
         except EngineError:
             # a failed forward may have updated some layers: the state is no longer trustworthy
             self.reset()
@@ -188,7 +191,7 @@ class Session:
         ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        sampler = Sampler(params)
+        sampler = Sampler(params, model=self.engine.cpu_model)   # its pool: idle between forwards (and on a GPU)
         stop = [s for s in (stop or []) if s]
         logits = self.prefill(ids)
         decoder = tok.stream()

@@ -42,9 +42,13 @@ class SamplingParams:
 
 
 class Sampler:
-    """Draws tokens with `params` from float32 logits; one per sequence (the seed's stream is its own)."""
+    """Draws tokens with `params` from float32 logits; one per sequence (the seed's stream is its own).
 
-    def __init__(self, params: SamplingParams | None = None):
+    model: a CPU engine (model.Model, or its NativeModel) whose thread pool runs the sampler's passes over the
+    vocabulary: for a GPU engine its `cpu_model`, idle while the GPU decodes. The tokens are the same with or
+    without it, for any thread count. Not while that model runs a forward on another thread (one pool, one job)."""
+
+    def __init__(self, params: SamplingParams | None = None, model=None):
         self.params = p = params or SamplingParams()
         p.validate()
         self.rng = np.random.default_rng(p.seed)
@@ -53,7 +57,8 @@ class Sampler:
         self.penalised = p.penalty_last_n > 0 and (
             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
         self.native = _native.NativeSampler(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
-                                            p.presence_penalty, p.frequency_penalty)
+                                            p.presence_penalty, p.frequency_penalty,
+                                            model=getattr(model, "native", model))
 
     def penalty_counts(self, history: list[int] | None) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The distinct ids among the last penalty_last_n tokens of history and how often each occurs (int32),

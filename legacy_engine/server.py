@@ -516,7 +516,8 @@ class Worker:
         self.prefill = prefill or (cache.prefill if cache is not None else fresh_prefill)
         from .sampling import Sampler
 
-        self.make_sampler = Sampler
+        cpu = getattr(engine, "cpu_model", None)   # its pool runs the sampler's passes (idle between forwards)
+        self.make_sampler = lambda params: Sampler(params, model=cpu)
         self.max_queue = max_queue
         self.counters = Counters()
         self.log: deque = deque(maxlen=4096)  # (seq, finish_reason, prompt_tokens, completion_tokens), in order run

@@ -21,12 +21,20 @@
  *   draw      u * W inverted over the kept weights in index order: from the list when the kept set lies in the
  *             top list (weights with a double argument), else one pass of block sums (BLOCK tokens each, float
  *             argument) and a rescan of the block where u * W falls.
+ * Threads (le_sample_on): the passes over the vocabulary run in slices on a model's thread pool (le_parallel_for,
+ * one slice a chunk: a late worker's slices are taken by the others). The mass pass, its region's exps, the draw's
+ * block sums and the weights run over slices fixed by n alone (n_slices: SLICE_MIN tokens or more, BLOCK-aligned),
+ * each slice's sums and region in its own place, merged in slice order; no value depends on where a thread
+ * starts, so every result is the same bits for any thread count and without a pool. The top list is a set (the R
+ * best kids), the same whatever the split: its scan runs one slice per thread, each keeping its R best, merged
+ * by one more compaction (only for R <= SCAN_R_MAX: beyond, the merge costs more than the scan).
  * The passes (scan, mass, exps, draw, weights) have a scalar reference (`*_ref`, also the path below AVX2) and
  * an AVX2 + FMA version side by side, chosen by the process's tier (le_set_isa; ref and ssse3 run the ref).
  * exp is Cephes' expf: measured within 1.2e-7 relative (2 half-ulps) of exp() on every float in [-87.3, 0],
  * unbiased (mean signed error 4e-10); below ln(FLT_MIN) it gives 0 (a weight under 1.2e-38 of the max).
  * Test: python -m pytest tests/test_sampling.py (every tier and path against a float64 numpy reference).
- * Bench: python -m pytest benchmarks/bench_sampling.py --benchmark-enable */
+ * Bench: python -m pytest benchmarks/bench_sampling.py --benchmark-enable; on a pool as decode runs it:
+ *        python benchmarks/bench_sampling.py --threads 1,16 --gap-us 1400 */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -38,8 +46,10 @@
 #endif
 
 #include "le_internal.h"
+#include "le_ops.h"      /* struct le_model: its pool */
 #include "le_quants.h"
 #include "le_sample.h"
+#include "le_threads.h"
 
 enum {
     TOP_R = 64,                    /* the top list without top-k: the heavy tokens a subsample could miss */
@@ -52,7 +62,13 @@ enum {
     RES_BUCKETS = 1024,            /* resolve's histogram */
     RES_SORT = 48,                 /* resolve sorts sets this small */
     BLOCK = 256,                   /* the draw's block of tokens */
+    SLICE_MIN = 64 * BLOCK,        /* a slice of a parallel pass: 16,384 tokens or more (~15 us of exp) ... */
+    SLICES_MAX = 32,               /* ... and at most this many (larger vocabularies: longer slices) */
+    SCAN_R_MAX = 256,              /* the scan runs one slice per thread for top lists this short */
+    SCAN_CAP = 2 * SCAN_R_MAX + 80, /* a slice's scan buffer */
+    PLACE_MIN = 16384,             /* a collected region this large is placed (copy + exp) in parallel */
 };
+_Static_assert(SLICES_MAX * SCAN_R_MAX <= TOP_CAP, "the slices' top lists merge in the top buffer");
 #define EXP_MIN (-87.33654475f)    /* ln(FLT_MIN): exp below it is flushed to 0 */
 #define BAND_Z 5.0                 /* the band: estimate +- BAND_Z standard errors ... */
 #define BAND_FLOOR 1e-4            /* ... +- this fraction of the mass, +- one bucket */
@@ -150,6 +166,7 @@ typedef struct {
  * the baseline build, no intrinsics): fixed trip counts, restrict, comparisons as integers, selects as masks,
  * sums over 8 partial sums in a fixed order. Tails run one token at a time. */
 enum { RB = 64 };
+_Static_assert(BLOCK % RB == 0 && BLOCK % 32 == 0, "a slice (BLOCK-aligned) starts where a whole pass has a block");
 
 static inline float masked(float v, int keep) {
     uint32_t b;
@@ -260,6 +277,18 @@ static int weights_block_ref(const float *restrict x, int64_t i0, float m, float
     return kept;
 }
 
+/* The scalar tail of a block of the draw pass (both tiers): kept tokens in [i, end) counted, their weights added. */
+static int64_t draw_tail(const float *x, int64_t i, int64_t end, float m, float inv_t, float v, int32_t id,
+                         double *s) {
+    int64_t kept = 0;
+    for (; i < end; i++)
+        if (kept_ref(x[i], i, v, id)) {
+            *s += exp_ref((x[i] - m) * inv_t);
+            kept++;
+        }
+    return kept;
+}
+
 static int64_t draw_ref(const float *x, int64_t n, float m, float inv_t, float v, int32_t id, double *blocks) {
     int64_t kept = 0;
     float w[RB];
@@ -272,11 +301,7 @@ static int64_t draw_ref(const float *x, int64_t n, float m, float inv_t, float v
             if (k) s += sum_block_ref(w);
             kept += k;
         }
-        for (; i < end; i++)
-            if (kept_ref(x[i], i, v, id)) {
-                s += exp_ref((x[i] - m) * inv_t);
-                kept++;
-            }
+        kept += draw_tail(x, i, end, m, inv_t, v, id, &s);
         blocks[b0 / BLOCK] = s;
     }
     return kept;
@@ -459,11 +484,7 @@ LE_AVX2 static int64_t draw_avx2(const float *x, int64_t n, float m, float inv_t
             }
         }
         double s = hsum_avx2(_mm256_add_ps(acc0, acc1));
-        for (; i < end; i++)
-            if (kept_ref(x[i], i, v, id)) {
-                s += exp_ref((x[i] - m) * inv_t);
-                kept++;
-            }
+        kept += draw_tail(x, i, end, m, inv_t, v, id, &s);
         blocks[b0 / BLOCK] = s;
     }
     return kept;
@@ -502,6 +523,21 @@ static const sample_kernels *kernels(int isa) {
     return &k_ref;
 }
 
+/* ---- slices (file comment) ----------------------------------------------------------------------------------- */
+
+/* The slices of a pass over n tokens: SLICE_MIN tokens or more each, at most SLICES_MAX; 1 below 2 SLICE_MIN. */
+static int n_slices(int64_t n) {
+    const int64_t ns = n / SLICE_MIN;
+    return ns < 1 ? 1 : ns > SLICES_MAX ? SLICES_MAX : (int)ns;
+}
+
+/* Slice t of ns over [0, n): [*i0, *i1), both multiples of BLOCK except n (so of RB, 32 and 8: every kernel's
+ * blocks and vectors fall where one call over [0, n) has them). */
+static void slice_of(int64_t n, int ns, int64_t t, int64_t *i0, int64_t *i1) {
+    *i0 = n * t / ns / BLOCK * BLOCK;
+    *i1 = t + 1 == ns ? n : n * (t + 1) / ns / BLOCK * BLOCK;
+}
+
 /* ---- scratch ------------------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -517,6 +553,14 @@ typedef struct {
     double *est;      /* [EST_BUCKETS] */
     double *hm;       /* [RES_BUCKETS] resolve's masses and counts */
     int64_t *hc;
+    /* the parallel passes (n_slices(n) = ns slices) */
+    int32_t *tids;    /* [n + 16 ns + 64] each slice's part of a collected region, at its start + 16 t ... */
+    float *txr;       /* ... before it is placed in ids / xr */
+    int32_t *stop;    /* [ns * SCAN_CAP] each scan slice's candidates ... */
+    uint64_t *stkid;  /* [ns * SCAN_CAP] ... their kids while compacting ... */
+    double *shm;      /* [ns * RES_BUCKETS] ... and resolve's histograms */
+    int64_t *shc;
+    le_pool *pool;    /* the threads (NULL: the caller's only); not part of the buffer */
 } scratch_t;
 
 /* Carves [base, ...) into scratch_t (s NULL: only measures); the bytes used. */
@@ -540,7 +584,15 @@ static int64_t layout(int64_t n, void *base, scratch_t *s) {
     TAKE(est, double, EST_BUCKETS)
     TAKE(hm, double, RES_BUCKETS)
     TAKE(hc, int64_t, RES_BUCKETS)
+    const int64_t ns = n_slices(n);
+    TAKE(tids, int32_t, n + 16 * ns + 64)
+    TAKE(txr, float, n + 16 * ns + 64)
+    TAKE(stop, int32_t, ns * SCAN_CAP)
+    TAKE(stkid, uint64_t, ns * SCAN_CAP)
+    TAKE(shm, double, ns * RES_BUCKETS)
+    TAKE(shc, int64_t, ns * RES_BUCKETS)
 #undef TAKE
+    if (s) s->pool = NULL;
     return (int64_t)(p - start);
 }
 
@@ -678,37 +730,94 @@ typedef struct {
     double inv_t;     /* 1 / temperature */
 } plan_t;
 
-/* The R best tokens (fewer when n < R), sorted by kid into s->tkid; *nt of them. LE_ERR_FORMAT on NaN / +inf. */
-static int top_list(const sample_kernels *k, const float *x, int64_t n, int64_t R, scratch_t *s, int64_t *nt) {
-    const int64_t cap = 2 * R + 80 < TOP_CAP ? 2 * R + 80 : TOP_CAP;   /* >= R + 64 free after a compaction */
+/* Keeps the R best of top[0, cnt) (cnt > R, ids of x); *thr: the R-th's logit. Returns how many are kept (R). */
+static int64_t compact_top(const float *x, int32_t *top, int64_t cnt, int64_t R, uint64_t *tkid, int64_t *hc,
+                           double *hm, float *thr) {
+    for (int64_t j = 0; j < cnt; j++) tkid[j] = kid_of(x[top[j]], top[j]);
+    const cut_t c = resolve(tkid, NULL, cnt, R, 0.0, 0.0, hc, hm);
+    int64_t kept = 0;
+    for (int64_t j = 0; j < cnt; j++)
+        if (kid_of(x[top[j]], top[j]) <= c.kid) top[kept++] = top[j];
+    *thr = x[id_of(c.kid)];
+    return kept;
+}
+
+/* The R best tokens of [i0, i1) (R <= i1 - i0) as ids in top[0, *n_top), any order: one scan behind a rising
+ * threshold, compacted to R when the buffer (cap >= R + 80 entries) fills. *bad |= a NaN or +inf seen (the scan
+ * stops early then). 0: the scan could not advance (cannot happen with cap >= R + 80). */
+static int top_scan(const sample_kernels *k, const float *x, int64_t i0, int64_t i1, int64_t R, int64_t cap,
+                    int32_t *top, uint64_t *tkid, int64_t *hc, double *hm, int64_t *n_top, int *bad) {
     float thr = -INFINITY;
-    int incl = 1, bad = 0;
-    int64_t cnt = 0, pos = 0;
-    while (pos < n || cnt > R) {
-        if (pos < n) {
+    int incl = 1;
+    int64_t cnt = 0, pos = i0;
+    while (pos < i1 || cnt > R) {
+        if (pos < i1) {
             int64_t added = 0;
             const int64_t from = pos;
-            pos = k->scan(x, pos, n, thr, incl, s->top + cnt, cap - cnt, &added, &bad);
+            pos = k->scan(x, pos, i1, thr, incl, top + cnt, cap - cnt, &added, bad);
             cnt += added;
-            if (bad) break;
-            if (pos < n && cnt <= R) {
-                if (pos == from)   /* cannot happen with cap >= R + 80; a hang would be worse than an error */
-                    return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample: the scan stopped at %lld of %lld", (long long)pos,
-                                   (long long)n);
+            if (*bad) break;
+            if (pos < i1 && cnt <= R) {
+                if (pos == from) return 0;
                 continue;
             }
         }
         if (cnt <= R) continue;
-        /* compact to the R best; later tokens must beat the R-th (an equal logit has a larger id) */
-        for (int64_t j = 0; j < cnt; j++) s->tkid[j] = kid_of(x[s->top[j]], s->top[j]);
-        const cut_t c = resolve(s->tkid, NULL, cnt, R, 0.0, 0.0, s->hc, s->hm);
-        int64_t kept = 0;
-        for (int64_t j = 0; j < cnt; j++)
-            if (kid_of(x[s->top[j]], s->top[j]) <= c.kid) s->top[kept++] = s->top[j];
-        cnt = kept;
-        thr = x[id_of(c.kid)];
+        /* later tokens must beat the R-th (an equal logit has a larger id) */
+        cnt = compact_top(x, top, cnt, R, tkid, hc, hm, &thr);
         incl = 0;
     }
+    *n_top = cnt;
+    return 1;
+}
+
+/* The scan in slices, one per thread (top_list): slice t's R best into s->stop + t SCAN_CAP. */
+typedef struct {
+    const sample_kernels *k;
+    const float *x;
+    int64_t n, R;
+    int nsc;
+    scratch_t *s;
+    int64_t cnt[SLICES_MAX];
+    int bad[SLICES_MAX], ok[SLICES_MAX];
+} scan_job;
+
+static void scan_slices(void *ctx, int64_t t0, int64_t t1, int thread) {
+    scan_job *j = ctx;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t i0, i1;
+        slice_of(j->n, j->nsc, t, &i0, &i1);
+        const int64_t R = j->R < i1 - i0 ? j->R : i1 - i0;
+        j->bad[t] = 0;
+        j->ok[t] = top_scan(j->k, j->x, i0, i1, R, 2 * R + 80, j->s->stop + t * SCAN_CAP,
+                            j->s->stkid + t * SCAN_CAP, j->s->shc + t * RES_BUCKETS, j->s->shm + t * RES_BUCKETS,
+                            &j->cnt[t], &j->bad[t]);
+    }
+}
+
+/* The R best tokens (fewer when n < R), sorted by kid into s->tkid; *nt of them. LE_ERR_FORMAT on NaN / +inf. */
+static int top_list(const sample_kernels *k, const float *x, int64_t n, int64_t R, scratch_t *s, int64_t *nt) {
+    int bad = 0, ok = 1;
+    int64_t cnt = 0;
+    const int nth = le_pool_threads(s->pool), ns = n_slices(n);
+    const int nsc = R > SCAN_R_MAX ? 1 : nth < ns ? nth : ns;
+    if (nsc == 1) {
+        const int64_t cap = 2 * R + 80 < TOP_CAP ? 2 * R + 80 : TOP_CAP;   /* >= R + 64 free after a compaction */
+        ok = top_scan(k, x, 0, n, R, cap, s->top, s->tkid, s->hc, s->hm, &cnt, &bad);
+    } else {   /* each slice's R best, then the R best of their union: the same set */
+        scan_job j = {k, x, n, R, nsc, s, {0}, {0}, {0}};
+        le_parallel_for(s->pool, nsc, 1, scan_slices, &j);
+        for (int t = 0; t < nsc; t++) {
+            memcpy(s->top + cnt, s->stop + t * SCAN_CAP, (size_t)j.cnt[t] * sizeof *s->top);
+            cnt += j.cnt[t];
+            bad |= j.bad[t];
+            ok &= j.ok[t];
+        }
+        float thr;
+        if (ok && !bad && cnt > R) cnt = compact_top(x, s->top, cnt, R, s->tkid, s->hc, s->hm, &thr);
+    }
+    if (!ok)   /* a hang would be worse than an error */
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample: the scan stopped early over %lld tokens", (long long)n);
     if (bad) {
         for (int64_t i = 0; i < n; i++)
             if (x[i] != x[i] || x[i] == INFINITY)
@@ -778,12 +887,75 @@ static int estimate_band(const sample_kernels *k, const float *x, int64_t n, flo
     return 1;
 }
 
-/* Collects the region lo < x <= hi (ids, logits, e in s->ids, s->xr, s->er); *S, *A: the mass pass's sums. */
+/* The mass pass in slices (collect): slice t's sums, and its part of the region, nr[t] tokens placed at off[t]. */
+typedef struct {
+    const sample_kernels *k;
+    const float *x;
+    int64_t n;
+    int ns;
+    float m, a, lo, hi;
+    scratch_t *s;
+    double S[SLICES_MAX], A[SLICES_MAX];
+    int64_t nr[SLICES_MAX], off[SLICES_MAX];
+} mass_job;
+
+/* Slice t's mass pass, its region's ids and logits to ids / xr (room for its length + 8). */
+static void mass_slice(mass_job *j, int64_t t, int32_t *ids, float *xr) {
+    int64_t i0, i1;
+    slice_of(j->n, j->ns, t, &i0, &i1);
+    j->k->mass(j->x + i0, i1 - i0, j->m, j->a, j->lo, j->hi, &j->S[t], &j->A[t], ids, xr, &j->nr[t]);
+    for (int64_t r = 0; r < j->nr[t]; r++) ids[r] += (int32_t)i0;   /* the kernel's ids are relative to x + i0 */
+}
+
+static void mass_slices(void *ctx, int64_t t0, int64_t t1, int thread) {   /* to tids / txr at i0 + 16 t */
+    mass_job *j = ctx;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t i0, i1;
+        slice_of(j->n, j->ns, t, &i0, &i1);
+        mass_slice(j, t, j->s->tids + i0 + 16 * t, j->s->txr + i0 + 16 * t);
+    }
+}
+
+/* Slice t's part of the region from tids / txr to its place in ids / xr, and its e. */
+static void place_slices(void *ctx, int64_t t0, int64_t t1, int thread) {
+    mass_job *j = ctx;
+    scratch_t *s = j->s;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t i0, i1;
+        slice_of(j->n, j->ns, t, &i0, &i1);
+        memcpy(s->ids + j->off[t], s->tids + i0 + 16 * t, (size_t)j->nr[t] * sizeof *s->ids);
+        memcpy(s->xr + j->off[t], s->txr + i0 + 16 * t, (size_t)j->nr[t] * sizeof *s->xr);
+        j->k->exps(s->xr + j->off[t], j->nr[t], j->m, s->er + j->off[t]);
+    }
+}
+
+/* Collects the region lo < x <= hi (ids, logits, e in s->ids, s->xr, s->er); *S, *A: the mass pass's sums (of the
+ * slices' sums, in slice order). The region's e: exps per slice part, the same bits with and without threads. */
 static int64_t collect(const sample_kernels *k, const float *x, int64_t n, float m, float a, float lo, float hi,
                        scratch_t *s, double *S, double *A) {
-    int64_t nr;
-    k->mass(x, n, m, a, lo, hi, S, A, s->ids, s->xr, &nr);
-    k->exps(s->xr, nr, m, s->er);   /* the same exp of the same x - m as the pass's sums */
+    mass_job j = {k, x, n, n_slices(n), m, a, lo, hi, s, {0}, {0}, {0}, {0}};
+    int64_t nr = 0;
+    if (j.ns > 1 && le_pool_threads(s->pool) > 1) {   /* each slice's region apart, then placed */
+        le_parallel_for(s->pool, j.ns, 1, mass_slices, &j);
+        for (int t = 0; t < j.ns; t++) {
+            j.off[t] = nr;
+            nr += j.nr[t];
+        }
+        if (nr >= PLACE_MIN) le_parallel_for(s->pool, j.ns, 1, place_slices, &j);
+        else place_slices(&j, 0, j.ns, 0);
+    } else {   /* the slices in order, each region straight to its place */
+        for (int t = 0; t < j.ns; t++) {
+            j.off[t] = nr;
+            mass_slice(&j, t, s->ids + nr, s->xr + nr);
+            k->exps(s->xr + nr, j.nr[t], m, s->er + nr);   /* the same exp of the same x - m as the pass's sums */
+            nr += j.nr[t];
+        }
+    }
+    *S = *A = 0.0;
+    for (int t = 0; t < j.ns; t++) {
+        *S += j.S[t];
+        *A += j.A[t];
+    }
     return nr;
 }
 
@@ -1027,6 +1199,46 @@ static int64_t pass_weights(const sample_kernels *k, const float *xa, int64_t i0
     return kept;
 }
 
+/* The draw's and the weights' passes in slices (pass_draw, le_sample_probs_on): slice t of xa[0, n). */
+typedef struct {
+    const sample_kernels *k;
+    const float *xa;
+    int64_t n;
+    int ns;
+    const plan_t *pl;
+    float v;
+    int32_t id;
+    double *blocks;   /* the draw's block sums, or NULL: the weights into w */
+    float *w;
+    int64_t kept[SLICES_MAX];
+} pass_job;
+
+static void pass_slices(void *ctx, int64_t t0, int64_t t1, int thread) {
+    pass_job *j = ctx;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t i0, i1;
+        slice_of(j->n, j->ns, t, &i0, &i1);
+        if (j->blocks) {   /* the kernel counts from x + i0: the cut's id made relative (-1: no tie kept) */
+            const int32_t id = j->id < i0 ? -1 : (int32_t)(j->id - i0);
+            j->kept[t] = j->k->draw(j->xa + i0, i1 - i0, j->pl->m, (float)j->pl->inv_t, j->v, id,
+                                    j->blocks + i0 / BLOCK);
+        } else {
+            j->kept[t] = pass_weights(j->k, j->xa, i0, i1 - i0, j->pl, j->v, j->id, j->w + i0);
+        }
+    }
+}
+
+/* The pass over xa[0, n) in slices on the pool; the number kept. Per-token and per-block values: the same bits as
+ * one call (slices start at block boundaries). */
+static int64_t pass_run(const sample_kernels *k, const float *xa, int64_t n, const plan_t *pl, float v, int32_t id,
+                        double *blocks, float *w, le_pool *pool) {
+    pass_job j = {k, xa, n, n_slices(n), pl, v, id, blocks, w, {0}};
+    le_parallel_for(pool, j.ns, 1, pass_slices, &j);
+    int64_t kept = 0;
+    for (int t = 0; t < j.ns; t++) kept += j.kept[t];
+    return kept;
+}
+
 /* The draw over a pass: u * W inverted over the block sums, then inside the block; the index in xa. */
 static int64_t pass_draw(const sample_kernels *k, const float *xa, int64_t n, const plan_t *pl, const scratch_t *s,
                          double u, int64_t *n_kept) {
@@ -1035,7 +1247,7 @@ static int64_t pass_draw(const sample_kernels *k, const float *xa, int64_t n, co
     cut_predicate(pl, s, &v, &id);
     const int64_t nblk = (n + BLOCK - 1) / BLOCK;
     if (pl->inv_t <= 0x1p64) {
-        *n_kept = k->draw(xa, n, pl->m, (float)pl->inv_t, v, id, s->blocks);
+        *n_kept = pass_run(k, xa, n, pl, v, id, s->blocks, NULL, s->pool);
     } else {
         *n_kept = 0;
         for (int64_t b = 0; b < nblk; b++) {
@@ -1068,13 +1280,14 @@ static int64_t pass_draw(const sample_kernels *k, const float *xa, int64_t n, co
     return b * BLOCK;
 }
 
-static int prepare(const char *what, const float *logits, int64_t n, const int32_t *pen_ids,
+static int prepare(const char *what, le_model *model, const float *logits, int64_t n, const int32_t *pen_ids,
                    const int32_t *pen_counts, int32_t n_pen, const le_sample_params *params, void *scratch,
                    int64_t scratch_bytes, scratch_t *s, const sample_kernels **k, int *isa, const float **x,
                    plan_t *pl) {
     int rc = check_args(what, logits, n, pen_ids, pen_counts, n_pen, params, scratch, scratch_bytes);
     if (rc != LE_OK) return rc;
     layout(n, scratch, s);
+    s->pool = model ? model->pool : NULL;
     *isa = le_sample_isa();
     *k = kernels(*isa);
     *x = penalise(logits, n, pen_ids, pen_counts, n_pen, params, s->xp);
@@ -1084,6 +1297,12 @@ static int prepare(const char *what, const float *logits, int64_t n, const int32
 int le_sample(const float *logits, int64_t n, const int32_t *pen_ids, const int32_t *pen_counts, int32_t n_pen,
               const le_sample_params *params, double u, void *scratch, int64_t scratch_bytes, int32_t *token,
               le_sample_info *info) {
+    return le_sample_on(NULL, logits, n, pen_ids, pen_counts, n_pen, params, u, scratch, scratch_bytes, token, info);
+}
+
+int le_sample_on(le_model *model, const float *logits, int64_t n, const int32_t *pen_ids, const int32_t *pen_counts,
+                 int32_t n_pen, const le_sample_params *params, double u, void *scratch, int64_t scratch_bytes,
+                 int32_t *token, le_sample_info *info) {
     if (!token) return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample: NULL token");
     if (!(u >= 0.0 && u < 1.0)) return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample: u = %g is not in [0, 1)", u);
     scratch_t s;
@@ -1091,8 +1310,8 @@ int le_sample(const float *logits, int64_t n, const int32_t *pen_ids, const int3
     const float *x;
     plan_t pl;
     int isa;
-    int rc = prepare("le_sample", logits, n, pen_ids, pen_counts, n_pen, params, scratch, scratch_bytes, &s, &k,
-                     &isa, &x, &pl);
+    int rc = prepare("le_sample", model, logits, n, pen_ids, pen_counts, n_pen, params, scratch, scratch_bytes, &s,
+                     &k, &isa, &x, &pl);
     if (rc != LE_OK) return rc;
     int32_t tok = -1;
     int64_t n_kept;
@@ -1124,14 +1343,21 @@ int le_sample(const float *logits, int64_t n, const int32_t *pen_ids, const int3
 int le_sample_probs(const float *logits, int64_t n, const int32_t *pen_ids, const int32_t *pen_counts,
                     int32_t n_pen, const le_sample_params *params, void *scratch, int64_t scratch_bytes,
                     double *probs, le_sample_info *info) {
+    return le_sample_probs_on(NULL, logits, n, pen_ids, pen_counts, n_pen, params, scratch, scratch_bytes, probs,
+                              info);
+}
+
+int le_sample_probs_on(le_model *model, const float *logits, int64_t n, const int32_t *pen_ids,
+                       const int32_t *pen_counts, int32_t n_pen, const le_sample_params *params, void *scratch,
+                       int64_t scratch_bytes, double *probs, le_sample_info *info) {
     if (!probs) return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_probs: NULL probs");
     scratch_t s;
     const sample_kernels *k;
     const float *x;
     plan_t pl;
     int isa;
-    int rc = prepare("le_sample_probs", logits, n, pen_ids, pen_counts, n_pen, params, scratch, scratch_bytes, &s,
-                     &k, &isa, &x, &pl);
+    int rc = prepare("le_sample_probs", model, logits, n, pen_ids, pen_counts, n_pen, params, scratch,
+                     scratch_bytes, &s, &k, &isa, &x, &pl);
     if (rc != LE_OK) return rc;
     memset(probs, 0, (size_t)n * sizeof *probs);
     int64_t n_kept;
@@ -1148,7 +1374,7 @@ int le_sample_probs(const float *logits, int64_t n, const int32_t *pen_ids, cons
         int32_t id;
         cut_predicate(&pl, &s, &v, &id);
         const int64_t nw = pl.n_region > 0 ? pl.n_region : n;
-        n_kept = pass_weights(k, pl.n_region > 0 ? s.xr : x, 0, nw, &pl, v, id, s.er);
+        n_kept = pass_run(k, pl.n_region > 0 ? s.xr : x, nw, &pl, v, id, NULL, s.er, s.pool);
         double W = 0.0;
         for (int64_t i = 0; i < nw; i++) W += s.er[i];
         for (int64_t i = 0; i < nw; i++) probs[pl.n_region > 0 ? s.ids[i] : i] = s.er[i] / W;

@@ -48,6 +48,20 @@ def hparam_metadata(hp: Hparams) -> dict:
     return m
 
 
+def add_key(w: GGUFWriter, k: str, v) -> None:
+    """One metadata key, typed as the engine's loader reads it (bool, uint32, float32, string, array)."""
+    if isinstance(v, bool):
+        w.add_bool(k, v)
+    elif isinstance(v, int):
+        w.add_uint32(k, v)
+    elif isinstance(v, float):
+        w.add_float32(k, v)
+    elif isinstance(v, str):
+        w.add_string(k, v)
+    else:
+        w.add_array(k, v)
+
+
 def write_gguf(path, hp: Hparams, *, drop=(), reshape=None, extra_tensors=None, drop_keys=(),
                extra_keys=None, seed=0) -> str:
     """Writes an f32 model of hp. drop: tensor names to leave out; reshape: name -> ne to write
@@ -57,18 +71,8 @@ def write_gguf(path, hp: Hparams, *, drop=(), reshape=None, extra_tensors=None, 
     meta = hparam_metadata(hp)
     meta.update(extra_keys or {})
     for k, v in meta.items():
-        if k in drop_keys:
-            continue
-        if isinstance(v, bool):
-            w.add_bool(k, v)
-        elif isinstance(v, int):
-            w.add_uint32(k, v)
-        elif isinstance(v, float):
-            w.add_float32(k, v)
-        elif isinstance(v, str):
-            w.add_string(k, v)
-        else:
-            w.add_array(k, v)
+        if k not in drop_keys:
+            add_key(w, k, v)
     tensors = dict(expected_tensors(hp))
     for name in drop:
         tensors.pop(name)

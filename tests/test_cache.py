@@ -136,6 +136,19 @@ def test_model_fingerprint_is_remembered_by_file_identity(tmp_path, monkeypatch)
     assert model_fingerprint(big, memo_dir=memo) != first
 
 
+def test_model_fingerprint_at_interpreter_shutdown(tmp_path):
+    """The GPU model saves its routing counts (named by the fingerprint) in an atexit hook, when no new thread may
+    start: the hash then runs on one core and gives the same digest (it raised RuntimeError on the GPU machine)."""
+    big = tmp_path / "big.gguf"
+    with open(big, "wb") as f:
+        f.truncate(3 * cache_mod.FINGERPRINT_PIECE // 2)     # two pieces: the parallel path
+    code = ("import atexit, sys; from legacy_engine.cache import model_fingerprint as fp; "
+            f"atexit.register(lambda: print(fp({str(big)!r}, memo_dir={str(tmp_path / 'memo')!r}).hex()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    assert out.stdout.strip() == model_fingerprint(big, memo_dir=tmp_path / "memo2").hex()
+
+
 def test_model_fingerprint_is_content_not_path(model_file, tmp_path):
     src = model_file("moe")
     copy = tmp_path / "copy.gguf"

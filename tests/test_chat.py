@@ -258,6 +258,24 @@ def test_cli_prints_a_template_error_as_one_line(tmp_path):
         r.stderr.splitlines()
 
 
+def test_cli_stops_a_template_that_does_not_end(tmp_path):
+    """`legacy-engine run --chat` renders in the same stoppable process as the server: a template that loops for
+    hours ends as one line naming it after the renderer's time limit, exit 1 (it hung until Ctrl-C)."""
+    from legacy_engine.make_model import make_model
+
+    path = make_model("tiny-moe", str(tmp_path / "loop.gguf"), layers=4, quant="q8_0", progress=False)
+    raw = open(path, "rb").read()
+    good = T.encode()
+    loop = b"{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with open(path, "wb") as f:
+        f.write(raw.replace(good, loop.ljust(len(good)), 1))
+    r = subprocess.run([sys.executable, "-m", "legacy_engine", "run", path, "--chat", "-n", "2", "-t", "2"],
+                       input="hi\n", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert any(line.startswith("legacy-engine: error: the chat template of loop.gguf") for line in
+               r.stderr.splitlines()), r.stderr
+
+
 def test_template_helpers():
     out = render_chat(HI, "{{ messages | tojson }}|{{ strftime_now('%Y') | length }}|{{ enable_thinking }}",
                       enable_thinking=False)

@@ -295,3 +295,28 @@ def test_cli_seed_reproducible(model_path):
         return r.stdout
     assert run(7) == run(7)
     assert run(7) != run(8)
+
+
+def test_non_finite_logits_of_any_engine_are_an_error(model_path):
+    """A GPU or split model's logits are checked where the session reads them (Model.forward checks the CPU's):
+    a NaN is a FormatError naming the position, and the session, no longer trustworthy, starts over."""
+    from legacy_engine.errors import FormatError
+
+    class NanModel:                      # stands in for a GpuModel / SplitModel: same forward, a NaN in the logits
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def forward(self, state, ids, **kw):
+            out = self.inner.forward(state, ids, **kw).copy()
+            out[-1, 7] = np.nan
+            return out
+
+    eng = Engine(model_path, N_THREADS, 64)
+    eng.model = NanModel(eng.cpu_model)
+    s = eng.session()
+    with pytest.raises(FormatError, match="non-finite logits at position 2"):
+        s.prefill([1, 2, 3])
+    assert s.pos == 0 and s.tokens == []

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
-from gguf_writer import hparam_metadata, small_hparams, write_gguf
+from gguf_writer import add_key, hparam_metadata, small_hparams, write_gguf
 from legacy_engine import cli
 from legacy_engine import gguf_file as gf
 from legacy_engine.errors import ContextLengthError, FormatError
@@ -105,12 +105,7 @@ def write_sparse_gguf(path, hp, ne: dict[str, tuple[int, ...]], types: dict[str,
     any apparent size that costs a few KiB of disk."""
     w = GGUFWriter(str(path), hp.arch)
     for k, v in hparam_metadata(hp).items():
-        if isinstance(v, int):
-            w.add_uint32(k, v)
-        elif isinstance(v, float):
-            w.add_float32(k, v)
-        else:
-            w.add_array(k, v)
+        add_key(w, k, v)
     total = 0
     for name, shape in {**expected_tensors(hp), **ne}.items():
         qt = types.get(name, T.F32)

@@ -9,6 +9,8 @@ repeating history, T = 1e-320, top-k above the vocabulary, top-k above the candi
 agree within tolerances.SAMPLING_* (float exp against float64 exp), the kept sets are identical, and the same u
 draws the same token. Also: draw frequencies against the probabilities (chi-square), penalties bit-exact against
 numpy, every internal path exercised by name, errors on NaN / +inf, and negative controls that must fail.
+Threads (le_sample_on, Sampler(params, model=...)): the matrix again with the passes on a model's pool of 2 threads
+(ids `...-pool2`), and the same bits (kept set, probabilities, token of each u, info) for 1, 2, 3 threads and none.
 """
 from __future__ import annotations
 
@@ -175,10 +177,11 @@ def draw_ambiguous(ref: Ref, u: float, a: int, b: int) -> bool:
 U_DRAWS = np.random.default_rng(99).random(24).tolist() + [0.0, 1.0 - 2**-53]
 
 
-def check(x, p: SamplingParams, history, ref: Ref, force=()) -> dict:
-    """The C sampler against `ref`: kept set, probabilities, and the token of each u in U_DRAWS."""
+def check(x, p: SamplingParams, history, ref: Ref, force=(), model=None) -> dict:
+    """The C sampler (on `model`'s threads when given) against `ref`: kept set, probabilities, and the token of each
+    u in U_DRAWS."""
     ns = _native.NativeSampler(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                               p.frequency_penalty, force=force)
+                               p.frequency_penalty, force=force, model=model)
     ids, counts = Sampler(p).penalty_counts(history)
     probs = ns.probs(x, ids, counts)
     info = ns.last()
@@ -201,26 +204,38 @@ def check(x, p: SamplingParams, history, ref: Ref, force=()) -> dict:
 
 # ------------------------------------------------------------------------------------------------ the matrix
 
+@pytest.fixture(scope="module")
+def pools(tiny_file):
+    """NativeModels of the tiny model with 1, 2 and 3 threads: only their pools serve the sampler."""
+    from legacy_engine.model import Model
+    return {n: Model(tiny_file, n_threads=n, pin=False).native for n in (1, 2, 3)}
+
+
+threads = pytest.mark.parametrize("pool", ["caller", "pool2"])
+
+
 @tiers
+@threads
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pname", list(PARAMS))
-def test_matches_reference(forced_isa, shape, pname):
+def test_matches_reference(forced_isa, pool, shape, pname, pools):
     assert _native.sample_isa() == forced_isa
     x, p, history, ref = case(shape, pname)
-    info = check(x, p, history, ref)
+    info = check(x, p, history, ref, model=pools[2] if pool == "pool2" else None)
     assert info["isa"] == forced_isa
     if pname in ("greedy", "tiny_T"):
         assert info["path"] == ["greedy"] and info["token"] == int(np.argmax(ref.x))
 
 
 @tiers
+@threads
 @pytest.mark.parametrize("shape", ["std1", "std3", "std8", "ties", "masked"])
 @pytest.mark.parametrize("force", ["miss_high", "miss_low", "all"])
-def test_top_p_fallbacks(forced_isa, shape, force):
+def test_top_p_fallbacks(forced_isa, pool, shape, force, pools):
     """The paths an estimate rarely takes (its band wholly above or below the cut; no estimate) give the same
     answer."""
     x, p, history, ref = case(shape, "top_p")
-    info = check(x, p, history, ref, force=(force,))
+    info = check(x, p, history, ref, force=(force,), model=pools[2] if pool == "pool2" else None)
     assert ("all" if force == "all" else "fallback") in info["path"]
 
 
@@ -239,6 +254,59 @@ def test_every_path_runs():
     assert paths("std3", temperature=0.8, top_k=5000) == {"all", "pass"}
     assert paths("std1", temperature=0.8, min_p=0.05) == {"pass"}
     assert "fallback" in paths("std3", temperature=0.8, top_p=0.95, force=("miss_low",))
+
+
+# ------------------------------------------------------------------------------------------------ threads
+
+def _runs(x, p: SamplingParams, history, model, force=()) -> tuple:
+    """Everything a sampler decides on x: probabilities, info, the token of each u in U_DRAWS (and its info)."""
+    ns = _native.NativeSampler(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                               p.frequency_penalty, force=force, model=model)
+    ids, counts = Sampler(p).penalty_counts(history)
+    probs = ns.probs(x, ids, counts)
+    out = [ns.last()]
+    for u in U_DRAWS:
+        out.append((ns.draw(x, u, ids, counts), ns.last()))
+    return probs, out
+
+
+@tiers
+@pytest.mark.parametrize("shape", ["std1", "std3", "std8", "ties", "masked", "peaked"])
+@pytest.mark.parametrize("pname,force", [("temp", ()), ("top_p", ()), ("top_p", ("all",)), ("top_p", ("miss_low",)),
+                                         ("top_p", ("miss_high",)), ("min_p", ()), ("k_above_list", ()),
+                                         ("all", ()), ("penalties", ()), ("greedy", ()), ("tiny_T", ())])
+def test_thread_count_invariance(forced_isa, shape, pname, force, pools):
+    """The same bits for any thread count: probabilities, kept set, max, path and the token of every u, with the
+    passes on the caller's thread only (no model) and on pools of 1, 2 and 3 threads."""
+    x, p, history, _ = case(shape, pname)
+    want_probs, want = _runs(x, p, history, None, force)
+    for n, model in pools.items():
+        probs, got = _runs(x, p, history, model, force)
+        assert np.array_equal(probs.view(np.uint64), want_probs.view(np.uint64)), f"{n} threads: probabilities"
+        assert got == want, f"{n} threads"
+
+
+def test_pool_runs_the_passes_and_small_vocabularies_stay_on_the_caller(pools):
+    """At 248k the passes are parallel jobs on the pool; below two slices (32,768 tokens) none is published, the
+    caller's thread does everything. A worker that never comes (held out of every job) changes nothing."""
+    m = pools[2]
+    p = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
+    for n, parallel in [(7, False), (1000, False), (32_767, False), (32_768, True), (N_REAL, True)]:
+        x = (np.random.default_rng(n).standard_normal(n) * 3).astype(np.float32)
+        jobs = m.pool_stats()["jobs"]
+        tok = Sampler(p, model=m).sample(x)
+        assert (m.pool_stats()["jobs"] > jobs) == parallel, n
+        assert tok == Sampler(p).sample(x)
+    x = _logits("std3")
+    s = Sampler(p)
+    want = [s.sample(x) for _ in range(3)]
+    m.pool_hold(1, 1)
+    try:
+        s = Sampler(p, model=m)
+        assert [s.sample(x) for _ in range(3)] == want
+        assert m.pool_stats()["missed"] > 0
+    finally:
+        m.pool_hold(1, 0)
 
 
 # ------------------------------------------------------------------------------------------------ draws, penalties

@@ -11,6 +11,14 @@
  * Temperature 0, or one whose 1/T is not finite (1e-320): greedy (the argmax, lowest id on ties).
  * NaN or +inf logits, or no finite one: LE_ERR_FORMAT (nothing is drawn from them); -inf is a masked token.
  *
+ * Threads: le_sample_on / le_sample_probs_on run the passes over the whole vocabulary (the scan for the top list,
+ * the mass pass of top-p, the draw's block sums, the weights) on the thread pool of a model (native/threads.c; its
+ * n_threads, idle while a GPU decodes). The vocabulary is cut into slices fixed by n_vocab alone (16,384 tokens or
+ * more each, at most 32) whose partial results merge in slice order: the kept set, the probabilities and the token
+ * drawn for a given u are the same bits for any thread count, and without a model (le_sample, le_sample_probs:
+ * the caller's thread only). Below 32,768 tokens everything runs on the caller's thread. The pool runs one job at
+ * a time: not while the same model runs le_forward on another thread.
+ *
  * Accuracy: weights are float exp of float arguments (exp within 1.2e-7 relative, the argument rounded to
  * float: 2^-24 |arg| more), sums in double; tests/test_sampling.py holds every path to a float64 numpy
  * reference (tests/tolerances.py SAMPLING_*).
@@ -19,6 +27,8 @@
 #define LE_SAMPLE_H
 
 #include <stdint.h>
+
+#include "le_model.h" /* le_model (the pool of le_sample_on) */
 
 typedef struct {
     double temperature;         /* 0 (or 1/T not finite): greedy */
@@ -56,8 +66,8 @@ typedef struct {
     int32_t isa;        /* the tier that ran the passes (le_isa) */
 } le_sample_info;
 
-/* Bytes of the scratch buffer le_sample needs for n_vocab (about 25 bytes a token, 6 MB at 248k): allocate once,
- * reuse. */
+/* Bytes of the scratch buffer le_sample needs for n_vocab (about 34 bytes a token, 8.5 MB at 248k): allocate once,
+ * reuse (one per sampler: two calls at once need two). */
 int64_t le_sample_scratch_bytes(int64_t n_vocab);
 
 /* One token from logits[n_vocab] (not modified). pen_ids/pen_counts[n_pen]: distinct token ids seen in the
@@ -71,6 +81,15 @@ int le_sample(const float *logits, int64_t n_vocab, const int32_t *pen_ids, cons
 int le_sample_probs(const float *logits, int64_t n_vocab, const int32_t *pen_ids, const int32_t *pen_counts,
                     int32_t n_pen, const le_sample_params *params, void *scratch, int64_t scratch_bytes,
                     double *probs, le_sample_info *info);
+
+/* le_sample and le_sample_probs with the passes over the vocabulary on model m's threads (m NULL: the caller's
+ * thread, as le_sample). Same results, bit for bit, for any m. */
+int le_sample_on(le_model *m, const float *logits, int64_t n_vocab, const int32_t *pen_ids,
+                 const int32_t *pen_counts, int32_t n_pen, const le_sample_params *params, double u, void *scratch,
+                 int64_t scratch_bytes, int32_t *token, le_sample_info *info);
+int le_sample_probs_on(le_model *m, const float *logits, int64_t n_vocab, const int32_t *pen_ids,
+                       const int32_t *pen_counts, int32_t n_pen, const le_sample_params *params, void *scratch,
+                       int64_t scratch_bytes, double *probs, le_sample_info *info);
 
 /* The tier serving the sampler's passes now (le_isa: ref or avx2; follows le_set_isa). */
 int le_sample_isa(void);
