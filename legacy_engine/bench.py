@@ -454,7 +454,8 @@ def decode_table(res: dict) -> str:
 
 
 def parse_isas(spec: str) -> list[str]:
-    """"all" -> every tier this CPU runs; "none" -> []; else a comma list of tiers, "f32" and "all", each checked."""
+    """"chosen" -> the tier `info` chooses (the one the engine runs); "all" -> every tier this CPU runs; "none" -> [];
+    else a comma list of tiers, "f32", "chosen" and "all", each checked."""
     from . import _native
     isas: list[str] = []
     for i in (s.strip() for s in spec.split(",")):
@@ -462,6 +463,9 @@ def parse_isas(spec: str) -> list[str]:
             continue
         if i == "all":
             isas += [n for n in _native.ISA_NAMES if _native.isa_supported(n) and n not in isas]
+            continue
+        if i == "chosen":
+            isas += [_native.get_isa()] if _native.get_isa() not in isas else []
             continue
         if i != "f32" and i not in _native.ISA_NAMES:
             raise ValueError(f"--isa: unknown tier {i!r}; choose from all, none, f32, {', '.join(_native.ISA_NAMES)}")
@@ -581,9 +585,9 @@ def main(argv=None) -> int:
     dp.add_argument("--pp", type=int, default=64, help="prompt tokens of the prefill test, 0 skips it (64)")
     dp.add_argument("--tg", type=int, default=32, help="decoded tokens of the decode test, 0 skips it (32)")
     dp.add_argument("--reps", type=int, default=3, help="timed runs after one warm-up; the median counts (3)")
-    dp.add_argument("--isa", default="all", metavar="all|none|TIER,...",
-                    help="CPU tiers to force (ref, ssse3, avx2, avx512vnni; f32 = integer kernels off); all: every "
-                         "tier this CPU runs (all)")
+    dp.add_argument("--isa", default="chosen", metavar="chosen|all|none|TIER,...",
+                    help="CPU tiers to force (ref, ssse3, avx2, avx512vnni; f32 = integer kernels off); chosen: the "
+                         "one `info` chooses; all: every tier this CPU runs (chosen)")
     dp.add_argument("--llama", default="auto", metavar="auto|off|PATH",
                     help="llama.cpp beside ours: auto = llama-cpp-python if importable; PATH = a llama-bench binary")
     dp.add_argument("--bandwidth", default="auto", metavar="GBPS|auto",

@@ -240,3 +240,14 @@ def test_bench_cache_defaults_finish_in_a_minute():
     assert inspect.signature(bench_cache).parameters["lengths"].default == (947,)
     r = _cli("bench", "cache", "-h")
     assert "prompt lengths (947:" in r.stdout, r.stdout
+
+
+def test_bench_decode_defaults_to_the_chosen_tier():
+    """`bench decode` runs the tier `info` chooses by default (plus llama.cpp), every tier only with --isa all."""
+    from legacy_engine import _native, bench
+
+    assert bench.parse_isas("chosen") == [_native.get_isa()]
+    assert bench.parse_isas("chosen,all")[0] == _native.get_isa() and len(bench.parse_isas("all")) >= 1
+    out = subprocess.run([sys.executable, "-m", "legacy_engine", "bench", "decode", "-h"], capture_output=True,
+                         text=True, timeout=60).stdout
+    assert re.search(r"chosen: the\s+one `info`\s+chooses.*\(chosen\)", out, re.S), out
