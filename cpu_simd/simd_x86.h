@@ -231,4 +231,39 @@ static inline __m512i le_group_scales_epi16(__m512i scales16, int base, int per)
 
 #endif /* AVX-512 VNNI */
 
+/* ---- AVX2 and AVX-512 VNNI: one kernel body, the dot instruction chosen by the target ----
+ * A quant family's AVX2 and AVX-512 VNNI kernels are one body (cpu_simd/vec_dot_<type>_x86.h)
+ * compiled by two small files, vec_dot_<type>_avx2.c and vec_dot_<type>_avx512vnni.c, whose
+ * pragmas pick the target. What differs sits in the helpers below (as ggml's
+ * mul_sum_us8_pairs_float): LE_X86_VNNI is 1 where the file's target has AVX-512 VNNI + VL
+ * (vpdpbusd / vpdpwssd on ymm), else 0. Both forms give the same int32 lanes, bit for bit:
+ * the pair sums of vpmaddubsw never saturate with Q8 activations (-127..127). */
+#if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LE_X86_VNNI 1
+#else
+#define LE_X86_VNNI 0
+#endif
+
+/* acc + sum of 2 (int16 a) x (int16 b) per int32 lane: vpdpwssd, or vpmaddwd + vpaddd. */
+static inline __m256i le_madd_acc_256(__m256i acc, __m256i a, __m256i b) {
+#if LE_X86_VNNI
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+/* sum of 4 (signed x) * (signed y) per int32 lane (y must not be -128): the sign trick into
+ * vpdpbusd, or into vpmaddubsw + vpmaddwd (le_dot_i8_256). */
+static inline __m256i le_mul_sum_i8_256(__m256i x, __m256i y) {
+#if LE_X86_VNNI
+    return le_dpbssd_256(_mm256_setzero_si256(), x, y);
+#else
+    return le_dot_i8_256(x, y);
+#endif
+}
+
+#endif /* AVX2 / AVX-512 VNNI */
+
 #endif

@@ -1,10 +1,8 @@
-/* vec_dot_iq4_nl_avx512vnni.c — 32-element blocks on a 16-value grid (IQ4_NL, MXFP4) against
- * Q8_0 activations (W4A8), AVX-512 VNNI (vpdpbusd on ymm: AVX512VL).
+/* vec_dot_iq4_nl_avx512vnni.c — IQ4_NL and MXFP4 against Q8_0 activations (W4A8),
+ * AVX-512 VNNI (vpdpbusd on ymm: AVX512VL).
  *
- * As vec_dot_iq4_nl_avx2.c with vpdpbusd in place of vpmaddubsw + vpmaddwd: vpshufb maps
- * the 32 codes to signed grid values, the sign trick |w| * (a * sign(w)) makes the
- * unsigned x signed product vpdpbusd takes. Two blocks per loop step; an odd last block
- * goes to the scalar reference (the tail).
+ * The body is vec_dot_iq4_nl_x86.h, shared with the AVX2 kernels; compiled here for VNNI
+ * each block's products are one vpdpbusd (le_mul_sum_i8_256, simd_x86.h).
  * Oracle: vec_dot_{iq4_nl,mxfp4}_q8_0_ref (native/vec_dot_ref.c).
  * Build: part of the cffi extension (`pip install -e .`); the pragma below compiles this
  * file for AVX-512 VNNI whatever the baseline is; it runs only where the CPU has it.
@@ -12,59 +10,7 @@
  */
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 
-#include "simd_x86.h"
+#include "vec_dot_iq4_nl_x86.h"
 
-static inline __m256i grid_dot(__m256i grid, const uint8_t *qs, const int8_t *a) {
-    const __m256i w = _mm256_shuffle_epi8(grid, le_nibbles_32(qs));
-    return le_dpbssd_256(_mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)a));
-}
-
-void vec_dot_iq4_nl_q8_0_avx512vnni(int64_t n, float *s, const void *vx, const void *vy) {
-    const block_iq4_nl *x = vx;
-    const block_q8_0 *y = vy;
-    const int64_t nb = n / QK4_NL;
-    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)le_kvalues_iq4nl));
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t ib = 0;
-    for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
-        const __m256i p0 = grid_dot(grid, x[ib].qs, y[ib].qs);
-        const __m256i p1 = grid_dot(grid, x[ib + 1].qs, y[ib + 1].qs);
-        const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(y[ib].d) * _cvtsh_ss(x[ib].d));
-        const __m256 d1 = _mm256_set1_ps(_cvtsh_ss(y[ib + 1].d) * _cvtsh_ss(x[ib + 1].d));
-        acc0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(p1), acc1);
-    }
-    float sumf = le_hsum_ps_256(_mm256_add_ps(acc0, acc1));
-    if (ib < nb) {                                            /* scalar tail */
-        float t;
-        vec_dot_iq4_nl_q8_0_ref((nb - ib) * QK4_NL, &t, x + ib, y + ib);
-        sumf += t;
-    }
-    *s = sumf;
-}
-
-void vec_dot_mxfp4_q8_0_avx512vnni(int64_t n, float *s, const void *vx, const void *vy) {
-    const block_mxfp4 *x = vx;
-    const block_q8_0 *y = vy;
-    const int64_t nb = n / QK_MXFP4;
-    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)le_kvalues_mxfp4));
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t ib = 0;
-    for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
-        const __m256i p0 = grid_dot(grid, x[ib].qs, y[ib].qs);
-        const __m256i p1 = grid_dot(grid, x[ib + 1].qs, y[ib + 1].qs);
-        const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(y[ib].d) * le_e8m0_half(x[ib].e));
-        const __m256 d1 = _mm256_set1_ps(_cvtsh_ss(y[ib + 1].d) * le_e8m0_half(x[ib + 1].e));
-        acc0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(p1), acc1);
-    }
-    float sumf = le_hsum_ps_256(_mm256_add_ps(acc0, acc1));
-    if (ib < nb) {                                            /* scalar tail */
-        float t;
-        vec_dot_mxfp4_q8_0_ref((nb - ib) * QK_MXFP4, &t, x + ib, y + ib);
-        sumf += t;
-    }
-    *s = sumf;
-}
+void vec_dot_iq4_nl_q8_0_avx512vnni(int64_t n, float *s, const void *x, const void *y) { vec_dot_iq4_nl_q8_0_x86(n, s, x, y); }
+void vec_dot_mxfp4_q8_0_avx512vnni(int64_t n, float *s, const void *x, const void *y) { vec_dot_mxfp4_q8_0_x86(n, s, x, y); }

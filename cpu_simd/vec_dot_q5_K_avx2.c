@@ -1,65 +1,13 @@
 /* vec_dot_q5_K_avx2.c — Q5_K weights . Q8_K activations (W5A8), AVX2 + FMA + F16C.
  *
- * Q4_K (vec_dot_q4_K_avx2.c) plus a 5th bit: qh[l] bit 2c adds 16 to element l of
- * group 2c (low nibbles of chunk c), bit 2c+1 to element l of group 2c+1. The 32 qh bytes
- * are loaded once per super-block and shifted right by 2 per chunk; the bit lands in bit
- * 4 of each byte (vpsrlw/vpsllw keep it inside its byte after the mask).
- * Scales and mins are unpacked in vector form (le_q4_K_scales_mins).
- * q is 0..31: vpmaddubsw pairs <= 2*31*127, no saturation.
+ * The body is vec_dot_q5_K_x86.h, shared with the AVX-512 VNNI kernel; compiled here for
+ * AVX2 the group scales are vpmaddwd + vpaddd (le_madd_acc_256, simd_x86.h).
  * Oracle: vec_dot_q5_K_q8_K_ref (native/vec_dot_ref.c).
  * Build: part of the cffi extension (`pip install -e .`); the pragma below compiles this
  * file for AVX2 whatever the baseline is. Test: python -m pytest tests/test_vec_dot.py -k q5_K-avx2
  */
 #pragma GCC target("avx2,fma,f16c")
 
-#include "simd_x86.h"
+#include "vec_dot_q5_K_x86.h"
 
-/* int16 lanes all equal to scale g of `scales` (the 8 scales as int16, in both 128-bit lanes). */
-static inline __m256i scale_of(__m256i scales, int g) {
-    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * g)));
-}
-
-void vec_dot_q5_K_q8_K_avx2(int64_t n, float *s, const void *vx, const void *vy) {
-    const block_q5_K *x = vx;
-    const block_q8_K *y = vy;
-    const int64_t nb = n / QK_K;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 acc_m = _mm_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
-        const float d = y[i].d * _cvtsh_ss(x[i].d);
-        const float dmin = y[i].d * _cvtsh_ss(x[i].dmin);
-        const __m256i sm = _mm256_cvtepu8_epi16(le_q4_K_scales_mins(x[i].scales)); /* scales | mins */
-
-        const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[i].bsums);
-        const __m128i gsums = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
-        const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), gsums);
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
-
-        const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
-        const uint8_t *q5 = x[i].qs;
-        const int8_t *q8 = y[i].qs;
-        const __m256i hbits = _mm256_loadu_si256((const __m256i *)x[i].qh);
-        __m256i sumi = _mm256_setzero_si256();
-#pragma GCC unroll 4
-        for (int c = 0; c < QK_K / 64; c++) {
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)(q5 + 32 * c));
-            /* qh bit 2c -> bit 4 of the low codes, bit 2c+1 -> bit 4 of the high codes */
-            const __m256i h_lo = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * c), one), 4);
-            const __m256i h_hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * c + 1), one), 4);
-            const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, m4), h_lo);
-            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h_hi);
-            __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c)));
-            __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c + 32)));
-            p_lo = _mm256_madd_epi16(p_lo, scale_of(scales, 2 * c));
-            p_hi = _mm256_madd_epi16(p_hi, scale_of(scales, 2 * c + 1));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
-    }
-    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
-    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
-    *s = le_hsum_ps_256(acc) - _mm_cvtss_f32(acc_m);
-}
+void vec_dot_q5_K_q8_K_avx2(int64_t n, float *s, const void *x, const void *y) { vec_dot_q5_K_q8_K_x86(n, s, x, y); }

@@ -1,41 +1,13 @@
 /* vec_dot_q8_0_avx2.c — Q8_0 weights . Q8_0 activations (W8A8), AVX2 + FMA + F16C.
  *
- * One 32-element block is one 256-bit vector: the signed x signed byte products go
- * through vpmaddubsw (unsigned x signed) with the sign trick |w| * (a * sign(w)), then
- * vpmaddwd against ones gives 8 int32 partial sums; the block scale dw*da (f32) is
- * applied with one FMA per block into 8 f32 lanes. Two blocks per iteration, two
- * accumulators (hides the FMA latency); an odd last block goes to the scalar reference.
+ * The body is vec_dot_q8_0_x86.h, shared with the AVX-512 VNNI kernel; compiled here for
+ * AVX2 the products are vpmaddubsw + vpmaddwd (le_mul_sum_i8_256, simd_x86.h).
  * Oracle: vec_dot_q8_0_q8_0_ref (native/vec_dot_ref.c).
  * Build: part of the cffi extension (`pip install -e .`); the pragma below compiles this
  * file for AVX2 whatever the baseline is. Test: python -m pytest tests/test_vec_dot.py -k q8_0-avx2
  */
 #pragma GCC target("avx2,fma,f16c")
 
-#include "simd_x86.h"
+#include "vec_dot_q8_0_x86.h"
 
-/* x: nb blocks of Q8_0 weights, y: nb blocks of Q8_0 activations (-127..127). */
-void vec_dot_q8_0_q8_0_avx2(int64_t n, float *s, const void *vx, const void *vy) {
-    const block_q8_0 *x = vx;
-    const block_q8_0 *y = vy;
-    const int64_t nb = n / QK8_0;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t ib = 0;
-    for (; ib + 2 <= nb; ib += 2) {
-        le_prefetch_ahead(x + ib, 2 * sizeof *x);   /* DRAM (simd_x86.h) */
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)x[ib].qs);
-        const __m256i y0 = _mm256_loadu_si256((const __m256i *)y[ib].qs);
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)x[ib + 1].qs);
-        const __m256i y1 = _mm256_loadu_si256((const __m256i *)y[ib + 1].qs);
-        const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(x[ib].d) * _cvtsh_ss(y[ib].d));
-        const __m256 d1 = _mm256_set1_ps(_cvtsh_ss(x[ib + 1].d) * _cvtsh_ss(y[ib + 1].d));
-        acc0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(le_dot_i8_256(x0, y0)), acc0);
-        acc1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(le_dot_i8_256(x1, y1)), acc1);
-    }
-    float sumf = le_hsum_ps_256(_mm256_add_ps(acc0, acc1));
-    if (ib < nb) {                                        /* scalar tail: the last block */
-        float t;
-        vec_dot_q8_0_q8_0_ref((nb - ib) * QK8_0, &t, x + ib, y + ib);
-        sumf += t;
-    }
-    *s = sumf;
-}
+void vec_dot_q8_0_q8_0_avx2(int64_t n, float *s, const void *x, const void *y) { vec_dot_q8_0_q8_0_x86(n, s, x, y); }

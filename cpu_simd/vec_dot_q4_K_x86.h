@@ -1,0 +1,73 @@
+/* vec_dot_q4_K_x86.h — Q4_K weights . Q8_K activations (W4A8): the one body of the AVX2 and
+ * AVX-512 VNNI kernels (vec_dot_q4_K_avx2.c, vec_dot_q4_K_avx512vnni.c include it after
+ * their pragma).
+ *
+ * A 256-element super-block: 8 groups of 32 with a 6-bit scale sc_g and a 6-bit min m_g,
+ * w = d * sc_g * q - dmin * m_g, q 0..15. So
+ *   dot = d * da * sum_g sc_g * sum_{i in g} q_i a_i  -  dmin * da * sum_g m_g * sum_{i in g} a_i
+ * and sum_{i in g} a_i is two of Q8_K's bsums (16 each): the min term costs one vpmaddwd.
+ * Each 32 bytes of qs hold groups 2c (low nibbles) and 2c+1 (high nibbles): one
+ * vpmaddubsw per group (q unsigned x a signed, pairs <= 2*15*127), then the group's scale
+ * (as int16) multiplied and accumulated in int32 by le_madd_acc_256 (simd_x86.h: vpmaddwd +
+ * vpaddd on AVX2, one vpdpwssd on VNNI); two accumulators (low and high nibble groups) keep
+ * the chains short. One FMA per block by d * da.
+ * No tail: the kernel's step is one super-block, the type's block.
+ * Oracle: vec_dot_q4_K_q8_K_ref (native/vec_dot_ref.c).
+ */
+#ifndef LE_VEC_DOT_Q4_K_X86_H
+#define LE_VEC_DOT_Q4_K_X86_H
+
+#include "simd_x86.h"
+
+#if !defined(__AVX2__)
+#error "include vec_dot_q4_K_x86.h after a #pragma GCC target that enables AVX2"
+#endif
+
+/* int16 lanes all equal to scale g of `scales` (the 8 scales as int16, in both 128-bit lanes). */
+static inline __m256i scale_of(__m256i scales, int g) {
+    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * g)));
+}
+
+static inline void vec_dot_q4_K_q8_K_x86(int64_t n, float *s, const void *vx, const void *vy) {
+    const block_q4_K *x = vx;
+    const block_q8_K *y = vy;
+    const int64_t nb = n / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_m = _mm_setzero_ps();                      /* the min terms, 4 lanes */
+    for (int64_t i = 0; i < nb; i++) {
+        le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
+        const float d = y[i].d * _cvtsh_ss(x[i].d);
+        const float dmin = y[i].d * _cvtsh_ss(x[i].dmin);
+        /* int16: lanes 0..7 the group scales, 8..15 the group mins */
+        const __m256i sm = _mm256_cvtepu8_epi16(le_q4_K_scales_mins(x[i].scales));
+
+        /* mins: 16 bsums -> 8 group sums (vphaddw) . 8 mins (vpmaddwd) -> 4 int32 */
+        const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[i].bsums);
+        const __m128i gsums = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
+        const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), gsums);
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
+
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
+        const uint8_t *q4 = x[i].qs;
+        const int8_t *q8 = y[i].qs;
+        __m256i s_lo = _mm256_setzero_si256(), s_hi = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int c = 0; c < QK_K / 64; c++) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(q4 + 32 * c));
+            const __m256i lo = _mm256_and_si256(bits, m4);                       /* group 2c */
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4); /* group 2c+1 */
+            const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c)));
+            const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c + 32)));
+            s_lo = le_madd_acc_256(s_lo, p_lo, scale_of(scales, 2 * c));
+            s_hi = le_madd_acc_256(s_hi, p_hi, scale_of(scales, 2 * c + 1));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(s_lo, s_hi)), acc);
+    }
+    /* acc_m lanes: dmin * (sum of 2 group terms); subtract all four */
+    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+    *s = le_hsum_ps_256(acc) - _mm_cvtss_f32(acc_m);
+}
+
+#endif
