@@ -193,15 +193,19 @@ class Tokenizer:
     def n_vocab(self) -> int:
         return len(self.tokens)
 
+    def _with_bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
+        """ids with BOS in front when add_bos (default: tokenizer.ggml.add_bos_token) and the vocabulary has one."""
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
     def encode(self, text: str, special: bool = True, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`. special=True: control tokens written in the text (<|im_start|>) become
         their ids; special=False: only USER_DEFINED ones (<think>) do, as in llama.cpp. No BOS unless
         add_bos (default: tokenizer.ggml.add_bos_token)."""
         hf = self._hf if special else self._hf_plain
         ids = hf.encode(text, add_special_tokens=False).ids
-        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
-            ids.insert(0, self.bos_id)
-        return ids
+        return self._with_bos(ids, add_bos)
 
     def encode_prompt(self, text: str, literal: Iterable[tuple[int, int]] = (),
                       add_bos: bool | None = None) -> list[int]:
@@ -230,9 +234,7 @@ class Tokenizer:
                 ids += enc.ids
                 if cut is not None:
                     ids.append(cut)
-        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
-            ids.insert(0, self.bos_id)
-        return ids
+        return self._with_bos(ids, add_bos)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for: b'' for UNUSED ids, the text of added tokens."""
