@@ -971,6 +971,7 @@ class NativeSampler:
         self._m = ffi.NULL if model is None else model.ptr
         self._token = ffi.new("int32_t *")
         self._n = 0
+        self._cand_scratch = None
 
     def _args(self, logits: np.ndarray, pen_ids, pen_counts):
         if logits.dtype != np.float32 or logits.ndim != 1 or not logits.flags.c_contiguous:
@@ -994,6 +995,38 @@ class NativeSampler:
         check(lib.le_sample_on(self._m, lp, n, ip, cp, k, self.params, float(u), self._scratch_p,
                                self._scratch.size, self._token, self.info), "le_sample")
         return int(self._token[0])
+
+    def draw_candidates(self, ids: np.ndarray, x: np.ndarray, n_vocab: int, total: float, rest_max: float,
+                        u: float) -> int:
+        """le_sample_cand: ids int32[n] / x float32[n], a head of the row of n_vocab logits -> the token, or -1 when
+        the kept set may reach past them."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if ids.ndim != 1 or ids.shape != x.shape:
+            raise ValueError(f"candidates: ids {ids.shape} and x {x.shape}, one 1-D length")
+        need = lib.le_sample_cand_scratch_bytes(ids.size)
+        if self._cand_scratch is None or self._cand_scratch.size < need:
+            self._cand_scratch = np.empty(max(need, 1), np.uint8)
+            self._cand_scratch_p = ffi.from_buffer(self._cand_scratch, require_writable=True)
+        check(lib.le_sample_cand(ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("float[]", x), ids.size,
+                                 c_int(n_vocab, "n_vocab", 1), float(total), float(rest_max),
+                                 self.params, float(u), self._cand_scratch_p, self._cand_scratch.size, self._token,
+                                 self.info), "le_sample_cand")
+        return int(self._token[0])
+
+    def window_cut(self, ids: np.ndarray, x: np.ndarray, base: float, total: float, max_logit: float):
+        """le_sample_window_cut -> (cut_logit, cut_id), or None when top-p's target is not crossed in the window."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if ids.ndim != 1 or ids.shape != x.shape or ids.size == 0:
+            raise ValueError(f"window: ids {ids.shape} and x {x.shape}, one non-empty 1-D length")
+        scratch = np.empty(8 * ids.size + 64, np.uint8)
+        cx, cid, found = ffi.new("float *"), ffi.new("int32_t *"), ffi.new("int32_t *")
+        check(lib.le_sample_window_cut(ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("float[]", x), ids.size,
+                                       float(base), float(total), float(max_logit), self.params,
+                                       ffi.from_buffer(scratch, require_writable=True), scratch.size, cx, cid, found),
+              "le_sample_window_cut")
+        return (float(cx[0]), int(cid[0])) if found[0] else None
 
     def probs(self, logits: np.ndarray, pen_ids=None, pen_counts=None) -> np.ndarray:
         """The distribution draw() samples: float64[n_vocab], zero outside the kept set, one-hot when greedy."""

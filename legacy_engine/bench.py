@@ -256,14 +256,15 @@ def parse_sample(spec: str | None):
     return params
 
 
-def generate_steps(forward, state, first: int, n: int, sampler) -> None:
-    """n decode steps as Session.stream runs them: forward one token, Sampler.sample on its logits (the tokens fed
-    so far as the penalties' history), the drawn token next. forward: Model.forward or GpuModel.forward."""
+def generate_steps(model, state, first: int, n: int, sampler) -> None:
+    """n decode steps as Session.decode_next runs them: one token through the model, the sampler's draw from its
+    logits (the tokens fed so far as the penalties' history), the drawn token next. model: a Model, or a GpuModel
+    (sample_next: the draw's candidates chosen in VRAM)."""
     history, tok = [], first
+    step = getattr(model, "sample_next", None)
     for _ in range(n):
-        logits = forward(state, [tok])
         history.append(tok)
-        tok = sampler.sample(logits, history)
+        tok = step(state, tok, sampler, history) if step else sampler.sample(model.forward(state, [tok]), history)
 
 
 def times_interleaved(runs, reps: int) -> list[list[float]]:
@@ -352,7 +353,7 @@ def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[i
             def generation(params):
                 def run():
                     state.reset()
-                    generate_steps(model.forward, state, ids[0], tg, Sampler(params, model=model))   # one a request
+                    generate_steps(model, state, ids[0], tg, Sampler(params, model=model))   # one a request
                 return run
             gen = sampled_vs_greedy(*times_interleaved([generation(SamplingParams()), generation(sample)], reps),
                                     tg, sample)

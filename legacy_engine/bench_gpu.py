@@ -100,11 +100,14 @@ def generation_vs_greedy(gm, st, ids, tg: int, reps: int, sample) -> dict:
             gm.forward(st, ids[:WARM_PREFILL], want_logits=False)
             t0 = time.perf_counter()
             # the CPU model's pool (idle while the GPU decodes) runs the sampler's passes, as Session.stream does
-            generate_steps(gm.forward, st, ids[WARM_PREFILL], tg, Sampler(params, model=getattr(gm, "model", gm)))
+            generate_steps(gm, st, ids[WARM_PREFILL], tg, Sampler(params, model=getattr(gm, "model", gm)))
             return time.perf_counter() - t0
         return run
-    return sampled_vs_greedy(*times_interleaved([generation(SamplingParams()), generation(sample)], reps), tg,
-                             sample)
+    row = sampled_vs_greedy(*times_interleaved([generation(SamplingParams()), generation(sample)], reps), tg, sample)
+    ds = getattr(gm, "_sampler", None)      # draws from VRAM candidates / from the downloaded row (gpu_sample)
+    if ds is not None:
+        row["device_sampling"] = dict(ds.stats)
+    return row
 
 
 def bench_llama(binary: str, path: str, pps, tg: int, reps: int, flags=("-ngl", "99"),
@@ -192,6 +195,10 @@ def print_gpu(res: dict) -> None:
     if sp:
         print(f"greedy / sampled: tg{res['tg']} as generation runs it, sampled with " + ", ".join(
             f"{k} {sp[k]}" for k in ("temperature", "top_k", "top_p", "min_p", "seed")))
+        ds = next((r["device_sampling"] for r in res["rows"] if "device_sampling" in r), None)
+        if ds:
+            print(f"draws where the logits are (gpu_sample.py): from candidates {ds['candidates']}, through top-p's "
+                  f"window {ds['window']}, from the downloaded row {ds['row']}")
 
 
 def main(args) -> int:

@@ -182,6 +182,27 @@ class Session:
         self.timings.decode_s += time.perf_counter() - t0
         return out[0]
 
+    def decode_next(self, token: int, sampler: Sampler) -> int:
+        """decode(token), then sampler's draw from its logits -> the next token. A model with sample_next (the GPU
+        engines) draws where the logits are, without the whole row crossing the link (the same token)."""
+        step = getattr(self.engine.model, "sample_next", None)
+        if step is None:
+            return sampler.sample(self.decode(token), self.tokens)
+        if self.pos + 1 > self.state.n_ctx:
+            raise ContextLengthError(f"the context of {self.state.n_ctx} tokens is full")
+        if not (isinstance(token, (int, np.integer)) and 0 <= token < self.engine.model.hparams.n_vocab):
+            raise ValueError(f"token id {token!r} is outside the vocabulary [0, {self.engine.model.hparams.n_vocab})")
+        t0 = time.perf_counter()
+        try:
+            nxt = step(self.state, token, sampler, self.tokens + [token])
+        except EngineError:
+            self.reset()       # as _forward: a failed step leaves no trustworthy state
+            raise
+        self.tokens.append(token)
+        self.timings.decode_tokens += 1
+        self.timings.decode_s += time.perf_counter() - t0
+        return nxt
+
     def stream(self, prompt: str | list[int], max_tokens: int = 128, params: SamplingParams | None = None,
                stop: list[str] | None = None, result: list | None = None) -> Iterator[str]:
         """Yields text pieces as they are generated. A Generation is appended to `result`
@@ -197,8 +218,8 @@ class Session:
         decoder = tok.stream()
         text, pending, out_ids, finish, stopped_by_string = "", "", [], "length", False
         hold = max((len(s) for s in stop), default=1) - 1
+        t = sampler.sample(logits, self.tokens) if max_tokens > 0 else None
         for i in range(max_tokens):
-            t = sampler.sample(logits, self.tokens)
             out_ids.append(t)
             if t in tok.eos_ids:
                 finish = "stop"
@@ -215,7 +236,7 @@ class Session:
             if self.pos >= self.state.n_ctx:  # the context is full: stop like max_tokens does
                 break
             if i + 1 < max_tokens:
-                logits = self.decode(t)
+                t = self.decode_next(t, sampler)
             else:  # the last sampled token still enters the state, so the session can continue
                 self.decode(t)
         if not stopped_by_string:

@@ -23,6 +23,7 @@ import ctypes
 import glob
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -53,7 +54,7 @@ CUDA_DIR, INCLUDE_DIR = kernel_source_dirs()
 
 SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "gemm_mma", "conv1d", "gdn",
            "attention", "moe_route", "moe_sort", "argmax", "elementwise", "rope", "get_rows", "moe_combine",
-           "hybrid_sync")
+           "hybrid_sync", "sample_cut")
 HEADERS = ("compat.cuh", "quants.cuh", "gemm_tile.cuh", "gemm_q8.cuh")   # in cuda8/
 SHARED_HEADERS = ("le_blocks.h", "le_hybrid.h")  # in native/include/
 ATTR_UNIFIED_ADDRESSING = 41    # CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: host pointers usable in kernels
@@ -95,6 +96,13 @@ MOE_THREADS, MOE_MAX_K = 256, 32
 MOE_SORT_THREADS, MOE_SORT_MAX_E, MOE_SORT_MAX_TILE = 256, 512, 64   # moe_sort.cu (largest tile = GEMM_MMA_TT)
 MOE_WSUM_MIN = 6.103515625e-5                            # native/moe.c MOE_WSUM_MIN (llama.cpp's clamp)
 ARGMAX_THREADS, ARGMAX_MAX_PARTS = 256, 256
+SAMPLE_THREADS, SAMPLE_MAX_PARTS, SAMPLE_BINS, SAMPLE_BINS_PER_NAT = 256, 256, 1024, 32   # cuda8/sample_cut.cu
+SAMPLE_FIX_BITS, SAMPLE_DRAW_BLOCK = 40, 256
+SAMPLE_HEAD = np.dtype([("n_cand", "<i4"), ("cut", "<i4"), ("mode", "<i4"), ("rest_key", "<i4"), ("m", "<f4"),
+                        ("written", "<i4"), ("z", "<u8"), ("base", "<u8"), ("token", "<i4"), ("pad", "<i4"),
+                        ("inv_t", "<f4"), ("cut_x", "<f4"), ("cut_id", "<i4"), ("pad2", "<i4"), ("u", "<f8")])
+SAMPLE_DRAW_AT = 48     # the head's draw fields (inv_t, cut_x, cut_id, pad2, u): written by Kernels.set_draw
+SAMPLE_WORK_BYTES = 4 * SAMPLE_MAX_PARTS + 8 * SAMPLE_BINS + 4 * SAMPLE_BINS   # partials, bin masses, bin counts
 EW_THREADS = 256
 ROPE_THREADS, ROPE_MAX_HD = 128, 512
 GET_ROWS_THREADS = 128
@@ -1365,6 +1373,81 @@ class Kernels:
         mod.kernel("argmax_final_i32").launch(
             (n_rows, 1, 1), (ARGMAX_THREADS, 1, 1),
             [("ptr", part_v), ("ptr", part_i), ("i32", n_part), ("ptr", _ptr(out))], stream=stream)
+
+    @staticmethod
+    def sample_parts(n: int) -> int:
+        """Blocks of sample_cut's row passes: ~16 elements a thread, at most SAMPLE_MAX_PARTS."""
+        return max(1, min(SAMPLE_MAX_PARTS, -(-n // (SAMPLE_THREADS * 16))))
+
+    @staticmethod
+    def min_p_bin(min_p: float) -> int:
+        """sample_cut's min-p bin: the one holding d = -log(min_p), plus one of slack; 0: off (or beyond the bins)."""
+        if not min_p > 0:
+            return 0
+        b = int(math.floor(-math.log(min_p) * SAMPLE_BINS_PER_NAT)) + 1
+        return b if b < SAMPLE_BINS - 1 else 0
+
+    def sample_cut(self, x, work, out, n: int, top_k: int, top_p: float, min_p: float, cap: int,
+                   stream: Stream | None = None) -> None:
+        """The sampler's candidates of the row x[n] f32 (cuda8/sample_cut.cu): out = a SAMPLE_HEAD, then cap
+        (int32 id, f32 x) pairs (the first head.n_cand written, in no order): mode 0, every token of the bins up
+        to the cut; mode 1, top-p's bin alone (head.base: the mass before it). work: SAMPLE_WORK_BYTES, zero before
+        the first call (each call leaves it so). top_k >= n, top_p 1, min_p 0: off."""
+        if not 0 < n or not 0 < cap <= n or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(f"sample_cut: n = {n}, cap = {cap}, top_k = {top_k}, top_p = {top_p}")
+        _need(x, 4 * n, "sample_cut x")
+        _need(work, SAMPLE_WORK_BYTES, "sample_cut work")
+        _need(out, SAMPLE_HEAD.itemsize + 8 * cap, "sample_cut out")
+        n_part = self.sample_parts(n)
+        part = _ptr(work)
+        hm = part + 4 * SAMPLE_MAX_PARTS
+        hc = hm + 8 * SAMPLE_BINS
+        head, cand = _ptr(out), _ptr(out) + SAMPLE_HEAD.itemsize
+        mod = self.modules["sample_cut"]
+        mod.kernel("sample_max_f32").launch((n_part, 1, 1), (SAMPLE_THREADS, 1, 1),
+                                            [("ptr", _ptr(x)), ("i32", n), ("ptr", part)], stream=stream)
+        mod.kernel("sample_hist_f32").launch(
+            (n_part, 1, 1), (SAMPLE_THREADS, 1, 1),
+            [("ptr", _ptr(x)), ("i32", n), ("ptr", part), ("i32", n_part), ("ptr", hm), ("ptr", hc)], stream=stream)
+        mod.kernel("sample_cut_f32").launch(
+            (1, 1, 1), (SAMPLE_THREADS, 1, 1),
+            [("ptr", part), ("i32", n_part), ("ptr", hm), ("ptr", hc), ("i32", top_k if top_k < n else 0),
+             ("f32", float(top_p)), ("i32", self.min_p_bin(min_p)), ("i32", cap), ("ptr", head)], stream=stream)
+        mod.kernel("sample_compact_f32").launch(
+            (n_part, 1, 1), (SAMPLE_THREADS, 1, 1), [("ptr", _ptr(x)), ("i32", n), ("ptr", head), ("ptr", cand)],
+            stream=stream)
+
+    @staticmethod
+    def draw_blocks(n: int) -> int:
+        """Blocks of sample_draw's sums over a row of n."""
+        return -(-n // SAMPLE_DRAW_BLOCK)
+
+    @staticmethod
+    def set_draw(out, inv_t: float, cut_x: float, cut_id: int, u: float) -> None:
+        """The next sample_draw's parameters into the head in `out` (a device buffer): the kept set {x_i > cut_x, or
+        x_i == cut_x and i <= cut_id}, weights exp((x_i - m) * inv_t), u in [0, 1)."""
+        if not 0 <= u < 1 or not 0 < inv_t < float("inf"):
+            raise ValueError(f"sample_draw: u = {u}, inv_t = {inv_t}")
+        p = np.zeros(1, SAMPLE_HEAD)
+        p["inv_t"], p["cut_x"], p["cut_id"], p["u"] = inv_t, cut_x, cut_id, u
+        BufferView(out, SAMPLE_DRAW_AT, SAMPLE_HEAD.itemsize - SAMPLE_DRAW_AT).upload(
+            p.view(np.uint8)[SAMPLE_DRAW_AT:])
+
+    def sample_draw(self, x, out, bsum, n: int, stream: Stream | None = None) -> None:
+        """The draw set_draw described over the row x[n] (the max from sample_cut's head in `out`): u inverted over
+        the kept weights in index order (le_sample's pass_draw); the token in head.token. bsum: 8 * draw_blocks(n)
+        bytes. Same arguments every token: a LaunchPlan replays it."""
+        nb = self.draw_blocks(n)
+        if not 0 < n:
+            raise ValueError(f"sample_draw: n = {n}")
+        _need(x, 4 * n, "sample_draw x")
+        _need(out, SAMPLE_HEAD.itemsize, "sample_draw head")
+        _need(bsum, 8 * nb, "sample_draw block sums")
+        mod = self.modules["sample_cut"]
+        args = [("ptr", _ptr(x)), ("i32", n), ("ptr", _ptr(out)), ("ptr", _ptr(bsum))]
+        mod.kernel("sample_draw_blocks_f32").launch((self._grid(nb), 1, 1), (SAMPLE_DRAW_BLOCK, 1, 1), args,
+                                                    stream=stream)
+        mod.kernel("sample_draw_pick_f32").launch((1, 1, 1), (SAMPLE_DRAW_BLOCK, 1, 1), args, stream=stream)
 
     def _elementwise(self, kernel: str, args: list, n: int, bufs: list, stream: Stream | None) -> None:
         for b, what in bufs:

@@ -43,6 +43,8 @@ import numpy as np
 
 from . import gpu
 from .errors import EngineError, UnavailableError
+from .gpu_sample import DeviceSampler
+from .model import check_logits
 from .planner import ALLOC_GRANULE, ARENA_ALIGN, ARENA_NAMES, align_up, arena_bytes
 
 PREFILL_CHUNK = 512      # tokens per pass by default: bounds the scratch
@@ -348,6 +350,7 @@ class GpuModel:
                 gpu.set_budget(None)          # a failed load leaves no budget (nor memory) behind
             raise
         self._scratch: dict[str, gpu.Buffer] = {}
+        self._sampler: DeviceSampler | None = None   # sample_next's buffers, made on first use
         self._arena: gpu.Buffer | None = None      # a pass's block buffers (_arena_reserve, _arena_buf)
         self._arena_block, self._arena_at = None, 0
         self._retired: list[gpu.Buffer] = []
@@ -1574,6 +1577,20 @@ class GpuModel:
             return None
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
+    def sample_next(self, state: "GpuState", token: int, sampler, history: list[int] | None) -> int:
+        """forward(state, [token]), then `sampler`'s draw from its logits -> the next token; history: the tokens
+        seen, token included (the penalties' window). A planned decode step leaves its logits in VRAM and the
+        draw's candidates are chosen there (gpu_sample.DeviceSampler: the same token as Sampler.sample on the
+        downloaded row, for the same seed)."""
+        if not self.plan:
+            out = self.forward(state, [token])
+            check_logits(out, state.pos - 1)
+            return sampler.sample(out[0], history)
+        self.forward(state, [token], want_logits=False)
+        if self._sampler is None:
+            self._sampler = DeviceSampler(self.k, self.hparams.n_vocab)
+        return self._sampler.sample(self._scratch["d:logits"], sampler, history, state.pos - 1)
+
     def _decode(self, st: "GpuState", token: int, want: bool) -> np.ndarray | None:
         """One token through the state's LaunchPlan (recorded on the first call, and again when a buffer it
         names has moved)."""
@@ -1682,6 +1699,9 @@ class GpuModel:
         self._bufs, self._scratch, self._retired, self._rope, self._staging, self._pin_store = {}, {}, [], None, [], {}
         self._pool = None
         self._weights, self._arena = None, None
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None
         self._counts_dev, self._counts_layers = None, set()
         if self._handoff is not None:
             self._handoff.free()

@@ -87,9 +87,45 @@ class Sampler:
     def sample(self, logits: np.ndarray, history: list[int] | None = None) -> int:
         """logits: float32[n_vocab] -> a token id. Greedy (the argmax, lowest id on ties) draws nothing from the
         seed. NaN or +inf logits raise NativeError."""
+        return self.draw(logits, self.next_u(), history)
+
+    def next_u(self) -> float:
+        """The uniform draw of the next token (0 when greedy: the seed's stream is not advanced)."""
+        return 0.0 if self.greedy else self.rng.random()
+
+    def draw(self, logits: np.ndarray, u: float, history: list[int] | None = None) -> int:
+        """sample() with the draw u given (next_u())."""
         x = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
         ids, counts = self.penalty_counts(history)
-        return self.native.draw(x, 0.0 if self.greedy else self.rng.random(), ids, counts)
+        return self.native.draw(x, u, ids, counts)
+
+    def filters(self, n_vocab: int) -> tuple[int, float, float] | None:
+        """(top_k, top_p, min_p) that bound the tokens a draw can keep without looking at the whole row (a GPU's
+        candidates, cuda8/sample_cut.cu): greedy is top-k 1; with top-k its whole set (top-p is a fraction of its
+        mass); None when nothing bounds them (temperature alone) and the whole row is needed."""
+        p = self.params
+        if self.greedy:
+            return 1, 1.0, 0.0
+        if 0 < p.top_k < n_vocab:
+            return p.top_k, 1.0, 0.0
+        if p.top_p >= 1.0 and p.min_p <= 0.0:
+            return None
+        return 0, p.top_p, p.min_p
+
+    def draw_candidates(self, ids: np.ndarray, x: np.ndarray, n_vocab: int, total: float, rest_max: float,
+                        u: float) -> int | None:
+        """The token draw(row, u) gives, from the row's candidates (le_sample_cand: ids int32[n], their logits
+        float32[n], the head of the row by logit; total: the row's sum of exp(x - max); rest_max: the largest logit
+        left out); None when the kept set may reach past them. Not with penalties (they change the row)."""
+        t = self.native.draw_candidates(ids, x, n_vocab, total, rest_max, u)
+        return None if t < 0 else t
+
+    def window_cut(self, ids: np.ndarray, x: np.ndarray, base: float, total: float,
+                   max_logit: float) -> tuple[float, int] | None:
+        """Top-p's (then min-p's) cut from the band of the row where it lies (le_sample_window_cut: ids / x the
+        band's tokens, base the mass ranked before them, total the row's): (cut_logit, cut_id), the kept set being
+        x > cut_logit or x == cut_logit and id <= cut_id; None when the target is not crossed in the band."""
+        return self.native.window_cut(ids, x, base, total, max_logit)
 
     def probs(self, logits: np.ndarray, history: list[int] | None = None) -> np.ndarray:
         """The distribution sample() draws from: float64[n_vocab], zero outside the kept tokens, one-hot when

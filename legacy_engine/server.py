@@ -615,12 +615,14 @@ class Worker:
         sampler = self.make_sampler(plan.params)
         decoder = tok.stream()
         hold = max((len(s) for s in plan.stop), default=1) - 1  # chars that may still start a stop string
-        pending, n, finish, cut_by_stop = "", 0, "length", False
+        pending, n, finish, cut_by_stop, token = "", 0, "length", False, None
         while n < plan.max_tokens:
             if job.cancelled:
                 finish = "cancelled"
                 break
-            token = sampler.sample(logits, sess.tokens)
+            # the first token from the prompt's logits, the next ones from a decode step (max_tokens fits the
+            # context: the plan checked it)
+            token = sampler.sample(logits, sess.tokens) if token is None else sess.decode_next(token, sampler)
             n += 1
             if token in tok.eos_ids:
                 finish = "stop"
@@ -633,8 +635,6 @@ class Worker:
             if len(pending) > hold:
                 job.send("text", pending[:len(pending) - hold])
                 pending = pending[len(pending) - hold:]
-            if n < plan.max_tokens:  # max_tokens fits the context (plan), so this never overflows it
-                logits = sess.decode(token)
         if not cut_by_stop:
             pending += decoder.flush()
         if pending and finish != "cancelled":

@@ -79,6 +79,16 @@ class SplitModel:
             return None
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
+    def sample_next(self, state, token: int, sampler, history: list[int] | None) -> int:
+        """forward(state, [token]) and the sampler's draw (GpuModel.sample_next for a hybrid decode step: the
+        logits stay in VRAM)."""
+        if self.hybrid:
+            if state.pos + 1 > state.n_ctx:
+                raise ValueError(f"1 token at position {state.pos} exceeds the context of {state.n_ctx}")
+            self.passes["hybrid"] += 1
+            return self.gm.sample_next(state, token, sampler, history)
+        return sampler.sample(self.forward(state, [token])[0], history)
+
     def describe(self) -> str:
         if self.hybrid:
             return (f"split: passes of >= {self.min_gpu_tokens} tokens streamed on the {self.gm.describe()}; decode "

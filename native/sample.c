@@ -971,9 +971,10 @@ static int64_t band_of(scratch_t *s, int64_t nr, float hi) {
 }
 
 /* Where the top-p walk over the whole vocabulary stops (file comment). *n_region > 0: the kept set lies in the
- * region left collected in s->ids / s->xr. */
-static uint64_t top_p_cut(const sample_kernels *k, const float *x, int64_t n, float m, double p, int flags,
-                          scratch_t *s, int64_t nt, int *path, int64_t *n_region) {
+ * region left collected in s->ids / s->xr. total > 0: the mass the target is a fraction of, when x[0, n) is only
+ * the head of a longer row (le_sample_cand); else x's own. */
+static uint64_t top_p_cut(const sample_kernels *k, const float *x, int64_t n, float m, double p, double total,
+                          int flags, scratch_t *s, int64_t nt, int *path, int64_t *n_region) {
     float a = INFINITY, b = -INFINITY;   /* kept surely: x > a; the band: b < x <= a */
     int dense = 0;
     if (n >= SAMPLE_MIN_N && !(flags & LE_SAMPLE_FORCE_ALL) && estimate_band(k, x, n, m, p, s, nt, &a, &b, &dense))
@@ -984,7 +985,7 @@ static uint64_t top_p_cut(const sample_kernels *k, const float *x, int64_t n, fl
     if (flags & LE_SAMPLE_FORCE_MISS_LOW) a = b = -FLT_MAX;   /* every finite token "surely kept" */
     double S, A;
     int64_t nr = collect(k, x, n, m, a, b, dense ? a : INFINITY, s, &S, &A);   /* b < x (<= a when dense) */
-    const double target = p * S;
+    const double target = p * (total > S ? total : S);
     cut_t c;
     *n_region = 0;
     if (A >= target) {   /* the cut lies above the band: in x > a */
@@ -1030,8 +1031,9 @@ static float min_p_threshold(float m, double min_p) {
     return t;
 }
 
-static int plan_sample(const sample_kernels *k, const float *x, int64_t n, const le_sample_params *p, scratch_t *s,
-                       plan_t *pl) {
+/* The kept set of x[0, n) under p (top-p's mass: total when > 0, see top_p_cut). */
+static int plan_sample(const sample_kernels *k, const float *x, int64_t n, const le_sample_params *p, double total,
+                       scratch_t *s, plan_t *pl) {
     memset(pl, 0, sizeof *pl);
     pl->inv_t = p->temperature > 0 ? 1.0 / p->temperature : INFINITY;
     pl->greedy = p->temperature == 0 || !isfinite(pl->inv_t);
@@ -1085,7 +1087,7 @@ static int plan_sample(const sample_kernels *k, const float *x, int64_t n, const
             if (cp.found && cp.kid < cut) cut = cp.kid;
         }
     } else if (p->top_p < 1.0) {
-        cut = top_p_cut(k, x, n, pl->m, p->top_p, p->flags, s, nt, &pl->path, &pl->n_region);
+        cut = top_p_cut(k, x, n, pl->m, p->top_p, total, p->flags, s, nt, &pl->path, &pl->n_region);
     }
     if (p->min_p > 0.0) {
         const uint64_t cm = (uint64_t)key_of(min_p_threshold(pl->m, p->min_p)) << 32 | 0xffffffffu;
@@ -1280,6 +1282,33 @@ static int64_t pass_draw(const sample_kernels *k, const float *xa, int64_t n, co
     return b * BLOCK;
 }
 
+/* The draw from a planned kept set of x[0, n): u inverted over the kept weights in index order; the index. */
+static int32_t draw_planned(const sample_kernels *k, const float *x, int64_t n, plan_t *pl, scratch_t *s, double u,
+                            int64_t *n_kept) {
+    int32_t tok = -1;
+    if (pl->greedy) {
+        *n_kept = 1;
+        return (int32_t)s->kid[0];
+    }
+    if (pl->n_list > 0) {   /* the kept ids, ascending, in s->kid */
+        *n_kept = pl->n_list;
+        double W = 0.0, cum = 0.0;
+        for (int64_t j = 0; j < *n_kept; j++) W += weight_exact(x[s->kid[j]], pl->m, pl->inv_t);
+        const double target = u * W;
+        for (int64_t j = 0; j < *n_kept && tok < 0; j++) {
+            const float w = weight_exact(x[s->kid[j]], pl->m, pl->inv_t);
+            cum += w;
+            if (cum > target && w > 0) tok = (int32_t)s->kid[j];
+        }
+        for (int64_t j = *n_kept - 1; j >= 0 && tok < 0; j--)   /* u * W rounded up to W */
+            if (weight_exact(x[s->kid[j]], pl->m, pl->inv_t) > 0) tok = (int32_t)s->kid[j];
+        return tok;
+    }
+    if (pl->n_region > 0)   /* a pass over the collected region (LE_SAMPLE_PATH_REGION) */
+        return s->ids[pass_draw(k, s->xr, pl->n_region, pl, s, u, n_kept)];
+    return (int32_t)pass_draw(k, x, n, pl, s, u, n_kept);
+}
+
 static int prepare(const char *what, le_model *model, const float *logits, int64_t n, const int32_t *pen_ids,
                    const int32_t *pen_counts, int32_t n_pen, const le_sample_params *params, void *scratch,
                    int64_t scratch_bytes, scratch_t *s, const sample_kernels **k, int *isa, const float **x,
@@ -1291,7 +1320,7 @@ static int prepare(const char *what, le_model *model, const float *logits, int64
     *isa = le_sample_isa();
     *k = kernels(*isa);
     *x = penalise(logits, n, pen_ids, pen_counts, n_pen, params, s->xp);
-    return plan_sample(*k, *x, n, params, s, pl);
+    return plan_sample(*k, *x, n, params, 0.0, s, pl);
 }
 
 int le_sample(const float *logits, int64_t n, const int32_t *pen_ids, const int32_t *pen_counts, int32_t n_pen,
@@ -1313,28 +1342,8 @@ int le_sample_on(le_model *model, const float *logits, int64_t n, const int32_t 
     int rc = prepare("le_sample", model, logits, n, pen_ids, pen_counts, n_pen, params, scratch, scratch_bytes, &s,
                      &k, &isa, &x, &pl);
     if (rc != LE_OK) return rc;
-    int32_t tok = -1;
     int64_t n_kept;
-    if (pl.greedy) {
-        n_kept = 1;
-        tok = (int32_t)s.kid[0];
-    } else if (pl.n_list > 0) {   /* the kept ids, ascending, in s.kid */
-        n_kept = pl.n_list;
-        double W = 0.0, cum = 0.0;
-        for (int64_t j = 0; j < n_kept; j++) W += weight_exact(x[s.kid[j]], pl.m, pl.inv_t);
-        const double target = u * W;
-        for (int64_t j = 0; j < n_kept && tok < 0; j++) {
-            const float w = weight_exact(x[s.kid[j]], pl.m, pl.inv_t);
-            cum += w;
-            if (cum > target && w > 0) tok = (int32_t)s.kid[j];
-        }
-        for (int64_t j = n_kept - 1; j >= 0 && tok < 0; j--)   /* u * W rounded up to W */
-            if (weight_exact(x[s.kid[j]], pl.m, pl.inv_t) > 0) tok = (int32_t)s.kid[j];
-    } else if (pl.n_region > 0) {   /* a pass over the collected region (LE_SAMPLE_PATH_REGION) */
-        tok = s.ids[pass_draw(k, s.xr, pl.n_region, &pl, &s, u, &n_kept)];
-    } else {
-        tok = (int32_t)pass_draw(k, x, n, &pl, &s, u, &n_kept);
-    }
+    const int32_t tok = draw_planned(k, x, n, &pl, &s, u, &n_kept);
     *token = tok;
     fill_info(info, &pl, tok, n_kept, isa);
     return LE_OK;
@@ -1380,5 +1389,122 @@ int le_sample_probs_on(le_model *model, const float *logits, int64_t n, const in
         for (int64_t i = 0; i < nw; i++) probs[pl.n_region > 0 ? s.ids[i] : i] = s.er[i] / W;
     }
     fill_info(info, &pl, id_of(s.tkid[0]), n_kept, isa);
+    return LE_OK;
+}
+
+/* ---- candidates chosen where the logits are (a GPU: cuda8/sample_cut.cu) ------------------------------------ */
+
+int64_t le_sample_cand_scratch_bytes(int64_t n_cand) {
+    if (n_cand < 1) return 0;
+    return (int64_t)(sizeof(uint64_t) + sizeof(float) + sizeof(int32_t)) * n_cand + 128 +
+           le_sample_scratch_bytes(n_cand);
+}
+
+int le_sample_cand(const int32_t *ids, const float *x, int64_t n_cand, int64_t n_vocab, double total, float rest_max,
+                   const le_sample_params *params, double u, void *scratch, int64_t scratch_bytes, int32_t *token,
+                   le_sample_info *info) {
+    if (!ids || !x || !token || !scratch || !params)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_cand: NULL ids, x, token, scratch or params");
+    if (n_cand < 1 || n_vocab < n_cand || n_vocab > INT32_MAX)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_cand: %lld candidates of a vocabulary of %lld",
+                       (long long)n_cand, (long long)n_vocab);
+    if (!(u >= 0.0 && u < 1.0)) return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_cand: u = %g is not in [0, 1)", u);
+    if (!(total >= 0.0 && total < INFINITY) || rest_max != rest_max || rest_max == INFINITY)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_cand: total %g, rest_max %g", total, (double)rest_max);
+    if (scratch_bytes < le_sample_cand_scratch_bytes(n_cand))
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_cand: scratch of %lld bytes, %lld needed",
+                       (long long)scratch_bytes, (long long)le_sample_cand_scratch_bytes(n_cand));
+    /* the candidates in id order: (id, x bits) sorted as one key, then apart */
+    uint64_t *pk = (uint64_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *xs = (float *)(pk + n_cand);
+    int32_t *is = (int32_t *)(xs + n_cand);
+    void *rest = (void *)(((uintptr_t)(is + n_cand) + 63) & ~(uintptr_t)63);
+    const int64_t rest_bytes = scratch_bytes - (int64_t)((char *)rest - (char *)scratch);
+    for (int64_t j = 0; j < n_cand; j++) {
+        if (ids[j] < 0 || ids[j] >= n_vocab)
+            return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_cand: id %d outside the vocabulary of %lld", ids[j],
+                           (long long)n_vocab);
+        uint32_t b;
+        memcpy(&b, x + j, 4);
+        pk[j] = (uint64_t)(uint32_t)ids[j] << 32 | b;
+    }
+    sort_u64(pk, n_cand);
+    for (int64_t j = 0; j < n_cand; j++) {
+        if (j > 0 && pk[j] >> 32 == pk[j - 1] >> 32)
+            return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_cand: id %u twice", (unsigned)(pk[j] >> 32));
+        is[j] = (int32_t)(pk[j] >> 32);
+        const uint32_t b = (uint32_t)pk[j];
+        memcpy(xs + j, &b, 4);
+    }
+    /* top-k over the row: the candidates hold its set, and top-p is then a fraction of that set's mass */
+    le_sample_params p = *params;
+    const int top_k = p.top_k > 0 && p.top_k < n_vocab;
+    int rc = check_args("le_sample_cand", xs, n_cand, NULL, NULL, 0, &p, rest, rest_bytes);
+    if (rc != LE_OK) return rc;
+    const int greedy = p.temperature == 0 || !isfinite(1.0 / p.temperature);
+    *token = -1;
+    if (!greedy && top_k && p.top_k > n_cand) return LE_OK;   /* the top-k set reaches past them */
+    if (!top_k) p.top_k = 0;
+    if (!top_k && n_cand >= SAMPLE_MIN_N) p.flags |= LE_SAMPLE_FORCE_ALL;   /* the estimate assumes a whole row */
+    scratch_t s;
+    layout(n_cand, rest, &s);
+    const int isa = le_sample_isa();
+    const sample_kernels *k = kernels(isa);
+    plan_t pl;
+    rc = plan_sample(k, xs, n_cand, &p, top_k ? 0.0 : total, &s, &pl);
+    if (rc != LE_OK) return rc;
+    /* with top-k the kept set lies in the top-k set, which they hold; else no token left behind may be kept */
+    if (!pl.greedy && !top_k && n_cand < n_vocab && rest_max > -INFINITY && kid_of(rest_max, 0) <= pl.cut)
+        return LE_OK;   /* the caller samples the whole row */
+    int64_t n_kept;
+    const int32_t tok = is[draw_planned(k, xs, n_cand, &pl, &s, u, &n_kept)];
+    *token = tok;
+    fill_info(info, &pl, tok, n_kept, isa);
+    if (info && pl.cut != ALL_KEPT && (pl.cut & 0xffffffffu) < (uint64_t)n_cand)
+        info->cut_id = is[pl.cut & 0xffffffffu];   /* a position: the token's id (min-p's cut names none) */
+    return LE_OK;
+}
+
+int le_sample_window_cut(const int32_t *ids, const float *x, int64_t n_win, double base, double total, float max,
+                         const le_sample_params *params, void *scratch, int64_t scratch_bytes, float *cut_logit,
+                         int32_t *cut_id, int32_t *found) {
+    if (!ids || !x || !params || !scratch || !cut_logit || !cut_id || !found)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_window_cut: NULL argument");
+    if (n_win < 1 || n_win > INT32_MAX || scratch_bytes < (int64_t)sizeof(uint64_t) * n_win + 64)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_window_cut: %lld tokens, scratch of %lld bytes",
+                       (long long)n_win, (long long)scratch_bytes);
+    if (!(base >= 0.0 && total > 0.0 && total < INFINITY && base <= total) || !isfinite(max))
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_window_cut: base %g, total %g, max %g", base, total,
+                       (double)max);
+    if (!(params->top_p > 0 && params->top_p < 1) || !(params->min_p >= 0 && params->min_p <= 1))
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_window_cut: top_p %g, min_p %g (top-p must be on)",
+                       params->top_p, params->min_p);
+    uint64_t *kid = (uint64_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    for (int64_t j = 0; j < n_win; j++) {
+        if (ids[j] < 0 || !(x[j] <= max) || x[j] != x[j])
+            return LE_FAIL(LE_ERR_INVALID_ARG, "le_sample_window_cut: token %d, logit %g (max %g)", ids[j],
+                           (double)x[j], (double)max);
+        kid[j] = kid_of(x[j], ids[j]);
+    }
+    sort_u64(kid, n_win);
+    /* top-p's walk from the mass before the window: the first token where the running mass reaches the target */
+    const double target = params->top_p * total;
+    uint64_t cut = ALL_KEPT;
+    double c = base;
+    for (int64_t j = 0; j < n_win && base < target; j++) {
+        c += exp_ref(logit_of((uint32_t)(kid[j] >> 32)) - max);
+        if (c >= target) {
+            cut = kid[j];
+            break;
+        }
+    }
+    *found = cut != ALL_KEPT;
+    if (!*found) return LE_OK;   /* crossed before the window, or not in it: the caller samples the whole row */
+    if (params->min_p > 0.0) {
+        const uint64_t cm = (uint64_t)key_of(min_p_threshold(max, params->min_p)) << 32 | 0xffffffffu;
+        cut = cm < cut ? cm : cut;
+    }
+    *cut_logit = logit_of((uint32_t)(cut >> 32));
+    *cut_id = (cut & 0xffffffffu) > INT32_MAX ? INT32_MAX : (int32_t)(cut & 0xffffffffu);
     return LE_OK;
 }

@@ -25,7 +25,8 @@ SHARED_LIMIT = 48 * 1024
 
 SIZEOF = {"float": 4, "int": 4, "unsigned": 4, "uint32_t": 4, "int32_t": 4, "double": 8, "int64_t": 8,
           "uint64_t": 8, "short": 2, "int16_t": 2, "uint16_t": 2, "char": 1, "int8_t": 1, "uint8_t": 1,
-          "float2": 8, "float4": 16, "int2": 8, "int4": 16, "block_q8_1": 36, "block_q8_0": 34}
+          "float2": 8, "float4": 16, "int2": 8, "int4": 16, "block_q8_1": 36, "block_q8_0": 34,
+          "le_u64": 8}   # le_u64: sample_cut.cu's unsigned long long (the 64-bit atomics' type)
 
 # (regex, message, allowed in compat.cuh)
 RULES = [

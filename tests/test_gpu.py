@@ -135,7 +135,9 @@ ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"qua
            "moe_route": {"moe_route_f32"}, "moe_sort": {"moe_sort"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
            "elementwise": {"swiglu_f32", "add_f32", "add_scaled_f32"}, "rope": {"qk_norm_rope_f32"},
            "moe_combine": {"moe_combine_f32"}, "hybrid_sync": {"hybrid_publish_f32", "hybrid_wait_f32", "hybrid_fetch_u8",
-                                                          "hybrid_predict_f32", "hybrid_predict_publish_i32"}}
+                                                          "hybrid_predict_f32", "hybrid_predict_publish_i32"},
+           "sample_cut": {"sample_max_f32", "sample_hist_f32", "sample_cut_f32", "sample_compact_f32",
+                          "sample_draw_blocks_f32", "sample_draw_pick_f32"}}
 
 
 def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
@@ -178,7 +180,9 @@ LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
                     "gemm_q8.cuh": ("GEMM_THREADS", "GEMM_ROWS", "GEMM_TT", "GEMM_MMA_TT"),
                     "rope": ("ROPE_THREADS", "ROPE_MAX_HD"), "get_rows": ("GET_ROWS_THREADS",),
                     "moe_combine": ("MOE_COMBINE_THREADS",), "hybrid_sync": ("HYBRID_THREADS", "HYBRID_FETCH_BLOCKS",
-                                                                                    "HYBRID_PRED_E")}
+                                                                                    "HYBRID_PRED_E"),
+                    "sample_cut": ("SAMPLE_THREADS", "SAMPLE_MAX_PARTS", "SAMPLE_BINS", "SAMPLE_BINS_PER_NAT",
+                                   "SAMPLE_FIX_BITS", "SAMPLE_DRAW_BLOCK")}
 
 
 @pytest.mark.cpu
@@ -1586,6 +1590,143 @@ def test_argmax(kernels):
     with gpu.Buffer.from_array(y) as by, gpu.Buffer(4) as bo, gpu.Buffer(8) as bp:
         kernels.argmax(by, bp, bo, 5)
         assert bo.download(dtype=np.int32)[0] == np.argmax(y)
+
+
+def _sample_head(out: "gpu.Buffer", cap: int):
+    raw = out.download(dtype=np.uint8, count=gpu.SAMPLE_HEAD.itemsize + 8 * cap)
+    head = raw[:gpu.SAMPLE_HEAD.itemsize].view(gpu.SAMPLE_HEAD)[0]
+    pairs = raw[gpu.SAMPLE_HEAD.itemsize:].view(np.int32).reshape(cap, 2)
+    key = int(head["rest_key"])
+    rest = -np.inf if key == -2**31 else float(np.array([key if key >= 0 else key ^ 0x7fffffff],
+                                                        np.int32).view(np.float32)[0])
+    return head, pairs, rest
+
+
+SAMPLE_CAP = 16384     # gpu_sample.CAP
+SAMPLE_CUT_CASES = [  # (row, top_k, top_p, min_p): modes 0 (candidates), 1 (window), -2 (the row)
+    ("std3", 0, 0.95, 0.0), ("std3", 40, 1.0, 0.0), ("std3", 0, 1.0, 0.05), ("std3", 0, 0.5, 0.0),
+    ("peaked", 0, 0.95, 0.0), ("peaked", 1, 1.0, 0.0), ("ties", 0, 0.5, 0.0), ("ties", 3, 1.0, 0.0),
+    ("std8", 0, 0.99, 0.0), ("std1", 0, 0.95, 0.0), ("std1", 0, 0.5, 0.0), ("std1", 0, 0.9, 0.001),
+    ("std1", 0, 1.0, 0.05), ("small", 0, 0.8, 0.0), ("small", 0, 1.0, 0.0)]
+
+
+def _sample_row(shape: str) -> np.ndarray:
+    rng = np.random.default_rng(["std1", "std3", "std8", "peaked", "ties", "small"].index(shape))
+    if shape == "small":
+        return (rng.standard_normal(37) * 2).astype(np.float32)
+    if shape == "ties":
+        return (np.round(rng.standard_normal(248320) * 2) / 2).astype(np.float32)
+    x = (rng.standard_normal(248320) * (8.0 if shape == "std8" else 1.0 if shape == "std1" else 3.0))
+    if shape == "peaked":
+        x[rng.choice(x.size, 4, replace=False)] = [14.0, 12.5, 12.5, 10.0]
+    return x.astype(np.float32)
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_sample_cut(kernels):
+    """The sampler's candidates (cuda8/sample_cut.cu) against sample_cut_ref: the cut bin (or a neighbour where the
+    running mass meets top-p's target within SAMPLE_MASS_REL), the mode, exactly the tokens of the chosen bins with
+    their logits, Z and the mass before a window within SAMPLE_MASS_REL, the largest logit left out; a NaN or
+    infinite logit: -1; the histogram left zeroed (a second call gives the same bits). Then le_sample_cand, or
+    le_sample_window_cut and the GPU's draw, give the token Sampler.draw gives on the row for the same u."""
+    from sample_cut_ref import bins, sample_cut_ref
+    from legacy_engine.sampling import Sampler, SamplingParams
+    modes = set()
+    with gpu.Buffer(gpu.SAMPLE_WORK_BYTES) as work, gpu.Buffer(gpu.SAMPLE_HEAD.itemsize + 8 * SAMPLE_CAP) as out, \
+            gpu.Buffer(8 * gpu.Kernels.draw_blocks(248320)) as bsum:
+        work.upload(np.zeros(gpu.SAMPLE_WORK_BYTES, np.uint8))
+        for shape, top_k, top_p, min_p in SAMPLE_CUT_CASES:
+            x = _sample_row(shape)
+            n, cap = x.size, min(SAMPLE_CAP, x.size)
+            what = f"{shape} k={top_k} p={top_p} min_p={min_p}"
+            ref = sample_cut_ref(x, top_k, top_p, min_p, cap=cap)
+            first = None
+            with gpu.Buffer.from_array(x) as bx:
+                for _ in range(2):
+                    kernels.sample_cut(bx, work, out, n, top_k, top_p, min_p, cap)
+                    head, pairs, rest = _sample_head(out, cap)
+                    c, mode, nc = int(head["cut"]), int(head["mode"]), int(head["n_cand"])
+                    if c != ref.cut:     # only where the running mass meets the target to rounding
+                        lo = min(c, ref.cut)
+                        assert abs(c - ref.cut) == 1 and abs(ref.cum_mass[lo] - ref.want) <= (
+                            tol.SAMPLE_MASS_REL * ref.z), what
+                        b = bins(x)
+                        ref.ids = np.flatnonzero(b == c) if mode == 1 else np.flatnonzero(b <= c)
+                        ref.mode = mode
+                    assert mode == max(ref.mode, 0), what
+                    assert nc == (ref.ids.size if ref.mode >= 0 else -2), (what, nc, ref.ids.size)
+                    fix = 2.0 ** gpu.SAMPLE_FIX_BITS
+                    assert float(head["m"]) == x.max()
+                    assert abs(int(head["z"]) / fix - ref.z) <= tol.SAMPLE_MASS_REL * ref.z, what
+                    if nc < 0:
+                        break
+                    got = pairs[:nc]
+                    order = np.argsort(got[:, 0])
+                    np.testing.assert_array_equal(got[order, 0], ref.ids, err_msg=what)
+                    np.testing.assert_array_equal(got[order, 1].view(np.float32), x[ref.ids])
+                    if mode == 1:
+                        base = float(ref.cum_mass[c - 1]) if c > 0 else 0.0
+                        assert abs(int(head["base"]) / fix - base) <= tol.SAMPLE_MASS_REL * ref.z, what
+                    else:
+                        left = x[bins(x) > c]
+                        assert rest == (left.max() if left.size else -np.inf), what
+                    assert first is None or first == head.tobytes()[:40], what    # the same bits again
+                    first = head.tobytes()[:40]
+                modes.add(mode if nc >= 0 else -2)
+                if nc < 0:
+                    continue
+                s = Sampler(SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p, seed=1))
+                if s.filters(n) != (top_k, top_p, min_p):
+                    continue
+                ids_c, x_c = got[:, 0], got[:, 1].view(np.float32)
+                for u in (0.0, 0.3, 0.77, 0.999):
+                    if mode == 0:
+                        t = s.draw_candidates(ids_c, x_c, n, int(head["z"]) / fix, rest, u)
+                    else:
+                        cut = s.window_cut(ids_c, x_c, int(head["base"]) / fix, int(head["z"]) / fix, x.max())
+                        assert cut is not None, what
+                        kernels.set_draw(out, 1 / 0.8, cut[0], cut[1], u)
+                        kernels.sample_draw(bx, out, bsum, n)
+                        t = int(_sample_head(out, 0)[0]["token"])
+                    assert t == s.draw(x, u), (what, mode, u)
+        assert modes == {0, 1, -2}, modes
+        for bad in (np.nan, np.inf, -np.inf):
+            y = _sample_row("std3")
+            y[12345] = bad
+            with gpu.Buffer.from_array(y) as by:
+                kernels.sample_cut(by, work, out, y.size, 40, 1.0, 0.0, SAMPLE_CAP)
+                assert int(_sample_head(out, 0)[0]["n_cand"]) == -1, bad
+        assert not work.download(dtype=np.uint8)[4 * gpu.SAMPLE_MAX_PARTS:].any()   # the histogram zeroed again
+
+
+@pytest.mark.gpu
+def test_device_sampler_paths(gpu_device):
+    """DeviceSampler: a peaked row draws from candidates, a flat one through the window and the GPU's draw, a
+    temperature alone from the row, each the token Sampler.sample gives on the row; a NaN: check_logits names the
+    position."""
+    from legacy_engine.errors import FormatError
+    from legacy_engine.gpu_sample import DeviceSampler
+    from legacy_engine.sampling import Sampler, SamplingParams
+    k = gpu.Kernels("dp4a" if NATIVE_ARCH >= 61 else "kepler", NATIVE_ARCH)
+    ds = DeviceSampler(k, 248320)
+    try:
+        for shape, kw, path in (("peaked", dict(top_p=0.5), "candidates"), ("std1", dict(top_p=0.95), "window"),
+                                ("std3", dict(), "row"), ("std3", dict(top_k=40), "candidates"),
+                                ("std1", dict(top_p=0.9, min_p=0.001), "window")):
+            x = _sample_row(shape)
+            with gpu.Buffer.from_array(x) as bx:
+                for seed in range(5):
+                    before = dict(ds.stats)
+                    got = ds.sample(bx, Sampler(SamplingParams(temperature=0.8, seed=seed, **kw)), [], 7)
+                    assert got == Sampler(SamplingParams(temperature=0.8, seed=seed, **kw)).sample(x), (shape, seed)
+                    assert ds.stats[path] == before[path] + 1, (shape, ds.stats)
+        x = _sample_row("peaked")
+        x[100] = np.nan
+        with gpu.Buffer.from_array(x) as bx, pytest.raises(FormatError, match="position 7"):
+            ds.sample(bx, Sampler(SamplingParams(temperature=0.8, top_p=0.95)), [], 7)
+    finally:
+        ds.close()
 
 
 @pytest.mark.gpu

@@ -1077,3 +1077,37 @@ def test_engine_runs_split_when_the_model_does_not_fit(decode, gpu_device, tiny_
         assert gpu_e.model.passes["gpu"] >= 1 and gpu_e.model.passes[decode] >= 15
     finally:
         gpu_e.gpu.close()
+
+
+SAMPLE_NEXT_PARAMS = {"greedy": dict(), "top_k": dict(temperature=0.8, top_k=5),
+                      "top_p": dict(temperature=0.8, top_p=0.95), "min_p": dict(temperature=1.2, min_p=0.1),
+                      "all": dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02), "temp": dict(temperature=0.9),
+                      "penalties": dict(temperature=0.8, top_p=0.95, presence_penalty=0.5)}
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["replay", "graph"])
+@pytest.mark.parametrize("pname", list(SAMPLE_NEXT_PARAMS))
+def test_sample_next_draws_what_the_row_draws(pname, graphs, gpu_device, tiny_file, cpu_model):
+    """GpuModel.sample_next (the draw's candidates chosen in VRAM, gpu_sample) gives, for the same seed, the tokens
+    Sampler.sample gives on the downloaded rows; the row itself is used for temperature alone and penalties."""
+    from legacy_engine.gpu_model import GpuModel
+    from legacy_engine.sampling import Sampler, SamplingParams
+    if graphs and not gpu.graphs_available():
+        pytest.skip("the driver has no CUDA graphs")
+    cpu = cpu_model("moe")
+    gm = GpuModel(cpu, int8=False, graphs=graphs)
+    ids = sequence(12, cpu.hparams.n_vocab)
+    kw = SAMPLE_NEXT_PARAMS[pname]
+    got, want = [], []
+    for out, device in ((got, True), (want, False)):
+        st, s = gm.new_state(64), Sampler(SamplingParams(seed=7, **kw))
+        gm.forward(st, ids[:-1], want_logits=False)
+        hist, tok = list(ids[:-1]), ids[-1]
+        for _ in range(24):
+            hist.append(tok)
+            tok = gm.sample_next(st, tok, s, hist) if device else s.sample(gm.forward(st, [tok])[0], hist)
+            out.append(tok)
+    assert got == want
+    row = pname in ("temp", "penalties")
+    assert gm._sampler.stats == {"candidates": 0 if row else 24, "window": 0, "row": 24 if row else 0}
+    gm.close()

@@ -454,3 +454,94 @@ def test_bench_gpu_generation_on_the_cpu(tiny_file, capsys):
     out = capsys.readouterr().out
     assert "smp/gr" in out.splitlines()[1] and f"{row['sampled_over_greedy']:.3f}" in out
     assert "sampled with temperature 0.8, top_k 0, top_p 0.95, min_p 0.0, seed 0" in out
+
+
+# ------------------------------------------------------------------------------------------------ candidates
+
+from legacy_engine.gpu_sample import CAP  # noqa: E402  (the candidates a GPU lets cross)
+
+CAND_PARAMS = ["greedy", "top_k", "top_p", "top_p_half", "min_p", "all", "tiny_T", "k_above_vocab", "k_above_list"]
+
+
+def _candidates(x: np.ndarray, p: SamplingParams, n_vocab: int):
+    """(ids shuffled, their logits, total, rest_max) as cuda8/sample_cut.cu chooses them (sample_cut_ref)."""
+    from sample_cut_ref import sample_cut_ref
+    f = Sampler(p).filters(n_vocab)
+    if f is None:            # temperature alone: the kept set is the row (GpuModel downloads it)
+        return None
+    top_k, top_p, min_p = f
+    c = sample_cut_ref(x, top_k, top_p, min_p, allow_masked=True)
+    ids = np.random.default_rng(5).permutation(c.ids).astype(np.int32)   # the kernel writes them in no order
+    return ids, x[ids], c.z, c.rest_max
+
+
+@tiers
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pname", CAND_PARAMS)
+def test_candidates_draw_what_the_row_draws(forced_isa, shape, pname):
+    """le_sample_cand on the candidates the GPU chooses draws, for every u, the token le_sample draws from the whole
+    row (the same kept set; the row's mass from `total`)."""
+    x, p, _, ref = case(shape, pname)
+    s = Sampler(p)
+    cand = _candidates(x, p, x.size)
+    if cand is None:
+        assert shape == "tiny" and pname == "top_k"     # top-k 40 of 7 tokens: off
+        return
+    ids, xc, total, rest_max = cand
+    for u in U_DRAWS:
+        t = s.draw_candidates(ids, xc, x.size, total, rest_max, u)
+        want = s.draw(x, u)
+        assert t is not None, f"u = {u}: the candidates ({ids.size}) were refused"
+        assert t == want or draw_ambiguous(ref, u, t, want), f"u = {u}: token {t}, the row's {want}"
+    info = s.native.last()
+    if info["cut_id"] != 2**31 - 1:
+        assert info["cut_id"] in set(ids.tolist())            # a token id, not a position
+
+
+@pytest.mark.parametrize("pname", ["top_p", "top_p_half", "min_p", "top_k"])
+def test_candidates_too_few_are_refused(pname):
+    """A candidate set that may not hold the kept set gives None (the caller samples the row): top-p's mass not
+    reached, min-p's threshold below the largest logit left out, top-k above the candidates."""
+    x, p, _, _ = case("std3", pname)
+    s = Sampler(p)
+    order = np.argsort(-x, kind="stable")
+    head = order[:3].astype(np.int32)
+    total = float(np.exp(x.astype(np.float64) - x.max()).sum())
+    assert s.draw_candidates(head, x[head], x.size, total, float(x[order[3]]), 0.5) is None
+    ids, xc, total, rest_max = _candidates(x, p, x.size)            # the kernel's own set is accepted
+    assert s.draw_candidates(ids, xc, x.size, total, rest_max, 0.5) is not None
+
+
+def test_candidates_bad_arguments_raise():
+    s = Sampler(SamplingParams(temperature=0.8, top_p=0.9))
+    ids, x = np.array([3, 1], np.int32), np.array([1.0, 2.0], np.float32)
+    for args in [(np.array([3, 3], np.int32), x, 10, 5.0, 0.0), (np.array([3, 10], np.int32), x, 10, 5.0, 0.0),
+                 (ids, x, 1, 5.0, 0.0), (ids, x, 10, float("nan"), 0.0), (ids, x, 10, 5.0, float("inf")),
+                 (ids, np.array([1.0, np.nan], np.float32), 10, 5.0, 0.0)]:
+        with pytest.raises(NativeError):
+            s.draw_candidates(*args, 0.5)
+    with pytest.raises(ValueError):
+        s.draw_candidates(ids, x[:1], 10, 5.0, 0.0, 0.5)
+
+
+@pytest.mark.parametrize("shape,top_p,min_p", [("std1", 0.95, 0.0), ("std1", 0.5, 0.0), ("std1", 0.9, 0.001),
+                                                ("std3", 0.95, 0.0), ("masked", 0.95, 0.0)])
+def test_window_cut_is_the_rows_cut(shape, top_p, min_p):
+    """le_sample_window_cut on the bin a GPU's window holds (sample_cut_ref: top-p's head beyond CAP, its bin within)
+    gives the cut le_sample finds over the whole row; a window the target is not crossed in gives None."""
+    from sample_cut_ref import sample_cut_ref
+    x = _logits(shape)
+    p = SamplingParams(temperature=0.8, top_p=top_p, min_p=min_p)
+    s = Sampler(p)
+    c = sample_cut_ref(x, 0, p.top_p, p.min_p, cap=CAP, allow_masked=True)
+    assert c.mode == 1, f"the head fits the cap, or the bin does not (mode {c.mode})"
+    m = float(x[np.isfinite(x)].max())
+    cut = s.window_cut(c.ids, x[c.ids], c.base, c.z, m)
+    s.native.probs(x)
+    info = s.native.last()
+    ref = Ref(x, p)
+    if cut != (info["cut_logit"], info["cut_id"]):
+        kept = kept_by_cut(x, {"cut_logit": cut[0], "cut_id": cut[1]})
+        assert cut_ambiguous(ref, p, kept.size), (cut, info["cut_logit"], info["cut_id"])
+    assert s.window_cut(c.ids, x[c.ids], 0.0, c.z, m) is None or c.base < p.top_p * c.z   # target not reached
+    assert s.window_cut(c.ids, x[c.ids], c.z * p.top_p * 1.01, c.z, m) is None             # crossed before it

@@ -165,3 +165,8 @@ SAMPLING_CUT_MASS_REL = 1e-5
 # W), then in double: the token may differ from the reference's inversion only where u lies this close (as a
 # fraction of the mass) to a running sum of the reference's probabilities.
 SAMPLING_DRAW_ABS = 1e-5
+
+# The masses of cuda8/sample_cut.cu (Z, the mass before a window, the running mass at a bin) against float64, as a
+# fraction of the row's mass: fixed point of 2^-40 (2^-41 per token: 1.1e-7 at 248k tokens) of expf's value (2 ulp
+# per token: 2.4e-7 of each mass).
+SAMPLE_MASS_REL = 5e-7

@@ -91,6 +91,27 @@ int le_sample_probs_on(le_model *m, const float *logits, int64_t n_vocab, const 
                        const int32_t *pen_counts, int32_t n_pen, const le_sample_params *params, void *scratch,
                        int64_t scratch_bytes, double *probs, le_sample_info *info);
 
+/* One token from candidates chosen where the logits are (a GPU: cuda8/sample_cut.cu), drawn as le_sample draws it
+ * from the whole row (no penalties: sample the row when they apply). ids[n_cand]: distinct token ids in any order,
+ * x[n_cand] their logits: the head of the row's order "logit descending" (the row's max among them); total: the
+ * row's sum of exp(x - max) (top-p's mass); rest_max: the largest logit of the row not among them (-inf: none).
+ * *token: the draw, or -1 when the kept set may reach past the candidates (then sample the whole row, same u).
+ * info: as le_sample's, cut_id a token id. scratch: le_sample_cand_scratch_bytes(n_cand) bytes. */
+int64_t le_sample_cand_scratch_bytes(int64_t n_cand);
+int le_sample_cand(const int32_t *ids, const float *x, int64_t n_cand, int64_t n_vocab, double total, float rest_max,
+                   const le_sample_params *params, double u, void *scratch, int64_t scratch_bytes, int32_t *token,
+                   le_sample_info *info);
+
+/* Top-p's cut when the kept set is too large to cross the link (a GPU draws from it: cuda8/sample_cut.cu's window):
+ * ids / x[n_win] (any order) are every token of the row in one band of the order "logit descending"; base: the mass
+ * sum exp(x - max) of every token ranked before them, total: the row's; max: the row's max logit. top-p (on, no
+ * top-k) then min-p from params. *found = 1 and the kept set is x > *cut_logit, or x == *cut_logit and id <=
+ * *cut_id; *found = 0 when the running mass does not reach top_p * total inside the window (then sample the whole
+ * row). scratch: 8 * n_win + 64 bytes. */
+int le_sample_window_cut(const int32_t *ids, const float *x, int64_t n_win, double base, double total, float max,
+                         const le_sample_params *params, void *scratch, int64_t scratch_bytes, float *cut_logit,
+                         int32_t *cut_id, int32_t *found);
+
 /* The tier serving the sampler's passes now (le_isa: ref or avx2; follows le_set_isa). */
 int le_sample_isa(void);
 
