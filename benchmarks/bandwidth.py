@@ -3,7 +3,7 @@
 Streams a buffer far larger than the last-level cache through numpy reductions (integer add and float max; their
 inner loops are SIMD and release the GIL, so Python threads read in parallel), on 1..T threads, each thread over its
 own contiguous slice, and reports the best of `reps` passes in GB/s (1e9 bytes/s). No C code of ours is involved, so
-the number is independent of the kernels it is used to judge. The probe itself is legacy_engine.bench.read_bandwidth
+the number is independent of the kernels it is used to judge. The probe itself is legacy_engine.tools.bench.read_bandwidth
 (so `bench decode --bandwidth auto` has it installed); this is its table.
 
     python benchmarks/bandwidth.py [--threads 2] [--size-mib 1024] [--reps 5]
@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run from a checkout without installing
 
-from legacy_engine.bench import READ_KERNELS, read_bandwidth  # noqa: E402
+from legacy_engine.tools.bench import READ_KERNELS, read_bandwidth  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -3,14 +3,14 @@
 
     python -m pytest benchmarks/bench_cache.py --benchmark-enable     # tiny-moe (make-model, Q8_0), 947 tokens
 """
-from legacy_engine.bench import bench_cache
+from legacy_engine.tools.bench import bench_cache
 
 
 def test_cache_ttft(benchmark, tmp_path_factory):
     """tiny-moe (make-model defaults), 947 tokens: the whole bench_cache run is the timed call; its numbers go to
     extra_info."""
     import pytest
-    from legacy_engine.make_model import make_model
+    from legacy_engine.tools.make_model import make_model
     pytest.importorskip("pytest_benchmark")
     path = make_model("tiny-moe", str(tmp_path_factory.mktemp("bench_cache") / "tiny-moe.gguf"), progress=False)
     disk = str(tmp_path_factory.mktemp("bench_cache_disk"))

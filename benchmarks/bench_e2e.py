@@ -9,7 +9,7 @@ tied embeddings: the LM head dominates the bytes per token). prefill = one chunk
 empty state; decode = TG single-token steps from an empty state. extra_info (benchmarks/README.md): tokens,
 weight bytes read per token / per run, FLOPs, tok/s, GB/s and, when benchmarks are enabled, % of the read
 bandwidth measured by benchmarks/bandwidth.py's probe. Bytes: decode reads the top-k experts + everything else +
-LM head per token (legacy_engine.bench.weight_footprint); a prefill batch reads each weight row once, counted as the
+LM head per token (legacy_engine.tools.bench.weight_footprint); a prefill batch reads each weight row once, counted as the
 whole file (every expert: an upper bound, ≈ exact for 64 tokens × top-4 of 16 experts).
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ import time
 import numpy as np
 import pytest
 
-from legacy_engine.bench import read_bandwidth, seeded_tokens, weight_footprint
-from legacy_engine.gguf_model import ModelFile
-from legacy_engine.make_model import make_model
-from legacy_engine.model import Model
+from legacy_engine.tools.bench import read_bandwidth, seeded_tokens, weight_footprint
+from legacy_engine.format.gguf_model import ModelFile
+from legacy_engine.tools.make_model import make_model
+from legacy_engine.cpu.model import Model
 
 pytestmark = pytest.mark.cpu
 

@@ -5,11 +5,11 @@
     python benchmarks/bench_gemv.py [--mib 256] [--reps 5]           # a table, with llama.cpp's kernels beside
 
 What is timed: W @ a for a weight matrix of `rows` rows of N = 65536 elements (~256 MiB, 8x this box's L3, so the
-weights come from DRAM), one le_vec_dot call per row from Python (legacy_engine._native.vec_dot_rows) with the
+weights come from DRAM), one le_vec_dot call per row from Python (legacy_engine.core._native.vec_dot_rows) with the
 activation row already quantised (it stays in L2: 70 KiB of Q8_K). Bytes counted: the weight bytes, read once.
 Rows are long so the per-call cost of Python + cffi (measured as the same loop with n = 0, `call_overhead_us` in
 extra_info) is a few percent of a row; `gbps` is raw, `gbps_kernel` subtracts that overhead. The roofline is the
-single-thread read bandwidth from the probe of benchmarks/bandwidth.py (legacy_engine.bench.read_bandwidth),
+single-thread read bandwidth from the probe of benchmarks/bandwidth.py (legacy_engine.tools.bench.read_bandwidth),
 measured once per session: `bandwidth_GBps`, and `pct_of_bandwidth` = 100 x gbps_kernel / bandwidth_GBps
 (the table prints the same pair per cell).
 A tier without its own kernel for a type (it would fall back) is skipped, never timed under the wrong name.
@@ -29,8 +29,8 @@ from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run from a checkout without installing
 
-from legacy_engine import _native  # noqa: E402
-from legacy_engine.bench import read_bandwidth  # noqa: E402
+from legacy_engine.core import _native  # noqa: E402
+from legacy_engine.tools.bench import read_bandwidth  # noqa: E402
 
 pytestmark = pytest.mark.cpu
 

@@ -31,8 +31,10 @@ import sys
 import numpy as np
 import pytest
 
-from legacy_engine import _native, gpu
-from legacy_engine.errors import EngineError
+from legacy_engine.core import _native
+
+from legacy_engine import gpu
+from legacy_engine.core.errors import EngineError
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ GB/s = a call's mean expert bytes / that median time; the C core's phase clocks 
 means; the rest is the serial quantisation and bookkeeping). `map`: the weights in the file's memory map (4 KiB page-cache pages, the default of
 `run`), every page faulted in first (MADV_POPULATE_READ: as the hybrid decode's page-locked map is; a first touch
 would cost a fault per 4 KiB and show as slowness that is not the kernels'); `anon`: read into anonymous memory with MADV_HUGEPAGE (`--no-mmap`), `huge MiB` says how much the kernel
-really backed with 2 MiB pages. The read bandwidth beside is legacy_engine.bench.read_bandwidth at the same thread
+really backed with 2 MiB pages. The read bandwidth beside is legacy_engine.tools.bench.read_bandwidth at the same thread
 count (numpy, no code of ours). CPU only; the GPU machine's 16 cores give the numbers of
 benchmarks/results/hybrid_fixes_2026-11-25f.md.
 """
@@ -25,9 +25,9 @@ import numpy as np
 
 
 def measure(path: str, threads: int, mmap: bool, experts: list[int], calls: int, seed: int = 0) -> dict:
-    from legacy_engine import _native
-    from legacy_engine.model import Model
-    from legacy_engine.planner import expert_tensors
+    from legacy_engine.core import _native
+    from legacy_engine.cpu.model import Model
+    from legacy_engine.plan.planner import expert_tensors
     m = Model(path, threads, mmap=mmap, pin=True)
     try:
         hp = m.hparams
@@ -71,7 +71,7 @@ def measure(path: str, threads: int, mmap: bool, experts: list[int], calls: int,
 
 
 def main(argv=None) -> int:
-    from legacy_engine.bench import read_bandwidth
+    from legacy_engine.tools.bench import read_bandwidth
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--threads", default="16", help="thread counts, comma-separated (16)")

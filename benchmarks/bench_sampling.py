@@ -34,8 +34,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run from a checkout without installing
 
-from legacy_engine import _native  # noqa: E402
-from legacy_engine.sampling import Sampler, SamplingParams  # noqa: E402
+from legacy_engine.core import _native  # noqa: E402
+from legacy_engine.serve.sampling import Sampler, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.cpu
 
@@ -66,8 +66,8 @@ def pool_model(n_threads: int, folder: str):
     """A CPU model with n_threads whose pool runs the sampler's passes (None for 1: the caller's thread alone)."""
     if n_threads <= 1:
         return None
-    from legacy_engine.make_model import make_model
-    from legacy_engine.model import Model
+    from legacy_engine.tools.make_model import make_model
+    from legacy_engine.cpu.model import Model
     path = make_model("tiny-moe", str(Path(folder) / "tiny-moe-2.q8_0.gguf"), layers=2, quant="q8_0", progress=False)
     return Model(path, n_threads=n_threads)
 

@@ -22,9 +22,9 @@ import numpy as np
 
 def main(argv=None) -> int:
     from legacy_engine import gpu
-    from legacy_engine.planner import parse_size
-    from legacy_engine.gpu_model import GpuModel
-    from legacy_engine.model import Model
+    from legacy_engine.plan.planner import parse_size
+    from legacy_engine.gpu.model import GpuModel
+    from legacy_engine.cpu.model import Model
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--vram", default="6GiB", help="VRAM budget (6GiB)")

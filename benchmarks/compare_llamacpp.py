@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run from a checkout without installing
 
-from legacy_engine import _native  # noqa: E402
-from legacy_engine.bench import bench_decode, print_decode  # noqa: E402
+from legacy_engine.core import _native  # noqa: E402
+from legacy_engine.tools.bench import bench_decode, print_decode  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from legacy_engine.paths import cache_dir as le_cache_dir   # the package's one cache folder rule
+from legacy_engine.core.paths import cache_dir as le_cache_dir   # the package's one cache folder rule
 
 # ------------------------------------------------------------------------------------------------ skip summary
 # Without a GPU every gpu-marked test skips for the same reason: `-ra` prints it once, on one line
@@ -147,7 +147,7 @@ def llama_cpp_convert(llama_cpp_src, tmp_path_factory):
 def forced_isa(request):
     """Tier `request.param` (parametrize indirect) forced for one test, skipping when this CPU cannot run it; the
     previous tier restored after."""
-    from legacy_engine import _native
+    from legacy_engine.core import _native
 
     isa = request.param
     if not _native.isa_supported(isa):

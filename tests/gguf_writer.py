@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGUFWriter
 
-from legacy_engine.gguf_model import Hparams, expected_tensors
+from legacy_engine.format.gguf_model import Hparams, expected_tensors
 
 
 def small_hparams(arch: str = "qwen35moe", **kw) -> Hparams:

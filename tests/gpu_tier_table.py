@@ -58,7 +58,8 @@ def table(xml: Path) -> tuple[list[str], dict, dict]:
 
 def header() -> str:
     try:
-        from legacy_engine import _native, gpu
+        from legacy_engine.core import _native
+        from legacy_engine import gpu
         info = _native.gpu_info()
         dev = gpu.init()
         drv = info.get("driver_version")

@@ -23,11 +23,11 @@ from fixtures.make_reference import tiny_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import legacy_engine.cache as cache_mod
-from legacy_engine.cache import (FORMAT_VERSION, CacheFileWarning, PrefixCache, Sizes, chain_keys, end_key,
+import legacy_engine.serve.cache as cache_mod
+from legacy_engine.serve.cache import (FORMAT_VERSION, CacheFileWarning, PrefixCache, Sizes, chain_keys, end_key,
                                  model_fingerprint)
-from legacy_engine.errors import Cancelled, ContextLengthError
-from legacy_engine.generate import Engine
+from legacy_engine.core.errors import Cancelled, ContextLengthError
+from legacy_engine.serve.generate import Engine
 
 pytestmark = pytest.mark.cpu
 
@@ -142,7 +142,7 @@ def test_model_fingerprint_at_interpreter_shutdown(tmp_path):
     big = tmp_path / "big.gguf"
     with open(big, "wb") as f:
         f.truncate(3 * cache_mod.FINGERPRINT_PIECE // 2)     # two pieces: the parallel path
-    code = ("import atexit, sys; from legacy_engine.cache import model_fingerprint as fp; "
+    code = ("import atexit, sys; from legacy_engine.serve.cache import model_fingerprint as fp; "
             f"atexit.register(lambda: print(fp({str(big)!r}, memo_dir={str(tmp_path / 'memo')!r}).hex()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and not out.stderr, out.stderr

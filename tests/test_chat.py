@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from legacy_engine.chat import TemplateRaised, TemplateRenderer, default_template, render_chat, render_prompt
-from legacy_engine.errors import EngineError, TemplateRenderError
-from legacy_engine.tokenizer import Tokenizer
-from legacy_engine.vocab import qwen_vocab, vocab_metadata
+from legacy_engine.format.chat import TemplateRaised, TemplateRenderer, default_template, render_chat, render_prompt
+from legacy_engine.core.errors import EngineError, TemplateRenderError
+from legacy_engine.format.tokenizer import Tokenizer
+from legacy_engine.format.vocab import qwen_vocab, vocab_metadata
 
 pytestmark = pytest.mark.cpu
 
@@ -244,7 +244,7 @@ def test_render_prompt_keeps_control_tokens_out_of_user_text():
 
 def test_cli_prints_a_template_error_as_one_line(tmp_path):
     """`legacy-engine run --chat` on a GGUF whose template divides by zero: one line naming it, exit 1."""
-    from legacy_engine.make_model import make_model
+    from legacy_engine.tools.make_model import make_model
 
     path = make_model("tiny-moe", str(tmp_path / "bad.gguf"), layers=4, quant="q8_0", progress=False)
     raw = open(path, "rb").read()
@@ -261,7 +261,7 @@ def test_cli_prints_a_template_error_as_one_line(tmp_path):
 def test_cli_stops_a_template_that_does_not_end(tmp_path):
     """`legacy-engine run --chat` renders in the same stoppable process as the server: a template that loops for
     hours ends as one line naming it after the renderer's time limit, exit 1 (it hung until Ctrl-C)."""
-    from legacy_engine.make_model import make_model
+    from legacy_engine.tools.make_model import make_model
 
     path = make_model("tiny-moe", str(tmp_path / "loop.gguf"), layers=4, quant="q8_0", progress=False)
     raw = open(path, "rb").read()

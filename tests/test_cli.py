@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 from fixtures.make_reference import tiny_gguf
 
-from legacy_engine import __version__, cli
-from legacy_engine.errors import NativeError
+from legacy_engine import __version__
+
+from legacy_engine.tools import cli
+from legacy_engine.core.errors import NativeError
 
 pytestmark = pytest.mark.cpu
 
@@ -111,7 +113,7 @@ def test_native_errors_lose_the_c_location(missing, monkeypatch, capsys):
 
     def fail(*a, **k):
         raise NativeError(1, raw)
-    monkeypatch.setattr("legacy_engine.generate.Engine", fail)
+    monkeypatch.setattr("legacy_engine.serve.generate.Engine", fail)
     monkeypatch.delenv("LE_DEBUG", raising=False)
     assert cli.main(["run", str(missing), "-p", "Hi"]) == 1
     err = capsys.readouterr().err
@@ -236,7 +238,7 @@ def test_make_model_usage_shows_out_required():
 
 def test_bench_cache_defaults_finish_in_a_minute():
     """947 tokens: 49 s on the 2-core dev box with the demo model (the default of 947 and 4096 took many minutes)."""
-    from legacy_engine.bench import bench_cache
+    from legacy_engine.tools.bench import bench_cache
     assert inspect.signature(bench_cache).parameters["lengths"].default == (947,)
     r = _cli("bench", "cache", "-h")
     assert "prompt lengths (947:" in r.stdout, r.stdout
@@ -244,7 +246,8 @@ def test_bench_cache_defaults_finish_in_a_minute():
 
 def test_bench_decode_defaults_to_the_chosen_tier():
     """`bench decode` runs the tier `info` chooses by default (plus llama.cpp), every tier only with --isa all."""
-    from legacy_engine import _native, bench
+    from legacy_engine.core import _native
+    from legacy_engine.tools import bench
 
     assert bench.parse_isas("chosen") == [_native.get_isa()]
     assert bench.parse_isas("chosen,all")[0] == _native.get_isa() and len(bench.parse_isas("all")) >= 1

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import tolerances as tol
 
-from legacy_engine.convert import convert, main, tile_v_heads
-from legacy_engine.errors import FormatError
+from legacy_engine.tools.convert import convert, main, tile_v_heads
+from legacy_engine.core.errors import FormatError
 
 gguf = pytest.importorskip("gguf")
 
@@ -250,8 +250,8 @@ def test_full_vocab_tokenizer_hashes_as_qwen35(tmp_path):
     from tokenizers import Tokenizer
 
     from fixtures.tiny_models import write_tokenizer
-    from legacy_engine.convert import _CHKTXT, _PRE_BY_HASH
-    from legacy_engine.vocab import qwen_vocab
+    from legacy_engine.tools.convert import _CHKTXT, _PRE_BY_HASH
+    from legacy_engine.format.vocab import qwen_vocab
     write_tokenizer(qwen_vocab(), tmp_path)
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     assert _PRE_BY_HASH[sha256(str(tok.encode(_CHKTXT).ids).encode()).hexdigest()] == "qwen35"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tolerances as tol
 
-from legacy_engine import _native
+from legacy_engine.core import _native
 
 pytestmark = pytest.mark.cpu
 

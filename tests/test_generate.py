@@ -15,8 +15,8 @@ import pytest
 import tolerances as tol
 from fixtures.make_reference import sequence, tiny_gguf
 
-from legacy_engine.generate import Engine
-from legacy_engine.sampling import Sampler, SamplingParams
+from legacy_engine.serve.generate import Engine
+from legacy_engine.serve.sampling import Sampler, SamplingParams
 
 pytestmark = pytest.mark.cpu
 
@@ -300,7 +300,7 @@ def test_cli_seed_reproducible(model_path):
 def test_non_finite_logits_of_any_engine_are_an_error(model_path):
     """A GPU or split model's logits are checked where the session reads them (Model.forward checks the CPU's):
     a NaN is a FormatError naming the position, and the session, no longer trustworthy, starts over."""
-    from legacy_engine.errors import FormatError
+    from legacy_engine.core.errors import FormatError
 
     class NanModel:                      # stands in for a GpuModel / SplitModel: same forward, a NaN in the logits
         def __init__(self, inner):

@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gguf_writer import small_hparams, write_gguf
-from legacy_engine.errors import EngineError, FormatError
+from legacy_engine.core.errors import EngineError, FormatError
 from gguf import GGUFReader
 
-from legacy_engine.gguf_file import GGUFFile
-from legacy_engine.gguf_model import ModelFile, expected_tensors
+from legacy_engine.format.gguf_file import GGUFFile
+from legacy_engine.format.gguf_model import ModelFile, expected_tensors
 
 pytestmark = pytest.mark.cpu
 

@@ -26,8 +26,10 @@ import sys
 import numpy as np
 import pytest
 
-from legacy_engine import _native, gpu
-from legacy_engine.errors import NativeError, UnavailableError
+from legacy_engine.core import _native
+
+from legacy_engine import gpu
+from legacy_engine.core.errors import NativeError, UnavailableError
 
 import lint_cuda8
 import tolerances as tol
@@ -323,7 +325,7 @@ def test_nvrtc_compile_error_carries_log(tmp_path, monkeypatch):
     bad = tmp_path / "broken.cu"
     bad.write_text('#include "compat.cuh"\nextern "C" __global__ void broken(float *x) { x[0] = undefined_name; }\n')
     (tmp_path / "compat.cuh").write_bytes((gpu.CUDA_DIR / "compat.cuh").read_bytes())   # the package's, wherever
-    monkeypatch.setattr(gpu, "CUDA_DIR", tmp_path)
+    monkeypatch.setattr(gpu.toolchain, "CUDA_DIR", tmp_path)
     with pytest.raises(gpu.KernelBuildError, match="undefined_name"):
         tc.compile("broken", "fermi", max(tc.archs[0], 35))
 
@@ -363,7 +365,7 @@ def test_ptxas_fits_the_legacy_chips():
 def test_no_driver_is_unavailable():
     """Without libcuda every GPU entry point raises UnavailableError naming the reason (a subprocess, since the
     driver is loaded once per process)."""
-    code = ("from legacy_engine import gpu\nfrom legacy_engine.errors import UnavailableError\n"
+    code = ("from legacy_engine import gpu\nfrom legacy_engine.core.errors import UnavailableError\n"
             "print(gpu.available())\n"
             "for f in (gpu.init, lambda: gpu.Kernels('fermi', 35), lambda: gpu.Buffer(16)):\n"
             "    try:\n        f()\n    except UnavailableError as e:\n        print('UNAVAILABLE', e)\n")
@@ -1455,7 +1457,7 @@ def test_position_from_device(kernels):
     """The planned decode step's kernels read the position p from a device int: attn_kv_store_f32 writes row p of
     both caches (exactly), attention_decode with pos_dev attends keys 0..p (attention_ref's bound), qk_norm_rope
     with pos_dev reads table row p (bit-identical to passing that row's address)."""
-    from legacy_engine.gpu_model import rope_table
+    from legacy_engine.gpu.model import rope_table
     rng = np.random.default_rng(17)
     n_head, n_kv, hd, n_ctx, p = 4, 2, 128, 300, 211
     kvw = n_kv * hd
@@ -1631,7 +1633,7 @@ def test_sample_cut(kernels):
     infinite logit: -1; the histogram left zeroed (a second call gives the same bits). Then le_sample_cand, or
     le_sample_window_cut and the GPU's draw, give the token Sampler.draw gives on the row for the same u."""
     from sample_cut_ref import bins, sample_cut_ref
-    from legacy_engine.sampling import Sampler, SamplingParams
+    from legacy_engine.serve.sampling import Sampler, SamplingParams
     modes = set()
     with gpu.Buffer(gpu.SAMPLE_WORK_BYTES) as work, gpu.Buffer(gpu.SAMPLE_HEAD.itemsize + 8 * SAMPLE_CAP) as out, \
             gpu.Buffer(8 * gpu.Kernels.draw_blocks(248320)) as bsum:
@@ -1705,9 +1707,9 @@ def test_device_sampler_paths(gpu_device):
     """DeviceSampler: a peaked row draws from candidates, a flat one through the window and the GPU's draw, a
     temperature alone from the row, each the token Sampler.sample gives on the row; a NaN: check_logits names the
     position."""
-    from legacy_engine.errors import FormatError
-    from legacy_engine.gpu_sample import DeviceSampler
-    from legacy_engine.sampling import Sampler, SamplingParams
+    from legacy_engine.core.errors import FormatError
+    from legacy_engine.gpu.sample import DeviceSampler
+    from legacy_engine.serve.sampling import Sampler, SamplingParams
     k = gpu.Kernels("dp4a" if NATIVE_ARCH >= 61 else "kepler", NATIVE_ARCH)
     ds = DeviceSampler(k, 248320)
     try:

@@ -23,7 +23,7 @@ import pytest
 import tolerances as tol
 from fixtures.make_reference import FULL_ROWS, compare, load_reference, sequence, tiny_gguf
 from legacy_engine import gpu
-from legacy_engine.model import Model
+from legacy_engine.cpu.model import Model
 from test_gpu import (GPU_OK, GPU_WHY, NATIVE_ARCH, STRICT, TYPES, VARIANTS, VIDS, assert_close_sum, dequant,  # noqa: F401
                       expert_weights, gpu_device, kernels, random_weights, tname, variant_params)
 
@@ -151,7 +151,7 @@ def qk_norm_rope_ref(x, w, cs, n_heads, head_stride, row_stride, hd, eps):
 def test_qk_norm_rope(kernels):
     """q heads (stride 2*hd, the gate halves untouched) and k heads, partial rotary (n_rot = hd/4), IMRoPE table."""
     from types import SimpleNamespace
-    from legacy_engine.gpu_model import rope_table
+    from legacy_engine.gpu.model import rope_table
     rng = np.random.default_rng(11)
     n, nh, hd, n_rot, eps = 5, 3, 256, 64, 1e-6
     hp = SimpleNamespace(n_rot=n_rot, rope_theta=1e7, rope_sections=(11, 11, 10, 0))
@@ -203,7 +203,7 @@ def test_moe_combine(kernels):
 
 def pinned_channel(lay, seq: int):
     """A zeroed hybrid channel in page-locked memory with SEQ = seq -> (buffer, int32 view, device-visible address)."""
-    from legacy_engine import _native
+    from legacy_engine.core import _native
     pb = gpu.PinnedBuffer(4 * lay.channel_words)
     chan = pb.array.view(np.int32)
     chan[:] = 0
@@ -219,7 +219,7 @@ def test_hybrid_sync(kernels):
     first not pinned nor early, or the ones predicted last), their staging slots, the fetched ones and the weights
     of each group (1 for the CPU's row); the wait copies ROW once DONE == SEQ, and gives NaN when the CPU never
     answers (a bounded spin, so a dead host cannot hang the stream)."""
-    from legacy_engine.gpu_model import HybridLayout
+    from legacy_engine.gpu.model import HybridLayout
     rng = np.random.default_rng(21)
     E, k, ne, n_layer = 300, 5, 40, 3
     lay = HybridLayout(E, k, n_layer)
@@ -309,7 +309,7 @@ def test_hybrid_predict(kernels):
     """The lookahead (cuda8/hybrid_sync.cu): hybrid_predict = R @ (h * s) against numpy (f64; the f32 sum of E
     products: assert_close_sum), hybrid_predict_publish = the n_pred largest logits (ties to the lower index, a NaN
     never chosen, pinned experts -1) into the device pred and the slot's PRED, then PRED_READY = SEQ."""
-    from legacy_engine.gpu_model import HybridLayout
+    from legacy_engine.gpu.model import HybridLayout
     rng = np.random.default_rng(23)
     E, k, ne, n_layer = 300, 5, 40, 3
     lay = HybridLayout(E, k, n_layer)
@@ -354,7 +354,7 @@ def test_hybrid_fetch(kernels):
     """hybrid_fetch (cuda8/hybrid_sync.cu): the link experts' bytes of three tensors (experts of 4 x 16,384 + 37
     words of 16 bytes: the copy's four-load loop and its tail; 64 and 4,096 bytes: short ones) from page-locked
     host memory to their slots in VRAM, exactly."""
-    from legacy_engine import _native
+    from legacy_engine.core import _native
     rng = np.random.default_rng(22)
     ne, k = 12, 5
     ebs = (16 * (4 * gpu.HYBRID_FETCH_BLOCKS * gpu.HYBRID_THREADS + 37), 64, 4096)
@@ -415,7 +415,7 @@ _GPU_MODELS: dict = {}
 
 
 def gpu_model(cpu: Model, kind: str, tier: str, arch: int):
-    from legacy_engine.gpu_model import GpuModel
+    from legacy_engine.gpu.model import GpuModel
     key = (kind, tier, arch)
     if key not in _GPU_MODELS:
         if arch > NATIVE_ARCH:
@@ -470,7 +470,7 @@ def quant_file(tmp_path_factory):
     quantiser)."""
     import tempfile
     from fixtures.make_reference import build_checkpoint
-    from legacy_engine.convert import convert
+    from legacy_engine.tools.convert import convert
     made, root = {}, tmp_path_factory.mktemp("gpu_quant")
 
     def get(kind: str, quant: str):
@@ -496,7 +496,7 @@ def quant_gate(path, tier: str, arch: int, faults: dict | None = None, make=None
     """(why the GPU run of `path` fails the quantised gate, empty if it passes; a one-line report). The GPU model
     runs with `faults` injected (negative controls); the CPU reference and baseline never do. make(cpu model) ->
     the GpuModel to gate (default: resident, of tier/arch)."""
-    from legacy_engine.gpu_model import GpuModel
+    from legacy_engine.gpu.model import GpuModel
     cpu = Model(path, n_threads=4, pin=False)
     try:
         gm = (make(cpu) if make else
@@ -557,7 +557,7 @@ def test_quantized_fault_is_caught(kind, gpu_device, quant_file):
 def test_fault_is_caught(kind, gpu_device, tiny_file):
     """Negative control: the GDN v-heads grouped instead of tiled (a real bug class) fails the f32 bar on the GPU."""
     cpu = Model(tiny_file(kind), n_threads=2, pin=False, _faults={"gdn_grouped": True})
-    from legacy_engine.gpu_model import GpuModel
+    from legacy_engine.gpu.model import GpuModel
     gm = GpuModel(cpu, int8=False)
     ids = sequence(32, cpu.hparams.n_vocab)
     got = gm.forward(gm.new_state(64), ids, all_logits=True)
@@ -568,7 +568,7 @@ def test_fault_is_caught(kind, gpu_device, tiny_file):
 def test_handoff_gpu_cpu(kind, gpu_device, tiny_file, cpu_model):
     """Prefill on the GPU, decode on the CPU gives the CPU engine's logits (and the reverse); the state bytes the
     two engines hold after the same prefix agree within the f32 bar."""
-    from legacy_engine.gpu_model import GpuModel
+    from legacy_engine.gpu.model import GpuModel
     cpu = cpu_model(kind)
     gm = GpuModel(cpu, int8=False)
     ids = sequence(200, cpu.hparams.n_vocab)
@@ -600,7 +600,7 @@ def test_decode_plan_matches_unplanned(gpu_device, tiny_file, cpu_model, graphs)
     equal the launch-by-launch path within the f32 bar; a plan whose buffers moved (a state with a longer context
     grows the rope table) is recorded again."""
     from legacy_engine import gpu
-    from legacy_engine.gpu_model import GpuModel
+    from legacy_engine.gpu.model import GpuModel
     if graphs and not gpu.graphs_available():
         pytest.skip("the driver has no CUDA graphs")
     cpu = cpu_model("moe")
@@ -630,7 +630,7 @@ def test_prompt_ending_in_a_one_token_chunk_keeps_the_decode_plan(gpu_device, ti
     """A prompt of chunk + 1 tokens: its last chunk of one token runs as the decode plan's step (an unplanned
     one-token pass allocated decode buffers of its own, so the next token recorded the plan again), with the CPU
     engine's logits."""
-    from legacy_engine.gpu_model import GpuModel
+    from legacy_engine.gpu.model import GpuModel
     cpu = cpu_model("moe")
     gm = GpuModel(cpu, int8=False, chunk=16)
     ids = sequence(24, cpu.hparams.n_vocab)
@@ -646,7 +646,7 @@ def test_prompt_ending_in_a_one_token_chunk_keeps_the_decode_plan(gpu_device, ti
 
 
 def test_bad_input_is_refused_and_state_kept(gpu_device, tiny_file, cpu_model):
-    from legacy_engine.gpu_model import GpuModel
+    from legacy_engine.gpu.model import GpuModel
     cpu = cpu_model("dense")
     gm = GpuModel(cpu, int8=False)
     st = gm.new_state(16)
@@ -661,8 +661,8 @@ def test_bad_input_is_refused_and_state_kept(gpu_device, tiny_file, cpu_model):
 
 def test_session_and_snapshot_cache_on_gpu(gpu_device, tiny_file, cpu_model):
     """The Engine with gpu=True (what `run --gpu` uses): greedy tokens equal the CPU engine's."""
-    from legacy_engine.generate import Engine
-    from legacy_engine.sampling import SamplingParams
+    from legacy_engine.serve.generate import Engine
+    from legacy_engine.serve.sampling import SamplingParams
     path = tiny_file("moe")
     cpu_e = Engine(path, n_threads=2, n_ctx=128, pin=False)
     gpu_e = Engine(path, n_threads=2, n_ctx=128, pin=False, gpu=True, gpu_int8=False)
@@ -684,8 +684,8 @@ def test_session_and_snapshot_cache_on_gpu(gpu_device, tiny_file, cpu_model):
 # experts, the VRAM budget, the split (GPU prefill, CPU decode)
 
 def _stream_model(cpu, pinned, chunk, vram=None, int8=False, **kw):
-    from legacy_engine import planner
-    from legacy_engine.gpu_model import GpuModel
+    from legacy_engine.plan import planner
+    from legacy_engine.gpu.model import GpuModel
     fp = planner.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=chunk, int8=int8,
                                 link_experts=kw.get("link_experts", 0), early_experts=kw.get("early_experts", 0))
     return GpuModel(cpu, int8=int8, stream_experts=True, pinned=pinned, chunk=chunk, n_ctx=N_CTX,
@@ -734,8 +734,8 @@ def test_streamed_model_without_a_page_locked_map(gpu_device, tiny_file, cpu_mod
     """Where the weight map cannot be page-locked (cuMemHostRegister refused), the experts are copied from pageable
     memory and the token embedding is read from a page-locked copy of it: the same logits as the CPU engine, the
     reason in describe()."""
-    from legacy_engine import _native
-    from legacy_engine.errors import NativeError
+    from legacy_engine.core import _native
+    from legacy_engine.core.errors import NativeError
 
     def refuse(*_a, **_k):
         raise NativeError("le_gpu_host_register: refused (test)")
@@ -756,7 +756,7 @@ def test_streamed_model_without_a_page_locked_map(gpu_device, tiny_file, cpu_mod
 
 
 def test_budget_is_planned_before_anything_is_allocated(gpu_device, tiny_file, cpu_model):
-    from legacy_engine import planner
+    from legacy_engine.plan import planner
     cpu = cpu_model("moe")
     fp = planner.vram_footprint(cpu.file, stream_experts=True, n_ctx=N_CTX, chunk=16, int8=False)
     used = gpu.mem_stats()["used"]
@@ -774,7 +774,7 @@ def test_budget_is_planned_before_anything_is_allocated(gpu_device, tiny_file, c
 def test_budget_holds_under_ballast(gpu_device, tiny_file, cpu_model):
     """A ballast allocation leaves only the planned footprint (+ 64 MiB) free on the device: the streamed model
     loads, prefills and decodes inside its budget, and its peak use stays under the plan."""
-    from legacy_engine import planner
+    from legacy_engine.plan import planner
     cpu = cpu_model("moe")
     pinned = {2: [0, 1]}
     fp = planner.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=16, int8=False)
@@ -812,7 +812,7 @@ def greedy(m, st, logits, steps: int) -> list[int]:
 def split_vs_cpu(cpu, gm, prompt, steps: int, first: int | None = None):
     """SplitModel(cpu, gm, min_gpu_tokens=8) and the CPU engine each prefill `prompt` (prompt[:first] as a pass of its
     own first, when given) and decode `steps` greedy tokens -> (split, {engine: tokens}, {engine: state})."""
-    from legacy_engine.split import SplitModel
+    from legacy_engine.plan.split import SplitModel
     split = SplitModel(cpu, gm, min_gpu_tokens=8)
     runs, states = {}, {}
     for name, m in (("split", split), ("cpu", cpu)):
@@ -905,7 +905,7 @@ def test_repin_follows_the_routing(extras, gpu_device, tiny_file, cpu_model):
     pins for them taking REPIN_DRIFT more of the work) re-chooses and re-uploads the pins (and the decode extras
     around them), the hybrid's tables follow, the decode plan is recorded again; prefill and decode after it give
     the CPU engine's logits; without new routes nothing changes."""
-    from legacy_engine import gpu_model as G
+    from legacy_engine.gpu import model as G
     cpu = cpu_model("moe")
     hp = cpu.hparams
     pinned = {i: [0, 1] for i in range(hp.n_layer)}
@@ -984,7 +984,7 @@ def test_hybrid_int8_decode_on_quantized_file(link, gpu_device, quant_file):
 def test_split_hybrid_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
     """SplitModel over a hybrid GPU model: the sequence stays on the GPU (GpuState); the prompt runs streamed, a
     short follow-up pass and the decode steps run as hybrid steps; the greedy tokens equal the CPU engine's."""
-    from legacy_engine.gpu_model import GpuState
+    from legacy_engine.gpu.model import GpuState
     cpu = cpu_model("moe")
     gm = _stream_model(cpu, {1: [2, 3], 4: [0]}, 16, cpu_experts=True, save_routing=False)
     try:
@@ -1001,8 +1001,8 @@ def test_split_hybrid_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
 def test_long_pass_head_in_pieces(stream, gpu_device, tiny_file, cpu_model):
     """A pass longer than the head's rows (chunk 600 > 512 resident, > 32 streamed) with all logits: the head runs
     in pieces; equal to the CPU."""
-    from legacy_engine.gpu_model import GpuModel
-    from legacy_engine.planner import LOGIT_ROWS, STREAM_LOGIT_ROWS
+    from legacy_engine.gpu.model import GpuModel
+    from legacy_engine.plan.planner import LOGIT_ROWS, STREAM_LOGIT_ROWS
     cpu = cpu_model("moe")
     gm = GpuModel(cpu, int8=False, chunk=600, n_ctx=640, stream_experts=stream)
     try:
@@ -1020,7 +1020,7 @@ def test_long_pass_head_in_pieces(stream, gpu_device, tiny_file, cpu_model):
 def test_sorted_pairs_bit_identical(int8, gpu_device, tiny_file, quant_file):
     """Prefill with the (token, expert) pairs in expert order (gathered, then scattered back) gives bit-identical
     logits to the pairs in token order: every pair runs the same GEMV on the same row (int8: the Q8_0 file, DP4A)."""
-    from legacy_engine.gpu_model import GpuModel
+    from legacy_engine.gpu.model import GpuModel
     path = quant_file("moe", "q8_0") if int8 else tiny_file("moe")
     cpu = Model(path, n_threads=2, pin=False)
     ids = sequence(100, cpu.hparams.n_vocab)
@@ -1038,7 +1038,7 @@ def test_sorted_pairs_bit_identical(int8, gpu_device, tiny_file, quant_file):
 def test_grouped_experts_match_reference(kind, gpu_device, tiny_file, cpu_model):
     """The routed experts as grouped GEMMs (tiles of one expert's tokens; the default for passes of several tokens):
     prefill logits against transformers and the CPU engine within the f32 bar, and streamed too."""
-    from legacy_engine.gpu_model import GpuModel
+    from legacy_engine.gpu.model import GpuModel
     cpu = cpu_model(kind)
     ids = sequence(200, cpu.hparams.n_vocab)
     for kw in ({}, {"stream_experts": True, "pinned": {1: [0, 2]}, "chunk": 64}):
@@ -1056,10 +1056,10 @@ def test_grouped_experts_match_reference(kind, gpu_device, tiny_file, cpu_model)
 def test_engine_runs_split_when_the_model_does_not_fit(decode, gpu_device, tiny_file, cpu_model):
     """`run --gpu --vram SIZE --decode cpu|hybrid` with a budget below the resident footprint: the Engine plans the
     split (experts streamed, GPU prefill; decode on the CPU or hybrid) and its greedy text equals the CPU engine's."""
-    from legacy_engine import planner
-    from legacy_engine.generate import Engine
-    from legacy_engine.sampling import SamplingParams
-    from legacy_engine.split import SplitModel
+    from legacy_engine.plan import planner
+    from legacy_engine.serve.generate import Engine
+    from legacy_engine.serve.sampling import SamplingParams
+    from legacy_engine.plan.split import SplitModel
     path = tiny_file("moe")
     cpu = cpu_model("moe")
     res = planner.vram_footprint(cpu.file, n_ctx=128, int8=True)
@@ -1090,8 +1090,8 @@ SAMPLE_NEXT_PARAMS = {"greedy": dict(), "top_k": dict(temperature=0.8, top_k=5),
 def test_sample_next_draws_what_the_row_draws(pname, graphs, gpu_device, tiny_file, cpu_model):
     """GpuModel.sample_next (the draw's candidates chosen in VRAM, gpu_sample) gives, for the same seed, the tokens
     Sampler.sample gives on the downloaded rows; the row itself is used for temperature alone and penalties."""
-    from legacy_engine.gpu_model import GpuModel
-    from legacy_engine.sampling import Sampler, SamplingParams
+    from legacy_engine.gpu.model import GpuModel
+    from legacy_engine.serve.sampling import Sampler, SamplingParams
     if graphs and not gpu.graphs_available():
         pytest.skip("the driver has no CUDA graphs")
     cpu = cpu_model("moe")

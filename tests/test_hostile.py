@@ -28,12 +28,12 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from gguf_writer import add_key, hparam_metadata, small_hparams, write_gguf
-from legacy_engine import cli
-from legacy_engine import gguf_file as gf
-from legacy_engine.errors import ContextLengthError, FormatError
-from legacy_engine.gguf_file import GGUFArray, GGUFFile
-from legacy_engine.gguf_model import F16_SCALES, ModelFile, check_tensor_values, expected_tensors
-from legacy_engine.model import Model
+from legacy_engine.tools import cli
+from legacy_engine.format import gguf_file as gf
+from legacy_engine.core.errors import ContextLengthError, FormatError
+from legacy_engine.format.gguf_file import GGUFArray, GGUFFile
+from legacy_engine.format.gguf_model import F16_SCALES, ModelFile, check_tensor_values, expected_tensors
+from legacy_engine.cpu.model import Model
 
 pytestmark = pytest.mark.cpu
 
@@ -155,7 +155,7 @@ def test_threads_beyond_the_pool():
 # ------------------------------------------------------------------------------------------------ 4: tokenizer panic
 
 def test_merge_of_two_special_tokens(tmp_path, capsys):
-    from legacy_engine.tokenizer import Tokenizer
+    from legacy_engine.format.tokenizer import Tokenizer
 
     meta = {**TOKENIZER, "tokenizer.ggml.tokens": ["a", "b", "ab", "<|x|>", "<|y|>"],
             "tokenizer.ggml.token_type": [1, 1, 1, 3, 3], "tokenizer.ggml.merges": ["a b", "<|x|> <|y|>"]}
@@ -191,7 +191,7 @@ def add_junk_array(src, dst, kind: str, nbytes: int) -> None:
 
 PEAK_RSS = textwrap.dedent("""
     import json, resource, sys
-    from legacy_engine.gguf_file import GGUFFile
+    from legacy_engine.format.gguf_file import GGUFFile
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     f = GGUFFile(sys.argv[1])
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -347,7 +347,7 @@ def test_check_tensors_finds_the_bad_block(tmp_path, qt):
 HOSTILE_CALLS = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from legacy_engine.model import Model
+    from legacy_engine.cpu.model import Model
     m = Model(sys.argv[1], 1)
     st = m.new_state(16)
     n_attn, row = 1, m.hparams.n_head_kv * m.hparams.head_dim
@@ -410,7 +410,7 @@ def test_info_with_a_malformed_machine_cache(tmp_path, capsys, content):
 
 
 def test_info_when_the_planner_raises(tmp_path, capsys, monkeypatch):
-    from legacy_engine import planner
+    from legacy_engine.plan import planner
 
     def broken():
         raise KeyError("cpu_read_gbps")

@@ -11,11 +11,11 @@ import threading
 import numpy as np
 import pytest
 
-from legacy_engine._native import lib
-from legacy_engine.errors import NativeError
-from legacy_engine.gpu_model import HybridLayout
-from legacy_engine.make_model import make_model
-from legacy_engine.model import Model
+from legacy_engine.core._native import lib
+from legacy_engine.core.errors import NativeError
+from legacy_engine.gpu.model import HybridLayout
+from legacy_engine.tools.make_model import make_model
+from legacy_engine.cpu.model import Model
 
 PLAY_TIMEOUT_S = 30.0       # the playing thread's own wait for DONE (a failure, never reached when serve works)
 

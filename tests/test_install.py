@@ -21,7 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from legacy_engine import gpu, paths, vocab
+from legacy_engine import gpu
+
+from legacy_engine.core import paths
+
+from legacy_engine.format import vocab
 
 pytestmark = pytest.mark.cpu
 
@@ -93,7 +97,7 @@ def test_wheel_carries_the_kernel_sources(wheel):
 
 @pytest.mark.slow
 def test_installed_package_is_apart_from_the_tree(site, tmp_path):
-    probe = ("import json, sys, legacy_engine, legacy_engine.cli, legacy_engine.gpu as g\n"
+    probe = ("import json, sys, legacy_engine, legacy_engine.tools.cli, legacy_engine.gpu as g\n"
              "print(json.dumps({'file': legacy_engine.__file__, 'cuda': str(g.CUDA_DIR), 'include': str(g.INCLUDE_DIR),"
              " 'loaded': [m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)],"
              " 'path': sys.path}))")
@@ -159,7 +163,7 @@ def test_one_cache_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert paths.cache_dir(create=False) == tmp_path / "home" / ".cache" / "legacy_engine"
-    from legacy_engine import cli
+    from legacy_engine.tools import cli
     assert vocab.cache_dir is gpu.cache_dir is cli.cache_dir is paths.cache_dir    # one rule, $LE_CACHE_DIR first
 
 

@@ -17,8 +17,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from legacy_engine import make_model as mm
-from legacy_engine.gguf_model import ModelFile, expected_tensors
+from legacy_engine.tools import make_model as mm
+from legacy_engine.format.gguf_model import ModelFile, expected_tensors
 
 # preset -> (layers, quant) written for the file tests: small enough for ≲ 1.5 GB per file
 FILES = {

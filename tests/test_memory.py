@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 from fixtures.make_reference import tiny_gguf
 
-from legacy_engine import _native
-from legacy_engine.caps import thp_backed_bytes, thp_report
-from legacy_engine.errors import NativeError, UnavailableError
-from legacy_engine.gguf_file import GGUFFile
-from legacy_engine.make_model import make_model
-from legacy_engine.model import Model, parse_numa
+from legacy_engine.core import _native
+from legacy_engine.core.memory import thp_backed_bytes
+from legacy_engine.plan.caps import thp_report
+from legacy_engine.core.errors import NativeError, UnavailableError
+from legacy_engine.format.gguf_file import GGUFFile
+from legacy_engine.tools.make_model import make_model
+from legacy_engine.cpu.model import Model, parse_numa
 
 pytestmark = pytest.mark.cpu
 
@@ -384,7 +385,7 @@ def test_info_reports_numa_and_thp():
 def test_info_names_each_gpus_prefill_gemm():
     """The GPU lines of `info` (a described report: this machine has no GPU): the int8 tensor cores from sm_75 (T4),
     none on sm_70 (a CMP 100-210 runs DP4A), the matmul kernels per tier and the flags that change them."""
-    from legacy_engine import caps
+    from legacy_engine.plan import caps
     rep = caps.machine_report()
     rep["gpu"] = {"available": True, "driver_version": 12080, "device_count": 2, "cuda_graphs": True,
                   "devices": [{"name": "Tesla T4", "cc_major": 7, "cc_minor": 5, "total_mem": 16 << 30,

@@ -28,9 +28,9 @@ import tolerances as tol
 from fixtures.make_reference import (KINDS, REFERENCE_DIR, SEQ_LENGTHS, compare, load_reference, load_spec, sequence,
                                      tensor_digest, tiny_gguf)
 
-from legacy_engine.errors import ContextLengthError, EngineError, NativeError, UnavailableError
-from legacy_engine.gguf_file import GGUFFile
-from legacy_engine.model import Model
+from legacy_engine.core.errors import ContextLengthError, EngineError, NativeError, UnavailableError
+from legacy_engine.format.gguf_file import GGUFFile
+from legacy_engine.cpu.model import Model
 
 pytestmark = pytest.mark.cpu
 
@@ -146,7 +146,7 @@ def hf(tiny_hf):
 @pytest.fixture(scope="session")
 def our_gguf(tiny_hf, tmp_path_factory):
     """our_gguf(kind) -> our f32 conversion of the live transformers checkpoint."""
-    from legacy_engine.convert import convert
+    from legacy_engine.tools.convert import convert
 
     made, root = {}, tmp_path_factory.mktemp("ours")
 
@@ -315,8 +315,8 @@ def test_llama_cpp_matches_transformers(kind, file, n, gguf, hf, llama, measured
 def test_greedy_matches_transformers(kind, file, gguf, hf):
     """Session at temperature 0 continues sequence(32) with the ids transformers' generate(do_sample=False) gives;
     both stop at the GGUF tokenizer's end-of-generation ids (the EOS is the last id of both)."""
-    from legacy_engine.generate import Engine
-    from legacy_engine.sampling import SamplingParams
+    from legacy_engine.serve.generate import Engine
+    from legacy_engine.serve.sampling import SamplingParams
 
     eng = Engine(gguf(kind, file), n_threads=N_THREADS, n_ctx=N_CTX)
     prompt = sequence(32, eng.model.hparams.n_vocab)
@@ -519,7 +519,7 @@ def test_prefill_split_across_calls(splits, tiny_file, models, measured):
 def test_session_prefill_batches_equal_one_call(tiny_file, models):
     """Session.prefill runs PREFILL_BATCH (a multiple of 64) tokens per call: the same logits as one call, bit for
     bit, and its state continues identically."""
-    from legacy_engine.generate import PREFILL_BATCH, Engine
+    from legacy_engine.serve.generate import PREFILL_BATCH, Engine
 
     assert PREFILL_BATCH % CHUNK == 0
     n = PREFILL_BATCH + 44
@@ -564,7 +564,7 @@ def test_token_ids_are_not_wrapped_or_truncated(bad, moe):
 
 def test_session_token_outside_vocabulary(tiny_file):
     """Session refuses a bad id before anything runs and keeps its conversation."""
-    from legacy_engine.generate import Engine
+    from legacy_engine.serve.generate import Engine
 
     sess = Engine(tiny_file("moe"), n_threads=N_THREADS, n_ctx=64).session()
     sess.prefill([1, 2, 3])
@@ -578,7 +578,7 @@ def test_session_token_outside_vocabulary(tiny_file):
 
 def test_prompt_longer_than_context(tiny_file):
     """ContextLengthError before anything runs; the session keeps its state."""
-    from legacy_engine.generate import Engine
+    from legacy_engine.serve.generate import Engine
 
     eng = Engine(tiny_file("moe"), n_threads=N_THREADS, n_ctx=16)
     sess = eng.session()
@@ -603,7 +603,7 @@ def test_prompt_longer_than_context(tiny_file):
 
 
 def test_empty_prompt(tiny_file, moe):
-    from legacy_engine.generate import Engine
+    from legacy_engine.serve.generate import Engine
 
     sess = Engine(tiny_file("moe"), n_threads=N_THREADS, n_ctx=64).session()
     with pytest.raises(ValueError, match="empty"):
@@ -619,7 +619,7 @@ def test_empty_prompt(tiny_file, moe):
 def test_qwen3next_is_unavailable(tmp_path):
     from gguf_writer import small_hparams, write_gguf
 
-    from legacy_engine.generate import Engine
+    from legacy_engine.serve.generate import Engine
 
     path = write_gguf(tmp_path / "qwen3next.gguf", small_hparams("qwen3next"))
     with pytest.raises(UnavailableError, match="qwen3next"):
@@ -683,7 +683,7 @@ def test_transformers_regenerates_committed_reference(kind, hf, our_gguf, measur
 
 @pytest.fixture(scope="module")
 def bench_file(tmp_path_factory):
-    from legacy_engine.make_model import make_model
+    from legacy_engine.tools.make_model import make_model
     return make_model("tiny-moe", str(tmp_path_factory.mktemp("bench") / "tiny-moe-4.q4_k_m.gguf"), layers=4,
                       quant="q4_k_m", progress=False)
 
@@ -695,8 +695,8 @@ def _table(out: str) -> tuple[list[str], dict[str, list[str]]]:
 
 
 def test_bench_decode_prints_the_table(bench_file, capsys):
-    from legacy_engine import _native
-    from legacy_engine.cli import main
+    from legacy_engine.core import _native
+    from legacy_engine.tools.cli import main
     prev = _native.get_isa()
     assert main(["bench", "decode", bench_file, "--threads", "1", "--pp", "8", "--tg", "2", "--reps", "1",
                  "--isa", "all,f32", "--llama", "off", "--bandwidth", "10"]) == 0
@@ -724,8 +724,8 @@ def test_bench_decode_llama_bench_row_and_bytes_per_token(bench_file, tmp_path):
     import stat
     import sys
 
-    from legacy_engine.bench import bench_decode, decode_table
-    from legacy_engine.gguf_model import ModelFile
+    from legacy_engine.tools.bench import bench_decode, decode_table
+    from legacy_engine.format.gguf_model import ModelFile
     fake = tmp_path / "llama-bench"
     fake.write_text(f"#!{sys.executable}\nimport json, sys\nassert '-o' in sys.argv and '-t' in sys.argv\n"
                     "print(json.dumps([dict(n_prompt=8, n_gen=0, avg_ns=2e8, samples_ns=[1e8, 3e8, 2e8]),\n"
@@ -755,7 +755,7 @@ def test_bench_split_cli_runs_cpu_and_llama_rows(bench_file, tmp_path, capsys):
     import stat
     import sys
 
-    from legacy_engine.cli import main
+    from legacy_engine.tools.cli import main
     log = tmp_path / "argv.jsonl"
     fake = tmp_path / "llama-bench"
     fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
@@ -794,6 +794,6 @@ def test_bench_split_cli_runs_cpu_and_llama_rows(bench_file, tmp_path, capsys):
                  "--strategies", "cpu", "--no-mmap", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["mmap"] is False and res["rows"][0]["tg"] > 0
-    from legacy_engine.bench_split import print_split
+    from legacy_engine.tools.bench_split import print_split
     print_split(res)
     assert "weights in anonymous memory" in capsys.readouterr().out

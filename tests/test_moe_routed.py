@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from gguf import quants
 
-from legacy_engine import _native
-from legacy_engine.errors import NativeError
-from legacy_engine.make_model import make_model
-from legacy_engine.model import Model
+from legacy_engine.core import _native
+from legacy_engine.core.errors import NativeError
+from legacy_engine.tools.make_model import make_model
+from legacy_engine.cpu.model import Model
 
 # f32 path (integer kernels off): the same f32 products summed in another order than float64 numpy; rows of 256
 # elements and 4 experts: measured ≤ 3e-7 relative to max|out|.

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from legacy_engine import planner as P
-from legacy_engine.bench import weight_footprint
+from legacy_engine.plan import planner as P
+from legacy_engine.tools.bench import weight_footprint
 
 pytestmark = pytest.mark.cpu
 
@@ -201,8 +201,8 @@ def test_routing_counts_saved_and_loaded(tmp_path, monkeypatch):
     a file that does not fit the model is ignored."""
     import numpy as np
 
-    from legacy_engine.make_model import make_model
-    from legacy_engine.model import Model
+    from legacy_engine.tools.make_model import make_model
+    from legacy_engine.cpu.model import Model
     monkeypatch.setenv("LE_CACHE_DIR", str(tmp_path))
     path = make_model("tiny-moe", str(tmp_path / "m.gguf"), progress=False)
     model = Model(path, n_threads=1, pin=False)
@@ -244,7 +244,8 @@ MALFORMED_CACHES = ["not json {", "[1, 2]", '"text"', '{"v3,threads=2,gpu=0": 5}
 def fake_probe(monkeypatch, gbps: float, other: float) -> list:
     """measure()'s CPU probe returns gbps while other work of `other` CPUs runs; returns the list of the probe's
     calls."""
-    from legacy_engine import bench, cpu_load
+    from legacy_engine.tools import bench
+    from legacy_engine.cpu import cpu_load
     calls = []
 
     def bandwidth(n, **kw):

@@ -18,7 +18,7 @@ llama-quantize cannot use 256-element K-quant blocks on 32/64/128-wide rows and 
 Q6_K → Q8_0): only ssm_out / attn_output (512-wide rows) end up Q4_K and nothing Q6_K. The wide files are the
 real Q4_K / Q6_K / F32 mix. test_q4_k_m_tensor_types records both.
 
-Files:  q8_0-ours    legacy_engine.convert(hf, out, "q8_0")
+Files:  q8_0-ours    legacy_engine.tools.convert(hf, out, "q8_0")
         q8_0-llama   llama.cpp's convert_hf_to_gguf.py --outtype q8_0 (--no-mtp)
         q4_k_m       llama_model_quantize(our f32 file, LLAMA_FTYPE_MOSTLY_Q4_K_M), llama.cpp's own quantiser
 
@@ -33,9 +33,9 @@ import numpy as np
 import pytest
 import tolerances as tol
 
-from legacy_engine import _native
-from legacy_engine.convert import convert, tile_v_heads
-from legacy_engine.model import Model
+from legacy_engine.core import _native
+from legacy_engine.tools.convert import convert, tile_v_heads
+from legacy_engine.cpu.model import Model
 
 gguf = pytest.importorskip("gguf")
 

@@ -12,8 +12,8 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from legacy_engine import _native
-from legacy_engine.errors import EngineError, NativeError, UnavailableError
+from legacy_engine.core import _native
+from legacy_engine.core.errors import EngineError, NativeError, UnavailableError
 
 import tolerances as tol
 

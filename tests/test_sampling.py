@@ -1,4 +1,4 @@
-"""The sampler (native/sample.c through legacy_engine.sampling) against a plain float64 numpy reference of the chain:
+"""The sampler (native/sample.c through legacy_engine.serve.sampling) against a plain float64 numpy reference of the chain:
 penalties; top-k, top-p, min-p on the T = 1 softmax in the order of a stable argsort of -x (ties: lower id first);
 the temperature over the kept tokens; u inverted over the probabilities in id order.
 
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import tolerances as tol
 
-from legacy_engine import _native
-from legacy_engine.errors import NativeError
-from legacy_engine.sampling import Sampler, SamplingParams
+from legacy_engine.core import _native
+from legacy_engine.core.errors import NativeError
+from legacy_engine.serve.sampling import Sampler, SamplingParams
 
 pytestmark = pytest.mark.cpu
 
@@ -207,7 +207,7 @@ def check(x, p: SamplingParams, history, ref: Ref, force=(), model=None) -> dict
 @pytest.fixture(scope="module")
 def pools(tiny_file):
     """NativeModels of the tiny model with 1, 2 and 3 threads: only their pools serve the sampler."""
-    from legacy_engine.model import Model
+    from legacy_engine.cpu.model import Model
     return {n: Model(tiny_file, n_threads=n, pin=False).native for n in (1, 2, 3)}
 
 
@@ -409,13 +409,13 @@ def test_negative_controls(variant, shape, pname):
 
 @pytest.fixture(scope="module")
 def tiny_file(tmp_path_factory):
-    from legacy_engine.make_model import make_model
+    from legacy_engine.tools.make_model import make_model
     return make_model("tiny-moe", str(tmp_path_factory.mktemp("sampling") / "tiny-moe-2.q8_0.gguf"), layers=2,
                       quant="q8_0", progress=False)
 
 
 def test_parse_sample():
-    from legacy_engine.bench import SAMPLE_DEFAULT, parse_sample
+    from legacy_engine.tools.bench import SAMPLE_DEFAULT, parse_sample
     assert parse_sample(SAMPLE_DEFAULT) == SamplingParams(temperature=0.8, top_p=0.95, seed=0)
     assert parse_sample("temp=1,top_k=40,min_p=0.05,repeat_penalty=1.1,seed=3") == SamplingParams(
         temperature=1.0, top_k=40, min_p=0.05, repetition_penalty=1.1, seed=3)
@@ -426,7 +426,7 @@ def test_parse_sample():
 
 
 def test_bench_decode_sampled_vs_greedy(tiny_file, capsys):
-    from legacy_engine.bench import bench_decode, parse_sample, print_decode
+    from legacy_engine.tools.bench import bench_decode, parse_sample, print_decode
     res = bench_decode(tiny_file, [1], pp=0, tg=3, reps=2, isas=[_native.get_isa()], llama="off", bandwidth=None,
                        sample=parse_sample("temp=0.8,top_p=0.95"))
     (r,) = res["results"]
@@ -441,9 +441,9 @@ def test_bench_decode_sampled_vs_greedy(tiny_file, capsys):
 
 
 def test_bench_gpu_generation_on_the_cpu(tiny_file, capsys):
-    from legacy_engine import bench_gpu
-    from legacy_engine.bench import parse_sample, seeded_tokens
-    from legacy_engine.model import Model
+    from legacy_engine.tools import bench_gpu
+    from legacy_engine.tools.bench import parse_sample, seeded_tokens
+    from legacy_engine.cpu.model import Model
     model = Model(tiny_file, n_threads=1)
     ids = seeded_tokens(bench_gpu.WARM_PREFILL + 4, model.hparams.n_vocab)
     row = bench_gpu.generation_vs_greedy(model, model.new_state(64), ids, 4, 2, parse_sample("temp=0.8,top_p=0.95"))
@@ -458,7 +458,7 @@ def test_bench_gpu_generation_on_the_cpu(tiny_file, capsys):
 
 # ------------------------------------------------------------------------------------------------ candidates
 
-from legacy_engine.gpu_sample import CAP  # noqa: E402  (the candidates a GPU lets cross)
+from legacy_engine.gpu.sample import CAP  # noqa: E402  (the candidates a GPU lets cross)
 
 CAND_PARAMS = ["greedy", "top_k", "top_p", "top_p_half", "min_p", "all", "tiny_T", "k_above_vocab", "k_above_list"]
 

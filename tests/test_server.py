@@ -31,11 +31,11 @@ openai = pytest.importorskip("openai", reason="the server tests drive it with th
 pytest.importorskip("starlette", reason="the server needs starlette: pip install starlette uvicorn")
 uvicorn = pytest.importorskip("uvicorn", reason="the server needs uvicorn: pip install starlette uvicorn")
 
-from legacy_engine.cache import PrefixCache, model_fingerprint  # noqa: E402
-from legacy_engine.generate import Engine  # noqa: E402
-from legacy_engine.make_model import make_model  # noqa: E402
-from legacy_engine.sampling import SamplingParams  # noqa: E402
-from legacy_engine.server import (APIError, ChatOutput, Job, Plan, ServeConfig, Worker,  # noqa: E402
+from legacy_engine.serve.cache import PrefixCache, model_fingerprint  # noqa: E402
+from legacy_engine.serve.generate import Engine  # noqa: E402
+from legacy_engine.tools.make_model import make_model  # noqa: E402
+from legacy_engine.serve.sampling import SamplingParams  # noqa: E402
+from legacy_engine.serve.server import (APIError, ChatOutput, Job, Plan, ServeConfig, Worker,  # noqa: E402
                                   add_serve_parser, create_app, parse_tool_calls, uvicorn_config)
 
 pytestmark = pytest.mark.cpu
@@ -970,7 +970,7 @@ def _free_port() -> int:
 
 
 SERVE_MAIN = ("import argparse, sys\n"
-              "from legacy_engine.server import add_serve_parser\n"
+              "from legacy_engine.serve.server import add_serve_parser\n"
               "p = argparse.ArgumentParser(prog='legacy-engine')\n"
               "add_serve_parser(p.add_subparsers(dest='cmd', required=True))\n"
               "a = p.parse_args(sys.argv[1:])\n"

@@ -25,9 +25,11 @@ import numpy as np
 import pytest
 from fixtures.make_reference import tiny_gguf
 
-from legacy_engine import _native, cpu_load
-from legacy_engine.gpu_model import HybridLayout
-from legacy_engine.model import Model, default_threads, physical_cpus, pin_decision, pin_order
+from legacy_engine.core import _native
+
+from legacy_engine.cpu import cpu_load
+from legacy_engine.gpu.model import HybridLayout
+from legacy_engine.cpu.model import Model, default_threads, physical_cpus, pin_decision, pin_order
 
 pytestmark = pytest.mark.cpu
 

@@ -15,10 +15,10 @@ from hashlib import sha256
 import numpy as np
 import pytest
 
-from legacy_engine import vocab as vocab_mod
-from legacy_engine.errors import FormatError, UnavailableError
-from legacy_engine.tokenizer import Tokenizer
-from legacy_engine.vocab import CONTROL, NORMAL, UNUSED, USER_DEFINED, qwen_vocab, vocab_metadata
+from legacy_engine.format import vocab as vocab_mod
+from legacy_engine.core.errors import FormatError, UnavailableError
+from legacy_engine.format.tokenizer import Tokenizer
+from legacy_engine.format.vocab import CONTROL, NORMAL, UNUSED, USER_DEFINED, qwen_vocab, vocab_metadata
 
 from vocab_gguf import read_tokenizer_metadata, write_vocab_gguf
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from legacy_engine import _native
-from legacy_engine.errors import NativeError, UnavailableError
+from legacy_engine.core import _native
+from legacy_engine.core.errors import NativeError, UnavailableError
 
 import tolerances as tol
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import gguf
 
-from legacy_engine.vocab import Vocab, vocab_metadata
+from legacy_engine.format.vocab import Vocab, vocab_metadata
 
 ARCH = "qwen35"
 

@@ -10,7 +10,7 @@ import numpy as np
 from .errors import NativeError, UnavailableError
 
 try:
-    from ._core import ffi, lib
+    from .._core import ffi, lib
 except ImportError as e:  # pragma: no cover - only when the package was not built
     raise UnavailableError(
         f"the native core legacy_engine._core is not built ({e}); run `pip install -e .` "

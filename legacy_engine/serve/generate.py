@@ -9,11 +9,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .chat import render_chat, render_prompt
-from .errors import Cancelled, ContextLengthError, EngineError
-from .model import DEFAULT_CTX, Model, check_logits
+from ..format.chat import render_chat, render_prompt
+from ..core.errors import Cancelled, ContextLengthError, EngineError
+from ..cpu.model import DEFAULT_CTX, Model, check_logits
 from .sampling import Sampler, SamplingParams
-from .tokenizer import Tokenizer
+from ..format.tokenizer import Tokenizer
 
 PREFILL_BATCH = 256  # tokens per forward call during prefill: bounds activation memory
 
@@ -70,9 +70,9 @@ class Engine:
         self.gpu = None
         self.placement = None
         if gpu:
-            from .gpu_model import GpuModel
-            from .planner import gpu_placement
-            from .split import SplitModel
+            from ..gpu.model import GpuModel
+            from ..plan.planner import gpu_placement
+            from ..plan.split import SplitModel
             pl = self.placement = gpu_placement(self.cpu_model, gpu_vram, n_ctx, int8=gpu_tier in (None, "dp4a"),
                                                 min_gpu_tokens=gpu_min_tokens, decode=gpu_decode)
             self.gpu = self.model = GpuModel(self.cpu_model, tier=gpu_tier, int8=gpu_int8, graphs=gpu_graphs,

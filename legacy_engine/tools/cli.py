@@ -24,10 +24,10 @@ import re
 import sys
 import time
 
-from . import __version__
-from .chat import TemplateRenderer
-from .errors import ContextLengthError, EngineError, NativeError, UnavailableError
-from .paths import cache_dir
+from .. import __version__
+from ..format.chat import TemplateRenderer
+from ..core.errors import ContextLengthError, EngineError, NativeError, UnavailableError
+from ..core.paths import cache_dir
 
 DEMO_PRESET = "tiny-moe"
 DEMO_SEED = 1234
@@ -45,7 +45,7 @@ def _fmt_bytes(n: int) -> str:
 def model_report(path: str, check_tensors: bool = False) -> tuple[dict, list[str]]:
     """`info MODEL`'s (JSON data, text lines); check_tensors: scan every tensor's values too (FormatError on the
     first non-finite one)."""
-    from .gguf_model import ModelFile, check_tensor_values
+    from ..format.gguf_model import ModelFile, check_tensor_values
 
     t0 = time.perf_counter()
     m = ModelFile.open(path)
@@ -101,9 +101,9 @@ def model_report(path: str, check_tensors: bool = False) -> tuple[dict, list[str
 
 
 def cmd_info(args) -> int:
-    from .caps import format_machine_report, machine_report
+    from ..plan.caps import format_machine_report, machine_report
 
-    from .planner import cached_machines, format_machines
+    from ..plan.planner import cached_machines, format_machines
 
     rep = machine_report()
     try:
@@ -113,7 +113,7 @@ def cmd_info(args) -> int:
         saved = {"error": f"{type(e).__name__}: {e}"}
         planner = [f"Planner  the cached machine probes are unreadable ({type(e).__name__}: {e}); "
                    "`legacy-engine plan --remeasure` measures them again"]
-    from .cpu_load import format_report, report
+    from ..cpu.cpu_load import format_report, report
     load = report()  # other work on the CPUs now: the default threads and pinning (issue 21)
     data = {"machine": rep, "planner_probes": saved, "cpu_load": load}
     lines = [f"legacy_engine {__import__('legacy_engine').__version__}"] + format_machine_report(rep)
@@ -141,7 +141,7 @@ def demo_model_path() -> str:
 
 
 def _sampling(args):
-    from .sampling import SamplingParams
+    from ..serve.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
@@ -150,7 +150,7 @@ def _sampling(args):
 
 def check_gpu() -> None:
     """UnavailableError with the reason when --gpu cannot run here (no driver, no device), before anything loads."""
-    from . import gpu
+    from .. import gpu
 
     ok, why = gpu.available()
     if not ok:
@@ -178,7 +178,7 @@ def load_engine(path: str, kw: dict):
     """Engine(path, **kw). On a terminal, stderr shows `loading NAME (SIZE) …` while it loads (a GPU upload: a tqdm
     bar), cleared when done: the timing line after the answer reports the load time, and a pipe or a log gets no
     carriage returns."""
-    from .generate import Engine
+    from ..serve.generate import Engine
 
     status = sys.stderr.isatty()
     if status:
@@ -247,7 +247,7 @@ def _turn_renderer(eng, enable_thinking: bool, specials=(), render_fn=None):
     the generation prompt. Then a chat feeds only those, as llama.cpp's does, and the state keeps what the model
     really said (its <think> block too, which the template drops from earlier turns). None otherwise: the whole
     conversation runs again every turn."""
-    from .chat import render_chat, render_prompt
+    from ..format.chat import render_chat, render_prompt
     render_fn = render_fn or render_chat
 
     def render(msgs, gen):
@@ -268,7 +268,7 @@ def _turn_renderer(eng, enable_thinking: bool, specials=(), render_fn=None):
 def cmd_chat(args) -> int:
     """Interactive chat through the model's chat template, one user turn per line of stdin (CHAT_HELP). The session
     keeps its state between turns, so a turn runs only the tokens it adds (_turn_renderer)."""
-    from .generate import Timings
+    from ..serve.generate import Timings
 
     params, kw = _preflight(args)
     eng = load_engine(args.model, kw)
@@ -359,8 +359,8 @@ def token_text(b: bytes) -> str:
 
 
 def cmd_tokenize(args) -> int:
-    from .gguf_file import GGUFFile
-    from .tokenizer import Tokenizer
+    from ..format.gguf_file import GGUFFile
+    from ..format.tokenizer import Tokenizer
 
     f = GGUFFile(args.model)
     tok = Tokenizer.from_metadata(f.metadata)
@@ -400,7 +400,7 @@ CHECK_TENSORS_HELP = ("scan every tensor once at load: the scales of every quant
 
 
 def _numa_arg(v: str) -> str:
-    from .model import parse_numa
+    from ..cpu.model import parse_numa
 
     try:
         parse_numa(v)
@@ -464,7 +464,7 @@ def engine_kwargs(args) -> dict:
         kw["gpu_decode"] = decode
     vram = getattr(args, "gpu_vram", None)
     if vram is not None:
-        from .planner import parse_size
+        from ..plan.planner import parse_size
         kw["gpu_vram"] = parse_size(vram)
     if (kw["gpu_tier"] or kw["gpu_int8"] is not None or kw["gpu_graphs"] is not None or vram is not None
             or decode is not None or kw["gpu_mma"] is not None) and not kw["gpu"]:
@@ -541,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the ids as a JSON list")
     s.set_defaults(func=cmd_tokenize)
 
-    from .server import add_serve_parser
+    from ..serve.server import add_serve_parser
     add_serve_parser(sub)
 
     # make-model and convert own their flags; they are parsed by their modules
@@ -585,10 +585,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import main as bench_main
             return bench_main(argv[1:])
         if argv and argv[0] == "plan":
-            from .planner import main as plan_main
+            from ..plan.planner import main as plan_main
             return plan_main(argv[1:])
         if argv and argv[0] == "build-kernels":
-            from .gpu import cli_build
+            from ..gpu import cli_build
             return cli_build(argv[1:])
         args = build_parser().parse_args(argv)
         return args.func(args)

@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from .errors import EngineError
+from ..core.errors import EngineError
 
 
 class PlanningError(ValueError, EngineError):
@@ -86,7 +86,7 @@ def host_embedding(file, stream_experts: bool) -> bool:
     rows over the link, a decode step's one row ~1 KB): where the experts stream (VRAM is short: its bytes hold
     more pinned experts), the head is a tensor of its own (a tied head reads every row each token) and a GPU kernel
     reads its type as stored. llama.cpp keeps it on the host always."""
-    from . import gpu
+    from .. import gpu
     t = file.tensors.get("token_embd.weight")
     return bool(stream_experts and t is not None and "output.weight" in file.tensors
                 and (t.type == gpu.F32 or t.type in gpu.GPU_TYPES))
@@ -149,7 +149,7 @@ def expert_bytes(file) -> dict:
 
 def gpu_tensor_bytes(t) -> int:
     """Bytes of a tensor in VRAM: as stored for the GPU's types and f32, f32 for types dequantised at upload."""
-    from . import gpu
+    from .. import gpu
     if t.type == gpu.F32 or t.type in gpu.GPU_TYPES:
         return int(t.n_bytes)
     return 4 * int(np.prod(t.ne))
@@ -189,7 +189,7 @@ def block_scratch(hp, n: int, int8: bool) -> dict:
     names; "ed" and "xg" are one buffer: the pairs' rows, unsorted or sorted). A block reads h and writes y, so
     none of its buffers outlives it: a pass of n > 1 tokens puts each block's buffers in one allocation shared by
     the blocks (arena_bytes), a decode step keeps them apart (plans name them)."""
-    from . import gpu
+    from .. import gpu
     E, k = hp.n_embd, max(hp.n_expert_used, 1)
     blocks = {}
     if any(hp.recurrent):
@@ -236,7 +236,7 @@ def arena_bytes(hp, n: int, int8: bool) -> int:
 def scratch_bytes(hp, n: int, int8: bool, logit_rows: int) -> int:
     """The named scratch buffers of one forward pass of n tokens (gpu_model's _buf calls), logits for logit_rows:
     the blocks' buffers in one arena when n > 1 (arena_bytes), apart in a decode step."""
-    from . import gpu
+    from .. import gpu
     E = hp.n_embd
     b = 4 * n + 3 * 4 * n * E                    # tokens; x, h, y
     if n == 1 and not all(hp.recurrent):         # a decode step's k and v rows and its split-K partials
@@ -459,8 +459,9 @@ def _gpu_probes(tier: str | None = None) -> dict:
     """H2D bandwidth, GEMM and GEMV throughput of this GPU's tier, launch cost (a few seconds)."""
     import time
 
-    from . import _native, gpu
-    from .gpu_model import default_tier
+    from ..core import _native
+    from .. import gpu
+    from ..gpu.model import default_tier
     dev = gpu.init()
     arch = gpu.device_arch()
     tier = tier or default_tier(arch)
@@ -534,10 +535,10 @@ def measure(n_threads: int | None = None, gpu: bool = True, cache: bool = True, 
     import json
     import os
 
-    from . import cpu_load
-    from .bench import machine_bandwidth
-    from .model import default_threads
-    from .paths import cache_dir
+    from ..cpu import cpu_load
+    from ..tools.bench import machine_bandwidth
+    from ..cpu.model import default_threads
+    from ..core.paths import cache_dir
     say = log or (lambda s: None)
     n_threads = n_threads or default_threads()
     path = os.path.join(cache_dir(), MACHINE_FILE)
@@ -564,7 +565,7 @@ def measure(n_threads: int | None = None, gpu: bool = True, cache: bool = True, 
     if m["under_load"]:
         say(f"other work ran during the probe ({other:.1f} CPUs): flagged, retaken once the machine is idle")
     if gpu:
-        from . import gpu as gpu_mod
+        from .. import gpu as gpu_mod
         ok, _why = gpu_mod.available()
         if ok:
             m.update(_gpu_probes())
@@ -581,7 +582,7 @@ def cached_machines() -> dict:
     malformed entries (or a malformed file) are left out."""
     import os
 
-    from .paths import cache_dir
+    from ..core.paths import cache_dir
     saved = _read_probes(os.path.join(cache_dir(), MACHINE_FILE))
     out = {}
     for key, d in saved.items():
@@ -826,7 +827,7 @@ def _gpu_prefill(m: Machine, file, fp_decode, n: int, chunk: int, stream: bool, 
 def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int | None = None, chunk: int = 512,
          counts: dict | None = None) -> list[Strategy]:
     """Every strategy for this file on this machine, predicted; the first is the one to run (fastest that fits)."""
-    from .bench import weight_footprint
+    from ..tools.bench import weight_footprint
     hp = file.hparams
     n_ctx = n_ctx or max(prompt + gen, 1)
     fpd = weight_footprint(file)
@@ -925,8 +926,8 @@ class DescribedFile:
     and the planner tests use; the planner needs only hparams and tensor types/shapes)."""
 
     def __init__(self, preset: str, quant: str | None = None, layers: int | None = None):
-        from .gguf_file import TensorInfo
-        from .make_model import PRESETS, plan_tensors, preset_hparams
+        from ..format.gguf_file import TensorInfo
+        from ..tools.make_model import PRESETS, plan_tensors, preset_hparams
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
         self.hparams = preset_hparams(preset, layers)
@@ -998,7 +999,7 @@ def main(argv: list[str] | None = None) -> int:
         f = DescribedFile(args.preset, args.quant)
         name = f.name
     else:
-        from .gguf_model import ModelFile
+        from ..format.gguf_model import ModelFile
         f = ModelFile.open(args.model)
         name = args.model
     m = measure(args.threads, gpu=not args.no_gpu, refresh=args.remeasure,
@@ -1050,7 +1051,7 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool 
     when nothing fits."""
     if decode not in DECODES:
         raise ValueError(f"decode = {decode!r}: one of {', '.join(DECODES)}")
-    from . import gpu
+    from .. import gpu
     gpu.init()
     file = model.file
     budget = int(vram) if vram is not None else max(0, gpu.mem_stats()["free_bytes"] - VRAM_MARGIN)
@@ -1105,8 +1106,8 @@ ROUTING_DIR = "routing"      # $LE_CACHE_DIR/routing/<model fingerprint>.json: {
 def routing_path(model) -> str:
     import os
 
-    from .cache import model_fingerprint
-    from .paths import cache_dir
+    from ..serve.cache import model_fingerprint
+    from ..core.paths import cache_dir
     d = os.path.join(cache_dir(), ROUTING_DIR)
     os.makedirs(d, exist_ok=True)
     return os.path.join(d, model_fingerprint(model).hex()[:32] + ".json")

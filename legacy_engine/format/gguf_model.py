@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .errors import FormatError
+from ..core.errors import FormatError
 from .gguf_file import GGUFFile, TensorInfo
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from . import _native
-from .errors import UnavailableError
+from ..core import _native
+from ..core.errors import UnavailableError
 
 # The CPU tiers of the capability table, best first, with the features each needs.
 CPU_TIERS = (
@@ -71,29 +71,6 @@ def _sysfs_choice(path: str) -> str | None:
 def thp_report() -> dict:
     """{'enabled': 'always'|'madvise'|'never'|None, 'defrag': ...}; None: a kernel without THP."""
     return {"enabled": _sysfs_choice(f"{THP_DIR}/enabled"), "defrag": _sysfs_choice(f"{THP_DIR}/defrag")}
-
-
-def thp_backed_bytes(buf) -> int:
-    """Bytes of the mappings overlapping buf that huge pages back now (/proc/self/smaps:
-    AnonHugePages + FilePmdMapped + ShmemPmdMapped of each overlapping mapping; 0 if unreadable)."""
-    import numpy as np
-
-    a = np.asarray(buf)
-    start = a.__array_interface__["data"][0]
-    end = start + a.nbytes
-    total, inside = 0, False
-    try:
-        with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
-            for line in f:
-                head = line.split(None, 1)[0]
-                if "-" in head and not head.endswith(":"):  # a mapping's first line: lo-hi perms ...
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo < end and start < hi
-                elif inside and head in ("AnonHugePages:", "FilePmdMapped:", "ShmemPmdMapped:"):
-                    total += int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return 0
-    return total
 
 
 def numa_report() -> dict:
@@ -174,8 +151,8 @@ def format_machine_report(rep: dict) -> list[str]:
     if gpu["available"]:
         v = gpu["driver_version"]
         lines.append(f"GPU      CUDA driver {v // 1000}.{v % 1000 // 10}, {gpu['device_count']} device(s)")
-        from .gpu import MMA_ARCH
-        from .gpu_model import default_tier
+        from ..gpu import MMA_ARCH
+        from ..gpu.model import default_tier
         for i, d in enumerate(gpu["devices"]):
             lines.append(f"  [{i}] {d['name']}  sm_{d['cc_major']}{d['cc_minor']}  "
                          f"{d['total_mem'] / 2**30:.1f} GiB  {d['multiprocessors']} SMs  "

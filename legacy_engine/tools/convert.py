@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import FormatError
-from .vocab import QWEN35_PATTERN  # Qwen3.5's pre-tokenizer split regex (llama.cpp "qwen35")
+from ..core.errors import FormatError
+from ..format.vocab import QWEN35_PATTERN  # Qwen3.5's pre-tokenizer split regex (llama.cpp "qwen35")
 
 # model_type (top level or text_config) → GGUF architecture
 ARCHS = {

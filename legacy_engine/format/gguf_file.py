@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from .errors import FormatError
+from ..core.errors import FormatError
+from ..core.memory import thp_backed_bytes
 
 GGUF_MAGIC = 0x46554747  # "GGUF" little-endian
 SUPPORTED_VERSIONS = (2, 3)
@@ -373,7 +374,7 @@ class GGUFFile:
         Returns {'mmap', 'numa', 'bytes', 'hugepage', 'hugepage_errno', 'willneed', 'huge_bytes',
         'page_nodes': {node: pages sampled every 2 MiB} or None when numa is off, 'absent_pages'}.
         """
-        from . import _native
+        from ..core import _native
 
         size = self.file_size - self.data_start
         report = {"mmap": mmap, "numa": numa if numa != "node" else f"node:{node}", "bytes": max(size, 0),
@@ -401,7 +402,6 @@ class GGUFFile:
         if numa != "off":
             where = _native.mem_page_nodes(data, stride=PAGE_SAMPLE)
             report.update(page_nodes=where["nodes"], absent_pages=where["absent"])
-        from .caps import thp_backed_bytes
         report["huge_bytes"] = thp_backed_bytes(data)
         return report
 

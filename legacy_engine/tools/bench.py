@@ -63,8 +63,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .errors import UnavailableError
-from .gguf_model import ModelFile
+from ..core.errors import UnavailableError
+from ..format.gguf_model import ModelFile
 
 SHARED = 900
 APPEND = 50
@@ -84,8 +84,8 @@ def bench_cache(model_path: str, lengths=(947,), n_threads: int | None = None, g
                 page: int = 64, disk_dir: str | None = None, log=None) -> dict:
     """Runs the measurements of the module docstring; returns {"model", "threads", "L<n>": {...}, ...}.
     Times in seconds, sizes in bytes."""
-    from .cache import PrefixCache, Sizes, model_fingerprint
-    from .generate import Engine
+    from ..serve.cache import PrefixCache, Sizes, model_fingerprint
+    from ..serve.generate import Engine
     n_ctx = max(lengths) + APPEND + page
     eng = Engine(model_path, n_threads=n_threads, n_ctx=n_ctx)
     fp = model_fingerprint(eng.model)
@@ -241,7 +241,7 @@ _SAMPLE_KEYS = {"temp": "temperature", "temperature": "temperature", "top_k": "t
 def parse_sample(spec: str | None):
     """"temp=0.8,top_p=0.95[,top_k=40,min_p=0.05,repeat_penalty=1.1,seed=S]" -> SamplingParams (seed 0 unless
     given); "off", "" or None -> None."""
-    from .sampling import SamplingParams
+    from ..serve.sampling import SamplingParams
     if spec is None or spec.strip() in ("", "off", "none"):
         return None
     kw = {"seed": 0}
@@ -303,7 +303,7 @@ def _result(engine: str, threads: int, load: float, pp: int, tg: int, t_pp: list
 
 def file_kernels(mf: ModelFile) -> dict[str, str]:
     """{weight type: tier whose integer kernel serves it now ("f32" where none does)} over the file's types."""
-    from . import _native
+    from ..core import _native
     types = sorted({(t.type_name, t.type) for t in mf.tensors.values()} - {("F32", 0), ("F16", 1), ("BF16", 30)})
     return {name: _native.kernel_isa(t) or "f32" for name, t in types}
 
@@ -315,8 +315,8 @@ def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[i
     load_opts: Model's mmap / numa / pin. After the timed runs, one more decode run with the C core's phase
     timer on gives `profile_ms`: milliseconds per decoded token per phase (le_model_profile). sample
     (SamplingParams): also decode as generation does, greedy and with these (sampled_vs_greedy's fields)."""
-    from . import _native
-    from .model import Model
+    from ..core import _native
+    from ..cpu.model import Model
     prev = _native.get_isa()
     try:
         if isa not in (None, "f32"):
@@ -348,7 +348,7 @@ def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[i
             model.native.set_profile(False)
         gen = {}
         if tg and sample is not None:
-            from .sampling import Sampler, SamplingParams
+            from ..serve.sampling import Sampler, SamplingParams
 
             def generation(params):
                 def run():
@@ -457,7 +457,7 @@ def decode_table(res: dict) -> str:
 def parse_isas(spec: str) -> list[str]:
     """"chosen" -> the tier `info` chooses (the one the engine runs); "all" -> every tier this CPU runs; "none" -> [];
     else a comma list of tiers, "f32", "chosen" and "all", each checked."""
-    from . import _native
+    from ..core import _native
     isas: list[str] = []
     for i in (s.strip() for s in spec.split(",")):
         if i in ("", "none"):
@@ -485,7 +485,7 @@ def bench_decode(model_path: str, threads=(None,), pp: int = 64, tg: int = 32, r
     this CPU runs). llama: "auto" (llama-cpp-python if importable), "off", or the path of a llama-bench binary.
     bandwidth: GB/s, "auto" (measured per thread count) or None (no roofline). sample: SamplingParams of the
     sampled decode beside the greedy one (the command's --sample; None: neither)."""
-    from .model import default_threads
+    from ..cpu.model import default_threads
     isas = parse_isas("all") if isas is None else list(isas)
     log = log or (lambda s: None)
     mf = ModelFile.open(model_path)
@@ -610,7 +610,9 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", type=int, default=256, help="snapshot grid in tokens, a multiple of 64 (256)")
     ap.add_argument("--disk", metavar="DIR", default=None, help="also measure the disk tier in a temp dir under DIR")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
-    from . import bench_gpu, bench_shared, bench_split
+    from . import bench_gpu
+    from . import bench_shared
+    from . import bench_split
     bench_gpu.add_parser(sub)
     bench_split.add_parser(sub)
     bench_shared.add_parser(sub)

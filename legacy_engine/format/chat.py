@@ -26,7 +26,7 @@ from datetime import datetime
 from functools import lru_cache
 from importlib import resources
 
-from .errors import TemplateRenderError
+from ..core.errors import TemplateRenderError
 
 ROLES = ("system", "user", "assistant", "tool")
 PART_TYPES = ("text", "image", "image_url", "video")
@@ -286,10 +286,10 @@ class TemplateRenderer:
 
     def _spawn(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this package, installed or not
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package's parent
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", "from legacy_engine.chat import _child_main; _child_main()",
+                [sys.executable, "-c", "from legacy_engine.format.chat import _child_main; _child_main()",
                  str(self.memory), str(self.seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         return self._proc
 

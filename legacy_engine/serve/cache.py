@@ -58,9 +58,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import Cancelled, ContextLengthError, EngineError
+from ..core.errors import Cancelled, ContextLengthError, EngineError
 from .generate import PREFILL_BATCH
-from .paths import cache_dir
+from ..core.paths import cache_dir
 
 FORMAT_VERSION = 2  # of the files and of the payloads (save_recurrent / read_kv layouts); bump on any change
 CHUNK = 64          # native/gdn.c GDN_CHUNK: restore points and forward-call splits are multiples of it

@@ -24,17 +24,17 @@ import time
 
 import numpy as np
 
-from . import gpu
+from .. import gpu
 from .bench import (SAMPLE_DEFAULT, _times, generate_steps, parse_sample, sampled_vs_greedy, seeded_tokens,
                     times_interleaved, weight_footprint)
-from .errors import UnavailableError
+from ..core.errors import UnavailableError
 
 WARM_PREFILL = 16
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
     """Device-to-device copy bandwidth in bytes/s, read + write counted (the HBM figure to compare with)."""
-    from . import _native
+    from ..core import _native
     a, b = gpu.Buffer(nbytes, "bw src"), gpu.Buffer(nbytes, "bw dst")
     try:
         e0, e1 = gpu.Event(), gpu.Event()
@@ -58,7 +58,7 @@ def _median_time(fn, reps: int) -> float:
 
 def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: int,
                graphs: bool | None = None, sample=None) -> dict:
-    from .gpu_model import GpuModel
+    from ..gpu.model import GpuModel
     tier, arch = variant
     gm = GpuModel(model, tier=tier, arch=arch, graphs=graphs)
     n_vocab = model.hparams.n_vocab
@@ -92,7 +92,7 @@ def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: 
 def generation_vs_greedy(gm, st, ids, tg: int, reps: int, sample) -> dict:
     """tg steps after the warm prefill as generation runs them, greedy and with `sample`, interleaved
     (bench.sampled_vs_greedy's fields); only the steps are timed."""
-    from .sampling import Sampler, SamplingParams
+    from ..serve.sampling import Sampler, SamplingParams
 
     def generation(params):
         def run():
@@ -137,8 +137,8 @@ def bench_llama(binary: str, path: str, pps, tg: int, reps: int, flags=("-ngl", 
 
 def bench_gpu(path: str, pps=(512, 2048), tg: int = 64, reps: int = 3, variants=None, llama: str | None = None,
               log=None, sample=None) -> dict:
-    from .model import Model
-    from .gguf_model import ModelFile
+    from ..cpu.model import Model
+    from ..format.gguf_model import ModelFile
     log = log or (lambda s: None)
     dev = gpu.init()
     arch = gpu.device_arch()

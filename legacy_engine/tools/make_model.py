@@ -5,7 +5,7 @@ shapes, the real tokenizer and llama.cpp's quant mixes, but random weights. What
 
 * Metadata: every key of spec §3.2 for `qwen35` / `qwen35moe` (no MTP block), `general.file_type`
   (llama.cpp's LLAMA_FTYPE), `general.quantization_version` 2, and the real 248,320-row Qwen3.5
-  vocabulary from `legacy_engine.vocab`.
+  vocabulary from `legacy_engine.format.vocab`.
 * Tensors: exactly `gguf_model.expected_tensors(hp)`, in the order llama-quantize writes them
   (its `weight_name_comparer`: tensors outside blocks first, then block by block in layer order,
   by name inside each group): the order of every file llama-quantize makes (all K-quant mixes).
@@ -46,8 +46,8 @@ from functools import lru_cache
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from .errors import EngineError
-from .gguf_model import Hparams, expected_tensors
+from ..core.errors import EngineError
+from ..format.gguf_model import Hparams, expected_tensors
 
 T = GGMLQuantizationType
 
@@ -510,7 +510,7 @@ def pack_kv(key: str, value, vtype: GGUFValueType | None = None) -> bytes:
 @lru_cache(maxsize=1)
 def tokenizer_kv() -> tuple[int, bytes]:
     """(key count, packed bytes) of the real Qwen3.5/3.6 tokenizer metadata (248,320 tokens)."""
-    from .vocab import qwen_vocab, vocab_metadata
+    from ..format.vocab import qwen_vocab, vocab_metadata
 
     meta = vocab_metadata(qwen_vocab(None, N_VOCAB))
     return len(meta), b"".join(pack_kv(k, v, _TOKENIZER_TYPES.get(k)) for k, v in meta.items())

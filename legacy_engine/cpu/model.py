@@ -13,9 +13,10 @@ import os
 
 import numpy as np
 
-from . import _native, cpu_load
-from .errors import ContextLengthError, FormatError, UnavailableError
-from .gguf_model import ModelFile, check_tensor_values
+from ..core import _native
+from . import cpu_load
+from ..core.errors import ContextLengthError, FormatError, UnavailableError
+from ..format.gguf_model import ModelFile, check_tensor_values
 
 # GGUF tensor suffix -> C weight slot, per layer (spec §3.3)
 LAYER_SLOTS = {

@@ -15,7 +15,7 @@ import numbers
 import re
 from collections.abc import Iterable, Mapping
 
-from .errors import FormatError, UnavailableError
+from ..core.errors import FormatError, UnavailableError
 from .vocab import (CONTROL, NORMAL, QWEN2_PATTERN, QWEN35_PATTERN, UNUSED, USER_DEFINED, _FROM_BYTELEVEL,
                     bytes_to_bytelevel)
 

@@ -75,8 +75,8 @@ def _decode_runs(models: dict, ids: list[int], reps: int, log) -> dict:
 def bench_shared(path: str, threads=(1, 2), busy: int = 1, busy_pinned: bool = True, tg: int = 32, reps: int = 5,
                  also_pinned: bool = False, log=None) -> dict:
     """Runs the module docstring's measurements; returns {"conditions": {"idle": {...}, "busy": {...}}, ...}."""
-    from . import cpu_load
-    from .model import Model
+    from ..cpu import cpu_load
+    from ..cpu.model import Model
     log = log or (lambda s: None)
     out = dict(model=str(path), threads=list(threads), busy=busy, busy_pinned=busy_pinned, tg=tg, reps=reps,
                also_pinned=also_pinned,

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from .chat import TemplateRaised, TemplateRenderer, render_chat
-from .errors import Cancelled, ContextLengthError, TemplateRenderError, UnavailableError
+from ..format.chat import TemplateRaised, TemplateRenderer, render_chat
+from ..core.errors import Cancelled, ContextLengthError, TemplateRenderError, UnavailableError
 
 if TYPE_CHECKING:
     from .sampling import SamplingParams
@@ -1210,7 +1210,7 @@ def _positive(text: str) -> int:
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
-    """Registers `serve` on an argparse subparsers object (legacy_engine.cli)."""
+    """Registers `serve` on an argparse subparsers object (legacy_engine.tools.cli)."""
     s = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server for MODEL",
         description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
@@ -1234,7 +1234,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("-c", "--ctx", type=_positive, default=4096,
                    help="context length in tokens: prompt + generated (default 4096)")
     s.add_argument("-t", "--threads", type=_positive, default=None, help="CPU threads (default: all cores)")
-    from .cli import gpu_flags, load_flags
+    from ..tools.cli import gpu_flags, load_flags
     load_flags(s)
     gpu_flags(s)  # --no-mmap, --numa
     s.add_argument("--max-body", type=_size, default=4 << 20, metavar="BYTES",
@@ -1276,7 +1276,7 @@ def build_server(args):
 
     defaults = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     defaults.validate()
-    from .cli import engine_kwargs
+    from ..tools.cli import engine_kwargs
     engine = Engine(args.model, **engine_kwargs(args))
     cache = None
     if args.cache_ram > 0 or args.cache_dir:
@@ -1323,7 +1323,7 @@ def cmd_serve(args) -> int:
         print(f"legacy-engine serve: warning: listening on {args.host} without --api-key: anyone who can reach "
               f"this port can use the model", file=sys.stderr)
     if args.gpu:
-        from .cli import check_gpu
+        from ..tools.cli import check_gpu
         check_gpu()                                 # no GPU, or a port in use: said before the model loads
     sock = listen_socket(args.host, args.port)
     try:

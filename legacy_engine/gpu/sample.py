@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import gpu
-from .model import check_logits
+from .. import gpu
+from ..cpu.model import check_logits
 
 CAP = 16384      # candidates that may cross the link: 128 KB, ~10 us of PCIe, ~0.1 ms to sort on the host
 FIRST = 1024     # candidates read with the head in one copy (the usual case: top-k 40, top-p of a peaked row)

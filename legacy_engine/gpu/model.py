@@ -41,11 +41,11 @@ import time
 
 import numpy as np
 
-from . import gpu
-from .errors import EngineError, UnavailableError
-from .gpu_sample import DeviceSampler
-from .model import check_logits
-from .planner import ALLOC_GRANULE, ARENA_ALIGN, ARENA_NAMES, align_up, arena_bytes
+from .. import gpu
+from ..core.errors import EngineError, UnavailableError
+from .sample import DeviceSampler
+from ..cpu.model import check_logits
+from ..plan.planner import ALLOC_GRANULE, ARENA_ALIGN, ARENA_NAMES, align_up, arena_bytes
 
 PREFILL_CHUNK = 512      # tokens per pass by default: bounds the scratch
 MAX_CHUNK = 4096         # the most a GpuModel may be asked for (n*k MoE pairs <= gpu.MAX_PAIRS is checked too)
@@ -292,7 +292,7 @@ class GpuModel:
                     self.pinned.get(i, ())):
                 raise ValueError(f"decode_extras: layer {i} experts {es[:4]}… outside {hp.n_layer} layers x "
                                  f"{hp.n_expert}, or pinned")
-        from . import planner
+        from ..plan import planner
         self.logit_rows = planner.head_rows(self.chunk, self.stream)   # all_logits runs the head in such pieces
         self.n_ctx_plan = int(n_ctx)
         self.footprint = self._footprint(self.pinned)
@@ -330,7 +330,7 @@ class GpuModel:
         self._bufs: dict[str, tuple] = {}      # resident tensor -> (device address, type on the GPU)
         self._weights: gpu.Buffer | None = None
         self.vram_bytes = 0
-        from .planner import host_embedding
+        from ..plan.planner import host_embedding
         # the token embedding: "vram", or "host" (planner.host_embedding: page-locked host memory, rows read by
         # get_rows over the link; needs the device to address host memory)
         self.embd_where = "host" if host_embedding(self.file, self.stream) else "vram"
@@ -342,7 +342,7 @@ class GpuModel:
                 if b is not None:
                     b.free()
             if self._host is not None:
-                from . import _native
+                from ..core import _native
                 _native.gpu_host_unregister(self._host[0])
             if self._host_copy is not None:
                 self._host_copy.free()
@@ -385,7 +385,7 @@ class GpuModel:
             return self._bufs[name]
         if name == "token_embd.weight" and self.embd_where == "host":
             return self._host_tensor(name)
-        from . import _native
+        from ..core import _native
         t = self.file.tensors[name]
         data = self.file.gguf.data(name)
         qtype = t.type
@@ -405,7 +405,7 @@ class GpuModel:
         """A tensor the GPU reads where it lies in host memory (planner.host_embedding), over the link: the weight
         map's device address where the map is page-locked (_setup_streaming), else a page-locked copy of it ->
         (device address, ggml type)."""
-        from . import _native
+        from ..core import _native
         if not _native.gpu_attribute(gpu.ATTR_UNIFIED_ADDRESSING):
             raise UnavailableError(f"{name} stays in host memory when the experts stream, and this GPU cannot address "
                                    "host memory (no unified addressing: a 64-bit host and driver)")
@@ -427,7 +427,7 @@ class GpuModel:
         t = self.file.tensors[name]
         if name in self._exp_names:
             if t.type != gpu.F32 and t.type not in gpu.GPU_TYPES:
-                from . import _native
+                from ..core import _native
                 raise UnavailableError(f"{name}: {_native.type_traits(t.type)['name']} has no GPU kernel, so it "
                                        "cannot be streamed (run it resident: it is dequantised at upload)")
             ptr, qtype = self._stage_offset[name], t.type
@@ -455,7 +455,7 @@ class GpuModel:
 
     def _upload_all(self, progress) -> None:
         hp, T = self.hparams, self.file.tensors
-        from .planner import expert_tensors, resident_names, weight_layout
+        from ..plan.planner import expert_tensors, resident_names, weight_layout
         self._exp_names = {n for i in range(hp.n_layer) for n in expert_tensors(self.file, i)} if self.stream else set()
         names = resident_names(self.file, self.stream)
         # every resident tensor in one allocation (planner.weight_layout: the footprint counts the same bytes)
@@ -524,8 +524,8 @@ class GpuModel:
     def _setup_streaming(self, progress) -> None:
         """Host addresses of every layer's expert tensors (the weight map, page-locked in place), the staging
         layout (tensor offsets inside one buffer), pinned experts uploaded."""
-        from . import _native
-        from .planner import expert_tensors
+        from ..core import _native
+        from ..plan.planner import expert_tensors
         hp, gg = self.hparams, self.file.gguf
         base = self._map_base = _native.host_address(gg._map)
         self._map_np = np.asarray(gg._map).view(np.uint8).reshape(-1)
@@ -568,7 +568,7 @@ class GpuModel:
         self._staged = [(-1, set()), (-1, set())]
         self._extras_at: dict = {}
         if self.decode_extras:
-            from .planner import extras_regions
+            from ..plan.planner import extras_regions
             if self._host is None:
                 raise UnavailableError(f"decode_extras: the weight map is {self.host_pinned_why}; the extras are "
                                        "copied back after each prefill from page-locked memory only")
@@ -590,7 +590,7 @@ class GpuModel:
 
     def _footprint(self, pins: dict):
         """planner.vram_footprint of this model with `pins`."""
-        from . import planner
+        from ..plan import planner
         return planner.vram_footprint(self.file, stream_experts=self.stream, pinned=pins, n_ctx=self.n_ctx_plan,
                                       chunk=self.chunk, int8=self.int8 or self.int8_prefill, logit_rows=self.logit_rows,
                                       link_experts=self.link_experts, early_experts=self.early_experts)
@@ -598,7 +598,7 @@ class GpuModel:
     def _build_pins(self) -> None:
         """Every layer's pin store from self.pinned: its experts tensor-major, then the copy kernel's lists; the
         tensors' offsets there (_pin_off, the stage layout's last field), the expert -> index tables (_pin_idx)."""
-        from . import _native
+        from ..core import _native
         hp, gg = self.hparams, self.file.gguf
         for i, lay in self._stage_layout.items():
             es = self.pinned.get(i, [])
@@ -644,11 +644,11 @@ class GpuModel:
         seen = sum(int(c.sum()) for c in recent.values())
         if seen < REPIN_MIN_ROUTES * hp.n_expert * max(len(self._stage_layout), 1):
             return False
-        from .planner import pins_drift
+        from ..plan.planner import pins_drift
         drift, best = pins_drift(self.file, self.pinned, recent)
         if drift < REPIN_DRIFT:
             return False
-        from .planner import PlanningError
+        from ..plan.planner import PlanningError
         try:
             self.repin(best, recent)
         except PlanningError:             # the new layout's granules do not fit: keep the pins there are
@@ -659,7 +659,8 @@ class GpuModel:
         """New pinned experts {layer: ids} (the same bytes or fewer: the footprint's pin part must still hold them),
         uploaded in place of the old ones; the decode extras re-chosen around them (counts), the hybrid tables
         updated, decode plans recorded again at their next step."""
-        from . import _native, planner
+        from ..core import _native
+        from ..plan import planner
         pins = {int(i): sorted(set(int(e) for e in v)) for i, v in pins.items() if v}
         fp = self._footprint(pins)
         if self.budget is not None:
@@ -692,7 +693,7 @@ class GpuModel:
         for it and copies the pinned experts in there on the default stream (on the copy stream they stalled its host
         copies behind the SMs' work): all of the layer's by the copy kernel (pin_copy_kernel, _copy_pins), else
         cuMemcpyDtoD runs of consecutive pins. -> the slot's device address."""
-        from . import _native
+        from ..core import _native
         s = i % 2
         layer, have = self._staged[s]
         if layer != i:
@@ -776,7 +777,7 @@ class GpuModel:
 
     def _ids_buf(self, ids: int, pairs: int) -> np.ndarray:
         """The router's expert ids of this pass, on the host (waits for the routing)."""
-        from . import _native
+        from ..core import _native
         out = np.empty(pairs, dtype=np.int32)
         t0 = time.perf_counter()
         _native.gpu_copy_dtoh(out, ids, 4 * pairs)
@@ -850,14 +851,14 @@ class GpuModel:
 
     def _stages_all(self, n: int) -> bool:
         """Whether a pass of n tokens stages every expert of a layer (_prefetch_all's rule)."""
-        from .planner import expected_distinct
+        from ..plan.planner import expected_distinct
         hp = self.hparams
         return expected_distinct(hp.n_expert, hp.n_expert_used, n) >= hp.n_expert / 2
 
     def _route_counts_dev(self, i: int) -> int:
         """Device address of layer i's int32 routing counts [n_expert] (moe_sort adds to them; _flush_counts moves
         them into route_counts when the pass is done)."""
-        from . import _native
+        from ..core import _native
         hp = self.hparams
         if self._counts_dev is None:
             self._counts_dev = self._buf("route_counts", 4 * hp.n_layer * hp.n_expert)
@@ -867,7 +868,7 @@ class GpuModel:
 
     def _flush_counts(self) -> None:
         """The pass's device routing counts into route_counts (after the pass: the download waits for it)."""
-        from . import _native
+        from ..core import _native
         if not self._counts_layers:
             return
         hp = self.hparams
@@ -1169,7 +1170,7 @@ class GpuModel:
         fresh = f"{self._tag}:hy_rows" not in self._scratch
         rows = self._buf("hy_rows", 4 * (2 * kk + 1) * E).ptr
         if fresh:      # rows a layer does not compute (no pins here, no link experts) stay zero, at weight 0
-            from . import _native
+            from ..core import _native
             _native.gpu_memset8(rows, 0, 4 * (2 * kk + 1) * E)
         ids = self._buf("hy_ids", 4 * kk).ptr
         wts = self._buf("hy_wts", 4 * kk).ptr
@@ -1222,7 +1223,7 @@ class GpuModel:
         """The hybrid decode's channel (page-locked, device-visible through unified addressing), its layout, the
         device table of pin indices [n_layer, n_expert] (-1: not pinned), the MoE layers in order."""
         if self._hy is None:
-            from . import _native
+            from ..core import _native
             hp = self.hparams
             if not _native.gpu_attribute(gpu.ATTR_UNIFIED_ADDRESSING):
                 raise UnavailableError("the hybrid decode needs unified addressing (a 64-bit host and driver): the "
@@ -1353,7 +1354,7 @@ class GpuModel:
         stream (after the prefill's last reads of its slots; the host issues runs of consecutive experts); once the
         copy stream is done, their places into the device table hybrid_publish reads (from then on the GPU runs
         them)."""
-        from . import _native
+        from ..core import _native
         hy = self._hy_channel()
         if self._extras_state == "empty":
             for s_ in range(2):
@@ -1399,7 +1400,7 @@ class GpuModel:
         the default stream before the pass's work) until _extras_step has copied them back."""
         if self._extras_state != "empty":
             if self._extras_state == "ready":
-                from . import _native
+                from ..core import _native
                 _native.gpu_memset8(self._hy["extra_idx"].ptr, 0xFF, self._hy["extra_idx"].nbytes)
             self._extras_state = "empty"
 
@@ -1424,7 +1425,7 @@ class GpuModel:
         hy = self._hy
         if hy is None:
             return
-        from . import _native
+        from ..core import _native
         c, st = hy["counts"], hy["stats"]
         for i in np.flatnonzero(c.any(axis=1)):
             self.route_counts.setdefault(int(i), np.zeros(self.hparams.n_expert, dtype=np.int64))[:] += c[i]
@@ -1533,10 +1534,10 @@ class GpuModel:
     # ------------------------------------------------------------------ forward
 
     def new_state(self, n_ctx: int | None = None) -> "GpuState":
-        from .model import DEFAULT_CTX
+        from ..cpu.model import DEFAULT_CTX
         n_ctx = n_ctx or DEFAULT_CTX
         if self.budget is not None and n_ctx > self.n_ctx_plan:
-            from .planner import PlanningError
+            from ..plan.planner import PlanningError
             raise PlanningError(f"a state of {n_ctx} positions: this model's VRAM budget was planned for "
                                 f"{self.n_ctx_plan} (make the GpuModel with n_ctx={n_ctx})")
         return GpuState(self, n_ctx)
@@ -1687,7 +1688,7 @@ class GpuModel:
     def close(self) -> None:
         """Frees the weights, staging and scratch in VRAM now (states keep their own buffers), unlocks the host
         weight map, lifts the budget this model set."""
-        from . import _native
+        from ..core import _native
         gpu.synchronize()
         pins = list(getattr(self, "_pin_store", {}).values())
         for b in [self._weights, self._arena, getattr(self, "_pool", None)] + list(self._scratch.values()) \
@@ -1736,7 +1737,7 @@ class GpuModel:
         close() calls it, and the Engine at exit."""
         self._hy_flush()
         if self.route_counts and self.save_routing:
-            from .planner import save_routing
+            from ..plan.planner import save_routing
             try:
                 save_routing(self.model, self.route_counts)
             except OSError:
@@ -1817,7 +1818,7 @@ class GpuState:
         return self._pos
 
     def reset(self) -> None:
-        from . import _native
+        from ..core import _native
         _native.gpu_memset8(self.conv.ptr, 0, self.conv.nbytes)
         _native.gpu_memset8(self.ssm.ptr, 0, self.ssm.nbytes)
         self._pos = 0
@@ -1884,7 +1885,7 @@ class GpuState:
 
     def read_kv_into(self, start: int, n: int, out) -> None:
         """read_kv into a writable bytes-like of at least kv_nbytes(n)."""
-        from . import _native
+        from ..core import _native
         self._kv_rows(start, n)
         gpu.synchronize()
         rb = 4 * n * self.kvw
@@ -1897,7 +1898,7 @@ class GpuState:
                     _native.gpu_copy_dtoh(mv[(2 * a + j) * rb:(2 * a + j + 1) * rb], base + 4 * start * self.kvw, rb)
 
     def write_kv(self, start: int, n: int, data: bytes) -> None:
-        from . import _native
+        from ..core import _native
         self._kv_rows(start, n)
         rb = 4 * n * self.kvw
         if len(data) != 2 * self.n_attn * rb:

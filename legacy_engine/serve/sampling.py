@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _native
+from ..core import _native
 
 
 @dataclass

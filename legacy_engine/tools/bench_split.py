@@ -26,9 +26,10 @@ import json
 import statistics
 import time
 
-from . import gpu, planner
+from .. import gpu
+from ..plan import planner
 from .bench import _times, seeded_tokens
-from .errors import UnavailableError
+from ..core.errors import UnavailableError
 
 
 def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | None = None,
@@ -136,9 +137,9 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
                 llama_flags=(), mma: bool | None = None, mmap: bool = True, tg_depths=None) -> dict:
     import dataclasses
 
-    from .gpu_model import GpuModel
-    from .model import Model
-    from .split import SplitModel
+    from ..gpu.model import GpuModel
+    from ..cpu.model import Model
+    from ..plan.split import SplitModel
     log = log or (lambda s: None)
     have_gpu, why = gpu.available()
     if have_gpu:
