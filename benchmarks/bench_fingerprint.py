@@ -1,6 +1,6 @@
-"""The model fingerprint's hash speed (legacy_engine.serve.cache._hash_file: sha256 of 64 MiB pieces on every core), on a
-file of $LE_FP_GIB GiB (default 2) of random data, read from the page cache (the file was just written; a cold file
-reads at the disk's speed).
+"""The model fingerprint's hash speed (legacy_engine.format.fingerprint._hash_file: sha256 of 64 MiB pieces on every
+core), on a file of $LE_FP_GIB GiB (default 2) of random data, read from the page cache (the file was just written; a
+cold file reads at the disk's speed).
 
     python -m pytest benchmarks/bench_fingerprint.py --benchmark-enable -s
 
@@ -14,7 +14,7 @@ import os
 def test_fingerprint_hash_speed(benchmark, tmp_path):
     import pytest
     pytest.importorskip("pytest_benchmark")
-    from legacy_engine.serve.cache import _hash_file
+    from legacy_engine.format.fingerprint import _hash_file
 
     size = int(float(os.environ.get("LE_FP_GIB", "2")) * (1 << 30))
     path = tmp_path / "blob"

@@ -27,7 +27,7 @@ import numpy as np
 def measure(path: str, threads: int, mmap: bool, experts: list[int], calls: int, seed: int = 0) -> dict:
     from legacy_engine.core import _native
     from legacy_engine.cpu.model import Model
-    from legacy_engine.plan.planner import expert_tensors
+    from legacy_engine.gpu.layout import expert_tensors
     m = Model(path, threads, mmap=mmap, pin=True)
     try:
         hp = m.hparams

@@ -22,8 +22,11 @@ import numpy as np
 
 def main(argv=None) -> int:
     from legacy_engine import gpu
-    from legacy_engine.plan.planner import parse_size
-    from legacy_engine.gpu.model import GpuModel
+    import functools
+
+    from legacy_engine.plan.planner import parse_size, save_routing
+    from legacy_engine.gpu.model import GpuModel, GpuOptions
+    from legacy_engine.gpu.placement import place
     from legacy_engine.cpu.model import Model
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -38,7 +41,10 @@ def main(argv=None) -> int:
         return 1
     m = Model(a.model, pin=False)
     n_ctx = a.prompt + 16
-    gm = GpuModel(m, vram=parse_size(a.vram), stream_experts=True, n_ctx=n_ctx, chunk=min(a.prompt, 2048))
+    opts = GpuOptions(save_routing=functools.partial(save_routing, m))
+    pl = place(m.file, budget=parse_size(a.vram), n_ctx=n_ctx, chunk=min(a.prompt, 2048),
+               int8=any(opts.precision(gpu.device_arch())), stream=True)
+    gm = GpuModel(m, pl, opts)
     try:
         ids = np.random.default_rng(0).integers(0, m.hparams.n_vocab, a.prompt).astype(np.int32)
         st, gst = m.new_state(n_ctx), gm.new_state(n_ctx)

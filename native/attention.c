@@ -8,7 +8,6 @@
  * Softmax in f32 with the running max subtracted; the KV cache is f32.
  * Test: tests/test_model.py. */
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "le_internal.h"
@@ -20,8 +19,14 @@ typedef struct {
     const float *qg;  /* [n, n_head * 2 * hd] */
     const float *kc, *vc;
     float *o;         /* [n, n_head * hd] */
-    int n, pos, failed;
+    float *scores;    /* [n_threads][score_floats]: each thread's softmax row, pos + n <= score_floats */
+    int64_t score_floats;
+    int n, pos;
 } attn_job;
+
+/* Floats of one thread's scores for n_keys keys (the plan: n_ctx, not pos + n, so that a decode step's scratch does
+ * not grow with its position). */
+static int64_t score_floats(int n_keys) { return le_floats64(n_keys); }
 
 static void attn_rows(void *ctx, int64_t i0, int64_t i1, int thread) {
     attn_job *jb = ctx;
@@ -29,12 +34,7 @@ static void attn_rows(void *ctx, int64_t i0, int64_t i1, int thread) {
     int hd = hp->head_dim, nh = hp->n_head, kvw = hp->n_head_kv * hd, group = nh / hp->n_head_kv;
     float scale = 1.0f / sqrtf((float)hd);
     le_dot_f32_fn dot = le_get_f32_kernels()->dot;
-    int n_keys_max = jb->pos + jb->n;
-    float *sc = malloc((size_t)n_keys_max * sizeof(float));
-    if (!sc) {
-        __atomic_store_n(&jb->failed, 1, __ATOMIC_RELAXED);
-        return;
-    }
+    float *sc = jb->scores + (int64_t)thread * jb->score_floats;
     for (int64_t idx = i0; idx < i1; idx++) { /* idx = t * n_head + h */
         int t = (int)(idx / nh), h = (int)(idx % nh), kvh = h / group;
         const float *q = jb->qg + (size_t)t * nh * 2 * hd + (size_t)h * 2 * hd;
@@ -60,23 +60,42 @@ static void attn_rows(void *ctx, int64_t i0, int64_t i1, int thread) {
         const float *gate = q + hd;
         for (int e = 0; e < hd; e++) o[e] *= le_sigmoid(gate[e]);
     }
-    free(sc);
 }
 
-int le_attention_layer(const le_model *m, const le_weight *w, const float *x, int n, int pos, float *kc,
-                       float *vc, float *out) {
+/* The layer's own scratch: [q | gate] rows qg [n, n_head * 2 * hd], o [n, n_head * hd] */
+static size_t own_floats(const le_hparams *hp, int n) {
+    return (size_t)n * hp->n_head * 2 * hp->head_dim + (size_t)n * hp->n_head * hp->head_dim;
+}
+
+size_t le_attention_plan(const le_model *m, const le_weight *w, int n, int n_ctx) {
+    const le_hparams *hp = &m->hp;
+    int T = le_pool_threads(m->pool), E = hp->n_embd, kvw = hp->n_head_kv * hp->head_dim;
+    static const float x_id[2]; /* distinct addresses: the plan's stand-ins for distinct inputs */
+    le_mm proj[3] = {{&w[LE_W_Q], 0, x_id, n, E, NULL, 2 * hp->n_head * hp->head_dim, NULL},
+                     {&w[LE_W_K], 0, x_id, n, E, NULL, kvw, NULL}, {&w[LE_W_V], 0, x_id, n, E, NULL, kvw, NULL}};
+    le_mm out = {&w[LE_W_O], 0, x_id + 1, n, hp->n_head * hp->head_dim, NULL, E, NULL};
+    size_t most = le_matmul_batch_plan(T, m->int8, proj, 3), outp = le_matmul_batch_plan(T, m->int8, &out, 1);
+    size_t scores = (size_t)T * (size_t)score_floats(n_ctx) * sizeof(float);
+    if (outp > most) most = outp;
+    if (scores > most) most = scores;
+    return le_align64(own_floats(hp, n) * sizeof(float)) + most;
+}
+
+int le_attention_layer(const le_model *m, le_arena *ar, const le_weight *w, const float *x, int n, int pos,
+                       float *kc, float *vc, float *out) {
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd, hd = hp->head_dim, nh = hp->n_head, nkv = hp->n_head_kv;
     int qw = nh * 2 * hd, kvw = nkv * hd;
     int rc;
-    float *buf = malloc(((size_t)n * qw + (size_t)n * nh * hd) * sizeof(float));
-    if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "attention scratch for %d tokens", n);
+    size_t mark = ar->used;
+    float *buf = le_arena_take(ar, own_floats(hp, n) * sizeof(float));
+    if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "attention scratch for %d tokens: beyond the plan", n);
     float *qg = buf, *o = qg + (size_t)n * qw;
     float *kn = kc + (size_t)pos * kvw, *vn = vc + (size_t)pos * kvw; /* this batch's cache rows */
     double tp = le_prof_start(m);
     le_mm proj[3] = {{&w[LE_W_Q], 0, x, n, E, qg, qw, NULL}, {&w[LE_W_K], 0, x, n, E, kn, kvw, NULL},
                      {&w[LE_W_V], 0, x, n, E, vn, kvw, NULL}};
-    if ((rc = le_matmul_batch(m->pool, m->int8, proj, 3))) goto done;
+    if ((rc = le_matmul_batch(m->pool, ar, m->int8, proj, 3))) goto done;
     le_prof(m, &tp, LE_PROF_ATTN_PROJ);
     const float *qn = (const float *)w[LE_W_Q_NORM].data, *knw = (const float *)w[LE_W_K_NORM].data;
     for (int t = 0; t < n; t++) {
@@ -87,16 +106,20 @@ int le_attention_layer(const le_model *m, const le_weight *w, const float *x, in
         le_rope_neox(qt, nh, 2 * hd, hp->n_rot, hp->rope_sections, hp->rope_theta, pos + t, hp->faults);
         le_rope_neox(kt, nkv, hd, hp->n_rot, hp->rope_sections, hp->rope_theta, pos + t, hp->faults);
     }
-    attn_job jb = {m, qg, kc, vc, o, n, pos, 0};
-    le_parallel_for(m->pool, (int64_t)n * nh, 1, attn_rows, &jb);
-    if (jb.failed) {
-        rc = LE_FAIL(LE_ERR_NO_MEMORY, "attention scores");
+    /* each thread's scores for pos + n keys (the plan holds n_ctx) */
+    size_t core = ar->used;
+    attn_job jb = {m, qg, kc, vc, o, NULL, score_floats(pos + n), n, pos};
+    size_t bytes = (size_t)le_pool_threads(m->pool) * (size_t)jb.score_floats * sizeof(float);
+    if (!(jb.scores = le_arena_take(ar, bytes))) {
+        rc = LE_FAIL(LE_ERR_NO_MEMORY, "attention scores of %d keys: beyond the plan", pos + n);
         goto done;
     }
+    le_parallel_for(m->pool, (int64_t)n * nh, 1, attn_rows, &jb);
+    ar->used = core;
     le_prof(m, &tp, LE_PROF_ATTN_CORE);
-    rc = le_matmul(m->pool, m->int8, &w[LE_W_O], 0, o, n, nh * hd, out, E);
+    rc = le_matmul(m->pool, ar, m->int8, &w[LE_W_O], 0, o, n, nh * hd, out, E);
     le_prof(m, &tp, LE_PROF_ATTN_OUT);
 done:
-    free(buf);
+    ar->used = mark;
     return rc;
 }

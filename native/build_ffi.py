@@ -1,4 +1,4 @@
-"""cffi build of legacy_engine._core (out-of-line API mode); legacy_engine/_native.py owns it.
+"""cffi build of legacy_engine._core (out-of-line API mode); legacy_engine/core/_native/ owns it.
 
 The cdef is read from the real headers in native/include/ (preprocessor lines
 stripped), so the C API is declared once. Every C file of native/ and cpu_simd/

@@ -13,7 +13,6 @@
  * transformers' torch_chunk_gated_delta_rule, llama.cpp's build_delta_net_chunking).
  * Test: tests/test_model.py (against transformers and llama.cpp). */
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "le_internal.h"
@@ -32,8 +31,16 @@ typedef struct {
     float *o;           /* [n, d_inner] */
     const float *z;     /* [n, d_inner] output gate (pre-SiLU) */
     const float *norm_w; /* [d_v] ssm_norm */
-    int n, chunked, failed;
+    float *chunk;       /* chunked form: [n_threads][chunk_floats] each thread's scratch */
+    int64_t chunk_floats;
+    int n, chunked;
 } gdn_job;
+
+/* Floats of one thread's scratch for the chunked form: G [C], A [C, C], U [C, dv], W [C, dk], Vp [C, dv], tmp [dv] */
+static int64_t chunk_floats(const le_hparams *hp) {
+    int64_t C = GDN_CHUNK, dk = hp->ssm_d_state, dv = hp->ssm_d_inner / hp->ssm_dt_rank;
+    return le_floats64(C + C * C + 2 * C * dv + C * dk + dv);
+}
 
 static int k_head_of(const le_hparams *hp, int j) {
     return hp->gdn_tiled ? j % hp->ssm_n_group : j / (hp->ssm_dt_rank / hp->ssm_n_group);
@@ -57,18 +64,14 @@ static void gdn_recurrent_head(const gdn_job *jb, int j) {
     for (int t = 0; t < jb->n; t++) gdn_step_token(jb, j, t, step);
 }
 
-/* The chunked form for tokens [0, n) of v-head j (spec §2.3, chunk C = 64). */
-static int gdn_chunked_head(const gdn_job *jb, int j) {
+/* The chunked form for tokens [0, n) of v-head j (spec §2.3, chunk C = 64); scratch: the thread's chunk slice. */
+static void gdn_chunked_head(const gdn_job *jb, int j, float *scratch) {
     const le_hparams *hp = &jb->m->hp;
     int dk = hp->ssm_d_state, dv = hp->ssm_d_inner / hp->ssm_dt_rank, Hv = hp->ssm_dt_rank;
     int kh = k_head_of(hp, j);
     int conv_dim = 2 * hp->ssm_n_group * dk + hp->ssm_d_inner;
     int C = GDN_CHUNK;
     float *S = jb->ssm + (int64_t)j * dk * dv;
-    /* scratch: G [C], A [C, C], U [C, dv], W [C, dk], Vp [C, dv], tmp [dv] */
-    size_t floats = (size_t)C + (size_t)C * C + 2 * (size_t)C * dv + (size_t)C * dk + dv;
-    float *scratch = malloc(floats * sizeof(float));
-    if (!scratch) return 0;
     float *G = scratch, *A = G + C, *U = A + C * C, *W = U + C * dv, *Vp = W + C * dk, *tmp = Vp + C * dv;
 
     le_gdn_step_fn step = le_get_f32_kernels()->gdn_step;
@@ -153,8 +156,6 @@ static int gdn_chunked_head(const gdn_job *jb, int j) {
 #undef V_
 #undef BETA
     }
-    free(scratch);
-    return 1;
 }
 
 /* The heads job: the recurrence of v-head j (recurrent or chunked form) over all tokens,
@@ -165,7 +166,7 @@ static void gdn_heads(void *ctx, int64_t h0, int64_t h1, int thread) {
     int dv = hp->ssm_d_inner / hp->ssm_dt_rank;
     for (int64_t j = h0; j < h1; j++) {
         if (jb->chunked) {
-            if (!gdn_chunked_head(jb, (int)j)) __atomic_store_n(&jb->failed, 1, __ATOMIC_RELAXED);
+            gdn_chunked_head(jb, (int)j, jb->chunk + (int64_t)thread * jb->chunk_floats);
         } else {
             gdn_recurrent_head(jb, (int)j);
         }
@@ -224,18 +225,48 @@ static void gdn_prep(void *ctx, int64_t g0, int64_t g1, int thread) {
     }
 }
 
-int le_gdn_layer(const le_model *m, const le_weight *w, const float *x, int n, float *conv, float *ssm,
-                 int chunked, float *out) {
+/* The four input projections of n tokens: one batch, x quantised once. */
+static void proj_mm(const le_weight *w, const float *x, int n, float *qkv, float *z, float *b, float *a,
+                    le_mm proj[4]) {
+    int64_t E = w[LE_W_GDN_QKV].ne0;
+    proj[0] = (le_mm){&w[LE_W_GDN_QKV], 0, x, n, E, qkv, w[LE_W_GDN_QKV].ne1, NULL};
+    proj[1] = (le_mm){&w[LE_W_GDN_GATE], 0, x, n, E, z, w[LE_W_GDN_GATE].ne1, NULL};
+    proj[2] = (le_mm){&w[LE_W_SSM_BETA], 0, x, n, E, b, w[LE_W_SSM_BETA].ne1, NULL};
+    proj[3] = (le_mm){&w[LE_W_SSM_ALPHA], 0, x, n, E, a, w[LE_W_SSM_ALPHA].ne1, NULL};
+}
+
+/* The layer's own scratch: xin [(K-1)+n, conv_dim], u [n, conv_dim], z [n, dinner], b, a [n, Hv], o [n, dinner] */
+static size_t own_floats(const le_hparams *hp, int n) {
+    size_t conv_dim = 2 * (size_t)hp->ssm_n_group * hp->ssm_d_state + hp->ssm_d_inner;
+    return (size_t)(hp->ssm_conv_kernel - 1 + n) * conv_dim + (size_t)n * conv_dim + 2 * (size_t)n * hp->ssm_d_inner +
+           2 * (size_t)n * hp->ssm_dt_rank;
+}
+
+size_t le_gdn_plan(const le_model *m, const le_weight *w, int n) {
+    const le_hparams *hp = &m->hp;
+    int T = le_pool_threads(m->pool);
+    static const float x_id[2]; /* distinct addresses: the plan's stand-ins for distinct inputs */
+    le_mm proj[4];
+    proj_mm(w, x_id, n, NULL, NULL, NULL, NULL, proj);
+    le_mm out = {&w[LE_W_SSM_OUT], 0, x_id + 1, n, hp->ssm_d_inner, NULL, hp->n_embd, NULL};
+    size_t in = le_matmul_batch_plan(T, m->int8, proj, 4), outp = le_matmul_batch_plan(T, m->int8, &out, 1);
+    size_t chunk = n > 1 ? (size_t)T * (size_t)chunk_floats(hp) * sizeof(float) : 0; /* taken whenever n > 1 */
+    size_t most = in > outp ? in : outp;
+    return le_align64(own_floats(hp, n) * sizeof(float)) + (chunk > most ? chunk : most);
+}
+
+int le_gdn_layer(const le_model *m, le_arena *ar, const le_weight *w, const float *x, int n, float *conv,
+                 float *ssm, int chunked, float *out) {
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd, Hk = hp->ssm_n_group, Hv = hp->ssm_dt_rank, dk = hp->ssm_d_state;
     int dinner = hp->ssm_d_inner, dv = dinner / Hv, K = hp->ssm_conv_kernel;
     int conv_dim = 2 * Hk * dk + dinner;
     if (dv > LE_GDN_MAX_DV) return LE_FAIL(LE_ERR_UNSUPPORTED, "value head size %d > %d", dv, LE_GDN_MAX_DV);
     int rc = LE_OK;
-    /* scratch: xin [(K-1)+n, conv_dim], u [n, conv_dim], z [n, dinner], b, a [n, Hv], o [n, dinner] */
-    size_t floats = (size_t)(K - 1 + n) * conv_dim + (size_t)n * conv_dim + 2 * (size_t)n * dinner + 2 * (size_t)n * Hv;
-    float *buf = malloc(floats * sizeof(float));
-    if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "gdn scratch for %d tokens", n);
+    size_t mark = ar->used;
+    int T = le_pool_threads(m->pool);
+    float *buf = le_arena_take(ar, own_floats(hp, n) * sizeof(float));
+    if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "gdn scratch for %d tokens: beyond the plan", n);
     float *xin = buf, *u = xin + (size_t)(K - 1 + n) * conv_dim, *z = u + (size_t)n * conv_dim;
     float *b = z + (size_t)n * dinner, *a = b + (size_t)n * Hv, *o = a + (size_t)n * Hv;
 
@@ -243,26 +274,30 @@ int le_gdn_layer(const le_model *m, const le_weight *w, const float *x, int n, f
     memcpy(xin, conv, (size_t)(K - 1) * conv_dim * sizeof(float));
     float *qkv = xin + (size_t)(K - 1) * conv_dim;
     double tp = le_prof_start(m);
-    le_mm proj[4] = {{&w[LE_W_GDN_QKV], 0, x, n, E, qkv, conv_dim, NULL}, {&w[LE_W_GDN_GATE], 0, x, n, E, z, dinner, NULL},
-                     {&w[LE_W_SSM_BETA], 0, x, n, E, b, Hv, NULL}, {&w[LE_W_SSM_ALPHA], 0, x, n, E, a, Hv, NULL}};
-    if ((rc = le_matmul_batch(m->pool, m->int8, proj, 4))) goto done;
+    le_mm proj[4];
+    proj_mm(w, x, n, qkv, z, b, a, proj);
+    if ((rc = le_matmul_batch(m->pool, ar, m->int8, proj, 4))) goto done;
     le_prof(m, &tp, LE_PROF_GDN_PROJ);
 
     /* conv + SiLU + l2norm per channel group, beta and g; then the heads */
-    int n_groups = 2 * Hk + Hv, T = le_pool_threads(m->pool);
+    int n_groups = 2 * Hk + Hv;
     prep_job pj = {m, xin, (const float *)w[LE_W_SSM_CONV].data, u, conv, b, a,
                    (const float *)w[LE_W_SSM_DT].data, (const float *)w[LE_W_SSM_A].data, n};
     le_parallel_for(m->pool, n_groups, n_groups / (2 * T) + 1, gdn_prep, &pj);
-    gdn_job jb = {m, u, b, a, ssm, o, z, (const float *)w[LE_W_SSM_NORM].data, n, chunked && n > 1, 0};
-    le_parallel_for(m->pool, Hv, Hv / (2 * T) + 1, gdn_heads, &jb); /* one token: the recurrent step */
-    if (jb.failed) {
-        rc = LE_FAIL(LE_ERR_NO_MEMORY, "gdn chunk scratch");
+    gdn_job jb = {m, u, b, a, ssm, o, z, (const float *)w[LE_W_SSM_NORM].data, NULL, chunk_floats(hp), n,
+                  chunked && n > 1};
+    size_t core = ar->used;
+    /* each thread's chunk scratch (one token: the recurrent step, none) */
+    if (jb.chunked && !(jb.chunk = le_arena_take(ar, (size_t)T * (size_t)jb.chunk_floats * sizeof(float)))) {
+        rc = LE_FAIL(LE_ERR_NO_MEMORY, "gdn chunk scratch: beyond the plan");
         goto done;
     }
+    le_parallel_for(m->pool, Hv, Hv / (2 * T) + 1, gdn_heads, &jb);
+    ar->used = core;
     le_prof(m, &tp, LE_PROF_GDN_CORE);
-    rc = le_matmul(m->pool, m->int8, &w[LE_W_SSM_OUT], 0, o, n, dinner, out, E);
+    rc = le_matmul(m->pool, ar, m->int8, &w[LE_W_SSM_OUT], 0, o, n, dinner, out, E);
     le_prof(m, &tp, LE_PROF_GDN_OUT);
 done:
-    free(buf);
+    ar->used = mark;
     return rc;
 }

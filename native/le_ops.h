@@ -12,6 +12,36 @@
 #include "le_model.h"
 #include "le_threads.h"
 
+/* ---- arena.c -----------------------------------------------------------------------
+ * The scratch memory of a forward pass, planned and sized before the pass (as ggml plans its work buffer) and
+ * reused: an op takes 64-byte-aligned pieces by bumping `used` and gives them back by restoring it, so a pass whose
+ * plan fits calls no allocator (a decode step after the first). Owners: each state (le_forward) and the model
+ * (le_moe_routed). Each op's plan counts what it takes, in le_align64 units (the MoE's: for its worst routing);
+ * a take beyond the plan fails, never writes past the block. */
+typedef struct {
+    uint8_t *base;   /* 64-byte aligned */
+    size_t size;     /* bytes at base */
+    size_t used;     /* bytes taken by the ops now running */
+    int64_t growths; /* times base was (re)allocated (le_state_scratch_growths) */
+} le_arena;
+
+#define LE_ARENA_ALIGN 64
+static inline size_t le_align64(size_t bytes) { return (bytes + LE_ARENA_ALIGN - 1) & ~(size_t)(LE_ARENA_ALIGN - 1); }
+/* n floats rounded up to whole 64-byte lines: the stride of per-thread slices, so no two threads share a line. */
+static inline int64_t le_floats64(int64_t n) { return (n + 15) & ~(int64_t)15; }
+/* Makes room for a plan of `bytes` (nothing is kept: only between passes); the old block stays if this fails. */
+int le_arena_reserve(le_arena *a, size_t bytes, const char *what);
+void le_arena_free(le_arena *a);
+/* le_align64(bytes) from the arena, or NULL when the plan left too little: a plan that missed a piece
+ * (the op fails with LE_ERR_NO_MEMORY; never past the end). */
+static inline void *le_arena_take(le_arena *a, size_t bytes) {
+    size_t b = le_align64(bytes);
+    if (b > a->size - a->used) return NULL;
+    void *p = a->base + a->used;
+    a->used += b;
+    return p;
+}
+
 /* A weight: ne1 rows of ne0 elements of `type`, rows nb1 bytes apart, ne2 matrices
  * (experts) nb2 bytes apart; data points into the GGUF map. */
 typedef struct {
@@ -39,6 +69,7 @@ struct le_model {
     int int8;                      /* 1: quantised weights use the integer dot products (W4A8 ...) */
     int profile;                   /* 1: accumulate phase times into prof */
     double *prof;                  /* [LE_PROF_COUNT] seconds */
+    le_arena scratch;              /* le_moe_routed's (the forward pass uses its state's) */
 };
 
 /* Profiling marks: t holds the time of the previous mark; the span since goes to `phase`. */
@@ -58,6 +89,7 @@ struct le_state {
     float *conv;   /* [n_gdn][K-1][conv_dim]: the last K-1 pre-conv inputs, oldest first */
     float *ssm;    /* [n_gdn][H_v][d_k][d_v] */
     float *k, *v;  /* [n_attn][n_ctx][n_head_kv * head_dim] */
+    le_arena scratch; /* le_forward's: grown to le_forward_plan of the longest pass so far */
 };
 
 /* ---- matmul.c ---------------------------------------------------------------------
@@ -66,8 +98,8 @@ struct le_state {
  * int8 = 1 and a quantised weight type with an integer kernel: x is quantised once to
  * the type's activation type and each row goes through the selected vec_dot (W4A8 ...).
  * Otherwise each weight row is dequantised once and dotted in f32 with every token. */
-int le_matmul(le_pool *pool, int int8, const le_weight *w, int64_t expert, const float *x, int64_t n_tok,
-              int64_t ldx, float *y, int64_t ldy);
+int le_matmul(le_pool *pool, le_arena *a, int int8, const le_weight *w, int64_t expert, const float *x,
+              int64_t n_tok, int64_t ldx, float *y, int64_t ldy);
 /* One product of a batch: y[t, o] = sum_i W_e[o, i] * x[t, i], t < n_tok (0: skipped), o < W.ne1.
  * With w_up set it is a SwiGLU pair (gate W, up W_up, same shape): y[t, o] = SiLU((W x)[o]) * (W_up x)[o],
  * both rows computed by the same task, so the activation needs no pass of its own. */
@@ -81,19 +113,26 @@ typedef struct {
     const le_weight *w_up;
 } le_mm;
 /* Runs independent products as one parallel job over their concatenated output rows;
- * inputs shared by several products (same x, n_tok, ldx, activation type) are quantised once. */
-int le_matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm);
+ * inputs shared by several products (same x, n_tok, ldx, activation type) are quantised once.
+ * Scratch from a, given back before returning (le_matmul_batch_plan). */
+int le_matmul_batch(le_pool *pool, le_arena *a, int int8, const le_mm *mm, int n_mm);
 /* The same products, each thread computing its share of every product's rows (le_split): the same results;
  * a thread reads the same rows of an expert whatever else the batch holds (the lookahead prefetches them). */
-int le_matmul_batch_split(le_pool *pool, int int8, const le_mm *mm, int n_mm);
+int le_matmul_batch_split(le_pool *pool, le_arena *a, int int8, const le_mm *mm, int n_mm);
+/* The scratch a batch takes: its n_mm products' table, q_bytes of quantised inputs (each distinct input's
+ * rows rounded up to 64 bytes) and, when f32_ne0 > 0 (a product on the f32 path, rows of at most f32_ne0),
+ * two dequantised rows for each of n_threads threads. */
+size_t le_matmul_scratch(int n_threads, int n_mm, size_t q_bytes, int64_t f32_ne0);
+/* le_matmul_scratch of these products (only shapes, types and x's address, which tells shared inputs, are read). */
+size_t le_matmul_batch_plan(int n_threads, int int8, const le_mm *mm, int n_mm);
 /* The selected tier's integer dot product for w's rows; NULL when w runs on the f32 path (int8 off,
  * F32/F16/BF16 weights, or no kernel for the type). */
 le_vec_dot_fn le_int_kernel(int int8, const le_weight *w);
 /* Bytes of one activation row quantised for w (w.ne0 values in w's vec_dot type). */
 int64_t le_act_row_bytes(const le_weight *w);
-/* rows activation rows of w.ne0 floats (ldx apart) quantised for w's integer kernel into *out (malloc'ed,
- * le_act_row_bytes(w) per row; the caller frees it). */
-int le_quantize_acts(const le_weight *w, const float *x, int64_t rows, int64_t ldx, uint8_t **out);
+/* rows activation rows of w.ne0 floats (ldx apart) quantised for w's integer kernel into out
+ * (rows * le_act_row_bytes(w) bytes). */
+void le_quantize_acts(const le_weight *w, const float *x, int64_t rows, int64_t ldx, uint8_t *out);
 /* One row of a weight as f32 (embedding lookup). out: [W.ne0] */
 void le_weight_row(const le_weight *w, int64_t row, float *out);
 
@@ -121,17 +160,30 @@ void le_rope_neox(float *x, int n_heads, int head_stride, int n_rot, const int s
 /* ---- gdn.c -------------------------------------------------------------------------
  * The Gated DeltaNet mixer of one layer for n tokens. x: [n, n_embd] normalised input;
  * out: [n, n_embd]; conv: [K-1, conv_dim], ssm: [H_v, d_k, d_v] updated in place. */
-int le_gdn_layer(const le_model *m, const le_weight *w, const float *x, int n, float *conv, float *ssm,
-                 int chunked, float *out);
+int le_gdn_layer(const le_model *m, le_arena *a, const le_weight *w, const float *x, int n, float *conv,
+                 float *ssm, int chunked, float *out);
+/* Scratch bytes le_gdn_layer takes for n tokens (either form). */
+size_t le_gdn_plan(const le_model *m, const le_weight *w, int n);
 
 /* ---- attention.c -------------------------------------------------------------------
  * The gated attention mixer for n tokens at positions pos..pos+n-1.
  * kc, vc: [n_ctx, n_head_kv * head_dim] caches, written at those positions. */
-int le_attention_layer(const le_model *m, const le_weight *w, const float *x, int n, int pos, float *kc,
-                       float *vc, float *out);
+int le_attention_layer(const le_model *m, le_arena *a, const le_weight *w, const float *x, int n, int pos,
+                       float *kc, float *vc, float *out);
+/* Scratch bytes le_attention_layer takes for n tokens in a context of n_ctx (scores: n_ctx per thread, so that a
+ * decode step's need does not grow with its position). */
+size_t le_attention_plan(const le_model *m, const le_weight *w, int n, int n_ctx);
 
 /* ---- moe.c / ffn -------------------------------------------------------------------
  * Feed-forward of one layer: dense SwiGLU or the MoE block. x: [n, n_embd]; out: [n, n_embd] */
-int le_ffn_layer(const le_model *m, const le_weight *w, const float *x, int n, float *out);
+int le_ffn_layer(const le_model *m, le_arena *a, const le_weight *w, const float *x, int n, float *out);
+/* Scratch bytes le_ffn_layer takes for n tokens; le_moe_routed_plan: le_moe_routed's for up to n_expert experts. */
+size_t le_ffn_plan(const le_model *m, const le_weight *w, int n);
+size_t le_moe_routed_plan(const le_model *m, const le_weight *w);
+
+/* ---- model.c -----------------------------------------------------------------------
+ * Scratch bytes le_forward takes for a pass of n tokens on a state of n_ctx positions: the activations x, h, y
+ * then the largest of any layer's mixer and FFN and the LM head (each gives its scratch back before the next). */
+size_t le_forward_plan(const le_model *m, int n, int n_ctx);
 
 #endif

@@ -4,8 +4,10 @@
  * each distinct input is quantised once to the weight type's activation type (Q8_0 /
  * Q8_1 / Q8_K) and every output row goes through the selected tier's vec_dot.
  * Reference path (fp32 activations; int8 off or F32/F16/BF16 weights): each weight row is
- * dequantised once into a per-task buffer (or read in place when f32) and dotted with
- * every token, so a prefill batch reads the weights once.
+ * dequantised once into its thread's rows of the scratch (or read in place when f32) and dotted
+ * with every token, so a prefill batch reads the weights once.
+ * Scratch (the caller's arena, given back on return; le_matmul_scratch): the products' table, the quantised
+ * inputs, and two f32 rows per thread.
  *
  * A batch (le_matmul_batch) is what makes decode fast on many cores: the products of one
  * step that do not depend on each other (the 4 GDN input projections; q, k, v; the gate and
@@ -13,7 +15,6 @@
  * run as ONE job over their concatenated output rows, so a token costs a few jobs per
  * layer instead of one per matrix, and no thread idles while a small matrix finishes.
  * Test: tests/test_model.py, tests/test_quantized.py (every weight type, every CPU tier). */
-#include <stdlib.h>
 #include <string.h>
 
 #include "le_internal.h"
@@ -27,7 +28,8 @@ typedef struct {
     le_vec_dot_fn *vec_dot;      /* [n_mm]: NULL = reference path */
     const uint8_t **xq;          /* [n_mm]: quantised activations of the integer path */
     const int64_t *act_row_bytes;
-    int failed;
+    float *rows;                 /* [n_threads][row_floats]: each thread's dequantised rows (reference path) */
+    int64_t row_floats;
     int n_threads;               /* le_matmul_batch_split: the pool's */
 } batch_job;
 
@@ -60,10 +62,9 @@ static const float *row_f32(const le_weight *w, int64_t expert, int64_t r, float
     return buf;
 }
 
-static int rows_f32(const le_mm *mm, int64_t r0, int64_t r1) {
+/* buf: [2, ne0] the calling thread's rows */
+static void rows_f32(const le_mm *mm, int64_t r0, int64_t r1, float *buf) {
     int64_t ne0 = mm->w->ne0;
-    float *buf = malloc(2 * (size_t)ne0 * sizeof(float));
-    if (!buf) return 0;
     le_dot_f32_fn dot = le_get_f32_kernels()->dot;
     for (int64_t r = r0; r < r1; r++) {
         const float *wr = row_f32(mm->w, mm->expert, r, buf);
@@ -74,8 +75,6 @@ static int rows_f32(const le_mm *mm, int64_t r0, int64_t r1) {
             mm->y[t * mm->ldy + r] = ur ? le_silu(g) * dot(ur, x, ne0) : g;
         }
     }
-    free(buf);
-    return 1;
 }
 
 /* Global rows [g0, g1) may span several products. */
@@ -93,8 +92,8 @@ static void batch_rows(void *ctx, int64_t g0, int64_t g1, int thread) {
         if (r0 >= r1) continue;
         if (j->vec_dot[i])
             rows_int8(&j->mm[i], j->vec_dot[i], j->xq[i], j->act_row_bytes[i], r0, r1);
-        else if (!rows_f32(&j->mm[i], r0, r1))
-            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        else
+            rows_f32(&j->mm[i], r0, r1, j->rows + (int64_t)thread * j->row_floats);
     }
 }
 
@@ -119,88 +118,144 @@ int64_t le_act_row_bytes(const le_weight *w) {
     return w->ne0 / at->block_size * at->type_size;
 }
 
-int le_quantize_acts(const le_weight *w, const float *x, int64_t rows, int64_t ldx, uint8_t **out) {
+void le_quantize_acts(const le_weight *w, const float *x, int64_t rows, int64_t ldx, uint8_t *out) {
     int64_t rb = le_act_row_bytes(w);
-    *out = malloc((size_t)(rb * rows > 0 ? rb * rows : 1));
-    if (!*out) return LE_FAIL(LE_ERR_NO_MEMORY, "quantised activations (%lld bytes)", (long long)(rb * rows));
     le_quantize_row_fn quant = le_get_act_quantizer(w->tr->vec_dot_type);
-    for (int64_t t = 0; t < rows; t++) quant(x + t * ldx, *out + t * rb, w->ne0);
-    return LE_OK;
+    for (int64_t t = 0; t < rows; t++) quant(x + t * ldx, out + t * rb, w->ne0);
 }
 
-static int matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm, int split);
-
-int le_matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm) {
-    return matmul_batch(pool, int8, mm, n_mm, 0);
+/* The table of a batch: kernels, quantised-input pointers [n_mm]; first rows [n_mm + 1]; row bytes [n_mm] */
+static size_t table_bytes(int n_mm) {
+    return (size_t)n_mm * (sizeof(le_vec_dot_fn) + sizeof(uint8_t *) + 2 * sizeof(int64_t)) + sizeof(int64_t);
 }
 
-int le_matmul_batch_split(le_pool *pool, int int8, const le_mm *mm, int n_mm) {
-    return matmul_batch(pool, int8, mm, n_mm, 1);
+/* Floats of one thread's rows on the reference path (a SwiGLU pair dequantises two). */
+static int64_t row_floats(int64_t f32_ne0) { return le_floats64(2 * f32_ne0); }
+
+size_t le_matmul_scratch(int n_threads, int n_mm, size_t q_bytes, int64_t f32_ne0) {
+    return le_align64(table_bytes(n_mm)) + le_align64(q_bytes) +
+           (f32_ne0 > 0 ? (size_t)n_threads * (size_t)row_floats(f32_ne0) * sizeof(float) : 0);
 }
 
-static int matmul_batch(le_pool *pool, int int8, const le_mm *mm, int n_mm, int split) {
+/* Product mm's integer kernel, NULL for the reference path or no rows; a pair runs on the integer path only if
+ * both halves do, on one activation type. */
+static le_vec_dot_fn kernel_of(int int8, const le_mm *mm) {
+    const le_weight *w = mm->w, *wu = mm->w_up;
+    le_vec_dot_fn vd = mm->n_tok > 0 ? le_int_kernel(int8, w) : NULL;
+    if (vd && wu && (!le_int_kernel(int8, wu) || wu->tr->vec_dot_type != w->tr->vec_dot_type)) vd = NULL;
+    return vd;
+}
+
+/* The first earlier product on the integer path with product i's input (same x, n_tok, ldx, activation type),
+ * whose quantised rows i reads; i when none. vd: the earlier products' kernels. */
+static int input_owner(const le_mm *mm, int i, const le_vec_dot_fn *vd) {
+    const le_weight *w = mm[i].w;
+    for (int p = 0; p < i; p++)
+        if (vd[p] && mm[p].x == mm[i].x && mm[p].n_tok == mm[i].n_tok && mm[p].ldx == mm[i].ldx &&
+            mm[p].w->ne0 == w->ne0 && mm[p].w->tr->vec_dot_type == w->tr->vec_dot_type)
+            return p;
+    return i;
+}
+
+/* Each product's kernel into vd; returns the bytes of the quantised inputs (each distinct one's rows rounded up
+ * to 64) and the widest reference-path row in *f32_ne0 (0: none). */
+static size_t survey(int int8, const le_mm *mm, int n_mm, le_vec_dot_fn *vd, int64_t *f32_ne0) {
+    size_t q = 0;
+    *f32_ne0 = 0;
+    for (int i = 0; i < n_mm; i++) {
+        vd[i] = kernel_of(int8, &mm[i]);
+        if (!vd[i]) {
+            if (mm[i].n_tok > 0 && mm[i].w->ne0 > *f32_ne0) *f32_ne0 = mm[i].w->ne0;
+        } else if (input_owner(mm, i, vd) == i) {
+            q += le_align64((size_t)(le_act_row_bytes(mm[i].w) * mm[i].n_tok));
+        }
+    }
+    return q;
+}
+
+/* The plan's lists are short (at most 4 products); a longer one is planned in pieces of PLAN_MM. */
+#define PLAN_MM 16
+
+size_t le_matmul_batch_plan(int n_threads, int int8, const le_mm *mm, int n_mm) {
+    le_vec_dot_fn vd[PLAN_MM];
+    if (n_mm > PLAN_MM) /* no input shared across pieces: an upper bound */
+        return le_matmul_batch_plan(n_threads, int8, mm, PLAN_MM) +
+               le_matmul_batch_plan(n_threads, int8, mm + PLAN_MM, n_mm - PLAN_MM);
+    int64_t f32_ne0;
+    size_t q = n_mm > 0 ? survey(int8, mm, n_mm, vd, &f32_ne0) : 0;
+    return n_mm > 0 ? le_matmul_scratch(n_threads, n_mm, q, f32_ne0) : 0;
+}
+
+static int matmul_batch(le_pool *pool, le_arena *a, int int8, const le_mm *mm, int n_mm, int split);
+
+int le_matmul_batch(le_pool *pool, le_arena *a, int int8, const le_mm *mm, int n_mm) {
+    return matmul_batch(pool, a, int8, mm, n_mm, 0);
+}
+
+int le_matmul_batch_split(le_pool *pool, le_arena *a, int int8, const le_mm *mm, int n_mm) {
+    return matmul_batch(pool, a, int8, mm, n_mm, 1);
+}
+
+static int matmul_batch(le_pool *pool, le_arena *a, int int8, const le_mm *mm, int n_mm, int split) {
     if (n_mm <= 0) return LE_OK;
-    /* per product: kernel, first row, activations (quantised once per distinct input) */
-    size_t meta = (size_t)n_mm * (sizeof(le_vec_dot_fn) + sizeof(uint8_t *) + 2 * sizeof(int64_t) + sizeof(int)) +
-                  sizeof(int64_t);
-    uint8_t *mem = malloc(meta);
-    if (!mem) return LE_FAIL(LE_ERR_NO_MEMORY, "matmul batch of %d", n_mm);
-    le_vec_dot_fn *vd = (le_vec_dot_fn *)mem;
-    const uint8_t **xq = (const uint8_t **)(vd + n_mm);
-    int64_t *first = (int64_t *)(xq + n_mm), *rb = first + n_mm + 1;
-    int *owner = (int *)(rb + n_mm); /* i: product i allocated xq[i]; -1: shares an earlier one */
-    int rc = LE_OK;
-    first[0] = 0;
     for (int i = 0; i < n_mm; i++) {
         const le_weight *w = mm[i].w, *wu = mm[i].w_up;
-        if (wu && (wu->ne0 != w->ne0 || wu->ne1 != w->ne1)) {
-            rc = LE_FAIL(LE_ERR_INVALID_ARG, "SwiGLU pair: gate [%lld, %lld] and up [%lld, %lld] differ",
-                         (long long)w->ne0, (long long)w->ne1, (long long)wu->ne0, (long long)wu->ne1);
-            n_mm = i; /* free what was allocated so far */
-            goto done;
-        }
+        if (wu && (wu->ne0 != w->ne0 || wu->ne1 != w->ne1))
+            return LE_FAIL(LE_ERR_INVALID_ARG, "SwiGLU pair: gate [%lld, %lld] and up [%lld, %lld] differ",
+                           (long long)w->ne0, (long long)w->ne1, (long long)wu->ne0, (long long)wu->ne1);
+    }
+    int T = le_pool_threads(pool);
+    size_t mark = a->used;
+    /* per product: kernel, quantised input, first row, activation row bytes */
+    uint8_t *table = le_arena_take(a, table_bytes(n_mm));
+    if (!table) return LE_FAIL(LE_ERR_NO_MEMORY, "matmul batch of %d: scratch beyond the plan", n_mm);
+    le_vec_dot_fn *vd = (le_vec_dot_fn *)table;
+    const uint8_t **xq = (const uint8_t **)(vd + n_mm);
+    int64_t *first = (int64_t *)(xq + n_mm), *rb = first + n_mm + 1;
+    int64_t f32_ne0;
+    size_t q_bytes = survey(int8, mm, n_mm, vd, &f32_ne0);
+    uint8_t *q = le_arena_take(a, q_bytes);
+    float *rows = f32_ne0 ? le_arena_take(a, (size_t)T * (size_t)row_floats(f32_ne0) * sizeof(float)) : NULL;
+    if (!q || (f32_ne0 && !rows)) {
+        a->used = mark;
+        return LE_FAIL(LE_ERR_NO_MEMORY, "matmul batch of %d: scratch beyond the plan", n_mm);
+    }
+    /* activations quantised once per distinct input */
+    first[0] = 0;
+    for (int i = 0; i < n_mm; i++) {
+        const le_weight *w = mm[i].w;
         first[i + 1] = first[i] + (mm[i].n_tok > 0 ? w->ne1 : 0);
-        vd[i] = mm[i].n_tok > 0 ? le_int_kernel(int8, w) : NULL;
-        /* a pair runs on the integer path only if both halves do, on one activation type */
-        if (vd[i] && wu && (!le_int_kernel(int8, wu) || wu->tr->vec_dot_type != w->tr->vec_dot_type)) vd[i] = NULL;
         xq[i] = NULL;
-        owner[i] = -1;
         rb[i] = 0;
         if (!vd[i]) continue;
         rb[i] = le_act_row_bytes(w);
-        for (int p = 0; p < i && !xq[i]; p++)
-            if (vd[p] && mm[p].x == mm[i].x && mm[p].n_tok == mm[i].n_tok && mm[p].ldx == mm[i].ldx &&
-                mm[p].w->ne0 == w->ne0 && mm[p].w->tr->vec_dot_type == w->tr->vec_dot_type)
-                xq[i] = xq[p];
-        if (xq[i]) continue;
-        uint8_t *q;
-        if ((rc = le_quantize_acts(w, mm[i].x, mm[i].n_tok, mm[i].ldx, &q))) goto done;
+        int p = input_owner(mm, i, vd);
+        if (p < i) {
+            xq[i] = xq[p];
+            continue;
+        }
+        le_quantize_acts(w, mm[i].x, mm[i].n_tok, mm[i].ldx, q);
         xq[i] = q;
-        owner[i] = i;
+        q += le_align64((size_t)(rb[i] * mm[i].n_tok));
     }
-    batch_job j = {mm, n_mm, first, vd, xq, rb, 0, le_pool_threads(pool)};
+    batch_job j = {mm, n_mm, first, vd, xq, rb, rows, f32_ne0 ? row_floats(f32_ne0) : 0, T};
     int64_t total = first[n_mm];
     if (split) {
         le_parallel_each(pool, split_rows, &j);
-        goto ran;
+    } else {
+        /* grain: 4 tasks per thread: few enough that claiming them (one contended atomic each)
+         * stays cheap, enough that a thread that started late or runs slow can be covered */
+        int64_t grain = total / (4 * T) + 1;
+        le_parallel_for(pool, total, grain, batch_rows, &j);
     }
-    /* grain: 4 tasks per thread: few enough that claiming them (one contended atomic each)
-     * stays cheap, enough that a thread that started late or runs slow can be covered */
-    int64_t grain = total / (4 * le_pool_threads(pool)) + 1;
-    le_parallel_for(pool, total, grain, batch_rows, &j);
-ran:
-    if (j.failed) rc = LE_FAIL(LE_ERR_NO_MEMORY, "matmul row buffer");
-done:
-    for (int i = 0; i < n_mm; i++)
-        if (owner[i] == i) free((void *)xq[i]);
-    free(mem);
-    return rc;
+    a->used = mark;
+    return LE_OK;
 }
 
-int le_matmul(le_pool *pool, int int8, const le_weight *w, int64_t expert, const float *x, int64_t n_tok,
-              int64_t ldx, float *y, int64_t ldy) {
+int le_matmul(le_pool *pool, le_arena *a, int int8, const le_weight *w, int64_t expert, const float *x,
+              int64_t n_tok, int64_t ldx, float *y, int64_t ldy) {
     le_mm mm = {w, expert, x, n_tok, ldx, y, ldy, NULL};
-    return le_matmul_batch(pool, int8, &mm, 1);
+    return le_matmul_batch(pool, a, int8, &mm, 1);
 }
 
 void le_weight_row(const le_weight *w, int64_t row, float *out) {

@@ -106,6 +106,7 @@ int le_model_create(const le_hparams *hp, int n_threads, le_model **out) {
 void le_model_free(le_model *m) {
     if (!m) return;
     le_pool_free(m->pool);
+    le_arena_free(&m->scratch);
     free(m->layer);
     free(m->state_index);
     free(m->prof);
@@ -189,6 +190,23 @@ int le_model_finalize(le_model *m) {
     return LE_OK;
 }
 
+size_t le_forward_plan(const le_model *m, int n, int n_ctx) {
+    const le_hparams *hp = &m->hp;
+    /* the LM head's batch (all_logits or not: the larger, so a pass's need does not depend on it) */
+    static const float h_id;
+    const le_weight *head = m->global[LE_W_OUTPUT].data ? &m->global[LE_W_OUTPUT] : &m->global[LE_W_TOKEN_EMBD];
+    le_mm mm = {head, 0, &h_id, n, hp->n_embd, NULL, hp->n_vocab, NULL};
+    size_t most = le_matmul_batch_plan(le_pool_threads(m->pool), m->int8, &mm, 1);
+    for (int l = 0; l < hp->n_layer; l++) {
+        const le_weight *w = m->layer[l];
+        size_t mixer = hp->recurrent[l] ? le_gdn_plan(m, w, n) : le_attention_plan(m, w, n, n_ctx);
+        size_t ffn = le_ffn_plan(m, w, n);
+        if (mixer > most) most = mixer;
+        if (ffn > most) most = ffn;
+    }
+    return le_align64(3 * (size_t)n * hp->n_embd * sizeof(float)) + most;
+}
+
 int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *logits, int all_logits, int chunked) {
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd;
@@ -200,10 +218,15 @@ int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *lo
         if (tokens[t] < 0 || tokens[t] >= hp->n_vocab)
             return LE_FAIL(LE_ERR_INVALID_ARG, "token %d at index %d is outside the vocabulary [0, %d)", tokens[t], t,
                            hp->n_vocab);
-    float *buf = malloc(3 * (size_t)n * E * sizeof(float));
-    if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "activations for %d tokens", n);
+    /* the scratch of the whole pass, planned here: the state's arena grows only for a longer pass than before
+     * (or another int8 setting), never inside the layers */
+    le_arena *ar = &s->scratch;
+    int rc = le_arena_reserve(ar, le_forward_plan(m, n, s->n_ctx), "the forward pass");
+    if (rc) return rc;
+    ar->used = 0;
+    float *buf = le_arena_take(ar, 3 * (size_t)n * E * sizeof(float));
+    if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "activations for %d tokens: beyond the plan", n);
     float *x = buf, *h = x + (size_t)n * E, *y = h + (size_t)n * E;
-    int rc = LE_OK;
     double tp = le_prof_start(m);
     for (int t = 0; t < n; t++) le_weight_row(&m->global[LE_W_TOKEN_EMBD], tokens[t], x + (size_t)t * E);
 
@@ -214,16 +237,16 @@ int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *lo
             le_rmsnorm(x + (size_t)t * E, (const float *)w[LE_W_ATTN_NORM].data, E, hp->rms_eps, h + (size_t)t * E);
         le_prof(m, &tp, LE_PROF_EMBED_NORM);
         if (hp->recurrent[l])
-            rc = le_gdn_layer(m, w, h, n, s->conv + si * s->conv_floats, s->ssm + si * s->ssm_floats, chunked, y);
+            rc = le_gdn_layer(m, ar, w, h, n, s->conv + si * s->conv_floats, s->ssm + si * s->ssm_floats, chunked, y);
         else
-            rc = le_attention_layer(m, w, h, n, s->pos, s->k + si * s->kv_floats, s->v + si * s->kv_floats, y);
+            rc = le_attention_layer(m, ar, w, h, n, s->pos, s->k + si * s->kv_floats, s->v + si * s->kv_floats, y);
         if (rc) break;
         tp = le_prof_start(m);
         for (size_t i = 0; i < (size_t)n * E; i++) x[i] += y[i];
         for (int t = 0; t < n; t++)
             le_rmsnorm(x + (size_t)t * E, (const float *)w[LE_W_POST_NORM].data, E, hp->rms_eps, h + (size_t)t * E);
         le_prof(m, &tp, LE_PROF_EMBED_NORM);
-        if ((rc = le_ffn_layer(m, w, h, n, y))) break;
+        if ((rc = le_ffn_layer(m, ar, w, h, n, y))) break;
         tp = le_prof_start(m);
         for (size_t i = 0; i < (size_t)n * E; i++) x[i] += y[i];
     }
@@ -236,10 +259,10 @@ int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *lo
                            h + (size_t)(t - first) * E);
             const le_weight *head = m->global[LE_W_OUTPUT].data ? &m->global[LE_W_OUTPUT] : &m->global[LE_W_TOKEN_EMBD];
             le_prof(m, &tp, LE_PROF_EMBED_NORM);
-            rc = le_matmul(m->pool, m->int8, head, 0, h, n_out, E, logits, hp->n_vocab);
+            rc = le_matmul(m->pool, ar, m->int8, head, 0, h, n_out, E, logits, hp->n_vocab);
             le_prof(m, &tp, LE_PROF_HEAD);
         }
     }
-    free(buf);
+    ar->used = 0;
     return rc;
 }

@@ -17,10 +17,11 @@
  * experts chosen elsewhere (the hybrid decode: the GPU routes, the CPU runs the unpinned experts), split statically:
  * each thread computes the same rows of every expert (le_split), the rows the lookahead prefetched into its caches
  * (native/hybrid.c); the sums are the same bits either way.
+ * Scratch: the caller's arena (le_forward: the state's; le_moe_routed: the model's), given back on return;
+ * le_ffn_plan / le_moe_routed_plan count it, the routed part for the worst routing of n tokens.
  * Test: tests/test_model.py, tests/test_quantized.py (test_moe_routed_*). */
 #include <limits.h>
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "le_internal.h"
@@ -29,20 +30,36 @@
 /* Minimum of the top-k weight sum before renormalising (llama.cpp clamps the same way). */
 #define MOE_WSUM_MIN 6.103515625e-5f
 
-static int dense(const le_model *m, const le_weight *w, const float *x, int n, float *out) {
+static size_t max2(size_t a, size_t b) { return a > b ? a : b; }
+
+/* The plan's stand-ins for distinct inputs (only their addresses are compared). */
+static const float x_id[2];
+
+/* dense scratch: act [n, ff], then the gate/up pair's batch or the down product's */
+static size_t dense_plan(const le_model *m, const le_weight *w, int n) {
+    int T = le_pool_threads(m->pool), E = m->hp.n_embd;
+    int64_t ff = m->hp.n_ff;
+    le_mm gu = {&w[LE_W_FFN_GATE], 0, x_id, n, E, NULL, ff, &w[LE_W_FFN_UP]};
+    le_mm down = {&w[LE_W_FFN_DOWN], 0, x_id + 1, n, ff, NULL, E, NULL};
+    return le_align64((size_t)n * ff * sizeof(float)) +
+           max2(le_matmul_batch_plan(T, m->int8, &gu, 1), le_matmul_batch_plan(T, m->int8, &down, 1));
+}
+
+static int dense(const le_model *m, le_arena *ar, const le_weight *w, const float *x, int n, float *out) {
     int E = m->hp.n_embd;
     int64_t ff = m->hp.n_ff;
-    float *act = malloc((size_t)n * ff * sizeof(float));
-    if (!act) return LE_FAIL(LE_ERR_NO_MEMORY, "ffn scratch for %d tokens", n);
+    size_t mark = ar->used;
+    float *act = le_arena_take(ar, (size_t)n * ff * sizeof(float));
+    if (!act) return LE_FAIL(LE_ERR_NO_MEMORY, "ffn scratch for %d tokens: beyond the plan", n);
     double tp = le_prof_start(m);
     le_mm gu = {&w[LE_W_FFN_GATE], 0, x, n, E, act, ff, &w[LE_W_FFN_UP]};
-    int rc = le_matmul_batch(m->pool, m->int8, &gu, 1);
+    int rc = le_matmul_batch(m->pool, ar, m->int8, &gu, 1);
     le_prof(m, &tp, LE_PROF_FFN_GATE_UP);
     if (!rc) {
-        rc = le_matmul(m->pool, m->int8, &w[LE_W_FFN_DOWN], 0, act, n, ff, out, E);
+        rc = le_matmul(m->pool, ar, m->int8, &w[LE_W_FFN_DOWN], 0, act, n, ff, out, E);
         le_prof(m, &tp, LE_PROF_FFN_DOWN);
     }
-    free(act);
+    ar->used = mark;
     return rc;
 }
 
@@ -61,20 +78,19 @@ typedef struct {
     int64_t rb, rbs;
     const float *act, *acts;
     float *out;                      /* [n, E] */
-    int failed;
+    float *rows;                     /* f32 path: [n_threads][row_floats] each thread's dequantised row */
+    int64_t row_floats;
     int n_threads;                   /* down_split: the pool's */
 } down_job;
+
+/* Floats of one thread's dequantised down row (at most ne0 wide). */
+static int64_t down_row_floats(int64_t ne0) { return le_floats64(ne0); }
 
 static void down_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
     down_job *j = ctx;
     const le_weight *wd = j->wd, *wds = j->wds;
     le_dot_f32_fn dot = le_get_f32_kernels()->dot;
-    int64_t ne0_max = wds && wds->ne0 > wd->ne0 ? wds->ne0 : wd->ne0;
-    float *buf = NULL; /* a dequantised row for the f32 path */
-    if ((!j->vd || (wds && !j->vds)) && !(buf = malloc((size_t)ne0_max * sizeof(float)))) {
-        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
-        return;
-    }
+    float *buf = j->rows ? j->rows + (int64_t)thread * j->row_floats : NULL; /* a dequantised row for the f32 path */
     for (int t = 0; t < j->n; t++) memset(j->out + (size_t)t * j->E + r0, 0, (size_t)(r1 - r0) * sizeof(float));
     for (int u = 0; u < j->n_used; u++) {
         int e = j->used[u];
@@ -109,7 +125,6 @@ static void down_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
                 j->out[(size_t)t * j->E + r] += j->sgate[t] * s;
             }
         }
-    free(buf);
 }
 
 /* The routed experts (and, given acts/sgate, the shared expert's down) of n tokens with k selected
@@ -133,21 +148,54 @@ static int slots(int n, int k, int *nk) {
     return LE_OK;
 }
 
-static int routed(const le_model *m, const le_weight *w, const float *x, int n, int k, const int *sel,
+/* routed's own scratch: floats wrow [nk], xg [nk, E] (several tokens), act [nk, fe]; ints tok_of [nk], count,
+ * start, used [ne]; the batch's products [ne + 1] */
+static size_t routed_floats(const le_hparams *hp, int n, int64_t nk) {
+    return (size_t)nk + (n > 1 ? (size_t)nk * hp->n_embd : 0) + (size_t)nk * hp->n_ff_exp;
+}
+static size_t routed_own(const le_hparams *hp, int n, int64_t nk) {
+    return le_align64(routed_floats(hp, n, nk) * sizeof(float)) +
+           le_align64(((size_t)nk + 3 * (size_t)hp->n_expert) * sizeof(int)) +
+           le_align64(((size_t)hp->n_expert + 1) * sizeof(le_mm));
+}
+
+/* routed's scratch for the worst routing of n tokens x k experts (shared: with the shared expert's down):
+ * its own, then the larger of job B's batch (at most min(n_expert, nk) experts, each expert's quantised rows
+ * rounded up to 64 bytes) and job C's quantised inputs and dequantised rows. */
+static size_t routed_plan(const le_model *m, const le_weight *w, int n, int k, int shared) {
+    const le_hparams *hp = &m->hp;
+    int T = le_pool_threads(m->pool), ne = hp->n_expert;
+    int64_t nk = (int64_t)n * k, n_mm = nk < ne ? nk : ne;
+    const le_weight *g = &w[LE_W_GATE_EXPS], *u = &w[LE_W_UP_EXPS], *wd = &w[LE_W_DOWN_EXPS],
+                    *wds = shared ? &w[LE_W_DOWN_SHEXP] : NULL;
+    /* B: every product is a gate/up pair of the same two tensors, so all take one path (matmul.c's rule) */
+    int b_int = le_int_kernel(m->int8, g) && le_int_kernel(m->int8, u) && u->tr->vec_dot_type == g->tr->vec_dot_type;
+    size_t b_q = b_int ? (size_t)le_act_row_bytes(g) * (size_t)nk + (size_t)LE_ARENA_ALIGN * (size_t)n_mm : 0;
+    size_t b = le_matmul_scratch(T, (int)n_mm, b_q, b_int ? 0 : g->ne0);
+    /* C: the routed rows (at most nk) and the shared expert's n quantised, or a row per thread */
+    int c_int = le_int_kernel(m->int8, wd) != NULL, cs_int = wds && le_int_kernel(m->int8, wds);
+    size_t c = (c_int ? le_align64((size_t)le_act_row_bytes(wd) * (size_t)nk) : 0) +
+               (cs_int ? le_align64((size_t)le_act_row_bytes(wds) * (size_t)n) : 0);
+    if (!c_int || (wds && !cs_int)) {
+        int64_t ne0 = wds && wds->ne0 > wd->ne0 ? wds->ne0 : wd->ne0;
+        c += (size_t)T * (size_t)down_row_floats(ne0) * sizeof(float);
+    }
+    return routed_own(hp, n, nk) + max2(b, c);
+}
+
+static int routed(const le_model *m, le_arena *ar, const le_weight *w, const float *x, int n, int k, const int *sel,
                   const float *wsel, const float *acts, const float *sgate, float *out, int split) {
     const le_hparams *hp = &m->hp;
-    int E = hp->n_embd, ne = hp->n_expert, shared = acts != NULL;
+    int E = hp->n_embd, ne = hp->n_expert, shared = acts != NULL, T = le_pool_threads(m->pool);
     int64_t fe = hp->n_ff_exp, fs = hp->n_ff_shexp;
     int nk = 0, rc = slots(n, k, &nk);
     if (rc) return rc;
-    /* scratch: wrow [nk], xg [nk, E] (several tokens), act [nk, fe]; ints: tok_of [nk], count, start, used [ne] */
-    size_t floats = (size_t)nk + (n > 1 ? (size_t)nk * E : 0) + (size_t)nk * fe;
-    float *buf = malloc(floats * sizeof(float));
-    int *ibuf = malloc(((size_t)nk + 3 * (size_t)ne) * sizeof(int));
-    le_mm *mm = malloc(((size_t)ne + 1) * sizeof(le_mm));
-    uint8_t *aq = NULL, *aqs = NULL;
+    size_t mark = ar->used;
+    float *buf = le_arena_take(ar, routed_floats(hp, n, nk) * sizeof(float));
+    int *ibuf = le_arena_take(ar, ((size_t)nk + 3 * (size_t)ne) * sizeof(int));
+    le_mm *mm = le_arena_take(ar, ((size_t)ne + 1) * sizeof(le_mm));
     if (!buf || !ibuf || !mm) {
-        rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe scratch for %d tokens", n);
+        rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe scratch for %d tokens: beyond the plan", n);
         goto done;
     }
     float *wrow = buf, *xg = wrow + nk, *act = xg + (n > 1 ? (size_t)nk * E : 0);
@@ -187,49 +235,79 @@ static int routed(const le_model *m, const le_weight *w, const float *x, int n, 
         mm[n_mm++] = (le_mm){&w[LE_W_GATE_EXPS], e, n > 1 ? xg + (size_t)start[e] * E : x, count[e], E,
                              act + (size_t)start[e] * fe, fe, &w[LE_W_UP_EXPS]};
     }
-    if (n_mm && (rc = (split ? le_matmul_batch_split : le_matmul_batch)(m->pool, m->int8, mm, n_mm))) goto done;
+    if (n_mm && (rc = (split ? le_matmul_batch_split : le_matmul_batch)(m->pool, ar, m->int8, mm, n_mm))) goto done;
     le_prof(m, &tp, LE_PROF_FFN_GATE_UP);
 
     /* C: down + combine */
     down_job dj = {&w[LE_W_DOWN_EXPS], shared ? &w[LE_W_DOWN_SHEXP] : NULL, used, start, count, n_used, n, rows, E,
-                   tok_of, wrow, sgate, NULL, NULL, NULL, NULL, 0, 0, act, acts, out, 0, le_pool_threads(m->pool)};
+                   tok_of, wrow, sgate, NULL, NULL, NULL, NULL, 0, 0, act, acts, out, NULL, 0, T};
     /* the down inputs quantised for their integer kernels (none: the f32 path) */
+    uint8_t *aq = NULL, *aqs = NULL;
     if (rows && (dj.vd = le_int_kernel(m->int8, dj.wd))) {
         dj.rb = le_act_row_bytes(dj.wd);
-        if ((rc = le_quantize_acts(dj.wd, act, rows, fe, &aq))) goto done;
+        if (!(aq = le_arena_take(ar, (size_t)(dj.rb * rows)))) goto short_plan;
+        le_quantize_acts(dj.wd, act, rows, fe, aq);
     }
     if (shared && (dj.vds = le_int_kernel(m->int8, dj.wds))) {
         dj.rbs = le_act_row_bytes(dj.wds);
-        if ((rc = le_quantize_acts(dj.wds, acts, n, fs, &aqs))) goto done;
+        if (!(aqs = le_arena_take(ar, (size_t)(dj.rbs * n)))) goto short_plan;
+        le_quantize_acts(dj.wds, acts, n, fs, aqs);
     }
     dj.aq = aq;
     dj.aqs = aqs;
+    /* a dequantised row per thread where a down matrix runs on the f32 path */
+    if ((rows && !dj.vd) || (shared && !dj.vds)) {
+        int64_t ne0 = shared && dj.wds->ne0 > dj.wd->ne0 ? dj.wds->ne0 : dj.wd->ne0;
+        dj.row_floats = down_row_floats(ne0);
+        if (!(dj.rows = le_arena_take(ar, (size_t)T * (size_t)dj.row_floats * sizeof(float)))) goto short_plan;
+    }
     le_prof(m, &tp, LE_PROF_FFN_ACT);
     if (split) le_parallel_each(m->pool, down_split, &dj);
-    else le_parallel_for(m->pool, E, E / (8 * le_pool_threads(m->pool)) + 1, down_rows, &dj);
-    if (dj.failed) rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe down row buffer");
+    else le_parallel_for(m->pool, E, E / (8 * T) + 1, down_rows, &dj);
     le_prof(m, &tp, LE_PROF_FFN_DOWN);
+    goto done;
+short_plan:
+    rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe down scratch for %d tokens: beyond the plan", n);
 done:
-    free(buf);
-    free(ibuf);
-    free(mm);
-    free(aq);
-    free(aqs);
+    ar->used = mark;
     return rc;
 }
 
-static int moe(const le_model *m, const le_weight *w, const float *x, int n, float *out) {
+/* Job A: the router's logits and the shared expert's gate/up pair (x read once: one quantised input). */
+static int job_a(const le_weight *w, const le_hparams *hp, const float *x, int n, float *logits, float *acts,
+                 le_mm mm[2]) {
+    int n_mm = 0;
+    mm[n_mm++] = (le_mm){&w[LE_W_GATE_INP], 0, x, n, hp->n_embd, logits, hp->n_expert, NULL};
+    if (hp->n_ff_shexp > 0)
+        mm[n_mm++] = (le_mm){&w[LE_W_GATE_SHEXP], 0, x, n, hp->n_embd, acts, hp->n_ff_shexp, &w[LE_W_UP_SHEXP]};
+    return n_mm;
+}
+
+/* moe's own scratch: floats logits [n, ne], wsel [n, k], sgate [n], acts [n, fs]; ints sel [nk] */
+static size_t moe_floats(const le_hparams *hp, int n, int64_t nk) {
+    return (size_t)n * hp->n_expert + (size_t)nk + n + (size_t)n * hp->n_ff_shexp;
+}
+
+static size_t moe_plan(const le_model *m, const le_weight *w, int n) {
+    const le_hparams *hp = &m->hp;
+    int64_t nk = (int64_t)n * hp->n_expert_used;
+    le_mm mm[2];
+    int n_mm = job_a(w, hp, x_id, n, NULL, NULL, mm);
+    return le_align64(moe_floats(hp, n, nk) * sizeof(float)) + le_align64((size_t)nk * sizeof(int)) +
+           max2(le_matmul_batch_plan(le_pool_threads(m->pool), m->int8, mm, n_mm),
+                routed_plan(m, w, n, hp->n_expert_used, hp->n_ff_shexp > 0));
+}
+
+static int moe(const le_model *m, le_arena *ar, const le_weight *w, const float *x, int n, float *out) {
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd, ne = hp->n_expert, k = hp->n_expert_used, shared = hp->n_ff_shexp > 0;
-    int64_t fs = hp->n_ff_shexp;
     int nk = 0, rc = slots(n, k, &nk);
     if (rc) return rc;
-    /* scratch (f32): logits [n, ne], wsel [n, k], sgate [n], acts [n, fs]; ints: sel [nk] */
-    size_t floats = (size_t)n * ne + (size_t)nk + n + (size_t)n * fs;
-    float *buf = malloc(floats * sizeof(float));
-    int *sel = malloc((size_t)nk * sizeof(int));
+    size_t mark = ar->used;
+    float *buf = le_arena_take(ar, moe_floats(hp, n, nk) * sizeof(float));
+    int *sel = le_arena_take(ar, (size_t)nk * sizeof(int));
     if (!buf || !sel) {
-        rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe scratch for %d tokens", n);
+        rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe scratch for %d tokens: beyond the plan", n);
         goto done;
     }
     float *logits = buf, *wsel = logits + (size_t)n * ne, *sgate = wsel + nk, *acts = sgate + n;
@@ -237,10 +315,8 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
 
     /* A: router logits and the shared expert's gate/up pair */
     le_mm mm[2];
-    int n_mm = 0;
-    mm[n_mm++] = (le_mm){&w[LE_W_GATE_INP], 0, x, n, E, logits, ne, NULL};
-    if (shared) mm[n_mm++] = (le_mm){&w[LE_W_GATE_SHEXP], 0, x, n, E, acts, fs, &w[LE_W_UP_SHEXP]};
-    if ((rc = le_matmul_batch(m->pool, m->int8, mm, n_mm))) goto done;
+    int n_mm = job_a(w, hp, x, n, logits, acts, mm);
+    if ((rc = le_matmul_batch(m->pool, ar, m->int8, mm, n_mm))) goto done;
     le_prof(m, &tp, LE_PROF_MOE_ROUTER);
 
     /* routing: softmax, top-k (ties to the lower index), renormalise */
@@ -281,10 +357,9 @@ static int moe(const le_model *m, const le_weight *w, const float *x, int n, flo
         for (int t = 0; t < n; t++) sgate[t] = le_sigmoid(le_dot_f32(sg, x + (size_t)t * E, E));
     }
     le_prof(m, &tp, LE_PROF_MOE_ROUTER);
-    rc = routed(m, w, x, n, k, sel, wsel, shared ? acts : NULL, shared ? sgate : NULL, out, 0);
+    rc = routed(m, ar, w, x, n, k, sel, wsel, shared ? acts : NULL, shared ? sgate : NULL, out, 0);
 done:
-    free(buf);
-    free(sel);
+    ar->used = mark;
     return rc;
 }
 
@@ -296,9 +371,21 @@ int le_moe_routed(le_model *m, int layer, const float *x, int n_sel, const int32
         return LE_FAIL(LE_ERR_INVALID_ARG, "le_moe_routed: layer %d outside [0, %d)", layer, m->hp.n_layer);
     if (n_sel < 1 || n_sel > m->hp.n_expert)
         return LE_FAIL(LE_ERR_INVALID_ARG, "le_moe_routed: %d experts (1..%d)", n_sel, m->hp.n_expert);
-    return routed(m, m->layer[layer], x, 1, n_sel, ids, wts, NULL, NULL, out, 1);
+    /* the model's arena, sized for n_expert experts of this layer: grows on a layer's first call at most */
+    int rc = le_arena_reserve(&m->scratch, le_moe_routed_plan(m, m->layer[layer]), "le_moe_routed");
+    if (rc) return rc;
+    m->scratch.used = 0;
+    return routed(m, &m->scratch, m->layer[layer], x, 1, n_sel, ids, wts, NULL, NULL, out, 1);
 }
 
-int le_ffn_layer(const le_model *m, const le_weight *w, const float *x, int n, float *out) {
-    return m->hp.n_expert ? moe(m, w, x, n, out) : dense(m, w, x, n, out);
+size_t le_moe_routed_plan(const le_model *m, const le_weight *w) { return routed_plan(m, w, 1, m->hp.n_expert, 0); }
+
+int64_t le_model_scratch_growths(const le_model *m) { return m->scratch.growths; }
+
+size_t le_ffn_plan(const le_model *m, const le_weight *w, int n) {
+    return m->hp.n_expert ? moe_plan(m, w, n) : dense_plan(m, w, n);
+}
+
+int le_ffn_layer(const le_model *m, le_arena *ar, const le_weight *w, const float *x, int n, float *out) {
+    return m->hp.n_expert ? moe(m, ar, w, x, n, out) : dense(m, ar, w, x, n, out);
 }

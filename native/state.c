@@ -2,7 +2,8 @@
  *
  * Saved form (le_state_save): a header {magic, version, pos, sizes} then the conv
  * states, the SSM states, and K and V rows [0, pos) of every attention layer, all f32.
- * The snapshot cache and the CPU<->GPU handoff build on save/restore/copy.
+ * The snapshot cache and the CPU<->GPU handoff build on save/restore/copy. The forward pass's scratch arena
+ * (le_ops.h) lives here too: it is not part of the sequence (never saved, copied or reset).
  * Test: tests/test_model.py (restore then continue == uninterrupted run, bit for bit). */
 #include <stdlib.h>
 #include <string.h>
@@ -49,11 +50,14 @@ void le_state_free(le_state *s) {
     free(s->ssm);
     free(s->k);
     free(s->v);
+    le_arena_free(&s->scratch);
     free(s);
 }
 
 int le_state_pos(const le_state *s) { return s->pos; }
 int le_state_n_ctx(const le_state *s) { return s->n_ctx; }
+int64_t le_state_scratch_growths(const le_state *s) { return s->scratch.growths; }
+int64_t le_state_scratch_bytes(const le_state *s) { return (int64_t)s->scratch.size; }
 
 void le_state_reset(le_state *s) {
     s->pos = 0;

@@ -1,4 +1,4 @@
-"""The prefix cache (legacy_engine/cache.py): every answer equals a full recompute bit for bit.
+"""The prefix cache (legacy_engine/serve/cache.py): every answer equals a full recompute bit for bit.
 
 The oracle is a fresh Session prefilling the whole prompt (Session.prefill, chunked, PREFILL_BATCH calls);
 the cache must give np.array_equal logits after restoring any prefix it holds, from RAM or disk, with any
@@ -23,10 +23,10 @@ from fixtures.make_reference import tiny_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import legacy_engine.serve.cache as cache_mod
-from legacy_engine.serve.cache import (FORMAT_VERSION, CacheFileWarning, PrefixCache, Sizes, chain_keys, end_key,
-                                 model_fingerprint)
+import legacy_engine.format.fingerprint as fingerprint_mod
 from legacy_engine.core.errors import Cancelled, ContextLengthError
+from legacy_engine.format.fingerprint import model_fingerprint
+from legacy_engine.serve.cache import FORMAT_VERSION, CacheFileWarning, PrefixCache, Sizes, chain_keys, end_key
 from legacy_engine.serve.generate import Engine
 
 pytestmark = pytest.mark.cpu
@@ -123,8 +123,8 @@ def test_model_fingerprint_is_remembered_by_file_identity(tmp_path, monkeypatch)
     memo = tmp_path / "memo"
     first = model_fingerprint(big, memo_dir=memo)
     assert len(os.listdir(memo)) == 1
-    real = cache_mod._hash_file
-    monkeypatch.setattr(cache_mod, "_hash_file", lambda *a: pytest.fail("hashed again"))
+    real = fingerprint_mod._hash_file
+    monkeypatch.setattr(fingerprint_mod, "_hash_file", lambda *a: pytest.fail("hashed again"))
     assert model_fingerprint(big, memo_dir=memo) == first
     st_ = os.stat(big)
     time.sleep(0.01)
@@ -132,7 +132,7 @@ def test_model_fingerprint_is_remembered_by_file_identity(tmp_path, monkeypatch)
         f.seek(40 << 20)
         f.write(b"\x01")
     os.utime(big, ns=(st_.st_atime_ns, st_.st_mtime_ns))
-    monkeypatch.setattr(cache_mod, "_hash_file", real)
+    monkeypatch.setattr(fingerprint_mod, "_hash_file", real)
     assert model_fingerprint(big, memo_dir=memo) != first
 
 
@@ -141,8 +141,8 @@ def test_model_fingerprint_at_interpreter_shutdown(tmp_path):
     start: the hash then runs on one core and gives the same digest (it raised RuntimeError on the GPU machine)."""
     big = tmp_path / "big.gguf"
     with open(big, "wb") as f:
-        f.truncate(3 * cache_mod.FINGERPRINT_PIECE // 2)     # two pieces: the parallel path
-    code = ("import atexit, sys; from legacy_engine.serve.cache import model_fingerprint as fp; "
+        f.truncate(3 * fingerprint_mod.FINGERPRINT_PIECE // 2)     # two pieces: the parallel path
+    code = ("import atexit, sys; from legacy_engine.format.fingerprint import model_fingerprint as fp; "
             f"atexit.register(lambda: print(fp({str(big)!r}, memo_dir={str(tmp_path / 'memo')!r}).hex()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and not out.stderr, out.stderr

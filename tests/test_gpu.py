@@ -1457,7 +1457,7 @@ def test_position_from_device(kernels):
     """The planned decode step's kernels read the position p from a device int: attn_kv_store_f32 writes row p of
     both caches (exactly), attention_decode with pos_dev attends keys 0..p (attention_ref's bound), qk_norm_rope
     with pos_dev reads table row p (bit-identical to passing that row's address)."""
-    from legacy_engine.gpu.model import rope_table
+    from legacy_engine.gpu.scratch import rope_table
     rng = np.random.default_rng(17)
     n_head, n_kv, hd, n_ctx, p = 4, 2, 128, 300, 211
     kvw = n_kv * hd

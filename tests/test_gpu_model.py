@@ -1,4 +1,4 @@
-"""The GPU-resident forward pass (legacy_engine/gpu_model.py) and the kernels it added (cuda8/rope.cu,
+"""The GPU-resident forward pass (legacy_engine/gpu/model.py and its rooms) and the kernels it added (cuda8/rope.cu,
 get_rows.cu, moe_combine.cu, the f32-weight and MoE `_ids` forms of the GEMV/GEMM files).
 
 On a GPU (marker gpu), for every tier variant (as tests/test_gpu.py: fermi and kepler from compute_35 PTX, dp4a
@@ -151,7 +151,7 @@ def qk_norm_rope_ref(x, w, cs, n_heads, head_stride, row_stride, hd, eps):
 def test_qk_norm_rope(kernels):
     """q heads (stride 2*hd, the gate halves untouched) and k heads, partial rotary (n_rot = hd/4), IMRoPE table."""
     from types import SimpleNamespace
-    from legacy_engine.gpu.model import rope_table
+    from legacy_engine.gpu.scratch import rope_table
     rng = np.random.default_rng(11)
     n, nh, hd, n_rot, eps = 5, 3, 256, 64, 1e-6
     hp = SimpleNamespace(n_rot=n_rot, rope_theta=1e7, rope_sections=(11, 11, 10, 0))
@@ -213,13 +213,13 @@ def pinned_channel(lay, seq: int):
 
 @variant_params()
 def test_hybrid_sync(kernels):
-    """hybrid_publish / hybrid_wait (cuda8/hybrid_sync.cu) against the channel layout (gpu_model.HybridLayout =
+    """hybrid_publish / hybrid_wait (cuda8/hybrid_sync.cu) against the channel layout (gpu.hybrid.HybridLayout =
     le_hybrid.h): the slot holds h, ids, cpu_ids, weights and READY = SEQ; meta holds the pin indices, the ids the
     GPU runs from its staging (the early ones the CPU copied and flagged for this token, then n_link fetched: the
     first not pinned nor early, or the ones predicted last), their staging slots, the fetched ones and the weights
     of each group (1 for the CPU's row); the wait copies ROW once DONE == SEQ, and gives NaN when the CPU never
     answers (a bounded spin, so a dead host cannot hang the stream)."""
-    from legacy_engine.gpu.model import HybridLayout
+    from legacy_engine.gpu.hybrid import HybridLayout
     rng = np.random.default_rng(21)
     E, k, ne, n_layer = 300, 5, 40, 3
     lay = HybridLayout(E, k, n_layer)
@@ -309,7 +309,7 @@ def test_hybrid_predict(kernels):
     """The lookahead (cuda8/hybrid_sync.cu): hybrid_predict = R @ (h * s) against numpy (f64; the f32 sum of E
     products: assert_close_sum), hybrid_predict_publish = the n_pred largest logits (ties to the lower index, a NaN
     never chosen, pinned experts -1) into the device pred and the slot's PRED, then PRED_READY = SEQ."""
-    from legacy_engine.gpu.model import HybridLayout
+    from legacy_engine.gpu.hybrid import HybridLayout
     rng = np.random.default_rng(23)
     E, k, ne, n_layer = 300, 5, 40, 3
     lay = HybridLayout(E, k, n_layer)
@@ -414,14 +414,20 @@ def cpu_model(tiny_file):
 _GPU_MODELS: dict = {}
 
 
+def resident(cpu: Model, n_ctx: int = 4096, chunk: int = 512, **options):
+    """A GpuModel of `cpu` with everything in VRAM (GpuModel.resident: passes of `chunk` tokens, states of up to
+    n_ctx positions) and GpuOptions(**options)."""
+    from legacy_engine.gpu.model import GpuModel, GpuOptions
+    return GpuModel.resident(cpu, GpuOptions(**options), n_ctx=n_ctx, chunk=chunk)
+
+
 def gpu_model(cpu: Model, kind: str, tier: str, arch: int):
-    from legacy_engine.gpu.model import GpuModel
     key = (kind, tier, arch)
     if key not in _GPU_MODELS:
         if arch > NATIVE_ARCH:
             pytest.skip(f"compute_{arch} PTX does not run on sm_{NATIVE_ARCH}")
         try:
-            _GPU_MODELS[key] = GpuModel(cpu, tier=tier, arch=arch)
+            _GPU_MODELS[key] = resident(cpu, tier=tier, arch=arch)
         except gpu.UnavailableError as e:   # a variant that cannot be built here
             _GPU_MODELS[key] = e
     g = _GPU_MODELS[key]
@@ -496,11 +502,10 @@ def quant_gate(path, tier: str, arch: int, faults: dict | None = None, make=None
     """(why the GPU run of `path` fails the quantised gate, empty if it passes; a one-line report). The GPU model
     runs with `faults` injected (negative controls); the CPU reference and baseline never do. make(cpu model) ->
     the GpuModel to gate (default: resident, of tier/arch)."""
-    from legacy_engine.gpu.model import GpuModel
     cpu = Model(path, n_threads=4, pin=False)
     try:
         gm = (make(cpu) if make else
-              GpuModel(Model(path, n_threads=4, pin=False, _faults=faults) if faults else cpu, tier=tier, arch=arch))
+              resident(Model(path, n_threads=4, pin=False, _faults=faults) if faults else cpu, tier=tier, arch=arch))
     except gpu.UnavailableError as e:
         (pytest.fail if STRICT else pytest.skip)(f"{gpu.variant_name(tier, arch)}: {e}")
     assert not gm.converted, f"{path}: tensors dequantised at upload: {gm.converted}"
@@ -557,8 +562,7 @@ def test_quantized_fault_is_caught(kind, gpu_device, quant_file):
 def test_fault_is_caught(kind, gpu_device, tiny_file):
     """Negative control: the GDN v-heads grouped instead of tiled (a real bug class) fails the f32 bar on the GPU."""
     cpu = Model(tiny_file(kind), n_threads=2, pin=False, _faults={"gdn_grouped": True})
-    from legacy_engine.gpu.model import GpuModel
-    gm = GpuModel(cpu, int8=False)
+    gm = resident(cpu, int8=False)
     ids = sequence(32, cpu.hparams.n_vocab)
     got = gm.forward(gm.new_state(64), ids, all_logits=True)
     assert compare(load_reference(kind), got, 32) > 10 * tol.LOGIT_ABS_F32
@@ -568,9 +572,8 @@ def test_fault_is_caught(kind, gpu_device, tiny_file):
 def test_handoff_gpu_cpu(kind, gpu_device, tiny_file, cpu_model):
     """Prefill on the GPU, decode on the CPU gives the CPU engine's logits (and the reverse); the state bytes the
     two engines hold after the same prefix agree within the f32 bar."""
-    from legacy_engine.gpu.model import GpuModel
     cpu = cpu_model(kind)
-    gm = GpuModel(cpu, int8=False)
+    gm = resident(cpu, int8=False)
     ids = sequence(200, cpu.hparams.n_vocab)
     ref = cpu_logits(cpu, ids, 100)
     # GPU prefill -> CPU decode
@@ -600,11 +603,10 @@ def test_decode_plan_matches_unplanned(gpu_device, tiny_file, cpu_model, graphs)
     equal the launch-by-launch path within the f32 bar; a plan whose buffers moved (a state with a longer context
     grows the rope table) is recorded again."""
     from legacy_engine import gpu
-    from legacy_engine.gpu.model import GpuModel
     if graphs and not gpu.graphs_available():
         pytest.skip("the driver has no CUDA graphs")
     cpu = cpu_model("moe")
-    planned, plain = GpuModel(cpu, int8=False, graphs=graphs), GpuModel(cpu, int8=False, plan=False)
+    planned, plain = resident(cpu, int8=False, graphs=graphs), resident(cpu, int8=False, plan=False)
     ids = sequence(96, cpu.hparams.n_vocab)
     out = {}
     for name, gm in (("planned", planned), ("plain", plain)):
@@ -630,25 +632,23 @@ def test_prompt_ending_in_a_one_token_chunk_keeps_the_decode_plan(gpu_device, ti
     """A prompt of chunk + 1 tokens: its last chunk of one token runs as the decode plan's step (an unplanned
     one-token pass allocated decode buffers of its own, so the next token recorded the plan again), with the CPU
     engine's logits."""
-    from legacy_engine.gpu.model import GpuModel
     cpu = cpu_model("moe")
-    gm = GpuModel(cpu, int8=False, chunk=16)
+    gm = resident(cpu, int8=False, chunk=16)
     ids = sequence(24, cpu.hparams.n_vocab)
     st = gm.new_state(64)
     gm.forward(st, ids[:1])                        # records the plan
-    plan, gen = st._plan, gm._gen
+    plan, gen = st._plan, gm.scratch.gen
     st.reset()
     got = [gm.forward(st, ids[:17], all_logits=True)] + [gm.forward(st, ids[i:i + 1]) for i in range(17, 24)]
-    assert st._plan is plan and gm._gen == gen
+    assert st._plan is plan and gm.scratch.gen == gen
     got = np.concatenate(got)
     assert got.shape == (24, cpu.hparams.n_vocab)
     assert np.abs(got - cpu_logits(cpu, ids, 17)).max() <= tol.LOGIT_ABS_F32
 
 
 def test_bad_input_is_refused_and_state_kept(gpu_device, tiny_file, cpu_model):
-    from legacy_engine.gpu.model import GpuModel
     cpu = cpu_model("dense")
-    gm = GpuModel(cpu, int8=False)
+    gm = resident(cpu, int8=False)
     st = gm.new_state(16)
     gm.forward(st, [1, 2, 3])
     for bad in ([], [cpu.hparams.n_vocab], [-1], list(range(14))):
@@ -683,13 +683,20 @@ def test_session_and_snapshot_cache_on_gpu(gpu_device, tiny_file, cpu_model):
 # ================================================================================================ issue 6: streamed
 # experts, the VRAM budget, the split (GPU prefill, CPU decode)
 
-def _stream_model(cpu, pinned, chunk, vram=None, int8=False, **kw):
-    from legacy_engine.plan import planner
-    from legacy_engine.gpu.model import GpuModel
-    fp = planner.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=chunk, int8=int8,
-                                link_experts=kw.get("link_experts", 0), early_experts=kw.get("early_experts", 0))
-    return GpuModel(cpu, int8=int8, stream_experts=True, pinned=pinned, chunk=chunk, n_ctx=N_CTX,
-                    vram=fp.total if vram is None else vram, **kw)
+def _stream_model(cpu, pinned, chunk, vram=None, int8=False, cpu_experts=False, link_experts=0, early_experts=0,
+                  decode_extras=None, **options):
+    """A GpuModel of `cpu` with its routed experts streamed, `pinned` in VRAM, passes of `chunk` tokens, under a budget
+    of its planned footprint (or `vram`); cpu_experts: the hybrid decode (its link, early and extra experts);
+    GpuOptions(int8=int8, **options)."""
+    from legacy_engine.gpu import layout
+    from legacy_engine.gpu.model import GpuModel, GpuOptions
+    from legacy_engine.gpu.placement import place
+    fp = layout.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=chunk, int8=int8,
+                               link_experts=link_experts, early_experts=early_experts)
+    pl = place(cpu.file, budget=fp.total if vram is None else vram, n_ctx=N_CTX, chunk=chunk, int8=int8, stream=True,
+               pinned=pinned, decode="hybrid" if cpu_experts else "cpu", link_experts=link_experts,
+               early_experts=early_experts, decode_extras=decode_extras)
+    return GpuModel(cpu, pl, GpuOptions(int8=int8, **options))
 
 
 @pytest.mark.parametrize("pin_copy", ["kernel", "memcpy"])
@@ -702,8 +709,8 @@ def test_streamed_experts_match_cpu(chunk, pin_copy, gpu_device, tiny_file, cpu_
     bar."""
     cpu = cpu_model("moe")
     pinned = {0: [0, 5, 6], 3: [1], 7: list(range(cpu.hparams.n_expert))}
-    gm = _stream_model(cpu, pinned, chunk, save_routing=False)
-    gm.pin_copy_kernel = pin_copy == "kernel"
+    gm = _stream_model(cpu, pinned, chunk)
+    gm.res.pin_copy_kernel = pin_copy == "kernel"
     try:
         assert gm.stream and not gm.plan
         ids = sequence(80, cpu.hparams.n_vocab)
@@ -722,7 +729,7 @@ def test_streamed_experts_match_cpu(chunk, pin_copy, gpu_device, tiny_file, cpu_
         assert stats["h2d_bytes"] > 0 and stats["d2d_bytes"] > 0
         assert stats["copy_busy_s"] > 0                         # the copy stream's events around its copies
         assert "page-locked in place" in gm.host_pinned_why
-        # the token embedding is read from the page-locked map (planner.host_embedding), not uploaded
+        # the token embedding is read from the page-locked map (layout.host_embedding), not uploaded
         assert gm.embd_where == "host" and "token embedding read from host memory" in gm.describe()
     finally:
         gm.close()
@@ -742,7 +749,7 @@ def test_streamed_model_without_a_page_locked_map(gpu_device, tiny_file, cpu_mod
 
     monkeypatch.setattr(_native, "gpu_host_register", refuse)
     cpu = cpu_model("moe")
-    gm = _stream_model(cpu, {0: [0, 5]}, 16, save_routing=False)
+    gm = _stream_model(cpu, {0: [0, 5]}, 16)
     try:
         ids = sequence(40, cpu.hparams.n_vocab)
         st = gm.new_state(N_CTX)
@@ -756,16 +763,17 @@ def test_streamed_model_without_a_page_locked_map(gpu_device, tiny_file, cpu_mod
 
 
 def test_budget_is_planned_before_anything_is_allocated(gpu_device, tiny_file, cpu_model):
-    from legacy_engine.plan import planner
+    from legacy_engine.core.errors import PlanningError
+    from legacy_engine.gpu import layout
     cpu = cpu_model("moe")
-    fp = planner.vram_footprint(cpu.file, stream_experts=True, n_ctx=N_CTX, chunk=16, int8=False)
+    fp = layout.vram_footprint(cpu.file, stream_experts=True, n_ctx=N_CTX, chunk=16, int8=False)
     used = gpu.mem_stats()["used"]
-    with pytest.raises(planner.PlanningError, match="staging"):
+    with pytest.raises(PlanningError, match="staging"):
         _stream_model(cpu, {}, 16, vram=fp.total - 1)
     assert gpu.mem_stats()["used"] == used                     # nothing was uploaded
     gm = _stream_model(cpu, {}, 16)
     try:
-        with pytest.raises(planner.PlanningError, match="planned for"):
+        with pytest.raises(PlanningError, match="planned for"):
             gm.new_state(2 * N_CTX)
     finally:
         gm.close()
@@ -774,10 +782,10 @@ def test_budget_is_planned_before_anything_is_allocated(gpu_device, tiny_file, c
 def test_budget_holds_under_ballast(gpu_device, tiny_file, cpu_model):
     """A ballast allocation leaves only the planned footprint (+ 64 MiB) free on the device: the streamed model
     loads, prefills and decodes inside its budget, and its peak use stays under the plan."""
-    from legacy_engine.plan import planner
+    from legacy_engine.gpu import layout
     cpu = cpu_model("moe")
     pinned = {2: [0, 1]}
-    fp = planner.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=16, int8=False)
+    fp = layout.vram_footprint(cpu.file, stream_experts=True, pinned=pinned, n_ctx=N_CTX, chunk=16, int8=False)
     free = gpu.mem_stats()["free_bytes"]
     ballast = gpu.Buffer(free - fp.total - 64 * 2**20, "ballast")
     try:
@@ -861,7 +869,7 @@ def test_hybrid_decode_matches_cpu(graphs, link, look, early, extras, gpu_device
     hp = cpu.hparams
     pinned = {0: [0, 5, 6], 3: [1], 7: list(range(hp.n_expert))}
     dx = {3: [e for e in range(hp.n_expert) if e != 1], 0: [2]} if extras else None
-    gm = _stream_model(cpu, pinned, 16, save_routing=False, cpu_experts=True, graphs=graphs, link_experts=link,
+    gm = _stream_model(cpu, pinned, 16, cpu_experts=True, graphs=graphs, link_experts=link,
                        lookahead=look, early_experts=early, decode_extras=dx)
     try:
         assert gm.plan and gm.graphs == graphs
@@ -891,45 +899,52 @@ def test_hybrid_decode_matches_cpu(graphs, link, look, early, extras, gpu_device
         else:
             assert hs["early_copied"] == 0
         if extras:
-            assert gm._extras_state == "ready" and gm.extras_refills == 1
+            assert gm.hy.extras_state == "ready" and gm.hy.extras_refills == 1
             _extras_check_after_prefill(gm, cpu, ids)
         else:
-            assert gm.extras_refills == 0
+            assert gm.hy.extras_refills == 0
     finally:
         gm.close()
 
 
 @pytest.mark.parametrize("extras", [False, True], ids=["pins", "pins-extras"])
 def test_repin_follows_the_routing(extras, gpu_device, tiny_file, cpu_model):
-    """maybe_repin: routing counted since the pins were chosen that favours other experts (enough routes, the best
-    pins for them taking REPIN_DRIFT more of the work) re-chooses and re-uploads the pins (and the decode extras
-    around them), the hybrid's tables follow, the decode plan is recorded again; prefill and decode after it give
-    the CPU engine's logits; without new routes nothing changes."""
-    from legacy_engine.gpu import model as G
+    """planner.repin on the routing counted since the pins were chosen (GpuModel.recent_routes) that favours other
+    experts (enough routes, the best pins for them taking REPIN_DRIFT more of the work) gives a new placement, and
+    GpuModel.apply re-uploads the pins (and the decode extras re-chosen around them), the hybrid's tables follow, the
+    decode plan is recorded again; prefill and decode after it give the CPU engine's logits; without new routes
+    nothing changes."""
+    from legacy_engine.plan import planner
+
+    def maybe_repin(gm) -> bool:           # what Engine.repin does between requests
+        new = planner.repin(gm.file, gm.placement, gm.recent_routes())
+        if new is not None:
+            gm.apply(new)
+        return new is not None
     cpu = cpu_model("moe")
     hp = cpu.hparams
     pinned = {i: [0, 1] for i in range(hp.n_layer)}
     dx = {3: [2, 3]} if extras else None
-    gm = _stream_model(cpu, pinned, 16, save_routing=False, cpu_experts=True, decode_extras=dx)
+    gm = _stream_model(cpu, pinned, 16, cpu_experts=True, decode_extras=dx)
     try:
         ids = sequence(40, hp.n_vocab)
         st = gm.new_state(N_CTX)
         gm.forward(st, ids[:20])
         gm.forward(st, ids[20:21])
-        gen0 = gm._gen
-        assert not gm.maybe_repin()                       # too few routes yet
+        gen0 = gm.scratch.gen
+        assert not maybe_repin(gm)                       # too few routes yet
         hot = {i: np.zeros(hp.n_expert, np.int64) for i in range(hp.n_layer)}
         for c in hot.values():
-            c[[5, 6]] = G.REPIN_MIN_ROUTES * hp.n_expert          # experts 5 and 6 now take the work
+            c[[5, 6]] = planner.REPIN_MIN_ROUTES * hp.n_expert          # experts 5 and 6 now take the work
         for i, c in hot.items():
             gm.route_counts[i] = gm.route_counts.get(i, np.zeros(hp.n_expert, np.int64)) + c
-        assert gm.maybe_repin() and gm.repins == 1 and gm._gen > gen0
+        assert maybe_repin(gm) and gm.repins == 1 and gm.scratch.gen > gen0
         assert all(set(v) == {5, 6} for v in gm.pinned.values())
-        assert all((gm._pin_idx[i][[5, 6]] == [0, 1]).all() and (gm._pin_idx[i][[0, 1]] == -1).all()
-                   for i in gm._pin_idx)
+        assert all((gm.res.pin_idx[i][[5, 6]] == [0, 1]).all() and (gm.res.pin_idx[i][[0, 1]] == -1).all()
+                   for i in gm.res.pin_idx)
         if extras:
             assert all(not set(v) & {5, 6} for v in gm.decode_extras.values())
-        assert not gm.maybe_repin()                       # nothing new since
+        assert not maybe_repin(gm)                       # nothing new since
         st = gm.new_state(N_CTX)
         got = np.concatenate([gm.forward(st, ids[:30], all_logits=True)] +
                              [gm.forward(st, ids[i:i + 1]) for i in range(30, 40)])
@@ -942,18 +957,18 @@ def _extras_check_after_prefill(gm, cpu, ids):
     """A second prompt after a hybrid decode with decode_extras (all of layer 3's experts on the GPU: pinned or
     extra): its prefill overwrote the staging, so the first step leaves layer 3's unpinned experts to the CPU and
     copies the extras back; once they are in, the CPU gets none of layer 3's; logits = the CPU engine's."""
-    hp, hy = cpu.hparams, gm._hy
+    hp, hy = cpu.hparams, gm.hy.ch
     lay, k = hy["layout"], hp.n_expert_used
     st = gm.new_state(N_CTX)
     first = gm.forward(st, ids[:30], all_logits=True)
-    assert gm._extras_state == "empty"
+    assert gm.hy.extras_state == "empty"
     rows, cpu_runs = [], []
     for i in range(30, 45):
         rows.append(gm.forward(st, ids[i:i + 1]))
         sl = lay.slot(hy["arr"], 3)
         routed, on_cpu = sl[lay.ids:lay.ids + k].copy(), sl[lay.cpu_ids:lay.cpu_ids + k].copy()
-        cpu_runs.append((gm._extras_state, routed, on_cpu))
-    assert gm.extras_refills == 2 and gm._extras_state == "ready"
+        cpu_runs.append((gm.hy.extras_state, routed, on_cpu))
+    assert gm.hy.extras_refills == 2 and gm.hy.extras_state == "ready"
     _state, routed, on_cpu = cpu_runs[0]           # the step that issued the copies: the CPU ran them
     if not gm.link_experts and not gm.early_experts:
         np.testing.assert_array_equal(on_cpu, np.where(routed == 1, -1, routed))
@@ -975,7 +990,7 @@ def test_hybrid_int8_decode_on_quantized_file(link, gpu_device, quant_file):
     def make(cpu):
         moe = [i for i in range(cpu.hparams.n_layer) if f"blk.{i}.ffn_gate_exps.weight" in cpu.file.tensors]
         pinned = {moe[0]: [0, 1, 2], moe[-1]: list(range(cpu.hparams.n_expert))}
-        return _stream_model(cpu, pinned, 16, save_routing=False, cpu_experts=True, link_experts=link, int8=True)
+        return _stream_model(cpu, pinned, 16, cpu_experts=True, link_experts=link, int8=True)
     fails, report = quant_gate(quant_file("moe", "q8_0"), "dp4a", NATIVE_ARCH, make=make)
     print(f"\nhybrid int8 link{link} {report}")
     assert not fails, fails
@@ -984,9 +999,9 @@ def test_hybrid_int8_decode_on_quantized_file(link, gpu_device, quant_file):
 def test_split_hybrid_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
     """SplitModel over a hybrid GPU model: the sequence stays on the GPU (GpuState); the prompt runs streamed, a
     short follow-up pass and the decode steps run as hybrid steps; the greedy tokens equal the CPU engine's."""
-    from legacy_engine.gpu.model import GpuState
+    from legacy_engine.gpu.state import GpuState
     cpu = cpu_model("moe")
-    gm = _stream_model(cpu, {1: [2, 3], 4: [0]}, 16, cpu_experts=True, save_routing=False)
+    gm = _stream_model(cpu, {1: [2, 3], 4: [0]}, 16, cpu_experts=True)
     try:
         # the follow-up pass: 6 tokens, below min_gpu_tokens
         split, runs, states = split_vs_cpu(cpu, gm, sequence(50, cpu.hparams.n_vocab), 30, first=44)
@@ -1001,10 +1016,11 @@ def test_split_hybrid_greedy_tokens_equal_cpu(gpu_device, tiny_file, cpu_model):
 def test_long_pass_head_in_pieces(stream, gpu_device, tiny_file, cpu_model):
     """A pass longer than the head's rows (chunk 600 > 512 resident, > 32 streamed) with all logits: the head runs
     in pieces; equal to the CPU."""
-    from legacy_engine.gpu.model import GpuModel
-    from legacy_engine.plan.planner import LOGIT_ROWS, STREAM_LOGIT_ROWS
+    from legacy_engine.gpu.layout import LOGIT_ROWS, STREAM_LOGIT_ROWS
+    from legacy_engine.gpu.model import GpuModel, GpuOptions
+    from legacy_engine.gpu.placement import place
     cpu = cpu_model("moe")
-    gm = GpuModel(cpu, int8=False, chunk=600, n_ctx=640, stream_experts=stream)
+    gm = GpuModel(cpu, place(cpu.file, n_ctx=640, chunk=600, int8=False, stream=stream), GpuOptions(int8=False))
     try:
         ids = sequence(600, cpu.hparams.n_vocab)
         assert gm.logit_rows == (STREAM_LOGIT_ROWS if stream else LOGIT_ROWS) and len(ids) > gm.logit_rows
@@ -1020,13 +1036,12 @@ def test_long_pass_head_in_pieces(stream, gpu_device, tiny_file, cpu_model):
 def test_sorted_pairs_bit_identical(int8, gpu_device, tiny_file, quant_file):
     """Prefill with the (token, expert) pairs in expert order (gathered, then scattered back) gives bit-identical
     logits to the pairs in token order: every pair runs the same GEMV on the same row (int8: the Q8_0 file, DP4A)."""
-    from legacy_engine.gpu.model import GpuModel
     path = quant_file("moe", "q8_0") if int8 else tiny_file("moe")
     cpu = Model(path, n_threads=2, pin=False)
     ids = sequence(100, cpu.hparams.n_vocab)
     out = []
     for sort in (True, False):
-        gm = GpuModel(cpu, tier="dp4a" if int8 else None, int8=int8, sort_pairs=sort, grouped_experts=False)
+        gm = resident(cpu, tier="dp4a" if int8 else None, int8=int8, sort_pairs=sort, grouped_experts=False)
         try:
             out.append(gm.forward(gm.new_state(128), ids, all_logits=True))
         finally:
@@ -1038,11 +1053,12 @@ def test_sorted_pairs_bit_identical(int8, gpu_device, tiny_file, quant_file):
 def test_grouped_experts_match_reference(kind, gpu_device, tiny_file, cpu_model):
     """The routed experts as grouped GEMMs (tiles of one expert's tokens; the default for passes of several tokens):
     prefill logits against transformers and the CPU engine within the f32 bar, and streamed too."""
-    from legacy_engine.gpu.model import GpuModel
+    from legacy_engine.gpu.model import GpuModel, GpuOptions
+    from legacy_engine.gpu.placement import place
     cpu = cpu_model(kind)
     ids = sequence(200, cpu.hparams.n_vocab)
-    for kw in ({}, {"stream_experts": True, "pinned": {1: [0, 2]}, "chunk": 64}):
-        gm = GpuModel(cpu, int8=False, grouped_experts=True, save_routing=False, **kw)
+    for kw in ({}, {"stream": True, "pinned": {1: [0, 2]}, "chunk": 64}):
+        gm = GpuModel(cpu, place(cpu.file, int8=False, **kw), GpuOptions(int8=False, grouped_experts=True))
         try:
             got = gm.forward(gm.new_state(N_CTX), ids, all_logits=True)
         finally:
@@ -1056,13 +1072,13 @@ def test_grouped_experts_match_reference(kind, gpu_device, tiny_file, cpu_model)
 def test_engine_runs_split_when_the_model_does_not_fit(decode, gpu_device, tiny_file, cpu_model):
     """`run --gpu --vram SIZE --decode cpu|hybrid` with a budget below the resident footprint: the Engine plans the
     split (experts streamed, GPU prefill; decode on the CPU or hybrid) and its greedy text equals the CPU engine's."""
-    from legacy_engine.plan import planner
+    from legacy_engine.gpu import layout
     from legacy_engine.serve.generate import Engine
     from legacy_engine.serve.sampling import SamplingParams
     from legacy_engine.plan.split import SplitModel
     path = tiny_file("moe")
     cpu = cpu_model("moe")
-    res = planner.vram_footprint(cpu.file, n_ctx=128, int8=True)
+    res = layout.vram_footprint(cpu.file, n_ctx=128, int8=True)
     cpu_e = Engine(path, n_threads=2, n_ctx=128, pin=False)
     gpu_e = Engine(path, n_threads=2, n_ctx=128, pin=False, gpu=True, gpu_vram=res.total - 1, gpu_min_tokens=8,
                    gpu_decode=decode)
@@ -1090,12 +1106,11 @@ SAMPLE_NEXT_PARAMS = {"greedy": dict(), "top_k": dict(temperature=0.8, top_k=5),
 def test_sample_next_draws_what_the_row_draws(pname, graphs, gpu_device, tiny_file, cpu_model):
     """GpuModel.sample_next (the draw's candidates chosen in VRAM, gpu_sample) gives, for the same seed, the tokens
     Sampler.sample gives on the downloaded rows; the row itself is used for temperature alone and penalties."""
-    from legacy_engine.gpu.model import GpuModel
     from legacy_engine.serve.sampling import Sampler, SamplingParams
     if graphs and not gpu.graphs_available():
         pytest.skip("the driver has no CUDA graphs")
     cpu = cpu_model("moe")
-    gm = GpuModel(cpu, int8=False, graphs=graphs)
+    gm = resident(cpu, int8=False, graphs=graphs)
     ids = sequence(12, cpu.hparams.n_vocab)
     kw = SAMPLE_NEXT_PARAMS[pname]
     got, want = [], []

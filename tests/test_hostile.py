@@ -410,11 +410,11 @@ def test_info_with_a_malformed_machine_cache(tmp_path, capsys, content):
 
 
 def test_info_when_the_planner_raises(tmp_path, capsys, monkeypatch):
-    from legacy_engine.plan import planner
+    from legacy_engine.plan import probe
 
     def broken():
         raise KeyError("cpu_read_gbps")
-    monkeypatch.setattr(planner, "cached_machines", broken)
+    monkeypatch.setattr(probe, "cached_machines", broken)
     assert cli.main(["info", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert "KeyError" in data["planner_probes"]["error"]

@@ -17,6 +17,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize
 
+from legacy_engine.format import presets
 from legacy_engine.tools import make_model as mm
 from legacy_engine.format.gguf_model import ModelFile, expected_tensors
 
@@ -101,9 +102,9 @@ def test_tiny_presets_keep_the_structure_and_layers_cut():
 
 @pytest.mark.cpu
 def test_rope_sections_scale_with_rotary_dims():
-    assert mm._rope_sections(64) == (11, 11, 10, 0)
+    assert presets._rope_sections(64) == (11, 11, 10, 0)
     for n_rot in (16, 32, 128):
-        s = mm._rope_sections(n_rot)
+        s = presets._rope_sections(n_rot)
         assert sum(s) == n_rot // 2 and s[3] == 0 and min(s[:3]) > 0
 
 
@@ -123,7 +124,7 @@ def test_q4_k_m_mix_follows_llama_cpp_use_more_bits():
     assert not notes
     types = {s.name: s.qtype for s in specs}
     more = {0, 1, 2, 3, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34, 35, 36, 37, 38, 39}
-    assert {i for i in range(40) if mm.use_more_bits(i, 40)} == more
+    assert {i for i in range(40) if presets.use_more_bits(i, 40)} == more
     q6 = _q6k_layers(hp)
     assert set(q6) == more
     for i, names in q6.items():
@@ -131,7 +132,7 @@ def test_q4_k_m_mix_follows_llama_cpp_use_more_bits():
         assert names == {v, "ffn_down_exps.weight", "ffn_down_shexp.weight"}
     assert types["output.weight"] == T.Q6_K and types["token_embd.weight"] == T.Q4_K
     for name, ne in expected_tensors(hp).items():
-        if mm.forced_f32(name, ne):
+        if presets.forced_f32(name, ne):
             assert types[name] == T.F32, name
         elif not (name == "output.weight" or (mm.layer_of(name) in more and "ffn_down" in name)
                   or (mm.layer_of(name) in more and name.endswith(("attn_v.weight", "attn_qkv.weight")))):
@@ -153,7 +154,7 @@ def test_mixes_match_llama_cpp_snapshot_qwen35_397b():
         assert {s.qtype for s in specs} == {T.F32, T.Q6_K, default}
     specs, _ = mm.plan_tensors(hp, "mxfp4_moe")      # MXFP4 experts, Q8_0 elsewhere (output too)
     for s in specs:
-        want = T.F32 if mm.forced_f32(s.name, s.ne) else T.MXFP4 if len(s.ne) == 3 else T.Q8_0
+        want = T.F32 if presets.forced_f32(s.name, s.ne) else T.MXFP4 if len(s.ne) == 3 else T.Q8_0
         assert s.qtype == want, s.name
 
 
@@ -189,13 +190,13 @@ def test_mixes_match_llama_cpp_snapshot_files_when_available():
 
 @pytest.mark.cpu
 def test_fallback_when_the_block_does_not_divide_the_row():
-    assert mm.fallback_type(T.Q4_K, 160) == T.Q5_0
-    assert mm.fallback_type(T.Q5_K, 160) == T.Q5_1
-    assert mm.fallback_type(T.Q6_K, 160) == T.Q8_0
-    assert mm.fallback_type(T.IQ4_XS, 160) == T.IQ4_NL
-    assert mm.fallback_type(T.Q2_K, 160) == T.Q4_0
-    assert mm.fallback_type(T.Q4_K, 48) == T.F16 and mm.fallback_type(T.Q8_0, 48) == T.F16
-    assert mm.fallback_type(T.Q4_K, 512) == T.Q4_K
+    assert presets.fallback_type(T.Q4_K, 160) == T.Q5_0
+    assert presets.fallback_type(T.Q5_K, 160) == T.Q5_1
+    assert presets.fallback_type(T.Q6_K, 160) == T.Q8_0
+    assert presets.fallback_type(T.IQ4_XS, 160) == T.IQ4_NL
+    assert presets.fallback_type(T.Q2_K, 160) == T.Q4_0
+    assert presets.fallback_type(T.Q4_K, 48) == T.F16 and presets.fallback_type(T.Q8_0, 48) == T.F16
+    assert presets.fallback_type(T.Q4_K, 512) == T.Q4_K
     hp = dataclasses.replace(mm.preset_hparams("tiny-dense"), n_ff=800)
     specs, notes = mm.plan_tensors(hp, "q4_k")
     assert {s.qtype for s in specs if s.name.endswith("ffn_down.weight")} == {T.Q5_0}
@@ -250,7 +251,7 @@ def test_file_opens_with_expected_metadata_and_layout(model_file, key):
     assert "tokenizer.chat_template" in meta
     # exactly the schema, in llama-quantize's order, with the planned types
     specs, _ = mm.plan_tensors(hp, quant)
-    assert list(m.tensors) == [s.name for s in specs] == mm.llama_order(expected_tensors(hp))
+    assert list(m.tensors) == [s.name for s in specs] == presets.llama_order(expected_tensors(hp))
     assert list(m.tensors)[:2] == (["output_norm.weight", "token_embd.weight"] if hp.tied_embeddings
                                    else ["output.weight", "output_norm.weight"])
     for s in specs:

@@ -453,6 +453,30 @@ def test_reset_equals_a_fresh_state(moe):
     assert np.array_equal(first, logits_after(moe, st, (ids, True)))
 
 
+def test_decode_steps_do_not_grow_the_scratch(moe):
+    """The forward pass's scratch (native/arena.c) is planned per pass and grown only for a longer pass than any
+    before: a decode step after the first allocates nothing (the state's growth counter stays for 10 steps), nor
+    does a pass no longer than an earlier one; a longer one grows it once."""
+    ids = sequence(200)
+    st = moe.new_state(N_CTX)
+    moe.forward(st, ids[:1])
+    grown, size = st.scratch_growths, st.scratch_bytes
+    assert grown == 1 and size > 0
+    for t in range(1, 11):
+        moe.forward(st, ids[t:t + 1])
+        assert st.scratch_growths == grown, t
+    moe.forward(st, ids[11:111], all_logits=True)  # a longer pass: one growth
+    assert st.scratch_growths == grown + 1 and st.scratch_bytes > size
+    for t in range(111, 121):                     # decode, then shorter passes: none
+        moe.forward(st, ids[t:t + 1])
+    moe.forward(st, ids[121:128], chunked=False)
+    moe.forward(st, ids[128:190], all_logits=True)
+    assert st.scratch_growths == grown + 1
+    st.reset()                                    # the scratch is not part of the sequence: kept
+    moe.forward(st, ids[:100])
+    assert st.scratch_growths == grown + 1
+
+
 def _with_header(blob: bytes, **fields) -> bytes:
     """blob with state-header fields replaced (native/state.c: u32 magic, version; i32 pos, n_gdn, n_attn, pad)."""
     off = {"magic": (0, "<I"), "version": (4, "<I"), "pos": (8, "<i"), "n_gdn": (12, "<i")}

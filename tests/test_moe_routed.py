@@ -98,6 +98,23 @@ def test_moe_routed_refuses_bad_arguments(model):
         model.native.moe_routed(0, x, np.array([0, 1], np.int32), np.ones(1, np.float32))
 
 
+def test_moe_routed_scratch_is_allocated_once(model):
+    """le_moe_routed's scratch (the model's arena, planned for n_expert experts) is allocated on the first call and
+    reused: 10 more calls on every layer, masked or not, allocate nothing (the hybrid decode calls it per layer)."""
+    hp = model.hparams
+    x, ids, wts = token(np.random.default_rng(9), hp)
+    for layer in range(hp.n_layer):
+        model.native.moe_routed(layer, x, ids, wts)
+    grown = model.native.scratch_growths
+    assert grown >= 1
+    for i in range(10):
+        for layer in range(hp.n_layer):
+            m_ids = ids.copy()
+            m_ids[i % ids.size] = -1
+            model.native.moe_routed(layer, x, m_ids if i % 2 else ids, wts)
+    assert model.native.scratch_growths == grown
+
+
 def test_moe_routed_same_bits_any_threads(model):
     """le_moe_routed splits every expert's rows over the threads statically (each thread computes the rows the
     lookahead prefetched for it): each output sums the same products in the same order whatever the split, so 1, 2, 3

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (legacy_engine/server.py), driven by the official `openai` client.
+"""The OpenAI-compatible server (legacy_engine/serve/), driven by the official `openai` client.
 
 One server runs in-process (uvicorn in a thread, on a free loopback port) for the whole module, on a tiny MoE
 made once (make-model tiny-moe q8_0, 4 layers, the real 248k Qwen vocabulary) with the prefix cache on.
@@ -31,12 +31,16 @@ openai = pytest.importorskip("openai", reason="the server tests drive it with th
 pytest.importorskip("starlette", reason="the server needs starlette: pip install starlette uvicorn")
 uvicorn = pytest.importorskip("uvicorn", reason="the server needs uvicorn: pip install starlette uvicorn")
 
-from legacy_engine.serve.cache import PrefixCache, model_fingerprint  # noqa: E402
+from legacy_engine.format.fingerprint import model_fingerprint  # noqa: E402
+from legacy_engine.serve.cache import PrefixCache  # noqa: E402
+from legacy_engine.serve.chat_output import ChatOutput, parse_tool_calls  # noqa: E402
 from legacy_engine.serve.generate import Engine  # noqa: E402
-from legacy_engine.tools.make_model import make_model  # noqa: E402
 from legacy_engine.serve.sampling import SamplingParams  # noqa: E402
-from legacy_engine.serve.server import (APIError, ChatOutput, Job, Plan, ServeConfig, Worker,  # noqa: E402
-                                  add_serve_parser, create_app, parse_tool_calls, uvicorn_config)
+from legacy_engine.serve.schema import APIError, Plan, ServeConfig  # noqa: E402
+from legacy_engine.serve.server import create_app, uvicorn_config  # noqa: E402
+from legacy_engine.serve.worker import Job, Worker  # noqa: E402
+from legacy_engine.tools.make_model import make_model  # noqa: E402
+from legacy_engine.tools.serve_cmd import add_serve_parser  # noqa: E402
 
 pytestmark = pytest.mark.cpu
 
@@ -970,7 +974,7 @@ def _free_port() -> int:
 
 
 SERVE_MAIN = ("import argparse, sys\n"
-              "from legacy_engine.serve.server import add_serve_parser\n"
+              "from legacy_engine.tools.serve_cmd import add_serve_parser\n"
               "p = argparse.ArgumentParser(prog='legacy-engine')\n"
               "add_serve_parser(p.add_subparsers(dest='cmd', required=True))\n"
               "a = p.parse_args(sys.argv[1:])\n"

@@ -1,4 +1,4 @@
-"""The thread pool's placement (native/threads.c, legacy_engine/model.py pin_order) and the phase profile.
+"""The thread pool's placement (native/threads.c, legacy_engine/cpu/threads.py pin_order) and the phase profile.
 
 Affinity is read back from the kernel (os.sched_getaffinity of each thread of this process), not from the
 engine's own record, so a pool that records a pin it never made fails here. The profile must account for the
@@ -29,7 +29,8 @@ from legacy_engine.core import _native
 
 from legacy_engine.cpu import cpu_load
 from legacy_engine.gpu.model import HybridLayout
-from legacy_engine.cpu.model import Model, default_threads, physical_cpus, pin_decision, pin_order
+from legacy_engine.cpu.model import Model
+from legacy_engine.cpu.threads import default_threads, physical_cpus, pin_decision, pin_order
 
 pytestmark = pytest.mark.cpu
 
@@ -177,7 +178,7 @@ def until_joined(m, run, timeout: float = 5.0) -> bool:
 
 
 def test_default_threads_one_per_core_whatever_the_load():
-    """The rule (model.default_threads): one thread per physical core; the load decides pinning, not the count."""
+    """The rule (threads.default_threads): one thread per physical core; the load decides pinning, not the count."""
     assert default_threads() == len(physical_cpus())
 
 

@@ -308,7 +308,7 @@ def test_default_tier_is_the_best_supported():
     if os.environ.get("LE_FORCE_ISA"):
         pytest.skip("LE_FORCE_ISA is set")
     best = [i for i in _native.ISA_NAMES if _native.isa_supported(i)][-1]
-    out = subprocess.run([sys.executable, "-c", "from legacy_engine import _native as N; print(N.get_isa())"],
+    out = subprocess.run([sys.executable, "-c", "from legacy_engine.core import _native as N; print(N.get_isa())"],
                          capture_output=True, encoding="utf-8", errors="replace", check=True)
     assert out.stdout.strip() == best
 
@@ -317,7 +317,7 @@ def test_default_tier_is_the_best_supported():
 def test_force_isa_env(isa):
     if not _native.isa_supported(isa):
         pytest.skip(f"this CPU cannot run {isa}")
-    code = "from legacy_engine import _native as N; print(N.get_isa(), N.kernel_isa(12))"
+    code = "from legacy_engine.core import _native as N; print(N.get_isa(), N.kernel_isa(12))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, encoding="utf-8", errors="replace", check=True,
                          env=dict(os.environ, LE_FORCE_ISA=isa))
     tier, q4k = out.stdout.split()

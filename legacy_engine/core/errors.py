@@ -25,6 +25,10 @@ class NativeError(RuntimeError, EngineError):
         self.code = code
 
 
+class PlanningError(ValueError, EngineError):
+    """A placement does not fit the VRAM budget (or no strategy can run); the message names the parts."""
+
+
 class TemplateRenderError(ValueError, EngineError):
     """A chat template failed: it does not parse, raised, ran too long or produced too much; the message names the
     template."""

@@ -1,10 +1,10 @@
 """What else runs on this process's CPUs: a short sample of /proc/stat, read when a model loads.
 
 The engine's choices when the machine is shared (issue 21: a browser, a build or another model beside it):
-  pinning  only where no other work runs on the allowed CPUs (model.pin_decision): a pinned thread cannot move
+  pinning  only where no other work runs on the allowed CPUs (threads.pin_decision): a pinned thread cannot move
            off a core that other work takes, an unpinned one is moved by the scheduler
-  planner  a machine probe taken while other work runs is flagged and retaken (planner.measure)
-  threads  not from the load: one per physical core (model.default_threads; the pool does not wait for a thread
+  planner  a machine probe taken while other work runs is flagged and retaken (probe.measure)
+  threads  not from the load: one per physical core (threads.default_threads; the pool does not wait for a thread
            the scheduler has not run, so a thread on a busy core costs little and adds its share)
 "CPUs busy with other work" = the busy time of every allowed CPU over the sample (user, nice, system, irq,
 softirq, steal), less this process's own CPU time, in CPUs; other work of half a CPU or more makes the machine
@@ -115,18 +115,3 @@ def current(max_age: float = MAX_AGE_S) -> CpuLoad | None:
     if _last is None or now - _last[0] > max_age:
         _last = (now, sample())
     return _last[1]
-
-
-def report() -> dict:
-    """`info`'s view: the load now, and the default threads and pinning (model.default_threads, pin_decision)."""
-    from .model import default_threads, pin_decision
-    load = current()
-    n = default_threads()
-    return {"load": load.as_dict() if load else None, "describe": load.describe() if load else "no /proc/stat",
-            "default_threads": n, "pinning": pin_decision(True, n, load)[1]}
-
-
-def format_report(rep: dict) -> list[str]:
-    return [f"Load     {rep['describe']}",
-            f"  default {rep['default_threads']} threads (one per core, whatever the load; -t sets it): "
-            f"{rep['pinning']}"]

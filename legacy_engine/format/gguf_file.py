@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from ..core import _native
 from ..core.errors import FormatError
 from ..core.memory import thp_backed_bytes
 
@@ -374,8 +375,6 @@ class GGUFFile:
         Returns {'mmap', 'numa', 'bytes', 'hugepage', 'hugepage_errno', 'willneed', 'huge_bytes',
         'page_nodes': {node: pages sampled every 2 MiB} or None when numa is off, 'absent_pages'}.
         """
-        from ..core import _native
-
         size = self.file_size - self.data_start
         report = {"mmap": mmap, "numa": numa if numa != "node" else f"node:{node}", "bytes": max(size, 0),
                   "hugepage": False, "hugepage_errno": 0, "willneed": False, "huge_bytes": 0,

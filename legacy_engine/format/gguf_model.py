@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..core.errors import FormatError
-from .gguf_file import GGUFFile, TensorInfo
+from .gguf_file import PROGRESS_MIN_BYTES, GGUFFile, TensorInfo
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 MOE_ARCHITECTURES = ("qwen35moe", "qwen3next")
@@ -420,8 +420,6 @@ def check_tensor_values(gguf: GGUFFile, progress: bool | None = None) -> dict:
     {'tensors', 'bytes', 'seconds', 'unchecked': [names of tensors of a type with no known float field]}.
     progress: a bar (None: on a terminal from 1 GiB up, as load_data)."""
     from tqdm import tqdm
-
-    from .gguf_file import PROGRESS_MIN_BYTES
 
     tensors = sorted(gguf.tensors.values(), key=lambda t: t.offset)
     total = sum(t.n_bytes for t in tensors)

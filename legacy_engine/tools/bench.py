@@ -49,22 +49,28 @@ cache holds per cached token after the L-token prompt. TTFT = the prefill call t
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 
+from ..core import _native
 from ..core.errors import UnavailableError
+from ..cpu.model import Model
+from ..cpu.threads import default_threads
+from ..format.fingerprint import model_fingerprint
+from ..format.footprint import Footprint, weight_footprint
 from ..format.gguf_model import ModelFile
+from ..plan.probe import READ_KERNELS, machine_bandwidth, read_bandwidth  # noqa: F401 (benchmarks/ import them here)
+from ..serve.cache import PrefixCache, Sizes
+from ..serve.generate import Engine
+from ..serve.sampling import Sampler, SamplingParams
 
 SHARED = 900
 APPEND = 50
@@ -84,8 +90,6 @@ def bench_cache(model_path: str, lengths=(947,), n_threads: int | None = None, g
                 page: int = 64, disk_dir: str | None = None, log=None) -> dict:
     """Runs the measurements of the module docstring; returns {"model", "threads", "L<n>": {...}, ...}.
     Times in seconds, sizes in bytes."""
-    from ..serve.cache import PrefixCache, Sizes, model_fingerprint
-    from ..serve.generate import Engine
     n_ctx = max(lengths) + APPEND + page
     eng = Engine(model_path, n_threads=n_threads, n_ctx=n_ctx)
     fp = model_fingerprint(eng.model)
@@ -141,84 +145,9 @@ def bench_cache(model_path: str, lengths=(947,), n_threads: int | None = None, g
 # ------------------------------------------------------------------------------------------------ bench decode
 # Also used by benchmarks/compare_llamacpp.py (a thin wrapper), bench_e2e.py, bench_gemv.py and bandwidth.py.
 
-@dataclass
-class Footprint:
-    """Weight bytes and elements of a model file, and what one decoded token has to read."""
-    file_bytes: int = 0            # all tensor data
-    decode_bytes: int = 0          # weights read per decoded token (top-k experts only)
-    decode_params: int = 0         # weight elements used per token (for FLOPs), LM head included
-    head_params: int = 0           # LM head elements
-    parts: dict = field(default_factory=dict)   # decode_bytes split: experts, lm_head, other (attention, GDN, ...)
-
-
-def _layer(name: str) -> int | None:
-    return int(name.split(".")[1]) if name.startswith("blk.") else None
-
-
-def weight_footprint(mf: ModelFile) -> Footprint:
-    """Bytes per decoded token from the GGUF's tensor sizes (the module docstring's `bytes/tok`)."""
-    hp, tensors = mf.hparams, mf.tensors
-    fp = Footprint(parts={"experts": 0, "lm_head": 0, "other": 0})
-    tied = "output.weight" not in tensors
-    for t in tensors.values():
-        fp.file_bytes += t.n_bytes
-        layer = _layer(t.name)
-        if layer is not None and layer >= hp.n_layer:          # MTP block: not run
-            continue
-        n_bytes, n_el = t.n_bytes, t.n_elements
-        if t.name == "output.weight" or (tied and t.name == "token_embd.weight"):
-            part, fp.head_params = "lm_head", n_el
-        elif t.name == "token_embd.weight":                    # one row looked up
-            n_bytes, n_el, part = n_bytes // t.ne[1], 0, "other"
-        elif "_exps." in t.name:                                # [E, out, in]: top-k of E experts
-            n_bytes = n_bytes * hp.n_expert_used // hp.n_expert
-            n_el = n_el * hp.n_expert_used // hp.n_expert
-            part = "experts"
-        else:
-            part = "other"
-        fp.decode_bytes += n_bytes
-        fp.decode_params += n_el if len(t.ne) >= 2 and t.ne[1] > 1 else 0     # matmul weights only
-        fp.parts[part] += n_bytes
-    return fp
-
-
 def seeded_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     # ordinary token ids (below the specials at the top of the Qwen vocabulary)
     return np.random.default_rng(seed).integers(0, max(1, n_vocab - 512), n).tolist()
-
-
-# name -> reduction over a uint64 / float32 view of the same bytes (SIMD inner loops that release the GIL)
-READ_KERNELS = {
-    "u64-add": lambda b: np.add.reduce(b.view(np.uint64)),
-    "f32-max": lambda b: b.view(np.float32).max(),
-}
-
-
-def read_bandwidth(n_threads: int, size_mib: int = 1024, reps: int = 5, kernel: str = "u64-add",
-                   buf: np.ndarray | None = None) -> float:
-    """Best GB/s (1e9 bytes/s) of reading `size_mib` MiB with `n_threads` Python threads, each reducing its own
-    contiguous slice once per pass (benchmarks/bandwidth.py is its command line)."""
-    if buf is None:
-        buf = np.ones(size_mib << 17, dtype=np.float64)        # MiB / 8 bytes; ones: touched, not a zero page
-    slices = np.array_split(buf.view(np.uint8), n_threads)
-    cut = [len(s) // 64 * 64 for s in slices]                  # 64-byte multiples keep the 8-byte views valid
-    slices = [s[:c] for s, c in zip(slices, cut)]
-    nbytes = sum(cut)
-    f = READ_KERNELS[kernel]
-    with ThreadPoolExecutor(n_threads) as ex:
-        list(ex.map(f, slices))                                   # warm-up: page-in, thread start
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            list(ex.map(f, slices))
-            best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
-def machine_bandwidth(n_threads: int, size_mib: int = 1024, reps: int = 5) -> float:
-    """The best of every read kernel at n_threads threads, GB/s: the roofline's denominator."""
-    buf = np.ones(size_mib << 17, dtype=np.float64)
-    return max(read_bandwidth(n_threads, reps=reps, kernel=k, buf=buf) for k in READ_KERNELS)
 
 
 def _times(run, reps: int) -> list[float]:
@@ -241,7 +170,6 @@ _SAMPLE_KEYS = {"temp": "temperature", "temperature": "temperature", "top_k": "t
 def parse_sample(spec: str | None):
     """"temp=0.8,top_p=0.95[,top_k=40,min_p=0.05,repeat_penalty=1.1,seed=S]" -> SamplingParams (seed 0 unless
     given); "off", "" or None -> None."""
-    from ..serve.sampling import SamplingParams
     if spec is None or spec.strip() in ("", "off", "none"):
         return None
     kw = {"seed": 0}
@@ -303,7 +231,6 @@ def _result(engine: str, threads: int, load: float, pp: int, tg: int, t_pp: list
 
 def file_kernels(mf: ModelFile) -> dict[str, str]:
     """{weight type: tier whose integer kernel serves it now ("f32" where none does)} over the file's types."""
-    from ..core import _native
     types = sorted({(t.type_name, t.type) for t in mf.tensors.values()} - {("F32", 0), ("F16", 1), ("BF16", 30)})
     return {name: _native.kernel_isa(t) or "f32" for name, t in types}
 
@@ -315,8 +242,6 @@ def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[i
     load_opts: Model's mmap / numa / pin. After the timed runs, one more decode run with the C core's phase
     timer on gives `profile_ms`: milliseconds per decoded token per phase (le_model_profile). sample
     (SamplingParams): also decode as generation does, greedy and with these (sampled_vs_greedy's fields)."""
-    from ..core import _native
-    from ..cpu.model import Model
     prev = _native.get_isa()
     try:
         if isa not in (None, "f32"):
@@ -348,8 +273,6 @@ def bench_ours(path: str, threads: int, pp: int, tg: int, reps: int, ids: list[i
             model.native.set_profile(False)
         gen = {}
         if tg and sample is not None:
-            from ..serve.sampling import Sampler, SamplingParams
-
             def generation(params):
                 def run():
                     state.reset()
@@ -457,7 +380,6 @@ def decode_table(res: dict) -> str:
 def parse_isas(spec: str) -> list[str]:
     """"chosen" -> the tier `info` chooses (the one the engine runs); "all" -> every tier this CPU runs; "none" -> [];
     else a comma list of tiers, "f32", "chosen" and "all", each checked."""
-    from ..core import _native
     isas: list[str] = []
     for i in (s.strip() for s in spec.split(",")):
         if i in ("", "none"):
@@ -485,7 +407,6 @@ def bench_decode(model_path: str, threads=(None,), pp: int = 64, tg: int = 32, r
     this CPU runs). llama: "auto" (llama-cpp-python if importable), "off", or the path of a llama-bench binary.
     bandwidth: GB/s, "auto" (measured per thread count) or None (no roofline). sample: SamplingParams of the
     sampled decode beside the greedy one (the command's --sample; None: neither)."""
-    from ..cpu.model import default_threads
     isas = parse_isas("all") if isas is None else list(isas)
     log = log or (lambda s: None)
     mf = ModelFile.open(model_path)
@@ -570,111 +491,3 @@ def print_decode(res: dict, profile: bool = False) -> None:
                 print(f"\nwhere a decoded token's time goes, {r['engine']}, {r['threads']} threads "
                       f"({r['pinned_threads']} pinned), {total:.2f} ms/token in the C core:")
                 print("  " + ", ".join(f"{k} {v:.2f} ms ({100 * v / total:.0f}%)" for k, v in parts if v >= 0.005))
-
-
-def main(argv=None) -> int:
-    from .cli import load_flags  # --no-mmap, --numa, --no-pin (cli imports this module lazily)
-    top = argparse.ArgumentParser(prog="legacy-engine bench", description=__doc__.split("\n\n")[0])
-    sub = top.add_subparsers(dest="what", required=True, metavar="WHAT")
-    dp = sub.add_parser("decode", help="prefill/decode tok/s per CPU tier next to llama.cpp, %% of the roofline",
-                        description=__doc__[__doc__.index("bench decode —"):__doc__.index("bench cache —")],
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    dp.add_argument("model", help="a Qwen3.5/3.6 GGUF file")
-    dp.add_argument("--threads", default=None, metavar="N[,N...]",
-                    help="CPU threads for both engines; several (--threads 2,1) give one block of rows each "
-                         "(all cores)")
-    dp.add_argument("--pp", type=int, default=64, help="prompt tokens of the prefill test, 0 skips it (64)")
-    dp.add_argument("--tg", type=int, default=32, help="decoded tokens of the decode test, 0 skips it (32)")
-    dp.add_argument("--reps", type=int, default=3, help="timed runs after one warm-up; the median counts (3)")
-    dp.add_argument("--isa", default="chosen", metavar="chosen|all|none|TIER,...",
-                    help="CPU tiers to force (ref, ssse3, avx2, avx512vnni; f32 = integer kernels off); chosen: the "
-                         "one `info` chooses; all: every tier this CPU runs (chosen)")
-    dp.add_argument("--llama", default="auto", metavar="auto|off|PATH",
-                    help="llama.cpp beside ours: auto = llama-cpp-python if importable; PATH = a llama-bench binary")
-    dp.add_argument("--bandwidth", default="auto", metavar="GBPS|auto",
-                    help="read bandwidth for the roofline; auto measures it at each thread count (auto)")
-    dp.add_argument("--seed", type=int, default=0, help="seed of the random token ids (0)")
-    dp.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
-    dp.add_argument("--profile", action="store_true",
-                    help="also print where a decoded token's time goes, per phase (always in --json)")
-    dp.add_argument("--sample", default=SAMPLE_DEFAULT, metavar="KEY=V,...|off",
-                    help="also decode as generation does, greedy and sampled with these settings (temp, top_k, "
-                         f"top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed); off: skip "
-                         f"({SAMPLE_DEFAULT})")
-    load_flags(dp)
-    ap = sub.add_parser("cache", help="time to first token with the prefix cache (cold, repeat, follow-up, shared)")
-    ap.add_argument("model", help="a Qwen3.5/3.6 GGUF file")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[947],   # the demo model: 49 s on 2 busy cores
-                    help="prompt lengths (947: about a minute on 2 cores; each 4096 adds minutes)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (all cores)")
-    ap.add_argument("--grid", type=int, default=256, help="snapshot grid in tokens, a multiple of 64 (256)")
-    ap.add_argument("--disk", metavar="DIR", default=None, help="also measure the disk tier in a temp dir under DIR")
-    ap.add_argument("--json", action="store_true", help="print the result as JSON")
-    from . import bench_gpu
-    from . import bench_shared
-    from . import bench_split
-    bench_gpu.add_parser(sub)
-    bench_split.add_parser(sub)
-    bench_shared.add_parser(sub)
-    args = top.parse_args(argv)
-    if args.what == "gpu":
-        return bench_gpu.main(args)
-    if args.what == "shared":
-        return bench_shared.main(args)
-    if args.what == "split":
-        return bench_split.main(args)
-    if args.what == "decode":
-        return _main_decode(args, top)
-    res = bench_cache(args.model, args.lengths, args.threads, args.grid, disk_dir=args.disk,
-                      log=lambda s: print(s, file=sys.stderr, flush=True))
-    if args.json:
-        print(json.dumps(res, indent=1))
-    else:
-        print(f"{res['model']}, {res['threads']} threads: snapshot {res['snapshot_bytes'] / 2**20:.2f} MiB, "
-              f"KV {res['kv_bytes_per_token'] / 1024:.1f} KiB/token")
-        for L in args.lengths:
-            r = res[f"L{L}"]
-            line = (f"L={L}: TTFT plain {r['plain_s']:.3f} s, cold {r['cold_s']:.3f} s (capture "
-                    f"{r['capture_s'] * 1e3:.1f} ms), repeat {r['repeat_s']:.3f} s "
-                    f"(reused {r['repeat_reused']}, restore {r['restore_s'] * 1e3:.1f} ms), +{APPEND} "
-                    f"{r['follow_s']:.3f} s (reused {r['follow_reused']})")
-            if "shared_s" in r:
-                line += f", shared {SHARED} {r['shared_s']:.3f} s (reused {r['shared_reused']})"
-            line += f"; RAM {r['ram_bytes'] / 2**20:.1f} MiB = {r['ram_bytes_per_token'] / 1024:.1f} KiB/token"
-            if "repeat_disk_s" in r:
-                line += (f"; disk {r['disk_bytes'] / 2**20:.1f} MiB (capture + write "
-                         f"{r['capture_disk_s'] * 1e3:.0f} ms), repeat after restart {r['repeat_disk_s']:.3f} s "
-                         f"(restore {r['restore_disk_s'] * 1e3:.1f} ms)")
-            print(line)
-            bad = [k for k, v in r.items() if k.endswith("_equal") and not v]
-            if bad:
-                print(f"  NOT bit-identical: {bad}")
-    return 0
-
-
-def _main_decode(args, parser) -> int:
-    try:
-        threads = [int(t) for t in args.threads.split(",")] if args.threads else [None]
-    except ValueError:
-        parser.error(f"decode: --threads takes N or N,N,..., not {args.threads!r}")
-    if args.pp < 0 or args.tg < 0 or args.reps < 1 or any(t is not None and t < 1 for t in threads):
-        parser.error("decode: --pp/--tg must be >= 0, --reps and --threads >= 1")
-    bw = args.bandwidth
-    if bw not in ("auto", None):
-        try:
-            bw = float(bw)
-        except ValueError:
-            parser.error(f"decode: --bandwidth takes GB/s or auto, not {bw!r}")
-    try:
-        sample = parse_sample(args.sample)
-    except ValueError as e:
-        parser.error(f"decode: {e}")
-    res = bench_decode(args.model, threads, args.pp, args.tg, args.reps, parse_isas(args.isa), args.llama, bw,
-                       args.seed, log=lambda s: print(s, file=sys.stderr, flush=True), sample=sample,
-                       load_opts=dict(mmap=args.mmap, numa=args.numa, pin=args.pin,
-                                      check_tensors=args.check_tensors))
-    if args.json:
-        print(json.dumps(res, indent=1))
-    else:
-        print_decode(res, profile=args.profile)
-    return 0

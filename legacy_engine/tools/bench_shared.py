@@ -7,7 +7,7 @@ Two conditions: idle (nothing started by the benchmark; other work already on th
 removed) and busy (--busy N processes that spin in a loop, each pinned to one CPU: the first N CPUs this process
 may run on, CPU 0 first; --busy-unpinned leaves them to the scheduler). Under each, the models are loaded after the
 load has started (the engine reads the load at load time to decide pinning): one per --threads count and one with
-the engine's defaults (model.default_threads, pin_decision); --also-pinned adds each count > 1 with its workers
+the engine's defaults (threads.default_threads, pin_decision); --also-pinned adds each count > 1 with its workers
 pinned whatever the load (pin="always"). Each model decodes --tg tokens (single-token steps from an empty state)
 --reps times after one untimed run, the models taking turns (rep 1 of every model, then rep 2, ...) so that drift
 in the machine's other work spreads over all of them; the median counts and the runs' range is printed. "default /
@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from ..cpu import cpu_load
+from ..cpu.model import Model
 from .bench import seeded_tokens
 
 SPIN = "while True: pass"
@@ -75,8 +77,6 @@ def _decode_runs(models: dict, ids: list[int], reps: int, log) -> dict:
 def bench_shared(path: str, threads=(1, 2), busy: int = 1, busy_pinned: bool = True, tg: int = 32, reps: int = 5,
                  also_pinned: bool = False, log=None) -> dict:
     """Runs the module docstring's measurements; returns {"conditions": {"idle": {...}, "busy": {...}}, ...}."""
-    from ..cpu import cpu_load
-    from ..cpu.model import Model
     log = log or (lambda s: None)
     out = dict(model=str(path), threads=list(threads), busy=busy, busy_pinned=busy_pinned, tg=tg, reps=reps,
                also_pinned=also_pinned,

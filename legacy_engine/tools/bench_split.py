@@ -22,14 +22,22 @@ and threads; --llama-flags adds flags to each (`-ub 2048` copies a layer's exper
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import statistics
 import time
 
 from .. import gpu
-from ..plan import planner
+from ..plan import planner, probe
+from ..plan.split import SplitModel
 from .bench import _times, seeded_tokens
+from .bench_gpu import bench_llama as run_llama
 from ..core.errors import UnavailableError
+from ..cpu.model import Model
+from ..gpu.model import GpuModel
+from ..gpu.options import GpuOptions
+from ..gpu.placement import place
 
 
 def _measure(model, prompts, gen: int, reps: int, n_ctx: int, max_prompt: int | None = None,
@@ -113,7 +121,6 @@ def bench_llama(binary: str, path: str, prompts, gen: int, threads: int, ngl: in
     """A llama-bench row of the split table (bench_gpu.bench_llama with -ngl/-ncmoe/-t and `extra` flags such as
     -ub 2048; decode at each of `depths` through llama-bench -d, prefill at depth 0); a failed run is a row that
     says why."""
-    from .bench_gpu import bench_llama as run_llama
     name = " ".join([f"llama.cpp -ngl {ngl}"] + ([f"-ncmoe {ncmoe}"] if ncmoe is not None else []) + list(extra))
     flags = ["-ngl", str(ngl), "-t", str(threads)] + (["-ncmoe", str(ncmoe)] if ncmoe is not None else [])
     flags += list(extra)
@@ -130,16 +137,121 @@ def bench_llama(binary: str, path: str, prompts, gen: int, threads: int, ngl: in
     return row
 
 
+def _parse_strategy(name: str) -> tuple[str, str, int | None, bool | None, int, bool]:
+    """stream[/pairs|/grouped], hybrid[/linkN|/look|/earlyN[-linkM]|/noextras], resident -> (base, form of the
+    routed experts, link experts (None: the planner's), lookahead, early experts, decode extras on)."""
+    base, _, form = name.partition("/")
+    link, look, early, extras_on = None, None, 0, True
+    if base == "hybrid" and form == "look":
+        form, look = "", True
+    if base == "hybrid" and form == "noextras":
+        form, extras_on = "", False
+    if base == "hybrid" and form.startswith("early"):
+        head, _, rest = form.partition("-")
+        if head[5:].isdigit():
+            early, form = int(head[5:]), rest
+    if base == "hybrid" and form.startswith("link") and form[4:].isdigit():
+        form, link = "", int(form[4:])
+    if form not in ("", "pairs", "grouped"):
+        raise ValueError(f"strategy {name}: the form after / is pairs or grouped (hybrid: also linkN, look, "
+                         "earlyN, earlyN-linkM, noextras)")
+    return base, form, link, look, early, extras_on
+
+
+def _hybrid_per_token(gm) -> dict:
+    """The hybrid decode's counters per token (all layers)."""
+    hs, L = gm.hybrid_stats, gm.hparams.n_layer
+    per = lambda k: hs[k] / hs["steps"] * L     # noqa: E731
+    return {"cpu_experts": per("cpu_experts"), "cpu_s": per("cpu_s"), "read_s": per("read_s"),
+            "prefetch_s": per("prefetch_s"), "prefetch_mb": per("prefetch_bytes") / 1e6,
+            # of the experts the CPU ran, the share it had prefetched
+            "prefetch_hit": hs["prefetch_hits"] / max(hs["cpu_experts"], 1),
+            # early experts: copied per token, of those in time, routed to
+            "early_copied": per("early_copied"), "early_in_time": hs["early_in_time"] / max(hs["early_copied"], 1),
+            "early_routed": hs["early_routed"] / max(hs["early_copied"], 1),
+            # inside cpu_s: the experts' jobs' start lag, slowest thread's tail
+            "cpu_lag_s": per("split_lag_s"), "cpu_tail_s": per("split_tail_s")}
+
+
+def _per_prefill(gm, n_pp: int) -> dict:
+    """The expert stream's copies per prefill."""
+    s = gm.stream_report()
+    return {"h2d_gib": s["h2d_bytes"] / n_pp / 2**30, "copy_stall_s": s["copy_stall_s"] / n_pp,
+            "ids_wait_s": s["ids_wait_s"] / n_pp,
+            # the copy stream busy copying, its mean and slowest layer's rate
+            "copy_busy_s": s["copy_busy_s"] / n_pp, "copy_gbps": s["h2d_bytes"] / max(s["copy_busy_s"], 1e-9) / 1e9,
+            "copy_slowest_gbps": s["copy_slowest_gbps"]}
+
+
+def _gpu_model(model, name: str, st0, m, vram: int, n_ctx: int, counts, simulate_link, mma, prompts):
+    """(GpuModel, what runs the passes, link experts) of a GPU strategy as the planner placed it (st0), or with the
+    strategy name's overrides."""
+    base, form, link, look, early, extras_on = _parse_strategy(name)
+    grouped = {"": {}, "pairs": {"grouped_experts": False}, "grouped": {"grouped_experts": True}}[form]
+    grouped["mma"] = mma
+    pins = st0.pinned
+    if link is None or base != "hybrid":
+        link = st0.link_experts if base == "hybrid" else 0       # the planner's
+    extras = st0.decode_extras if base == "hybrid" else {}
+    if base == "hybrid" and (link != st0.link_experts or early):   # room for this staging: pins refilled
+        pins, _ = planner.fill_pins(model.file, vram, n_ctx, st0.chunk, m.gpu_tier == "dp4a", counts, link, early)
+        extras = planner.choose_decode_extras(model.file, pins, counts, link + early)
+    if base == "hybrid" and not extras_on:
+        extras = {}
+    opts = GpuOptions(simulate_link=simulate_link, lookahead=look if base == "hybrid" else None,
+                      save_routing=functools.partial(planner.save_routing, model), **grouped)
+    if base == "resident":
+        gm = GpuModel.resident(model, opts, n_ctx=n_ctx, vram=vram)
+        return gm, gm, link
+    pl = place(model.file, budget=vram, n_ctx=n_ctx, chunk=st0.chunk, int8=any(opts.precision(gpu.device_arch())),
+               stream=True, pinned=pins, decode="hybrid" if base == "hybrid" else "cpu", link_experts=link,
+               early_experts=early, decode_extras=extras)
+    gm = GpuModel(model, pl, opts)
+    # every measured prompt on the GPU, decode steps on the CPU (the split as run --gpu runs it)
+    return gm, SplitModel(model, gm, min_gpu_tokens=min(prompts)), link
+
+
+def _gpu_row(model, name: str, st0, m, vram, n_ctx, counts, simulate_link, mma, prompts, gen, reps, tg_depths,
+             hold) -> dict:
+    base = name.split("/")[0]
+    gm, runner, link = _gpu_model(model, name, st0, m, vram, n_ctx, counts, simulate_link, mma, prompts)
+    try:
+        gm.profile()
+        row = dict(strategy=name, describe=gm.describe(),
+                   **_measure(runner, prompts, gen, reps, n_ctx, depths=tg_depths, gm=gm))
+        if base == "hybrid":
+            row["link_experts"] = link
+        # the GPU prefills: (reps + 1) per prompt length (warm-up included), and each decode run's prompt that is
+        # long enough for the GPU
+        n_runs = (reps + 1) * len(prompts) + max(1, reps) * sum(d + 1 >= min(prompts) for d in tg_depths) \
+            + bool(gen and tg_depths and tg_depths[0] + 1 >= min(prompts))      # the decode's warm-up
+        row["gpu_phases_per_prefill_s"] = {k: v / n_runs for k, v in gm.profile_report().items()}
+        if base == "hybrid" and gm.hybrid_stats["steps"]:
+            row["hybrid_per_token"] = _hybrid_per_token(gm)
+        if base in ("stream", "hybrid"):
+            row["chunk"] = st0.chunk
+            row["per_prefill"] = _per_prefill(gm, n_runs)
+        row["peak_vram_gib"] = (gpu.mem_stats()["peak"] - (hold.nbytes if hold else 0)) / 2**30
+        return row
+    finally:
+        gm.close()
+
+
+def _predictions(res: dict, preds: dict, prompts) -> None:
+    """The planner's predictions beside each measured row."""
+    for r in res["rows"]:
+        base = r["strategy"].split("/")[0]
+        if base in ("cpu", "stream", "hybrid", "resident") and "error" not in r:
+            r["pred_pp"] = {p: p / preds[p][base].prefill_s for p in prompts}
+            r["pred_tg"] = 1 / preds[prompts[0]][base].decode_s_per_tok
+            r["pred_parts"] = {p: preds[p][base].prefill_parts for p in prompts}
+
+
 def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: int = 1, ballast: bool = False,
                 simulate_link: float | None = None, llama: str | None = None, ncmoe=(30, 40, None),
                 threads: int | None = None,
                 cpu_max_prompt: int | None = 512, strategies=("cpu", "stream", "hybrid", "resident"), log=None,
                 llama_flags=(), mma: bool | None = None, mmap: bool = True, tg_depths=None) -> dict:
-    import dataclasses
-
-    from ..gpu.model import GpuModel
-    from ..cpu.model import Model
-    from ..plan.split import SplitModel
     log = log or (lambda s: None)
     have_gpu, why = gpu.available()
     if have_gpu:
@@ -154,7 +266,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
     res = {"model": str(path), "vram": vram, "prompts": prompts, "gen": gen, "tg_depths": tg_depths,
            "threads": threads, "rows": [],
            "ballast": ballast, "mmap": mmap, "huge_bytes": model.load_report["huge_bytes"]}
-    m = planner.measure(threads, log=log)
+    m = probe.measure(threads, log=log)
     if simulate_link:
         m = dataclasses.replace(m, link_gbps=simulate_link, simulated_link=True)
     res["machine"] = dataclasses.asdict(m)
@@ -171,97 +283,17 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
     try:
         if "cpu" in strategies:
             log("cpu …")
-            row = dict(strategy="cpu", **_measure(model, prompts, gen, reps, n_ctx, cpu_max_prompt, tg_depths))
-            res["rows"].append(row)
+            res["rows"].append(dict(strategy="cpu", **_measure(model, prompts, gen, reps, n_ctx, cpu_max_prompt,
+                                                                 tg_depths)))
         for name in [s for s in strategies if s.split("/")[0] in ("stream", "hybrid", "resident")]:
-            base, _, form = name.partition("/")     # stream/pairs, stream/grouped: the routed experts' form
-            link = None                               # hybrid/linkN: N experts per layer fetched over the link
-            look = None                               # hybrid/look: the lookahead on
-            early = 0                                 # hybrid/earlyN[-linkM]: N early experts per layer
-            extras_on = True                          # hybrid/noextras: no decode extras in the staging
-            if base == "hybrid" and form == "look":
-                form, look = "", True
-            if base == "hybrid" and form == "noextras":
-                form, extras_on = "", False
-            if base == "hybrid" and form.startswith("early"):
-                head, _, rest = form.partition("-")
-                if head[5:].isdigit():
-                    early, form = int(head[5:]), rest
-            if base == "hybrid" and form.startswith("link") and form[4:].isdigit():
-                form, link = "", int(form[4:])
-            if form not in ("", "pairs", "grouped"):
-                raise ValueError(f"strategy {name}: the form after / is pairs or grouped (hybrid: also linkN, look, "
-                                 "earlyN, earlyN-linkM, noextras)")
-            st0 = preds[prompts[-1]][base]
+            _parse_strategy(name)                   # a bad name fails before anything runs
+            st0 = preds[prompts[-1]][name.split("/")[0]]
             if not st0.fits:
                 res["rows"].append({"strategy": name, "error": f"does not fit: {st0.why}"})
                 continue
             log(f"{name} …")
-            grouped = {"": {}, "pairs": {"grouped_experts": False}, "grouped": {"grouped_experts": True}}[form]
-            grouped["mma"] = mma
-            pins = st0.pinned
-            if link is None or base != "hybrid":
-                link = st0.link_experts if base == "hybrid" else 0       # the planner's
-            extras = st0.decode_extras if base == "hybrid" else {}
-            if base == "hybrid" and (link != st0.link_experts or early):   # room for this staging: pins refilled
-                pins, _ = planner.fill_pins(model.file, vram, n_ctx, st0.chunk, m.gpu_tier == "dp4a", counts,
-                                            link, early)
-                extras = planner.choose_decode_extras(model.file, pins, counts, link + early)
-            if base == "hybrid" and not extras_on:
-                extras = {}
-            if base in ("stream", "hybrid"):
-                gm = GpuModel(model, vram=vram, stream_experts=True, pinned=pins, n_ctx=n_ctx,
-                              chunk=st0.chunk, simulate_link=simulate_link, cpu_experts=base == "hybrid",
-                              link_experts=link, lookahead=look if base == "hybrid" else None,
-                              early_experts=early, decode_extras=extras, **grouped)
-                # every measured prompt on the GPU, decode steps on the CPU (the split as run --gpu runs it)
-                runner = SplitModel(model, gm, min_gpu_tokens=min(prompts))
-            else:
-                gm = GpuModel(model, vram=vram, n_ctx=n_ctx, **grouped)
-                runner = gm
-            try:
-                gm.profile()
-                row = dict(strategy=name, describe=gm.describe(),
-                           **_measure(runner, prompts, gen, reps, n_ctx, depths=tg_depths, gm=gm))
-                if base == "hybrid":
-                    row["link_experts"] = link
-                # the GPU prefills: (reps + 1) per prompt length (warm-up included), and each decode run's prompt
-                # that is long enough for the GPU
-                n_runs = (reps + 1) * len(prompts) + max(1, reps) * sum(d + 1 >= min(prompts) for d in tg_depths) \
-                    + bool(gen and tg_depths and tg_depths[0] + 1 >= min(prompts))      # the decode's warm-up
-                row["gpu_phases_per_prefill_s"] = {k: v / n_runs for k, v in gm.profile_report().items()}
-                if base == "hybrid" and gm.hybrid_stats["steps"]:
-                    hs = gm.hybrid_stats
-                    row["hybrid_per_token"] = {"cpu_experts": hs["cpu_experts"] / hs["steps"] * gm.hparams.n_layer,
-                                               "cpu_s": hs["cpu_s"] / hs["steps"] * gm.hparams.n_layer,
-                                               "read_s": hs["read_s"] / hs["steps"] * gm.hparams.n_layer,
-                                               "prefetch_s": hs["prefetch_s"] / hs["steps"] * gm.hparams.n_layer,
-                                               "prefetch_mb": hs["prefetch_bytes"] / hs["steps"] * gm.hparams.n_layer
-                                               / 1e6,
-                                               # of the experts the CPU ran, the share it had prefetched
-                                               "prefetch_hit": hs["prefetch_hits"] / max(hs["cpu_experts"], 1),
-                                               # early experts: copied per token, of those in time, routed to
-                                               "early_copied": hs["early_copied"] / hs["steps"] * gm.hparams.n_layer,
-                                               "early_in_time": hs["early_in_time"] / max(hs["early_copied"], 1),
-                                               "early_routed": hs["early_routed"] / max(hs["early_copied"], 1),
-                                               # inside cpu_s: the experts' jobs' start lag, slowest thread's tail
-                                               "cpu_lag_s": hs["split_lag_s"] / hs["steps"] * gm.hparams.n_layer,
-                                               "cpu_tail_s": hs["split_tail_s"] / hs["steps"] * gm.hparams.n_layer}
-                if base in ("stream", "hybrid"):
-                    s = gm.stream_report()
-                    n_pp = n_runs
-                    row["chunk"] = st0.chunk
-                    row["per_prefill"] = {"h2d_gib": s["h2d_bytes"] / n_pp / 2**30,
-                                          "copy_stall_s": s["copy_stall_s"] / n_pp,
-                                          "ids_wait_s": s["ids_wait_s"] / n_pp,
-                                          # the copy stream busy copying, its mean and slowest layer's rate
-                                          "copy_busy_s": s["copy_busy_s"] / n_pp,
-                                          "copy_gbps": s["h2d_bytes"] / max(s["copy_busy_s"], 1e-9) / 1e9,
-                                          "copy_slowest_gbps": s["copy_slowest_gbps"]}
-                row["peak_vram_gib"] = (gpu.mem_stats()["peak"] - (hold.nbytes if hold else 0)) / 2**30
-            finally:
-                gm.close()
-            res["rows"].append(row)
+            res["rows"].append(_gpu_row(model, name, st0, m, vram, n_ctx, counts, simulate_link, mma, prompts, gen,
+                                        reps, tg_depths, hold))
     finally:
         if hold is not None:
             hold.free()
@@ -270,12 +302,7 @@ def bench_split(path: str, vram: int, prompts=(512, 2048), gen: int = 32, reps: 
             log(f"llama.cpp {'-ncmoe ' + str(n) if n is not None else 'CPU only'} …")
             res["rows"].append(bench_llama(llama, path, prompts, gen, threads, 99 if n is not None else 0, n,
                                            llama_flags, tg_depths))
-    for r in res["rows"]:
-        base = r["strategy"].split("/")[0]
-        if base in ("cpu", "stream", "hybrid", "resident") and "error" not in r:
-            r["pred_pp"] = {p: p / preds[p][base].prefill_s for p in prompts}
-            r["pred_tg"] = 1 / preds[prompts[0]][base].decode_s_per_tok
-            r["pred_parts"] = {p: preds[p][base].prefill_parts for p in prompts}
+    _predictions(res, preds, prompts)
     return res
 
 

@@ -25,9 +25,25 @@ import sys
 import time
 
 from .. import __version__
-from ..format.chat import TemplateRenderer
-from ..core.errors import ContextLengthError, EngineError, NativeError, UnavailableError
+from ..core.errors import ContextLengthError, EngineError, NativeError
 from ..core.paths import cache_dir
+from ..cpu.threads import format_report, report
+from ..format.chat import TemplateRenderer, render_chat, render_prompt
+from ..format.gguf_file import GGUFFile
+from ..format.gguf_model import ModelFile, check_tensor_values
+from ..format.tokenizer import Tokenizer
+from ..gpu.commands import cli_build
+from ..plan import probe
+from ..plan.caps import format_machine_report, machine_report
+from ..serve import generate
+from ..serve.sampling import SamplingParams
+from .bench_cmd import main as bench_main
+from .convert import main as convert_main
+from .flags import CHECK_TENSORS_HELP, check_gpu, engine_kwargs, gpu_flags, load_flags
+from .make_model import main as make_main
+from .make_model import make_model
+from .plan_cmd import main as plan_main
+from .serve_cmd import add_serve_parser
 
 DEMO_PRESET = "tiny-moe"
 DEMO_SEED = 1234
@@ -45,8 +61,6 @@ def _fmt_bytes(n: int) -> str:
 def model_report(path: str, check_tensors: bool = False) -> tuple[dict, list[str]]:
     """`info MODEL`'s (JSON data, text lines); check_tensors: scan every tensor's values too (FormatError on the
     first non-finite one)."""
-    from ..format.gguf_model import ModelFile, check_tensor_values
-
     t0 = time.perf_counter()
     m = ModelFile.open(path)
     load_s = time.perf_counter() - t0
@@ -101,19 +115,14 @@ def model_report(path: str, check_tensors: bool = False) -> tuple[dict, list[str
 
 
 def cmd_info(args) -> int:
-    from ..plan.caps import format_machine_report, machine_report
-
-    from ..plan.planner import cached_machines, format_machines
-
     rep = machine_report()
     try:
-        saved = cached_machines()
-        planner = format_machines(saved)
+        saved = probe.cached_machines()
+        planner = probe.format_machines(saved)
     except Exception as e:  # why: a damaged probe cache must not hide the rest of the report
         saved = {"error": f"{type(e).__name__}: {e}"}
         planner = [f"Planner  the cached machine probes are unreadable ({type(e).__name__}: {e}); "
                    "`legacy-engine plan --remeasure` measures them again"]
-    from ..cpu.cpu_load import format_report, report
     load = report()  # other work on the CPUs now: the default threads and pinning (issue 21)
     data = {"machine": rep, "planner_probes": saved, "cpu_load": load}
     lines = [f"legacy_engine {__import__('legacy_engine').__version__}"] + format_machine_report(rep)
@@ -131,8 +140,6 @@ def cmd_info(args) -> int:
 
 def demo_model_path() -> str:
     """The built-in default model: a deterministic tiny MoE, made on first use and cached."""
-    from .make_model import make_model
-
     path = os.path.join(cache_dir(), f"demo-{DEMO_PRESET}-seed{DEMO_SEED}.gguf")
     if not os.path.exists(path):
         print(f"making the built-in demo model ({DEMO_PRESET}, seed {DEMO_SEED}) at {path} …", file=sys.stderr)
@@ -141,20 +148,9 @@ def demo_model_path() -> str:
 
 
 def _sampling(args):
-    from ..serve.sampling import SamplingParams
-
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, seed=args.seed)
-
-
-def check_gpu() -> None:
-    """UnavailableError with the reason when --gpu cannot run here (no driver, no device), before anything loads."""
-    from .. import gpu
-
-    ok, why = gpu.available()
-    if not ok:
-        raise UnavailableError(f"--gpu: no usable GPU: {why} (without --gpu the model runs on the CPU)")
 
 
 def _preflight(args):
@@ -178,14 +174,12 @@ def load_engine(path: str, kw: dict):
     """Engine(path, **kw). On a terminal, stderr shows `loading NAME (SIZE) …` while it loads (a GPU upload: a tqdm
     bar), cleared when done: the timing line after the answer reports the load time, and a pipe or a log gets no
     carriage returns."""
-    from ..serve.generate import Engine
-
     status = sys.stderr.isatty()
     if status:
         size = f" ({_fmt_bytes(os.path.getsize(path))})" if os.path.isfile(path) else ""
         print(f"loading {os.path.basename(path)}{size} …", end="", file=sys.stderr, flush=True)
     try:
-        return Engine(path, progress=_upload_bar if kw.get("gpu") else None, **kw)
+        return generate.Engine(path, progress=_upload_bar if kw.get("gpu") else None, **kw)
     finally:
         if status:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
@@ -247,7 +241,6 @@ def _turn_renderer(eng, enable_thinking: bool, specials=(), render_fn=None):
     the generation prompt. Then a chat feeds only those, as llama.cpp's does, and the state keeps what the model
     really said (its <think> block too, which the template drops from earlier turns). None otherwise: the whole
     conversation runs again every turn."""
-    from ..format.chat import render_chat, render_prompt
     render_fn = render_fn or render_chat
 
     def render(msgs, gen):
@@ -268,8 +261,6 @@ def _turn_renderer(eng, enable_thinking: bool, specials=(), render_fn=None):
 def cmd_chat(args) -> int:
     """Interactive chat through the model's chat template, one user turn per line of stdin (CHAT_HELP). The session
     keeps its state between turns, so a turn runs only the tokens it adds (_turn_renderer)."""
-    from ..serve.generate import Timings
-
     params, kw = _preflight(args)
     eng = load_engine(args.model, kw)
     _describe_gpu(eng)
@@ -313,7 +304,7 @@ def cmd_chat(args) -> int:
             ids = eng.tokenizer.encode_prompt(*eng.chat_text(messages + [user], enable_thinking=think,
                                                              special_in_user_text=args.special_in_user_text,
                                                              render=renderer.render))
-        sess.timings = Timings(load_s=eng.load_s)     # this turn's numbers
+        sess.timings = generate.Timings(load_s=eng.load_s)     # this turn's numbers
         try:
             res = sess.generate(ids, max_tokens=_max_tokens(args, eng), params=params, stop=args.stop,
                                 on_text=_print_text)
@@ -359,9 +350,6 @@ def token_text(b: bytes) -> str:
 
 
 def cmd_tokenize(args) -> int:
-    from ..format.gguf_file import GGUFFile
-    from ..format.tokenizer import Tokenizer
-
     f = GGUFFile(args.model)
     tok = Tokenizer.from_metadata(f.metadata)
     ids = tok.encode(args.text, special=not args.no_special)
@@ -392,91 +380,6 @@ def _seed(v: str) -> int | None:
     if n < -1:
         raise argparse.ArgumentTypeError(f"expected a seed >= 0, or -1 for a random one, got {v}")
     return None if n == -1 else n
-
-
-CHECK_TENSORS_HELP = ("scan every tensor once at load: the scales of every quantised block and every f32/f16/bf16 "
-                      "value must be finite; a bad file fails naming the tensor and block (reads the weights once "
-                      "more: ~0.1 s per GiB from the page cache)")
-
-
-def _numa_arg(v: str) -> str:
-    from ..cpu.model import parse_numa
-
-    try:
-        parse_numa(v)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return v
-
-
-def load_flags(s) -> None:
-    """--no-mmap, --numa, --no-pin and --check-tensors, for every command that loads a model (run, demo, serve,
-    bench ...); pass them on as Engine/Model(mmap=args.mmap, numa=args.numa, pin=args.pin,
-    check_tensors=args.check_tensors)."""
-    s.add_argument("--no-pin", dest="pin", action="store_false",
-                   help="leave the worker threads unpinned (default: worker i pinned to the i-th physical core, "
-                        "spread over NUMA nodes; the calling thread is never pinned)")
-    s.add_argument("--no-mmap", dest="mmap", action="store_false",
-                   help="read the weights into anonymous memory (huge pages, own RAM) instead of memory-mapping "
-                        "the file (default: mapped, shared through the page cache)")
-    s.add_argument("--numa", type=_numa_arg, default="off", metavar="interleave|node:N|off",
-                   help="NUMA placement of the weight pages: interleave over all nodes, all on node N, or off "
-                        "(default: the kernel's first touch). Needs libnuma; a no-op on one node (see `info`). "
-                        "With the file map, pages already in the page cache stay where they are: use --no-mmap "
-                        "to place every page")
-    s.add_argument("--check-tensors", action="store_true", help=CHECK_TENSORS_HELP)
-
-
-def gpu_flags(s) -> None:
-    """--gpu, --gpu-tier, --gpu-f32, --gpu-no-mma, --no-cuda-graphs: for the commands that generate (run, chat,
-    demo, serve)."""
-    s.add_argument("--gpu", action="store_true",
-                   help="GPU-resident mode: the whole model in VRAM, prefill and decode on the GPU (needs an NVIDIA "
-                        "driver; kernels built on first use, see `legacy-engine build-kernels`)")
-    s.add_argument("--gpu-tier", choices=("fermi", "kepler", "dp4a"), default=None,
-                   help="with --gpu: force a kernel tier (default: the GPU's own; a lower tier runs on any newer GPU)")
-    s.add_argument("--gpu-f32", dest="gpu_int8", action="store_const", const=False, default=None,
-                   help="with --gpu: f32 decode GEMVs and prefill GEMMs instead of the int8 DP4A ones (default: "
-                        "DP4A on the dp4a tier)")
-    s.add_argument("--gpu-no-mma", dest="gpu_mma", action="store_const", const=False, default=None,
-                   help="with --gpu: int8 prefill GEMMs with DP4A instead of the tensor cores (default: tensor cores "
-                        "from sm_75, e.g. T4; for cards whose tensor cores are throttled)")
-    s.add_argument("--vram", dest="gpu_vram", default=None, metavar="SIZE",
-                   help="with --gpu: VRAM budget, e.g. 6GiB (default: free VRAM minus 512 MiB). A model that does not "
-                        "fit runs split: routed experts streamed per layer for GPU prefill, hot ones pinned, decode "
-                        "on the CPU or hybrid (--decode) (`legacy-engine plan` shows the prediction)")
-    s.add_argument("--decode", dest="gpu_decode", choices=("auto", "cpu", "hybrid"), default=None,
-                   help="with --gpu, when the model runs split: decode steps on the CPU, or hybrid (attention, GDN, "
-                        "shared and pinned experts on the GPU, the other routed experts on the CPU); default auto: "
-                        "the one the planner predicts faster")
-    s.add_argument("--no-cuda-graphs", dest="gpu_graphs", action="store_const", const=False, default=None,
-                   help="with --gpu: replay decode steps launch by launch instead of as one CUDA graph (default: "
-                        "graphs where the driver has them, 11.4+, except on the fermi tier)")
-
-
-def engine_kwargs(args) -> dict:
-    """The Engine arguments of load_flags (and -t/--threads, -c/--ctx where the command has them)."""
-    kw = dict(mmap=args.mmap, numa=args.numa, pin=args.pin, gpu=getattr(args, "gpu", False),
-              gpu_tier=getattr(args, "gpu_tier", None), gpu_int8=getattr(args, "gpu_int8", None),
-              gpu_graphs=getattr(args, "gpu_graphs", None), gpu_mma=getattr(args, "gpu_mma", None))
-    decode = getattr(args, "gpu_decode", None)
-    if decode is not None:
-        kw["gpu_decode"] = decode
-    vram = getattr(args, "gpu_vram", None)
-    if vram is not None:
-        from ..plan.planner import parse_size
-        kw["gpu_vram"] = parse_size(vram)
-    if (kw["gpu_tier"] or kw["gpu_int8"] is not None or kw["gpu_graphs"] is not None or vram is not None
-            or decode is not None or kw["gpu_mma"] is not None) and not kw["gpu"]:
-        raise SystemExit("error: --gpu-tier, --gpu-f32, --gpu-no-mma, --vram, --decode and --no-cuda-graphs need "
-                         "--gpu")
-    if getattr(args, "check_tensors", False):
-        kw["check_tensors"] = True
-    if getattr(args, "threads", None) is not None:
-        kw["n_threads"] = args.threads
-    if getattr(args, "ctx", None) is not None:
-        kw["n_ctx"] = args.ctx
-    return kw
 
 
 def _gen_flags(s, n_predict: int = 128) -> None:
@@ -541,7 +444,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the ids as a JSON list")
     s.set_defaults(func=cmd_tokenize)
 
-    from ..serve.server import add_serve_parser
     add_serve_parser(sub)
 
     # make-model and convert own their flags; they are parsed by their modules
@@ -576,19 +478,14 @@ def main(argv: list[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")
     try:
         if argv and argv[0] == "make-model":
-            from .make_model import main as make_main
             return make_main(argv[1:])
         if argv and argv[0] == "convert":
-            from .convert import main as convert_main
             return convert_main(argv[1:])
         if argv and argv[0] == "bench":
-            from .bench import main as bench_main
             return bench_main(argv[1:])
         if argv and argv[0] == "plan":
-            from ..plan.planner import main as plan_main
             return plan_main(argv[1:])
         if argv and argv[0] == "build-kernels":
-            from ..gpu import cli_build
             return cli_build(argv[1:])
         args = build_parser().parse_args(argv)
         return args.func(args)

@@ -109,6 +109,11 @@ int le_state_create(const le_model *m, int n_ctx, le_state **out);
 void le_state_free(le_state *s);
 int le_state_pos(const le_state *s);
 int le_state_n_ctx(const le_state *s);
+/* The state's scratch for le_forward (planned per pass from the pass length, n_ctx and the model; grown only when
+ * a pass needs more than any before): how many times it was allocated, and its bytes. A decode step after the
+ * first allocates nothing: the growths stay. */
+int64_t le_state_scratch_growths(const le_state *s);
+int64_t le_state_scratch_bytes(const le_state *s);
 /* Forgets everything: position 0, zero recurrent state. */
 void le_state_reset(le_state *s);
 /* Bytes le_state_save writes at the state's current position. */
@@ -144,6 +149,9 @@ int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *lo
  * x, out: [n_embd] f32; ids, wts: [n_sel], 1 <= n_sel <= n_expert; ids[j] < 0 skips entry j. */
 int le_moe_routed(le_model *m, int layer, const float *x, int n_sel, const int32_t *ids, const float *wts,
                   float *out);
+/* How many times le_moe_routed's scratch (the model's, sized for n_expert experts) was allocated: at most once per
+ * layer whose plan is larger than the layers' before. */
+int64_t le_model_scratch_growths(const le_model *m);
 
 /* The hybrid decode's CPU side (native/hybrid.c; the channel's layout: le_hybrid.h). For j in [0, n_layers):
  * waits until slot layers[j]'s READY == seq, runs its CPU experts (le_moe_routed on H with CPU_IDS and WTS),

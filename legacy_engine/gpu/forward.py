@@ -1,0 +1,458 @@
+"""The forward ops of a GPU model (GpuModel's part, a mixin): the layer ops of a pass of several tokens and of a
+decode step, op for op as native/model.c:
+
+  x = token_embd[tokens]                         get_rows
+  per layer:  h = RMSNorm(x) * attn_norm         rmsnorm
+              GDN:  qkv, z, beta, alpha = W h    matmuls; conv1d_silu; gdn_l2norm_qk; gdn_gates;
+                                                 gdn_recurrent (state in VRAM); gdn_gated_rmsnorm; W_out
+              attention: q|gate, k, v = W h      matmuls (k, v straight into the KV cache rows);
+                                                 qk_norm_rope; attention_decode / _prefill; W_o
+              x += y;  h = RMSNorm(x) * post_norm
+              FFN: dense SwiGLU, or MoE          router matmul; moe_route; gemv_ids gate/up; swiglu;
+                                                 gemv_ids down; shared expert; moe_combine
+              x += y
+  logits = W_out RMSNorm(x) * output_norm        rmsnorm; matmul (downloaded)
+
+Matmuls: one token (decode) -> GEMV; with int8 (default on the dp4a tier) the activations are quantised to Q8_1
+once per input and the quantised weights run gemv_dp4a (W4A8/W8A8), f32 weights gemv_f32_f32; several tokens
+(prefill) -> gemm_dp4a on the same Q8_1 activations (int8_prefill, default = int8), else gemm_f32 (dequantise into
+shared memory, f32 accumulate). MoE experts run as (token, expert) GEMVs indexed on the GPU by the router's ids (no
+host round trip), or in a pass of several tokens sorted by expert as grouped GEMMs; a hybrid decode step's MoE
+block is split between the GPU and the CPU through the hybrid channel (_ffn_hybrid).
+
+The host class provides hparams, k (Kernels), the precision flags (int8, int8_prefill, mma), sort_pairs, grouped,
+the placement's (stream, cpu_experts, pinned, decode_extras, link_experts, early_experts), graphs, route_counts and
+its rooms: res (Residency), scratch (Scratch), hy (HybridChannel)."""
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+
+from .. import gpu
+from ..core import _native
+from .hybrid import HYBRID_WAIT_CYCLES, LOOKAHEAD_PRED
+from .residency import _W
+from .state import GpuState
+
+
+class ForwardOps:
+    def _ids_buf(self, ids: int, pairs: int) -> np.ndarray:
+        """The router's expert ids of this pass, on the host (waits for the routing)."""
+        out = np.empty(pairs, dtype=np.int32)
+        t0 = time.perf_counter()
+        _native.gpu_copy_dtoh(out, ids, 4 * pairs)
+        self.res.stream_stats["ids_wait_s"] += time.perf_counter() - t0
+        return out
+
+    def _route_counts_dev(self, i: int) -> int:
+        """Device address of layer i's int32 routing counts [n_expert] (moe_sort adds to them; _flush_counts moves
+        them into route_counts when the pass is done)."""
+        hp = self.hparams
+        if self._counts_dev is None:
+            self._counts_dev = self.scratch.buf("route_counts", 4 * hp.n_layer * hp.n_expert)
+            _native.gpu_memset8(self._counts_dev.ptr, 0, 4 * hp.n_layer * hp.n_expert)
+        self._counts_layers.add(i)
+        return self._counts_dev.ptr + 4 * i * hp.n_expert
+
+    def _flush_counts(self) -> None:
+        """The pass's device routing counts into route_counts (after the pass: the download waits for it)."""
+        if not self._counts_layers:
+            return
+        hp = self.hparams
+        c = self._counts_dev.download(dtype=np.int32, count=hp.n_layer * hp.n_expert).reshape(hp.n_layer, hp.n_expert)
+        for i in sorted(self._counts_layers):
+            self.route_counts.setdefault(i, np.zeros(hp.n_expert, dtype=np.int64))[:] += c[i]
+        _native.gpu_memset8(self._counts_dev.ptr, 0, 4 * hp.n_layer * hp.n_expert)
+        self._counts_layers = set()
+
+    def profile(self, on: bool = True) -> None:
+        """Times the GPU's work per phase of passes with more than one token (events between phases; adds a
+        little host work per layer): read with profile_report(). Decode plans are not profiled."""
+        self._prof = {} if on else None
+        self._prof_marks: list = []
+
+    def _mark(self, phase: str) -> None:
+        """Ends `phase` (the GPU work launched since the previous mark) when profiling."""
+        if self._prof is None or self.scratch.tag == "d":
+            return
+        e = gpu.Event()
+        e.record()
+        self._prof_marks.append((phase, e))
+
+    def profile_report(self) -> dict:
+        """{phase: GPU seconds} summed since profile() (the first mark of each pass starts its clock)."""
+        if self._prof is None:
+            return {}
+        marks, prev = self._prof_marks, None
+        for phase, e in marks:
+            if prev is not None and phase != "embed":
+                self._prof[phase] = self._prof.get(phase, 0.0) + prev.elapsed_ms(e) / 1e3
+            prev = e
+        self._prof_marks = marks[-1:] if marks else []
+        return dict(self._prof)
+
+    def _mm(self, w: _W, x: int, y: int, n: int, xq: int | None = None) -> None:
+        """y[n, w.nrows] = x[n, w.ncols] W^T. xq: x already quantised to Q8_1 (n rows; from add_rmsnorm, _hq)."""
+        k = self.k
+        if n > 1 and self.int8_prefill and w.qtype != gpu.F32:
+            if xq is None:
+                xq = self._q8_1(x, n * w.ncols, "xq_mm")
+            (k.gemm_mma if self.mma else k.gemm_dp4a)(w.qtype, w.ptr, xq, y, w.nrows, w.ncols, n)
+        elif n > 1:
+            k.gemm_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols, n)
+        elif self.int8 and w.qtype != gpu.F32:
+            if xq is None:
+                xq = self._q8_1(x, w.ncols, "xq")
+            k.gemv_dp4a(w.qtype, w.ptr, xq, y, w.nrows, w.ncols)
+        else:
+            k.gemv_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols)
+
+    def _mm2(self, w1: _W, w2: _W, x: int, y1: int, y2: int, n: int, xq: int | None = None) -> None:
+        """_mm of two matrices on the same input; one token and the same type and width: one launch (the GEMV's
+        second matrix, grid.z = 2), else two."""
+        if n != 1 or (w1.qtype, w1.ncols) != (w2.qtype, w2.ncols):
+            self._mm(w1, x, y1, n, xq)
+            self._mm(w2, x, y2, n, xq)
+            return
+        k = self.k
+        if self._int8_for(w1, 1):
+            if xq is None:
+                xq = self._q8_1(x, w1.ncols, "xq")
+            k.gemv_dp4a(w1.qtype, w1.ptr, xq, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2, nrows2=w2.nrows)
+        else:
+            k.gemv_f32(w1.qtype, w1.ptr, x, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2, nrows2=w2.nrows)
+
+    def _int8_for(self, w: _W, n: int) -> bool:
+        """Whether _mm runs w on int8 activations (Q8_1) for a pass of n tokens."""
+        return w.qtype != gpu.F32 and (self.int8_prefill if n > 1 else self.int8)
+
+    def _hq(self, n: int) -> int | None:
+        """The buffer add_rmsnorm writes the normed h [n, E] into as Q8_1, for the int8 GEMVs (one token) or GEMMs
+        (several, int8_prefill) that read h; None on the f32 paths. A name of its own: _mm's "xq" (the other
+        inputs' Q8_1) must not overwrite it while a block still reads h (the hybrid's pinned experts after the
+        shared expert's down)."""
+        if not (self.int8_prefill if n > 1 else self.int8):
+            return None
+        return self.scratch.buf("hq", n * self.hparams.n_embd // 32 * gpu.Q8_1_BYTES).ptr
+
+    def _q8_1(self, x: int, n_el: int, name: str) -> int:
+        """x[n_el] f32 (rows of a multiple of 32) quantised to Q8_1 in scratch buffer `name` -> its address."""
+        xq = self.scratch.buf(name, n_el // 32 * gpu.Q8_1_BYTES).ptr
+        self.k.quantize_q8_1(x, xq, n_el)
+        return xq
+
+    def _gdn(self, L: dict, h: int, hq, n: int, st: "GpuState", si: int, y: int) -> None:
+        hp, k = self.hparams, self.k
+        self.scratch.arena_open("gdn")
+        Hk, Hv, dk = hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state
+        dv = hp.ssm_d_inner // Hv
+        conv_dim = 2 * Hk * dk + hp.ssm_d_inner
+        qkv = self.scratch.buf("qkv", 4 * n * conv_dim).ptr
+        u = self.scratch.buf("u", 4 * n * conv_dim).ptr
+        z = self.scratch.buf("z", 4 * n * hp.ssm_d_inner).ptr
+        o = self.scratch.buf("o", 4 * n * hp.ssm_d_inner).ptr
+        beta = self.scratch.buf("beta", 4 * n * Hv).ptr
+        g = self.scratch.buf("g", 4 * n * Hv).ptr
+        self._mm2(L["qkv"], L["z"], h, qkv, z, n, hq)
+        self._mm2(L["beta"], L["alpha"], h, beta, g, n, hq)
+        k.conv1d_silu(qkv, L["conv"], st.conv_ptr(si), u, n, conv_dim, hp.ssm_conv_kernel)
+        k.gdn_l2norm_qk(u, n, conv_dim, Hk, dk)
+        if n > 1:          # a long recurrence: the gates in a launch of their own (on its serial path they cost more)
+            k.gdn_gates(beta, g, L["dt"], L["a"], n, Hv)
+        k.gdn_recurrent(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, tiled=not self._faults.get("gdn_grouped"),
+                        dt_bias=L["dt"] if n == 1 else None, ssm_a=L["a"] if n == 1 else None)
+        # a decode step's norm also writes o's Q8_1 where the out projection runs int8 (no quantize launch of its
+        # own; in a 2048-token pass the fused form took 5 ms more than quantize_q8_1's launch, H200)
+        oq = self.scratch.buf("oq", hp.ssm_d_inner // 32 * gpu.Q8_1_BYTES).ptr if n == 1 and self._int8_for(L["out"], n) \
+            else None
+        k.gdn_gated_rmsnorm(o, z, L["ssm_norm"], o, n * Hv, dv, hp.rms_eps, yq=oq)
+        self._mm(L["out"], o, y, n, oq)
+
+    def _attention_planned(self, L: dict, h: int, hq, st: "GpuState", si: int, y: int) -> None:
+        """One token whose position is the device int st.io[1]: every argument independent of the position."""
+        hp, k = self.hparams, self.k
+        hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
+        qw, kvw = nh * 2 * hd, nkv * hd
+        qg = self.scratch.buf("qg", 4 * qw).ptr
+        o = self.scratch.buf("ao", 4 * nh * hd).ptr
+        kb, vb = self.scratch.buf("kb", 4 * kvw).ptr, self.scratch.buf("vb", 4 * kvw).ptr
+        kc, vc, pos_dev = st.k_ptr(si), st.v_ptr(si), st.io.ptr + 4
+        self._mm(L["q"], h, qg, 1, hq)
+        self._mm2(L["k"], L["v"], h, kb, vb, 1, hq)
+        cs = self.scratch.rope_cs(st.n_ctx).ptr
+        k.qk_norm_rope(qg, L["q_norm"], cs, 1, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps, pos_dev=pos_dev)
+        k.qk_norm_rope(kb, L["k_norm"], cs, 1, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps, pos_dev=pos_dev)
+        k.kv_store(kb, vb, kc, vc, pos_dev, kvw)
+        n_split = k.attn_splits(st.n_ctx)[0]
+        part = self.scratch.buf("attn_part", k.attn_partials_bytes(nh, hd, gpu.ATTN_MAX_SPLIT)).ptr
+        k.attention_decode(qg, kc, vc, o, part, st.n_ctx, nh, nkv, hd, n_split=n_split, pos_dev=pos_dev)
+        self._mm(L["o"], o, y, 1)
+
+    def _attention(self, L: dict, h: int, hq, n: int, st: "GpuState", si: int, y: int) -> None:
+        hp, k = self.hparams, self.k
+        self.scratch.arena_open("attention")
+        hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
+        qw, kvw, pos = nh * 2 * hd, nkv * hd, st.pos
+        qg = self.scratch.buf("qg", 4 * n * qw).ptr
+        o = self.scratch.buf("ao", 4 * n * nh * hd).ptr
+        kc, vc = st.k_ptr(si), st.v_ptr(si)
+        kn, vn = kc + 4 * pos * kvw, vc + 4 * pos * kvw   # this batch's cache rows
+        self._mm(L["q"], h, qg, n, hq)
+        self._mm(L["k"], h, kn, n, hq)
+        self._mm(L["v"], h, vn, n, hq)
+        cs = self.scratch.rope_cs(st.n_ctx).ptr + 4 * pos * hp.n_rot   # rows pos.. of [n_ctx, n_rot/2, 2]
+        k.qk_norm_rope(qg, L["q_norm"], cs, n, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps)
+        k.qk_norm_rope(kn, L["k_norm"], cs, n, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps)
+        if n == 1:
+            n_split, _ = k.attn_splits(pos + 1)
+            part = self.scratch.buf("attn_part", k.attn_partials_bytes(nh, hd, n_split)).ptr
+            k.attention_decode(qg, kc, vc, o, part, pos + 1, nh, nkv, hd, n_split=n_split)
+        else:
+            k.attention_prefill(qg, kc, vc, o, n, pos, nh, nkv, hd)
+        self._mm(L["o"], o, y, n)
+
+    def _ffn(self, L: dict, h: int, hq, n: int, y: int) -> None:
+        hp, k = self.hparams, self.k
+        E = hp.n_embd
+        if not hp.n_expert:
+            ff = hp.n_ff
+            self.scratch.arena_open("ffn")
+            g = self.scratch.buf("ffg", 4 * n * ff).ptr
+            u = self.scratch.buf("ffu", 4 * n * ff).ptr
+            self._mm2(L["gate"], L["up"], h, g, u, n, hq)
+            k.swiglu(g, u, g, n * ff)
+            self._mm(L["down"], g, y, n)
+            return
+        if n == 1 and self.cpu_experts:
+            return self._ffn_hybrid(L, h, hq, y)
+        ne, kk, ff = hp.n_expert, hp.n_expert_used, hp.n_ff_exp
+        pairs = n * kk
+        self.scratch.arena_open("moe")
+        logits = self.scratch.buf("router", 4 * n * ne).ptr
+        ids = self.scratch.buf("ids", 4 * pairs).ptr
+        wts = self.scratch.buf("wts", 4 * pairs).ptr
+        g = self.scratch.buf("eg", 4 * pairs * ff).ptr
+        u = self.scratch.buf("eu", 4 * pairs * ff).ptr
+        sort = n > 1 and self.sort_pairs
+        yd = None if sort else self.scratch.buf("ed", 4 * pairs * E).ptr     # sorted: the outputs stay in xg (pinv)
+        self._mm(L["router"], h, logits, n, hq)
+        k.moe_route(logits, ids, wts, n, ne, kk)
+        base = 0
+        # the grouped GEMMs' work list made on the GPU (moe_sort): no host wait, where the host needs no ids
+        # (resident experts, or all of the layer staged because the pass routes to most of them)
+        dev_sort = sort and self.grouped and ne <= gpu.MOE_SORT_MAX_E and (not self.stream or self.res.stages_all(n))
+        if (self.stream or sort) and not dev_sort:
+            self._mark("ffn rest")
+            used = self._ids_buf(ids, pairs)
+            c = self.route_counts.setdefault(L["index"], np.zeros(ne, dtype=np.int64))
+            c += np.bincount(used, minlength=ne)[:ne]
+        if self.stream:
+            i = L["index"]
+            base = self.res.stage(i, range(ne) if dev_sort else np.unique(used))
+            self._mark("waiting for expert copies")
+            self.res.prefetch_all(self.res.next_moe(i), n)      # the next layer's copy overlaps this layer's experts
+        x_tok, xg, eids, x_group = h, h, ids, kk
+        if dev_sort:
+            n_tiles = gpu.Kernels.sort_tiles_max(pairs, ne, self._group_tile(L))
+            mb = self.scratch.buf("pair_meta", 4 * (3 * pairs + 3 * n_tiles))
+            eids, ptok, pinv, ptiles = mb.ptr, mb.ptr + 4 * pairs, mb.ptr + 8 * pairs, mb.ptr + 12 * pairs
+            k.moe_sort(ids, pairs, kk, ne, eids, ptok, pinv, ptiles, n_tiles, self._route_counts_dev(L["index"]),
+                       tile=self._group_tile(L))
+        elif sort:
+            # pairs in expert order: the GEMV blocks of one expert run together and share its weights in L2.
+            # x rows gathered per pair; moe_combine reads the outputs in that order (pinv)
+            order = np.argsort(used, kind="stable").astype(np.int32)
+            inv = np.empty_like(order)
+            inv[order] = np.arange(pairs, dtype=np.int32)
+            tiles = (gpu.Kernels.expert_tiles(used[order], self._group_tile(L)) if self.grouped
+                     else np.zeros((0, 3), np.int32))
+            meta = np.concatenate([used[order], order // kk, inv, tiles.reshape(-1)]).astype(np.int32)
+            mb = self.scratch.buf("pair_meta", 4 * (3 * pairs + 3 * len(tiles)))
+            mb.upload(meta)
+            eids, ptok, pinv, ptiles = mb.ptr, mb.ptr + 4 * pairs, mb.ptr + 8 * pairs, mb.ptr + 12 * pairs
+            n_tiles = len(tiles)
+        if sort:       # x rows gathered per sorted pair (Q8_1 from hq where the grouped int8 GEMMs read them)
+            xg = self.scratch.buf("xg", 4 * pairs * E).ptr
+            xq = self._gather_hq(L, hq, ptok, pairs)
+            if xq is None:
+                k.get_rows(gpu.F32, h, ptok, xg, pairs, E)
+            x_tok, x_group = xg, 1
+        if sort and self.grouped:
+            self._grouped_experts(L, base, xg, g, u, pairs, ptiles, n_tiles, xq)   # output in xg (sorted)
+        else:
+            addr = {w: base + L[w].ptr for w in ("gate_exps", "up_exps", "down_exps")}
+            self._pair_gemvs(L, addr, x_tok, hq if not sort else None, g, u, xg if sort else yd, eids, pairs,
+                             x_group)
+        self._mark("routed experts")
+        if self.stream:
+            self.res.release(i)
+            self.res.stream_stats["layers"] += 1
+        if sort:       # the outputs in expert order: the combine reads pair (t, s) from row pinv[t*k + s] of xg
+            self._shared_and_combine(L, h, hq, n, xg, wts, y, rows=pinv)
+        else:
+            self._shared_and_combine(L, h, hq, n, yd, wts, y)
+
+    def _ffn_hybrid(self, L: dict, h: int, hq, y: int) -> None:
+        """One token's MoE block split between the GPU and the CPU (cpu_experts), exchanged through the channel
+        (HybridLayout, page-locked host memory both sides read and write): hybrid_publish puts h and the routing in
+        layer i's slot and makes hy_meta [kk gids (index in the pin store, -1: not pinned) | kk lids (the experts
+        fetched over the link, link_experts of them) | kk lslots (their place in hy_link) | 2kk + 1 weights]; the GPU
+        fetches the link experts (hybrid_fetch), runs the shared, pinned (rows 1..kk of hy_rows [2kk + 1, E]) and
+        link experts (rows kk+1..2kk) while the CPU runs the others (le_hybrid_serve); hybrid_wait brings the CPU's
+        weighted sum into row 0 (weight 1); one moe_combine adds them and the shared expert. No host step: a token
+        is one launch sequence."""
+        hp, k = self.hparams, self.k
+        E, kk, ne, ff = hp.n_embd, hp.n_expert_used, hp.n_expert, hp.n_ff_exp
+        i = L["index"]
+        pinned = bool(self.pinned.get(i))
+        hy = self.hy.channel()
+        chan, slot = hy["ptr"], hy["ptr"] + 4 * hy["layout"].slot_offset(i)
+        link, n_early = self.link_experts, self.early_experts
+        meta = self.scratch.buf("hy_meta", 4 * (7 * kk + 1)).ptr
+        fresh = f"{self.scratch.tag}:hy_rows" not in self.scratch.bufs
+        rows = self.scratch.buf("hy_rows", 4 * (2 * kk + 1) * E).ptr
+        if fresh:      # rows a layer does not compute (no pins here, no link experts) stay zero, at weight 0
+            _native.gpu_memset8(rows, 0, 4 * (2 * kk + 1) * E)
+        ids = self.scratch.buf("hy_ids", 4 * kk).ptr
+        wts = self.scratch.buf("hy_wts", 4 * kk).ptr
+        logits = self.scratch.buf("router", 4 * ne).ptr
+        self._mm(L["router"], h, logits, 1, hq)
+        k.moe_route(logits, ids, wts, 1, ne, kk)
+        la = hy["lookahead"]
+        parity = int(np.searchsorted(hy["layers"], i)) % 2        # the early buffer's half this layer uses
+        extra = i in self.decode_extras
+        k.hybrid_publish(h, ids, wts, hy["pin_idx"].ptr + 4 * i * ne if pinned else None, link, meta, slot, chan,
+                         E, kk, pred=la["pred"] + 4 * gpu.HY_PRED_MAX * i if la and i in la["from"].values() else None,
+                         n_early=n_early, extra_idx=hy["extra_idx"].ptr + 4 * i * ne if extra else None)
+        if la and i in la["from"]:    # the next MoE layer's experts predicted from this h (the CPU prefetches them)
+            j = la["from"][i]
+            k.hybrid_predict(self.layers[j]["router"].ptr, h, la["scales"] + 4 * E * i, la["logits"], ne, E)
+            k.hybrid_predict_publish(la["logits"], ne, min(LOOKAHEAD_PRED, ne), hy["pin_idx"].ptr + 4 * j * ne
+                                     if self.pinned.get(j) else None, la["pred"] + 4 * gpu.HY_PRED_MAX * j,
+                                     chan + 4 * hy["layout"].slot_offset(j), chan, E, kk)
+        names = L["exp_tensor"]
+        staged, tensors = self.hy.staging(i)
+        if link:           # the link experts' weights into VRAM first (a copy kernel: the link's full rate)
+            k.hybrid_fetch(meta + 12 * kk, meta + 8 * kk, kk, tensors)
+        if n_early:        # the early experts the layer routes to: from the CPU's early buffer into staging slots
+            ea = self.hy.early_regions()
+            k.hybrid_fetch(meta + 16 * kk, meta + 8 * kk, kk,
+                           [(ea[parity][name], staged[name], eb) for (_src, _dst, eb), name
+                            in zip(tensors, self.res.stage_names[i])])
+        # queued before the wait, so the GPU computes these while the CPU runs its experts
+        sh, shg = self._shared_expert(L, h, hq, 1)
+        g = self.scratch.buf("eg", 4 * kk * ff).ptr
+        u = self.scratch.buf("eu", 4 * kk * ff).ptr
+        if pinned:         # rows 1..kk: the pinned experts (gids: index in the pin store)
+            store = self.res.pin_store[i].ptr
+            addr = {w: store + self.res.pin_off[names[w]] + L[w].ptr - self.res.stage_offset[names[w]]
+                    for w in ("gate_exps", "up_exps", "down_exps")}
+            self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * E, meta, kk, kk)
+        if link or n_early or extra:  # rows kk+1..2kk: early, fetched and extra experts (lslots: their staging slot)
+            addr = {w: staged[names[w]] + L[w].ptr - self.res.stage_offset[names[w]]
+                    for w in ("gate_exps", "up_exps", "down_exps")}
+            self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * (1 + kk) * E, meta + 8 * kk, kk, kk)
+        k.hybrid_wait(slot, chan, rows, E, kk, HYBRID_WAIT_CYCLES)
+        n_rows = 1 + kk * (2 if link or n_early or extra else 1 if pinned else 0)
+        k.moe_combine(rows, meta + 20 * kk, sh, shg, y, 1, n_rows, E)
+        if self.graphs:
+            self.hy.serve([i])     # the recording pass (a replay is one graph launch, then every layer is served)
+        else:
+            gpu.host_step(functools.partial(self.hy.serve, [i]))   # replayed after this layer's launches
+
+    def _pair_gemvs(self, L: dict, addr: dict, x_rows: int, xq, g: int, u: int, out: int, eids: int, pairs: int,
+                    x_group: int) -> None:
+        """Routed experts as one GEMV per (token, expert) pair: pair p reads row p // x_group of x_rows [*, E]
+        (xq: those rows already in Q8_1, the one-token decode case), writes out [pairs, E]; g, u [pairs, ff].
+        addr: {gate_exps, up_exps, down_exps: device address of expert 0 of that matrix} (eids index from there;
+        < 0: the pair is skipped, its row zero)."""
+        hp, k = self.hparams, self.k
+        E, ff = hp.n_embd, hp.n_ff_exp
+        int8 = self.int8 and L["gate_exps"].qtype != gpu.F32
+        x, xs = x_rows, E
+        if int8:
+            x, xs = xq, E // 32
+            if x is None:         # several rows: quantise each (tokens, or gathered pairs)
+                x = self._q8_1(x_rows, pairs // x_group * E, "xq_tok")
+        wg, wu = L["gate_exps"], L["up_exps"]
+        if (wg.qtype, wg.nrows, wg.ncols, wg.expert_bytes) == (wu.qtype, wu.nrows, wu.ncols, wu.expert_bytes):
+            k.gemv_ids(wg.qtype, addr["gate_exps"], x, g, wg.nrows, wg.ncols, eids, pairs, wg.expert_bytes, x_group,
+                       xs, int8=int8, W2=addr["up_exps"], y2=u)       # gate and up in one launch
+        else:
+            for w, a, o in ((wg, addr["gate_exps"], g), (wu, addr["up_exps"], u)):
+                k.gemv_ids(w.qtype, a, x, o, w.nrows, w.ncols, eids, pairs, w.expert_bytes, x_group, xs, int8=int8)
+        k.swiglu(g, u, g, pairs * ff)
+        w = L["down_exps"]
+        int8d = self.int8 and w.qtype != gpu.F32
+        xd, xds = g, ff
+        if int8d:
+            xd, xds = self._q8_1(g, pairs * ff, "xq_down"), ff // 32
+        k.gemv_ids(w.qtype, addr["down_exps"], xd, out, w.nrows, w.ncols, eids, pairs, w.expert_bytes, 1, xds,
+                   int8=int8d)
+
+    def _shared_and_combine(self, L: dict, h: int, hq, n: int, yd: int, wts: int, y: int, rows=None) -> None:
+        """y[n, E] = the routed experts' outputs yd [n*k, E] (pair (t, s) in row t*k + s, or rows[t*k + s])
+        weighted by wts, plus the gated shared expert."""
+        sh, shg = self._shared_expert(L, h, hq, n)
+        self.k.moe_combine(yd, wts, sh, shg, y, n, self.hparams.n_expert_used, self.hparams.n_embd, rows=rows)
+
+    def _shared_expert(self, L: dict, h: int, hq, n: int) -> tuple:
+        """The shared expert's output sh [n, E] and gate logit shg [n] (device addresses), or (None, None)."""
+        hp, k = self.hparams, self.k
+        E = hp.n_embd
+        sh = shg = None
+        if hp.n_ff_shexp:
+            fs = hp.n_ff_shexp
+            sg = self.scratch.buf("sg", 4 * n * fs).ptr
+            su = self.scratch.buf("su", 4 * n * fs).ptr
+            sh = self.scratch.buf("sh", 4 * n * E).ptr
+            shg = self.scratch.buf("shg", 4 * n).ptr
+            self._mm2(L["sh_gate"], L["sh_up"], h, sg, su, n, hq)
+            k.swiglu(sg, su, sg, n * fs)
+            self._mm(L["sh_down"], sg, sh, n)
+            self._mm(L["sh_gate_inp"], h, shg, n, hq)
+        return sh, shg
+
+    def _group_tile(self, L: dict) -> int:
+        """Pairs per tile of layer L's grouped expert GEMMs (their work list is cut to it): gemm_mma's 64 where all
+        three expert matrices run on it, else 32."""
+        mma = self.mma and all(L[w].qtype != gpu.F32 for w in ("gate_exps", "up_exps", "down_exps"))
+        return gpu.Kernels.group_tile(self.int8_prefill, mma)
+
+    def _gather_hq(self, L: dict, hq, ptok: int, pairs: int) -> int | None:
+        """The grouped int8 GEMMs' input: the Q8_1 rows of h (hq) gathered per sorted pair into "xq_tok" (the same
+        bits as quantising the gathered f32 rows: no f32 gather, no quantise pass) -> its address, or None where
+        the experts read f32 rows (not grouped, f32 weights, no hq, rows not in 16-byte words)."""
+        rb = self.hparams.n_embd // 32 * gpu.Q8_1_BYTES
+        if not (self.grouped and self.int8_prefill and L["gate_exps"].qtype != gpu.F32 and hq is not None
+                and rb % 16 == 0):
+            return None
+        xq = self.scratch.buf("xq_tok", pairs * rb).ptr
+        self.k.get_rows_raw(hq, ptok, xq, pairs, rb)
+        return xq
+
+    def _grouped_experts(self, L: dict, base: int, xg: int, g: int, u: int, pairs: int, tiles: int,
+                         n_tiles: int, xq: int | None = None) -> None:
+        """Routed experts as grouped GEMMs over the pairs sorted by expert: xg [pairs, E] gathered rows in (or
+        xq, their Q8_1 rows gathered already: _gather_hq), the down projection's output in xg [pairs, E] (sorted
+        order); g, u [pairs, ff] scratch."""
+        k, ff, E = self.k, self.hparams.n_ff_exp, self.hparams.n_embd
+        int8 = self.int8_prefill and L["gate_exps"].qtype != gpu.F32
+        mma = self._group_tile(L) == gpu.GEMM_MMA_TT        # then every matrix here is int8
+        x = xg
+        if int8:       # one Q8_1 copy of the gathered rows for gate and up
+            x = xq if xq is not None else self._q8_1(xg, pairs * E, "xq_tok")
+        for wname, out in (("gate_exps", g), ("up_exps", u)):
+            w = L[wname]
+            k.gemm_ids(w.qtype, base + w.ptr, x, out, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs,
+                       int8=int8, mma=mma)
+        k.swiglu(g, u, g, pairs * ff)
+        w = L["down_exps"]
+        int8d = self.int8_prefill and w.qtype != gpu.F32
+        xd = g
+        if int8d:
+            xd = self._q8_1(g, pairs * ff, "xq_down")
+        k.gemm_ids(w.qtype, base + w.ptr, xd, xg, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs,
+                   int8=int8d, mma=mma)

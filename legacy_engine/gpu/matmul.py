@@ -1,0 +1,196 @@
+"""The matmul launchers of a kernel variant (cuda8/gemv_*.cu, gemm_*.cu): the decode GEMVs (f32 activations or
+int8 on Q8_1), the prefill GEMMs (f32, dp4a, tensor-core mma) and the MoE forms indexed by expert ids (gemv_ids,
+the grouped gemm_ids). A part of Kernels (kernels.py), which holds the modules and the layer ops."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.errors import UnavailableError
+from .launch import (F32, GEMM_MMA_TT, GEMM_ROWS, GEMM_THREADS, GEMM_TT, GEMV_ROWS, GEMV_THREADS, GPU_TYPES,
+                     MAX_GRID, MAX_PAIRS, Q8_1_BYTES, _aligned16, _need, _ptr)
+from .runtime import Stream
+from .toolchain import MMA_ARCH
+
+
+class MatmulLaunchers:
+    """The matmuls of Kernels: each checks its weights (_weights), activations and outputs, then launches on
+    `stream` (default stream when None) without waiting. Needs the host class's modules, name, has_mma and _grid."""
+
+    def _weights(self, qtype: int, W, nrows: int, ncols: int, what: str) -> str:
+        if qtype == F32:
+            if ncols <= 0 or ncols % 32:
+                raise ValueError(f"{what}: ncols = {ncols} of f32 weights is not a positive multiple of 32")
+            if _ptr(W) % 16:
+                raise ValueError(f"{what}: f32 weights must be 16-byte aligned")
+            _need(W, 4 * nrows * ncols, f"{what} W")
+            return "f32"
+        if qtype not in GPU_TYPES:
+            raise UnavailableError(f"{what}: no GPU kernel for ggml type {qtype}; GPU types: "
+                                   + ", ".join(v[0] for v in GPU_TYPES.values()))
+        suffix, bs, ts = GPU_TYPES[qtype]
+        if ncols <= 0 or ncols % bs:
+            raise ValueError(f"{what}: ncols = {ncols} is not a positive multiple of {suffix}'s block size {bs}")
+        if _ptr(W) % 4:
+            raise ValueError(f"{what}: weights must be 4-byte aligned")
+        _need(W, nrows * (ncols // bs) * ts, f"{what} W")
+        return suffix
+
+    def gemv_f32(self, qtype: int, W, x, y, nrows: int, ncols: int, W2=None, y2=None, nrows2: int | None = None,
+                 stream: Stream | None = None) -> None:
+        """y[nrows] = W[nrows, ncols] (ggml type `qtype`) x[ncols] f32; with W2 (a matrix of the same type and
+        width, nrows2 rows: default nrows) also y2 = W2 x in the same launch."""
+        suffix = self._weights(qtype, W, nrows, ncols, "gemv_f32")
+        if _ptr(x) % 16:
+            raise ValueError("gemv_f32: x must be 16-byte aligned (it is read as float4)")
+        _need(x, 4 * ncols, "gemv_f32 x")
+        _need(y, 4 * nrows, "gemv_f32 y")
+        n2 = nrows if nrows2 is None else int(nrows2)
+        z, w_z, y_z = self._second(qtype, W, y, W2, y2, n2, ncols, n2, "gemv_f32")
+        self.modules["gemv_f32"].kernel(f"gemv_f32_{suffix}").launch(
+            (self._grid(-(-max(nrows, n2 if z == 2 else 0) // GEMV_ROWS)), 1, z), (GEMV_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols), ("i64", w_z),
+             ("i64", y_z), ("i32", n2)], stream=stream)
+
+    def _second(self, qtype: int, W, y, W2, y2, nrows: int, ncols: int, out_rows: int,
+                what: str) -> tuple[int, int, int]:
+        """A GEMV's second matrix (grid.z = 2), checked as the first: -> (Z, W2 - W in bytes, y2 - y in floats);
+        (1, 0, 0) without."""
+        if W2 is None and y2 is None:
+            return 1, 0, 0
+        if W2 is None or y2 is None:
+            raise ValueError(f"{what}: a second matrix needs both W2 and y2")
+        self._weights(qtype, W2, nrows, ncols, what)
+        _need(y2, 4 * out_rows, f"{what} y2")
+        dy = _ptr(y2) - _ptr(y)
+        if dy % 4:
+            raise ValueError(f"{what}: y2 - y = {dy} bytes is not a whole number of floats")
+        return 2, _ptr(W2) - _ptr(W), dy // 4
+
+    def gemv_ids(self, qtype: int, W, x, y, nrows: int, ncols: int, ids, n_pairs: int, expert_bytes: int,
+                 x_group: int, x_stride: int, int8: bool = False, n_experts: int | None = None, W2=None, y2=None,
+                 stream: Stream | None = None) -> None:
+        """The MoE GEMV: for pair p < n_pairs, y[p, :nrows] = W_e x_p with e = ids[p] (int32, device), W_e at
+        W + e * expert_bytes ([nrows, ncols] each), x_p = x + (p // x_group) * x_stride (floats; with int8:
+        block_q8_1 of quantize_q8_1, x_stride in blocks). The ids are not read back: the caller makes them
+        (moe_route) < n_experts. ids[p] < 0 skips pair p and zeroes its row (the hybrid decode's CPU experts).
+        W2, y2: a second matrix of the same shape and type (expert e at W2 + e * expert_bytes: a SwiGLU's up
+        beside its gate) into y2 [n_pairs, nrows] in the same launch."""
+        what = "gemv_dp4a_ids" if int8 else "gemv_f32_ids"
+        suffix = self._weights(qtype, W, nrows, ncols, what)
+        if int8 and qtype == F32:
+            raise ValueError(f"{what}: f32 weights have no int8 path")
+        if not 0 < n_pairs <= MAX_PAIRS or x_group <= 0 or x_stride < 0:
+            raise ValueError(f"{what}: n_pairs = {n_pairs} (1…{MAX_PAIRS}), x_group = {x_group}, x_stride = {x_stride}")
+        if not int8 and (x_stride % 4 or _ptr(x) % 16):
+            raise ValueError(f"{what}: x and x_stride must keep rows 16-byte aligned")
+        if n_experts is not None:
+            _need(W, n_experts * expert_bytes, f"{what} W")
+        _need(ids, 4 * n_pairs, f"{what} ids")
+        _need(y, 4 * nrows * n_pairs, f"{what} y")
+        z, w_z, y_z = self._second(qtype, W, y, W2, y2, nrows, ncols, nrows * n_pairs, what)
+        mod = "gemv_dp4a" if int8 else "gemv_f32"
+        self.modules[mod].kernel(f"{mod}_{suffix}_ids").launch(
+            (self._grid(-(-nrows // GEMV_ROWS)), n_pairs, z), (GEMV_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols), ("ptr", _ptr(ids)),
+             ("i64", int(expert_bytes)), ("i32", x_group), ("i32", x_stride), ("i64", w_z), ("i64", y_z)],
+            stream=stream)
+
+    def gemv_dp4a(self, qtype: int, W, xq, y, nrows: int, ncols: int, W2=None, y2=None, nrows2: int | None = None,
+                  stream: Stream | None = None) -> None:
+        """y[nrows] = W[nrows, ncols] xq, xq: [ncols/32] block_q8_1 from quantize_q8_1; with W2 (a matrix of the
+        same type and width, nrows2 rows: default nrows) also y2 = W2 xq in the same launch."""
+        if qtype == F32:
+            raise ValueError("gemv_dp4a: f32 weights have no int8 path (use gemv_f32)")
+        suffix = self._weights(qtype, W, nrows, ncols, "gemv_dp4a")
+        _need(xq, ncols // 32 * Q8_1_BYTES, "gemv_dp4a xq")
+        _need(y, 4 * nrows, "gemv_dp4a y")
+        n2 = nrows if nrows2 is None else int(nrows2)
+        z, w_z, y_z = self._second(qtype, W, y, W2, y2, n2, ncols, n2, "gemv_dp4a")
+        self.modules["gemv_dp4a"].kernel(f"gemv_dp4a_{suffix}").launch(
+            (self._grid(-(-max(nrows, n2 if z == 2 else 0) // GEMV_ROWS)), 1, z), (GEMV_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(xq)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols), ("i64", w_z),
+             ("i64", y_z), ("i32", n2)], stream=stream)
+
+    def gemm_f32(self, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
+        """Y[ntok, nrows] = X[ntok, ncols] f32 times W[nrows, ncols]^T."""
+        _need(X, 4 * ncols * ntok, "gemm_f32 X")
+        _aligned16(X, "gemm_f32 X")
+        self._gemm("gemm_f32", qtype, W, X, Y, nrows, ncols, ntok, stream)
+
+    def gemm_dp4a(self, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
+        """Y[ntok, nrows] = xq[ntok, ncols/32] (block_q8_1 rows from one quantize_q8_1 of the [ntok, ncols] f32
+        activations) times W[nrows, ncols]^T, in int8 (W4A8/W8A8)."""
+        self._gemm_q8("gemm_dp4a", qtype, W, xq, Y, nrows, ncols, ntok, stream, GEMM_TT)
+
+    def gemm_mma(self, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
+        """gemm_dp4a on tensor cores (same arguments, same bits); only where has_mma (dp4a tier, sm_75+)."""
+        if not self.has_mma:
+            raise UnavailableError(f"gemm_mma: the {self.name} kernels have no int8 mma (the dp4a tier at "
+                                   f"compute_{MMA_ARCH}+ has)")
+        self._gemm_q8("gemm_mma", qtype, W, xq, Y, nrows, ncols, ntok, stream, GEMM_MMA_TT)
+
+    def _gemm_q8(self, mod: str, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream, tt: int) -> None:
+        """The int8 GEMMs' checks (quantised weights, xq of ntok Q8_1 rows), then their launch."""
+        if qtype == F32:
+            raise ValueError(f"{mod}: f32 weights have no int8 path (use gemm_f32)")
+        _need(xq, ntok * (ncols // 32) * Q8_1_BYTES, f"{mod} xq")
+        self._gemm(mod, qtype, W, xq, Y, nrows, ncols, ntok, stream, tt)
+
+    def _gemm(self, mod: str, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream,
+              tt: int = GEMM_TT) -> None:
+        """The launch the prefill GEMMs share (same arguments; tt tokens per block); X is checked by the caller."""
+        suffix = self._weights(qtype, W, nrows, ncols, mod)
+        if not 0 < ntok <= tt * MAX_GRID:
+            raise ValueError(f"{mod}: ntok = {ntok} outside 1…{tt * MAX_GRID}")
+        _need(Y, 4 * nrows * ntok, f"{mod} Y")
+        self.modules[mod].kernel(f"{mod}_{suffix}").launch(
+            (self._grid(-(-nrows // GEMM_ROWS)), -(-ntok // tt), 1), (GEMM_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
+            stream=stream)
+
+    @staticmethod
+    def group_tile(int8: bool, mma: bool) -> int:
+        """Pairs per tile of the grouped GEMM gemm_ids(int8, mma) runs: its work list (expert_tiles, moe_sort) must
+        be cut with this tile."""
+        return GEMM_MMA_TT if int8 and mma else GEMM_TT
+
+    @staticmethod
+    def expert_tiles(sorted_ids: np.ndarray, tile: int = GEMM_TT) -> np.ndarray:
+        """int32 [n_tiles, 3] (expert, first pair, count <= tile) over pairs sorted by expert: each expert's
+        run cut into tiles of `tile` pairs (gemm_ids' work list; group_tile)."""
+        ids = np.asarray(sorted_ids)
+        if ids.size and (np.diff(ids) < 0).any():
+            raise ValueError("expert_tiles: the ids must be sorted")
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if ids.size else np.zeros(0, dtype=np.int64)
+        ends = np.r_[starts[1:], ids.size]
+        out = [(int(ids[a]), p, min(tile, b - p)) for a, b in zip(starts, ends) for p in range(a, b, tile)]
+        return np.asarray(out, dtype=np.int32).reshape(-1, 3)
+
+    def gemm_ids(self, qtype: int, W, X, Y, nrows: int, ncols: int, tiles, n_tiles: int, expert_bytes: int,
+                 n_pairs: int, stream: Stream | None = None, int8: bool = False, mma: bool = False) -> None:
+        """The grouped expert GEMM: for each tile (e, p0, cnt) of `tiles` (device int32 [n_tiles, 3], from
+        expert_tiles with tile = group_tile(int8, mma): 32 pairs, 64 for gemm_mma), Y[p0:p0+cnt] = X[p0:p0+cnt]
+        W_e^T with W_e at W + e * expert_bytes; X [n_pairs, ncols] f32 rows sorted by expert, or with int8 their
+        block_q8_1 rows [n_pairs, ncols/32] (gemm_dp4a_*_ids, or with mma too gemm_mma_*_ids); Y [n_pairs, nrows].
+        The tiles live on the device (no check of their counts here): a longer tile than the kernel's leaves pairs
+        uncomputed."""
+        mod = ("gemm_mma" if mma else "gemm_dp4a") if int8 else "gemm_f32"
+        what = f"{mod}_ids" if int8 else "gemm_ids"
+        if mma and not (int8 and self.has_mma):
+            raise UnavailableError(f"gemm_mma_ids: needs int8 and a variant with the int8 mma, not {self.name}")
+        if int8 and qtype == F32:
+            raise ValueError(f"{what}: f32 weights have no int8 path")
+        suffix = self._weights(qtype, W, nrows, ncols, what)
+        if not 0 < n_tiles <= MAX_GRID:
+            raise ValueError(f"{what}: n_tiles = {n_tiles} outside 1…{MAX_GRID}")
+        if int8:
+            _need(X, n_pairs * (ncols // 32) * Q8_1_BYTES, f"{what} xq")
+        else:
+            _need(X, 4 * ncols * n_pairs, f"{what} X")
+            _aligned16(X, f"{what} X")
+        _need(Y, 4 * nrows * n_pairs, f"{what} Y")
+        _need(tiles, 12 * n_tiles, f"{what} tiles")
+        self.modules[mod].kernel(f"{mod}_{suffix}_ids").launch(
+            (self._grid(-(-nrows // GEMM_ROWS)), n_tiles, 1), (GEMM_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols),
+             ("ptr", _ptr(tiles)), ("i64", int(expert_bytes))], stream=stream)
