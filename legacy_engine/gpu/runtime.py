@@ -368,18 +368,3 @@ def time_ms(launch, reps: int, warmup: int = 1) -> float:
         launch()
     e1.record()
     return e0.elapsed_ms(e1) / reps
-
-
-def _aligned16(b, what: str) -> None:
-    """gemm_f32.cu reads X as float4: its address must be a multiple of 16 bytes (every Buffer is)."""
-    if _ptr(b) % 16:
-        raise ValueError(f"{what}: address {_ptr(b):#x} is not 16-byte aligned")
-
-
-def _ptr(b) -> int:
-    return 0 if b is None else (b.ptr if isinstance(b, Buffer) else int(b))
-
-
-def _need(buf, nbytes: int, what: str) -> None:
-    if isinstance(buf, Buffer) and buf.nbytes < nbytes:
-        raise ValueError(f"{what} needs {nbytes} bytes; the buffer has {buf.nbytes}")
