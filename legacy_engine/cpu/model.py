@@ -112,7 +112,7 @@ class Model:
         self.n_threads = n_threads or default_threads()
         if not 1 <= self.n_threads <= MAX_THREADS:
             raise ValueError(f"n_threads = {self.n_threads}, expected 1..{MAX_THREADS}")
-        self.faults = dict(_faults or {})   # the GPU engine (gpu_model.py) injects the same ones
+        self.faults = dict(_faults or {})   # the GPU engine (legacy_engine/gpu) injects the same ones
         self.file = ModelFile.open(path)
         hp = self.hparams = self.file.hparams
         if hp.arch == "qwen3next":

@@ -253,7 +253,7 @@ class GpuModel(ForwardOps):
     def sample_next(self, state: "GpuState", token: int, sampler, history: list[int] | None) -> int:
         """forward(state, [token]), then `sampler`'s draw from its logits -> the next token; history: the tokens
         seen, token included (the penalties' window). A planned decode step leaves its logits in VRAM and the
-        draw's candidates are chosen there (gpu_sample.DeviceSampler: the same token as Sampler.sample on the
+        draw's candidates are chosen there (gpu.sample.DeviceSampler: the same token as Sampler.sample on the
         downloaded row, for the same seed)."""
         if not self.plan:
             out = self.forward(state, [token])

@@ -88,9 +88,9 @@ CPU_PREFILL_GAIN = 1.0       # CPU prefill tok/s / CPU decode tok/s (one integer
 # 2026-11-25: pp2048 1,555 tok/s (uniform routing) where the probe alone predicts 1.86 s at 0.47, i.e. 0.66;
 # the first calibration (0.47, GEMVs per (token, expert) pair instead of the grouped GEMM) is superseded.
 GPU_PREFILL_EFF = 0.66
-GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu_model: 544 for 24 layers + head ≈ 22.5/layer
+GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu/forward.py: 544 for 24 layers + head ≈ 22.5/layer
 #                                     on the 0.8B incl. quantise/route; 14 is the MoE-free GDN average)
-# The hybrid decode (gpu_model._ffn_hybrid: the GPU and the CPU exchange each MoE layer through a host channel that
+# The hybrid decode (gpu/forward.py _ffn_hybrid: the GPU and the CPU exchange each MoE layer through a host channel that
 # both read and write directly, a token is one CUDA graph), calibrated on `bench split --strategies hybrid --reps 3`
 # (35B-A3B Q4_K_M, 6 GiB, H100 + 16 cores reading 52.3 GB/s, 2026-11-25 fifth session, the quietest run: 0.5 % of the
 # CPUs taken by the hypervisor): skewed routing (--router-skew 1.2) 10.8 ms per token at 12 threads, of which the
@@ -314,7 +314,7 @@ def _gpu_prefill(m: Machine, file, fp_decode, n: int, chunk: int, stream: bool, 
     for c0 in range(0, n, chunk):
         c = min(chunk, n - c0)
         share = expected_distinct(hp.n_expert, hp.n_expert_used, c) / hp.n_expert
-        overlap = share >= 0.5                     # gpu_model prefetches the layer ahead then
+        overlap = share >= 0.5                     # the GPU model prefetches the layer ahead then
         layer_compute = c * per_tok_flops / (m.gpu_gemm_tflops * 1e12) / max(n_layers, 1)
         for b in unpinned.values():
             t_copy = share * b / (m.link_gbps * 1e9)

@@ -187,7 +187,7 @@ def _gpu_probes(tier: str | None = None) -> dict:
 
         def timed(fn, reps):
             return gpu.time_ms(fn, reps) / 1e3
-        if tier == "dp4a":       # the prefill's GEMM there: int8 on Q8_1 activations (gpu_model int8_prefill)
+        if tier == "dp4a":       # the prefill's GEMM there: int8 on Q8_1 activations (GpuOptions.int8_prefill)
             with gpu.Buffer(ntok * cols // 32 * gpu.Q8_1_BYTES, "probe Xq") as xqm:
                 k.quantize_q8_1(X, xqm, ntok * cols)
                 gemm = k.gemm_mma if k.has_mma else k.gemm_dp4a

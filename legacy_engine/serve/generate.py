@@ -62,7 +62,7 @@ class Engine:
                  gpu_mma: bool | None = None, progress=None, check_tensors: bool = False):
         """mmap, numa: where the weights live; pin: worker threads pinned; check_tensors: every weight's values
         scanned at load (Model's arguments of the same names).
-        gpu: GPU-resident mode (gpu_model.GpuModel: the whole model in VRAM, prefill and decode on the GPU;
+        gpu: GPU-resident mode (gpu.model.GpuModel: the whole model in VRAM, prefill and decode on the GPU;
         gpu_tier 'fermi' | 'kepler' | 'dp4a' forces a kernel tier, gpu_int8 the DP4A decode GEMVs, gpu_graphs
         CUDA graphs for decode steps, gpu_mma the int8 prefill GEMMs on tensor cores; None = GpuModel's defaults; gpu_vram the VRAM budget in bytes, default
         free minus a margin: a model that does not fit runs split, planner.gpu_placement: experts streamed for GPU

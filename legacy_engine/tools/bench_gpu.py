@@ -1,4 +1,4 @@
-"""`legacy-engine bench gpu`: the GPU-resident engine (gpu_model.py) per kernel tier, next to llama.cpp's CUDA build.
+"""`legacy-engine bench gpu`: the GPU-resident engine (legacy_engine/gpu) per kernel tier, next to llama.cpp's CUDA build.
 
     legacy-engine bench gpu MODEL.gguf [--pp 512,2048] [--tg 64] [--reps 3] [--variants all|TIER-smARCH,...]
                                        [--llama PATH] [--sample temp=0.8,top_p=0.95|off] [--json]
@@ -110,7 +110,7 @@ def generation_vs_greedy(gm, st, ids, tg: int, reps: int, sample) -> dict:
             return time.perf_counter() - t0
         return run
     row = sampled_vs_greedy(*times_interleaved([generation(SamplingParams()), generation(sample)], reps), tg, sample)
-    ds = getattr(gm, "_sampler", None)      # draws from VRAM candidates / from the downloaded row (gpu_sample)
+    ds = getattr(gm, "_sampler", None)      # draws from VRAM candidates / from the downloaded row (gpu/sample.py)
     if ds is not None:
         row["device_sampling"] = dict(ds.stats)
     return row
@@ -201,7 +201,7 @@ def print_gpu(res: dict) -> None:
             f"{k} {sp[k]}" for k in ("temperature", "top_k", "top_p", "min_p", "seed")))
         ds = next((r["device_sampling"] for r in res["rows"] if "device_sampling" in r), None)
         if ds:
-            print(f"draws where the logits are (gpu_sample.py): from candidates {ds['candidates']}, through top-p's "
+            print(f"draws where the logits are (gpu/sample.py): from candidates {ds['candidates']}, through top-p's "
                   f"window {ds['window']}, from the downloaded row {ds['row']}")
 
 
