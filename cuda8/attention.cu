@@ -11,7 +11,7 @@
  *     launch: block ATTN_THREADS (128) x 1 x 1, grid n_head x n_split x 1 (n_split = ceil(n_keys / kps) <= 65535)
  *     pos_dev: NULL, or a device int holding the token's position: then n_keys = *pos_dev + 1, split over at
  *     most the grid's n_split blocks, at least ATTN_MIN_KEYS_PER_SPLIT keys each (attn_keys_per_split; a decode
- *     step replayed with fixed arguments, gpu_model.DecodePlan): the blocks past the last used split return and
+ *     step replayed with fixed arguments, a LaunchPlan): the blocks past the last used split return and
  *     the merge (given pos_dev too) reads only the used ones. Without pos_dev, splits left empty (keys_per_split
  *     * split >= n_keys) hand the merge m = NEG_BIG, l = 0, which weigh nothing
  *   attn_kv_store_f32(k, v, kc, vc, pos_dev, kvw)

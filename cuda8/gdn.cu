@@ -14,7 +14,7 @@
  *       S <- e^g S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q
  *     dt_bias, ssm_a: NULL (g and beta already gated by gdn_gates_f32), or [Hv] each: the gates taken here where a
  *     token's inputs are used (gdn_gates_f32's expressions: the same bits, one launch fewer; on the serial path
- *     of a long prefill they cost more than that launch, so gpu_model uses it for decode steps)
+ *     of a long prefill they cost more than that launch, so the GPU model uses it for decode steps)
  *     S: [Hv, dk, dv] f32, updated in place; o: [n, Hv*dv]; g, beta: [n, Hv]; dk <= GDN_MAX_DK
  *     launch: block GDN_THREADS (256) x 1 x 1, grid Hv x ceil(dv / GDN_COLS) x 1
  *   gdn_gated_rmsnorm_f32(o, z, w, y, yq, nrows, dv, eps)              y may be o

@@ -19,7 +19,7 @@
  *     scaled f32 updates. A 32-bit shared word carries 4 multiply-adds here against 1 in gemm_f32, whose
  *     limit is shared-memory traffic.
  * On tiers without __dp4a (fermi, kepler) le_dp4a is a byte loop: same results, compiled and tested there,
- * used by default only on the dp4a tier (gpu_model int8).
+ * used by default only on the dp4a tier (GpuOptions int8).
  * Reference (tests/test_gpu.py test_gemm_dp4a): dequantised W times dequantised xq plus m * (d8 * sum q8 - s8)
  * per sub-block, the bound of gemv_dp4a; the _ids form equals the plain form tile by tile, bit for bit.
  * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k gemm_dp4a

@@ -127,7 +127,7 @@ __device__ __forceinline__ void gemm_copy<le_t_f32w>(const uint8_t *W, size_t ro
 }
 
 /* This thread's 4 columns of step s's X tile: token t0 + tid / 8, columns 32 s + 4 (tid % 8) … (one float4: X is
- * 16-byte aligned and ncols % 32 == 0, gpu.py checks); tokens >= t_end read as 0. */
+ * 16-byte aligned and ncols % 32 == 0, the launcher checks); tokens >= t_end read as 0. */
 __device__ __forceinline__ float4 gemm_load_x(const float *LE_RESTRICT X, int ncols, int t_end, int t0, int s,
                                               int tid) {
     const int t = t0 + tid / 8;

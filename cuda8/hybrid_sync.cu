@@ -3,7 +3,7 @@
  * No host step per layer: a whole decode token is one launch sequence (one CUDA graph), and the CPU serves
  * the layers as they come (native/hybrid.c le_hybrid_serve).
  *
- * Reference: the host-side version it replaces (gpu_model._ffn_hybrid before 2026-11-25e) and native/hybrid.c:
+ * Reference: the host-side version it replaces (the GPU model's _ffn_hybrid before 2026-11-25e) and native/hybrid.c:
  *   hybrid_publish_f32(h, ids, w, pin_idx, extra_idx, n_link, pred, n_early, meta, slot, chan, E, k)   k <= 32
  *     h: [E] device, the layer's normed input;  ids, w: [k] moe_route's choice (device);
  *     pin_idx: [n_expert] int32, expert -> its index among the layer's pinned experts, -1 where not pinned
@@ -45,7 +45,7 @@
  *     launch: block HYBRID_THREADS (256) x 1 x 1, grid 1 x 1 x 1
  * Every access to the channel is volatile (the CPU writes it while kernels run: nothing may be cached).
  * Tiers: all (zero-copy reads and writes of page-locked memory and __threadfence_system are sm_20's; clock64
- * too). Needs unified addressing (64-bit host, every CUDA 8+ driver): gpu_model checks the device attribute.
+ * too). Needs unified addressing (64-bit host, every CUDA 8+ driver): legacy_engine/gpu checks the device attribute.
  * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k hybrid_sync
  */
 #include "compat.cuh"

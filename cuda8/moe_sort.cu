@@ -9,7 +9,7 @@
  *       tiles [max_tiles, 3] = (expert, first sorted pair, count <= tile) for each expert's run cut in pieces of
  *         `tile` pairs (1 .. MOE_SORT_MAX_TILE: the grouped GEMM's tokens per block, 32, or 64 for gemm_mma;
  *         gpu.Kernels.expert_tiles), then (0, 0, 0) up to max_tiles (an empty tile: the GEMM's block returns);
- *         max_tiles >= ceil(n_pairs / tile) + min(n_expert, n_pairs) (gpu.py checks);
+ *         max_tiles >= ceil(n_pairs / tile) + min(n_expert, n_pairs) (the launcher checks);
  *       counts [n_expert] int32 += the pairs of each expert (routing statistics, read when the pass is done).
  *     launch: block MOE_SORT_THREADS (256) x 1 x 1, grid 1 x 1 x 1
  * One block: per-expert counts by shared-memory atomics, an exclusive scan by one thread (n_expert steps),

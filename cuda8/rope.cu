@@ -9,9 +9,9 @@
  *     w: [hd] the norm weight (GGUF holds 1 + w);  cs: [n, half] float2 (cos, sin) of token t's
  *        angles, slot i rotating (x[i], x[i + half]); half = n_rot/2 <= hd/2
  *     pos_dev: NULL, or a device int p: token t then reads row p + t of cs (cs = the whole table; a decode
- *        step replayed with fixed arguments, gpu_model.DecodePlan)
+ *        step replayed with fixed arguments, a LaunchPlan)
  *     launch: block ROPE_THREADS (128) x 1 x 1, grid min(n*n_heads, 65535) x 1 x 1 (head rows grid-strided)
- * The angles come from a table the host fills once per model (legacy_engine/gpu_model.py rope_table:
+ * The angles come from a table the host fills once per model (legacy_engine/gpu/scratch.py rope_table:
  * p_i * theta^(-2i/n_rot) in f64 with IMRoPE's per-slot position, cos/sin rounded to f32, exactly
  * as rope.c computes them), so the GPU sees the reference's very cos/sin values; only the norm's
  * sum of squares is ordered differently (f32 block tree vs f64) and the rotation may contract to FMA.
