@@ -138,20 +138,26 @@ class Session:
         self.state.reset()
         self.tokens = []
 
-    def _forward(self, ids: list[int], all_logits: bool, chunked: bool) -> np.ndarray:
+    def _run(self, ids: list[int], run):
+        """run() on the session's state for ids, after checking them (refused before anything runs: the session
+        keeps its state); a failed run may have updated some layers: the state is no longer trusted, it is reset."""
         n_vocab = self.engine.model.hparams.n_vocab
         bad = [t for t in ids if not (isinstance(t, (int, np.integer)) and 0 <= t < n_vocab)]
-        if bad:  # refused before anything runs: the session keeps its state
+        if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {n_vocab})")
         try:
+            return run()
+        except EngineError:
+            self.reset()
+            raise
+
+    def _forward(self, ids: list[int], all_logits: bool, chunked: bool) -> np.ndarray:
+        def run():
             out = self.engine.model.forward(self.state, ids, all_logits=all_logits, chunked=chunked)
             if self.engine.model is not self.engine.cpu_model:   # Model.forward checks its own rows
                 check_logits(out, self.state.pos - out.shape[0])
             return out
-        except EngineError:
-            # a failed forward may have updated some layers: the state is no longer trustworthy
-            self.reset()
-            raise
+        return self._run(ids, run)
 
     def prefill(self, ids: list[int], all_logits: bool = False, chunked: bool = True,
                 cancel: Callable[[], bool] | None = None) -> np.ndarray:
@@ -179,16 +185,21 @@ class Session:
         self.timings.prefill_s += time.perf_counter() - t0
         return np.concatenate(outs) if all_logits else outs[-1][0]
 
-    def decode(self, token: int) -> np.ndarray:
-        """One token through the recurrent path -> logits float32[n_vocab]."""
+    def _step(self, token: int, run):
+        """One token after what the session holds: run() -> its result, the context checked before, the token
+        kept and timed after."""
         if self.pos + 1 > self.state.n_ctx:
             raise ContextLengthError(f"the context of {self.state.n_ctx} tokens is full")
         t0 = time.perf_counter()
-        out = self._forward([token], all_logits=False, chunked=False)
+        out = run()
         self.tokens.append(token)
         self.timings.decode_tokens += 1
         self.timings.decode_s += time.perf_counter() - t0
-        return out[0]
+        return out
+
+    def decode(self, token: int) -> np.ndarray:
+        """One token through the recurrent path -> logits float32[n_vocab]."""
+        return self._step(token, lambda: self._forward([token], all_logits=False, chunked=False))[0]
 
     def decode_next(self, token: int, sampler: Sampler) -> int:
         """decode(token), then sampler's draw from its logits -> the next token. A model with sample_next (the GPU
@@ -196,20 +207,8 @@ class Session:
         step = getattr(self.engine.model, "sample_next", None)
         if step is None:
             return sampler.sample(self.decode(token), self.tokens)
-        if self.pos + 1 > self.state.n_ctx:
-            raise ContextLengthError(f"the context of {self.state.n_ctx} tokens is full")
-        if not (isinstance(token, (int, np.integer)) and 0 <= token < self.engine.model.hparams.n_vocab):
-            raise ValueError(f"token id {token!r} is outside the vocabulary [0, {self.engine.model.hparams.n_vocab})")
-        t0 = time.perf_counter()
-        try:
-            nxt = step(self.state, token, sampler, self.tokens + [token])
-        except EngineError:
-            self.reset()       # as _forward: a failed step leaves no trustworthy state
-            raise
-        self.tokens.append(token)
-        self.timings.decode_tokens += 1
-        self.timings.decode_s += time.perf_counter() - t0
-        return nxt
+        return self._step(token, lambda: self._run([token], lambda: step(self.state, token, sampler,
+                                                                           self.tokens + [token])))
 
     def stream(self, prompt: str | list[int], max_tokens: int = 128, params: SamplingParams | None = None,
                stop: list[str] | None = None, result: list | None = None) -> Iterator[str]:
