@@ -1441,9 +1441,7 @@ int le_sample_cand(const int32_t *ids, const float *x, int64_t n_cand, int64_t n
     const int top_k = p.top_k > 0 && p.top_k < n_vocab;
     int rc = check_args("le_sample_cand", xs, n_cand, NULL, NULL, 0, &p, rest, rest_bytes);
     if (rc != LE_OK) return rc;
-    const int greedy = p.temperature == 0 || !isfinite(1.0 / p.temperature);
     *token = -1;
-    if (!greedy && top_k && p.top_k > n_cand) return LE_OK;   /* the top-k set reaches past them */
     if (!top_k) p.top_k = 0;
     if (!top_k && n_cand >= SAMPLE_MIN_N) p.flags |= LE_SAMPLE_FORCE_ALL;   /* the estimate assumes a whole row */
     scratch_t s;
@@ -1453,6 +1451,7 @@ int le_sample_cand(const int32_t *ids, const float *x, int64_t n_cand, int64_t n
     plan_t pl;
     rc = plan_sample(k, xs, n_cand, &p, top_k ? 0.0 : total, &s, &pl);
     if (rc != LE_OK) return rc;
+    if (!pl.greedy && top_k && p.top_k > n_cand) return LE_OK;   /* the top-k set reaches past them */
     /* with top-k the kept set lies in the top-k set, which they hold; else no token left behind may be kept */
     if (!pl.greedy && !top_k && n_cand < n_vocab && rest_max > -INFINITY && kid_of(rest_max, 0) <= pl.cut)
         return LE_OK;   /* the caller samples the whole row */
