@@ -11,67 +11,10 @@
 
 #include "le_internal.h"
 #include "le_ops.h"
+#include "le_schema.h"
 
-static const char *slot_name[LE_W_COUNT] = {
-    "token_embd", "output_norm", "output", "attn_norm", "post_attention_norm",
-    "attn_qkv", "attn_gate", "ssm_conv1d", "ssm_dt", "ssm_a", "ssm_beta", "ssm_alpha", "ssm_norm", "ssm_out",
-    "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-    "ffn_gate", "ffn_up", "ffn_down",
-    "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
-    "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp",
-};
-
-/* Slots read directly as f32 arrays by the ops (small: norms, conv taps, gates). */
-static int needs_f32(int slot) {
-    switch (slot) {
-    case LE_W_OUTPUT_NORM: case LE_W_ATTN_NORM: case LE_W_POST_NORM: case LE_W_SSM_CONV: case LE_W_SSM_DT:
-    case LE_W_SSM_A: case LE_W_SSM_NORM: case LE_W_Q_NORM: case LE_W_K_NORM: case LE_W_GATE_INP_SHEXP:
-        return 1;
-    default:
-        return 0;
-    }
-}
-
-/* The shape a slot must have: ne0, ne1, ne2 (1 where unused). Returns 0 for slots the
- * layer does not use. */
-static int expected_shape(const le_hparams *hp, int layer, int slot, int64_t ne[3]) {
-    int E = hp->n_embd, hd = hp->head_dim, V = hp->n_vocab;
-    int conv_dim = 2 * hp->ssm_n_group * hp->ssm_d_state + hp->ssm_d_inner, Hv = hp->ssm_dt_rank;
-    int rec = layer >= 0 && hp->recurrent[layer], moe = hp->n_expert > 0;
-    ne[0] = ne[1] = ne[2] = 1;
-#define SHAPE(a, b, c) (ne[0] = (a), ne[1] = (b), ne[2] = (c), 1)
-    if (layer < 0) {
-        switch (slot) {
-        case LE_W_TOKEN_EMBD: case LE_W_OUTPUT: return SHAPE(E, V, 1);
-        case LE_W_OUTPUT_NORM: return SHAPE(E, 1, 1);
-        default: return 0;
-        }
-    }
-    switch (slot) {
-    case LE_W_ATTN_NORM: case LE_W_POST_NORM: return SHAPE(E, 1, 1);
-    case LE_W_GDN_QKV: return rec && SHAPE(E, conv_dim, 1);
-    case LE_W_GDN_GATE: return rec && SHAPE(E, hp->ssm_d_inner, 1);
-    case LE_W_SSM_CONV: return rec && SHAPE(hp->ssm_conv_kernel, conv_dim, 1);
-    case LE_W_SSM_DT: case LE_W_SSM_A: return rec && SHAPE(Hv, 1, 1);
-    case LE_W_SSM_BETA: case LE_W_SSM_ALPHA: return rec && SHAPE(E, Hv, 1);
-    case LE_W_SSM_NORM: return rec && SHAPE(hp->ssm_d_inner / Hv, 1, 1);
-    case LE_W_SSM_OUT: return rec && SHAPE(hp->ssm_d_inner, E, 1);
-    case LE_W_Q: return !rec && SHAPE(E, 2 * hp->n_head * hd, 1);
-    case LE_W_K: case LE_W_V: return !rec && SHAPE(E, hp->n_head_kv * hd, 1);
-    case LE_W_O: return !rec && SHAPE(hp->n_head * hd, E, 1);
-    case LE_W_Q_NORM: case LE_W_K_NORM: return !rec && SHAPE(hd, 1, 1);
-    case LE_W_FFN_GATE: case LE_W_FFN_UP: return !moe && SHAPE(E, hp->n_ff, 1);
-    case LE_W_FFN_DOWN: return !moe && SHAPE(hp->n_ff, E, 1);
-    case LE_W_GATE_INP: return moe && SHAPE(E, hp->n_expert, 1);
-    case LE_W_GATE_EXPS: case LE_W_UP_EXPS: return moe && SHAPE(E, hp->n_ff_exp, hp->n_expert);
-    case LE_W_DOWN_EXPS: return moe && SHAPE(hp->n_ff_exp, E, hp->n_expert);
-    case LE_W_GATE_INP_SHEXP: return moe && hp->n_ff_shexp && SHAPE(E, 1, 1);
-    case LE_W_GATE_SHEXP: case LE_W_UP_SHEXP: return moe && hp->n_ff_shexp && SHAPE(E, hp->n_ff_shexp, 1);
-    case LE_W_DOWN_SHEXP: return moe && hp->n_ff_shexp && SHAPE(hp->n_ff_shexp, E, 1);
-    default: return 0;
-    }
-#undef SHAPE
-}
+/* A slot's name in messages: its standard GGUF tensor (schema.c). */
+static const char *slot_name(int slot) { return le_schema_slot(slot)->name; }
 
 int le_model_create(const le_hparams *hp, int n_threads, le_model **out) {
     *out = NULL;
@@ -145,22 +88,22 @@ int le_model_set_weight(le_model *m, int layer, int slot, const void *data, int 
     if (layer < -1 || layer >= m->hp.n_layer) return LE_FAIL(LE_ERR_INVALID_ARG, "layer %d out of range", layer);
     if (slot < 0 || slot >= LE_W_COUNT) return LE_FAIL(LE_ERR_INVALID_ARG, "weight slot %d out of range", slot);
     int64_t want[3];
-    if (!expected_shape(&m->hp, layer, slot, want))
-        return LE_FAIL(LE_ERR_INVALID_ARG, "layer %d does not use weight %s", layer, slot_name[slot]);
+    if (!le_schema_slot_shape(&m->hp, layer, slot, want))
+        return LE_FAIL(LE_ERR_INVALID_ARG, "layer %d does not use weight %s", layer, slot_name(slot));
     if (ne0 != want[0] || ne1 != want[1] || ne2 != want[2])
         return LE_FAIL(LE_ERR_FORMAT, "layer %d %s: ne = [%lld, %lld, %lld], expected [%lld, %lld, %lld]", layer,
-                       slot_name[slot], (long long)ne0, (long long)ne1, (long long)ne2, (long long)want[0],
+                       slot_name(slot), (long long)ne0, (long long)ne1, (long long)ne2, (long long)want[0],
                        (long long)want[1], (long long)want[2]);
     const le_type_traits_t *tr = le_get_type_traits(type);
     if (!tr || !tr->dequantize_row)
         return LE_FAIL(LE_ERR_UNSUPPORTED, "layer %d %s: ggml type %d has no kernel in this engine", layer,
-                       slot_name[slot], type);
-    if (needs_f32(slot) && type != LE_TYPE_F32)
+                       slot_name(slot), type);
+    if ((le_schema_slot(slot)->flags & LE_T_F32) && type != LE_TYPE_F32)
         return LE_FAIL(LE_ERR_UNSUPPORTED, "layer %d %s: must be F32 (found %s); llama.cpp's converter writes it as F32",
-                       layer, slot_name[slot], tr->name);
+                       layer, slot_name(slot), tr->name);
     if (ne0 % tr->block_size)
         return LE_FAIL(LE_ERR_FORMAT, "layer %d %s: row of %lld is not a multiple of %s's block %d", layer,
-                       slot_name[slot], (long long)ne0, tr->name, tr->block_size);
+                       slot_name(slot), (long long)ne0, tr->name, tr->block_size);
     le_weight *w = layer < 0 ? &m->global[slot] : &m->layer[layer][slot];
     w->data = data;
     w->tr = tr;
@@ -181,12 +124,13 @@ int le_model_set_int8(le_model *m, int on) {
 
 int le_model_finalize(le_model *m) {
     int64_t ne[3];
-    for (int s = 0; s < 3; s++)
-        if (s != LE_W_OUTPUT && !m->global[s].data) return LE_FAIL(LE_ERR_FORMAT, "weight %s is not set", slot_name[s]);
+    for (int s = 0; s < LE_W_ATTN_NORM; s++)
+        if (!(le_schema_slot(s)->flags & LE_T_OPTIONAL) && !m->global[s].data)
+            return LE_FAIL(LE_ERR_FORMAT, "weight %s is not set", slot_name(s));
     for (int l = 0; l < m->hp.n_layer; l++)
         for (int s = LE_W_ATTN_NORM; s < LE_W_COUNT; s++)
-            if (expected_shape(&m->hp, l, s, ne) && !m->layer[l][s].data)
-                return LE_FAIL(LE_ERR_FORMAT, "layer %d: weight %s is not set", l, slot_name[s]);
+            if (le_schema_slot_shape(&m->hp, l, s, ne) && !m->layer[l][s].data)
+                return LE_FAIL(LE_ERR_FORMAT, "layer %d: weight %s is not set", l, slot_name(s));
     return LE_OK;
 }
 

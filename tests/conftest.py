@@ -156,3 +156,36 @@ def forced_isa(request):
     _native.set_isa(isa)
     yield isa
     _native.set_isa(prev)
+
+
+# ---- tiny vision checkpoints converted by llama.cpp (test_mmproj.py; the vision tower's tests)
+@pytest.fixture(scope="session")
+def tiny_vision_gguf(llama_cpp_src, llama_cpp_convert, tmp_path_factory):
+    """tiny_vision_gguf(kind="dense"|"moe", outtype="f32"|"f16", seed=0) -> (hf_dir, text_gguf, mmproj_gguf): a
+    tests/fixtures/tiny_vision checkpoint and llama.cpp's conversion of it (the text model with --no-mtp; the mmproj
+    with --mmproj, which refuses --no-mtp for *ForConditionalGeneration), made once a session."""
+    from fixtures.tiny_vision import make_tiny_vision
+
+    root = tmp_path_factory.mktemp("tiny_vision")
+    wrapper = root / "convert_qwen35_tiny.py"
+    wrapper.write_text(_WRAPPER)
+    made: dict[tuple, tuple[Path, Path, Path]] = {}
+
+    def get(kind: str = "dense", outtype: str = "f32", seed: int = 0) -> tuple[Path, Path, Path]:
+        key = (kind, outtype, seed)
+        if key not in made:
+            hf = root / f"{kind}-s{seed}"
+            if not (hf / "config.json").is_file():
+                make_tiny_vision(kind, hf, seed=seed)
+            text = llama_cpp_convert(hf, root / f"{kind}-s{seed}-{outtype}.gguf", outtype)
+            mmproj = root / f"mmproj-{kind}-s{seed}-{outtype}.gguf"
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(llama_cpp_src / "gguf-py"), str(llama_cpp_src)]))
+            env.pop("NO_LOCAL_GGUF", None)
+            r = subprocess.run([sys.executable, str(wrapper), str(llama_cpp_src), str(hf), "--outfile", str(mmproj),
+                                "--outtype", outtype, "--mmproj"], env=env, capture_output=True, encoding="utf-8",
+                               errors="replace", timeout=600)
+            if r.returncode != 0:
+                raise AssertionError(f"llama.cpp's converter (--mmproj) failed ({r.returncode}):\n{r.stderr[-3000:]}")
+            made[key] = (hf, text, mmproj)
+        return made[key]
+    return get

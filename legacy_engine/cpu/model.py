@@ -18,23 +18,7 @@ from . import cpu_load
 from .threads import default_threads, pin_decision
 from ..core.errors import ContextLengthError, FormatError, UnavailableError
 from ..format.gguf_model import ModelFile, check_tensor_values
-
-# GGUF tensor suffix -> C weight slot, per layer (spec §3.3)
-LAYER_SLOTS = {
-    "attn_norm.weight": "LE_W_ATTN_NORM", "post_attention_norm.weight": "LE_W_POST_NORM",
-    "attn_gate.weight": "LE_W_GDN_GATE", "ssm_conv1d.weight": "LE_W_SSM_CONV", "ssm_dt.bias": "LE_W_SSM_DT",
-    "ssm_a": "LE_W_SSM_A", "ssm_beta.weight": "LE_W_SSM_BETA", "ssm_alpha.weight": "LE_W_SSM_ALPHA",
-    "ssm_norm.weight": "LE_W_SSM_NORM", "ssm_out.weight": "LE_W_SSM_OUT",
-    "attn_q.weight": "LE_W_Q", "attn_k.weight": "LE_W_K", "attn_v.weight": "LE_W_V",
-    "attn_output.weight": "LE_W_O", "attn_q_norm.weight": "LE_W_Q_NORM", "attn_k_norm.weight": "LE_W_K_NORM",
-    "ffn_gate.weight": "LE_W_FFN_GATE", "ffn_up.weight": "LE_W_FFN_UP", "ffn_down.weight": "LE_W_FFN_DOWN",
-    "ffn_gate_inp.weight": "LE_W_GATE_INP", "ffn_gate_exps.weight": "LE_W_GATE_EXPS",
-    "ffn_up_exps.weight": "LE_W_UP_EXPS", "ffn_down_exps.weight": "LE_W_DOWN_EXPS",
-    "ffn_gate_inp_shexp.weight": "LE_W_GATE_INP_SHEXP", "ffn_gate_shexp.weight": "LE_W_GATE_SHEXP",
-    "ffn_up_shexp.weight": "LE_W_UP_SHEXP", "ffn_down_shexp.weight": "LE_W_DOWN_SHEXP",
-}
-GLOBAL_SLOTS = {"token_embd.weight": "LE_W_TOKEN_EMBD", "output_norm.weight": "LE_W_OUTPUT_NORM",
-                "output.weight": "LE_W_OUTPUT"}
+from ..format.schema import Weight, native_hparams, weights
 
 DEFAULT_CTX = 4096
 MAX_THREADS = 1024     # native/threads.c's pool
@@ -51,32 +35,6 @@ def parse_numa(value: str | None) -> tuple[str, int]:
         if n.isdigit():
             return "node", int(n)
     raise ValueError(f"numa={value!r}: expected 'interleave', 'node:N' (N a node number, e.g. node:0) or 'off'")
-
-
-# le_hparams field -> the GGUF key (after "{arch}.") it comes from, for error messages
-HPARAM_KEYS = {"n_layer": "block_count", "n_embd": "embedding_length", "n_head": "attention.head_count",
-               "n_head_kv": "attention.head_count_kv", "head_dim": "attention.key_length",
-               "n_rot": "rope.dimension_count", "ssm_conv_kernel": "ssm.conv_kernel", "ssm_d_state": "ssm.state_size",
-               "ssm_n_group": "ssm.group_count", "ssm_dt_rank": "ssm.time_step_rank", "ssm_d_inner": "ssm.inner_size",
-               "n_ff": "feed_forward_length", "n_expert": "expert_count", "n_expert_used": "expert_used_count",
-               "n_ff_exp": "expert_feed_forward_length", "n_ff_shexp": "expert_shared_feed_forward_length"}
-
-
-def native_hparams(hp, faults: dict | None = None) -> dict:
-    """The le_hparams fields of a file's hyperparameters; FormatError for a value no C int holds (a hostile
-    file: n_vocab = 2**31 rows of token_embd.weight, say), before anything reaches the C core."""
-    c = dict(n_layer=hp.n_layer, n_embd=hp.n_embd, n_vocab=hp.n_vocab, n_head=hp.n_head,
-             n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, n_rot=hp.n_rot, rope_theta=hp.rope_theta,
-             rms_eps=hp.rms_eps, ssm_conv_kernel=hp.ssm_conv_kernel, ssm_d_state=hp.ssm_d_state,
-             ssm_n_group=hp.ssm_n_group, ssm_dt_rank=hp.ssm_dt_rank, ssm_d_inner=hp.ssm_d_inner,
-             gdn_tiled=0 if (faults or {}).get("gdn_grouped") else 1, n_ff=hp.n_ff, n_expert=hp.n_expert,
-             n_expert_used=hp.n_expert_used, n_ff_exp=hp.n_ff_exp, n_ff_shexp=hp.n_ff_shexp,
-             faults=_native.fault_bits(faults or {}))
-    for k, v in c.items():
-        if isinstance(v, int) and not 0 <= v <= _native.INT_MAX:
-            src = "rows of token_embd.weight" if k == "n_vocab" else f"{hp.arch}.{HPARAM_KEYS.get(k, k)}"
-            raise FormatError(f"{k} = {v} ({src}) is more than this engine handles ({_native.INT_MAX}, a C int)")
-    return c
 
 
 def check_logits(logits: np.ndarray, first_pos: int) -> None:
@@ -138,47 +96,27 @@ class Model:
         self.load_report.update(threads=self.n_threads, pinning=self.pin_why,
                                 cpu_load=self.cpu_load.as_dict() if self.cpu_load else None)
 
-    def _set(self, layer: int, slot: str, name: str, rows: tuple[int, int] | None = None, nb2: int = 0,
-             ne1: int | None = None) -> None:
-        t = self.file.tensors[name]
+    def _set(self, layer: int, w: Weight) -> None:
+        """Hands slot w of `layer` to the C core: the tensor's bytes in the map, or a row range of a fused one
+        (inside every expert of a 3-D one: the experts keep their stride)."""
+        t = self.file.tensors[w.tensor]
         ne = list(t.ne) + [1] * (3 - len(t.ne))
         while len(ne) > 3 and ne[-1] == 1:
             ne.pop()
-        offset = 0
-        if rows is not None:  # a row range of a fused tensor
+        offset, nb2 = 0, 0
+        if w.rows is not None:
             row_bytes = t.n_bytes // (ne[1] * ne[2])
-            offset = rows[0] * row_bytes
-            ne[1] = rows[1] - rows[0]
-        if ne1 is not None:
-            ne[1] = ne1
-        self.native.set_weight(layer, slot, self.file.gguf.data(name), t.type, ne[0], ne[1], ne[2], nb2, offset,
-                               what=name)
+            offset = w.rows[0] * row_bytes
+            nb2 = t.n_bytes // ne[2] if ne[2] > 1 else 0
+            ne[1] = w.rows[1] - w.rows[0]
+        self.native.set_weight(layer, w.slot_id, self.file.gguf.data(w.tensor), t.type, ne[0], ne[1], ne[2], nb2,
+                               offset, what=w.tensor)
 
     def _set_weights(self) -> None:
-        hp, tensors = self.hparams, self.file.tensors
-        for name, slot in GLOBAL_SLOTS.items():
-            if name in tensors:
-                self._set(-1, slot, name)
-        for i in range(hp.n_layer):
-            p = f"blk.{i}."
-            for suffix, slot in LAYER_SLOTS.items():
-                if p + suffix in tensors:
-                    self._set(i, slot, p + suffix)
-            if hp.recurrent[i]:
-                self._set(i, "LE_W_GDN_QKV", p + "attn_qkv.weight")
-            elif p + "attn_qkv.weight" in tensors:  # fused Q+gate | K | V of an attention layer
-                q = 2 * hp.n_head * hp.head_dim
-                kv = hp.n_head_kv * hp.head_dim
-                self._set(i, "LE_W_Q", p + "attn_qkv.weight", rows=(0, q))
-                self._set(i, "LE_W_K", p + "attn_qkv.weight", rows=(q, q + kv))
-                self._set(i, "LE_W_V", p + "attn_qkv.weight", rows=(q + kv, q + 2 * kv))
-            if p + "ffn_gate_up_exps.weight" in tensors:  # fused gate|up experts: rows [0,ff) gate, [ff,2ff) up
-                name = p + "ffn_gate_up_exps.weight"
-                t = tensors[name]
-                ff = hp.n_ff_exp
-                stride = t.n_bytes // hp.n_expert
-                self._set(i, "LE_W_GATE_EXPS", name, rows=(0, ff), nb2=stride)
-                self._set(i, "LE_W_UP_EXPS", name, rows=(ff, 2 * ff), nb2=stride)
+        # every slot of every layer from the tensor the schema names (format/schema.py)
+        for layer in range(-1, self.hparams.n_layer):
+            for w in weights(self.hparams, layer, self.file.tensors):
+                self._set(layer, w)
 
     def new_state(self, n_ctx: int = DEFAULT_CTX) -> _native.NativeState:
         if not 1 <= n_ctx <= _native.INT_MAX:

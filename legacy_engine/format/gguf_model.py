@@ -3,8 +3,9 @@ schema of each architecture, and strict validation against it.
 
 `ModelFile(path)` opens a GGUF (structurally validated by gguf_file), reads the
 hyperparameters (spec §3.2), and checks that every tensor the architecture needs is
-present with the expected shape (spec §3.3). The same schema (`expected_tensors`) is
-what make-model writes, so the writer and the reader cannot disagree.
+present with the expected shape (spec §3.3: the schema of format/schema.py, the C core's
+table). The same schema (`expected_tensors`) is what make-model writes, so the writer and
+the reader cannot disagree.
 
 `check_tensor_values` (--check-tensors) reads every tensor once more: the f16 scales of every
 quantised block and every value of f32/f16/bf16 tensors must be finite (llama.cpp's
@@ -21,8 +22,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..core.errors import FormatError
 from .gguf_file import PROGRESS_MIN_BYTES, GGUFFile, TensorInfo
+from .schema import ARCHITECTURES, groups
 
-ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 MOE_ARCHITECTURES = ("qwen35moe", "qwen3next")
 
 
@@ -84,7 +85,7 @@ class Hparams:
         return d
 
 
-def _get(meta: dict, path: str, key: str, kind, default=None, required=True):
+def meta_value(meta: dict, path: str, key: str, kind, default=None, required=True):
     """meta[key] as int/float/list, or default; FormatError naming the key otherwise."""
     if key not in meta:
         if required and default is None:
@@ -106,7 +107,7 @@ def _get(meta: dict, path: str, key: str, kind, default=None, required=True):
     return v
 
 
-def _positive(path: str, name: str, v: int) -> int:
+def positive(path: str, name: str, v: int) -> int:
     if v <= 0:
         raise FormatError(f"{path}: {name} = {v}, expected > 0")
     return v
@@ -122,46 +123,46 @@ def read_hparams(meta: dict, tensors: dict[str, TensorInfo], path: str = "<model
         raise FormatError(f"{path}: architecture {arch!r} is not supported "
                           f"(legacy_engine runs {', '.join(ARCHITECTURES)})")
     a = arch
-    n_layer_all = _positive(path, f"{a}.block_count", _get(meta, path, f"{a}.block_count", int))
-    n_nextn = _get(meta, path, f"{a}.nextn_predict_layers", int, 0)
+    n_layer_all = positive(path, f"{a}.block_count", meta_value(meta, path, f"{a}.block_count", int))
+    n_nextn = meta_value(meta, path, f"{a}.nextn_predict_layers", int, 0)
     if n_nextn >= n_layer_all:
         raise FormatError(f"{path}: {a}.nextn_predict_layers = {n_nextn} leaves no layer of "
                           f"{a}.block_count = {n_layer_all} to run")
-    n_embd = _positive(path, f"{a}.embedding_length", _get(meta, path, f"{a}.embedding_length", int))
-    n_head = _positive(path, f"{a}.attention.head_count", _get(meta, path, f"{a}.attention.head_count", int))
-    n_head_kv = _get(meta, path, f"{a}.attention.head_count_kv", int, n_head)
+    n_embd = positive(path, f"{a}.embedding_length", meta_value(meta, path, f"{a}.embedding_length", int))
+    n_head = positive(path, f"{a}.attention.head_count", meta_value(meta, path, f"{a}.attention.head_count", int))
+    n_head_kv = meta_value(meta, path, f"{a}.attention.head_count_kv", int, n_head)
     if n_head_kv <= 0 or n_head % n_head_kv:
         raise FormatError(f"{path}: {a}.attention.head_count_kv = {n_head_kv} must divide head_count = {n_head}")
-    head_dim = _get(meta, path, f"{a}.attention.key_length", int, n_embd // n_head)
-    head_dim_v = _get(meta, path, f"{a}.attention.value_length", int, head_dim)
-    _positive(path, f"{a}.attention.key_length", head_dim)
+    head_dim = meta_value(meta, path, f"{a}.attention.key_length", int, n_embd // n_head)
+    head_dim_v = meta_value(meta, path, f"{a}.attention.value_length", int, head_dim)
+    positive(path, f"{a}.attention.key_length", head_dim)
     if head_dim_v != head_dim:
         raise FormatError(f"{path}: {a}.attention.value_length = {head_dim_v} differs from key_length = "
                           f"{head_dim}; Qwen3.5 attention has equal key and value head sizes")
-    rms_eps = _get(meta, path, f"{a}.attention.layer_norm_rms_epsilon", float)
+    rms_eps = meta_value(meta, path, f"{a}.attention.layer_norm_rms_epsilon", float)
     if not 0 < rms_eps < 1:
         raise FormatError(f"{path}: {a}.attention.layer_norm_rms_epsilon = {rms_eps}, expected in (0, 1)")
-    rope_theta = _get(meta, path, f"{a}.rope.freq_base", float, 10000.0)
+    rope_theta = meta_value(meta, path, f"{a}.rope.freq_base", float, 10000.0)
     if not rope_theta > 0:
         raise FormatError(f"{path}: {a}.rope.freq_base = {rope_theta}, expected > 0")
-    n_rot = _get(meta, path, f"{a}.rope.dimension_count", int, head_dim)
+    n_rot = meta_value(meta, path, f"{a}.rope.dimension_count", int, head_dim)
     if n_rot <= 0 or n_rot > head_dim or n_rot % 2:
         raise FormatError(f"{path}: {a}.rope.dimension_count = {n_rot}, expected even and in (0, {head_dim}]")
     if a == "qwen3next":
         sections = (0, 0, 0, 0)
     else:
-        sec = _get(meta, path, f"{a}.rope.dimension_sections", list)
+        sec = meta_value(meta, path, f"{a}.rope.dimension_sections", list)
         if len(sec) != 4 or not all(isinstance(s, int) and s >= 0 for s in sec):
             raise FormatError(f"{path}: {a}.rope.dimension_sections = {sec!r:.60}, expected 4 integers >= 0")
         if sum(sec) > n_rot // 2:
             raise FormatError(f"{path}: {a}.rope.dimension_sections {sec} cover more than n_rot/2 = {n_rot // 2}")
         sections = tuple(sec)
 
-    k = _positive(path, f"{a}.ssm.conv_kernel", _get(meta, path, f"{a}.ssm.conv_kernel", int))
-    d_state = _positive(path, f"{a}.ssm.state_size", _get(meta, path, f"{a}.ssm.state_size", int))
-    n_group = _positive(path, f"{a}.ssm.group_count", _get(meta, path, f"{a}.ssm.group_count", int))
-    dt_rank = _positive(path, f"{a}.ssm.time_step_rank", _get(meta, path, f"{a}.ssm.time_step_rank", int))
-    d_inner = _positive(path, f"{a}.ssm.inner_size", _get(meta, path, f"{a}.ssm.inner_size", int))
+    k = positive(path, f"{a}.ssm.conv_kernel", meta_value(meta, path, f"{a}.ssm.conv_kernel", int))
+    d_state = positive(path, f"{a}.ssm.state_size", meta_value(meta, path, f"{a}.ssm.state_size", int))
+    n_group = positive(path, f"{a}.ssm.group_count", meta_value(meta, path, f"{a}.ssm.group_count", int))
+    dt_rank = positive(path, f"{a}.ssm.time_step_rank", meta_value(meta, path, f"{a}.ssm.time_step_rank", int))
+    d_inner = positive(path, f"{a}.ssm.inner_size", meta_value(meta, path, f"{a}.ssm.inner_size", int))
     if dt_rank % n_group:
         raise FormatError(f"{path}: ssm.time_step_rank (H_v = {dt_rank}) must be a multiple of "
                           f"ssm.group_count (H_k = {n_group})")
@@ -174,13 +175,13 @@ def read_hparams(meta: dict, tensors: dict[str, TensorInfo], path: str = "<model
     n_layer = n_layer_all - n_nextn
     rec_key = f"{a}.attention.recurrent_layers"
     if rec_key in meta:
-        rec = _get(meta, path, rec_key, list)
+        rec = meta_value(meta, path, rec_key, list)
         if len(rec) < n_layer:
             raise FormatError(f"{path}: {rec_key} has {len(rec)} entries, {n_layer} layers expected")
         recurrent = tuple(bool(r) for r in rec[:n_layer])
     else:
-        interval = _get(meta, path, f"{a}.full_attention_interval", int, 4)
-        _positive(path, f"{a}.full_attention_interval", interval)
+        interval = meta_value(meta, path, f"{a}.full_attention_interval", int, 4)
+        positive(path, f"{a}.full_attention_interval", interval)
         recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
 
     emb = tensors.get("token_embd.weight")
@@ -198,16 +199,16 @@ def read_hparams(meta: dict, tensors: dict[str, TensorInfo], path: str = "<model
 
     kw = {}
     if a in MOE_ARCHITECTURES:
-        n_expert = _positive(path, f"{a}.expert_count", _get(meta, path, f"{a}.expert_count", int))
-        n_used = _positive(path, f"{a}.expert_used_count", _get(meta, path, f"{a}.expert_used_count", int))
+        n_expert = positive(path, f"{a}.expert_count", meta_value(meta, path, f"{a}.expert_count", int))
+        n_used = positive(path, f"{a}.expert_used_count", meta_value(meta, path, f"{a}.expert_used_count", int))
         if n_used > n_expert:
             raise FormatError(f"{path}: {a}.expert_used_count = {n_used} exceeds expert_count = {n_expert}")
-        n_ff = _get(meta, path, f"{a}.feed_forward_length", int, 0, required=False)
-        n_ff_exp = _get(meta, path, f"{a}.expert_feed_forward_length", int, 0, required=False)
+        n_ff = meta_value(meta, path, f"{a}.feed_forward_length", int, 0, required=False)
+        n_ff_exp = meta_value(meta, path, f"{a}.expert_feed_forward_length", int, 0, required=False)
         if n_ff_exp == 0:
             n_ff_exp = n_ff // n_used if n_ff else 0
-        _positive(path, f"{a}.expert_feed_forward_length", n_ff_exp)
-        n_ff_shexp = _get(meta, path, f"{a}.expert_shared_feed_forward_length", int, 0, required=False)
+        positive(path, f"{a}.expert_feed_forward_length", n_ff_exp)
+        n_ff_shexp = meta_value(meta, path, f"{a}.expert_shared_feed_forward_length", int, 0, required=False)
         up_s = tensors.get("blk.0.ffn_up_shexp.weight")
         if n_ff_shexp == 0 and up_s is not None:
             if not n_ff and len(up_s.ne) < 2:
@@ -216,11 +217,11 @@ def read_hparams(meta: dict, tensors: dict[str, TensorInfo], path: str = "<model
             n_ff_shexp = n_ff or up_s.ne[1]
         kw.update(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp)
     else:
-        kw["n_ff"] = _positive(path, f"{a}.feed_forward_length", _get(meta, path, f"{a}.feed_forward_length", int))
+        kw["n_ff"] = positive(path, f"{a}.feed_forward_length", meta_value(meta, path, f"{a}.feed_forward_length", int))
 
     return Hparams(
         arch=a, n_layer_all=n_layer_all, n_nextn=n_nextn,
-        n_ctx_train=_get(meta, path, f"{a}.context_length", int),
+        n_ctx_train=meta_value(meta, path, f"{a}.context_length", int),
         n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, head_dim_v=head_dim_v,
         rms_eps=rms_eps, rope_theta=rope_theta, n_rot=n_rot, rope_sections=sections,
         ssm_conv_kernel=k, ssm_d_state=d_state, ssm_n_group=n_group, ssm_dt_rank=dt_rank,
@@ -228,78 +229,21 @@ def read_hparams(meta: dict, tensors: dict[str, TensorInfo], path: str = "<model
         tied_embeddings="output.weight" not in tensors, **kw)
 
 
-# ---- the tensor schema --------------------------------------------------------------
-
-# One group = alternatives; each alternative maps tensor name -> ne (ggml order).
-Alternative = dict[str, tuple[int, ...]]
-
-
-@dataclass
-class Group:
-    what: str
-    alternatives: list[Alternative]
-    optional: bool = False
-
-
-def layer_schema(hp: Hparams, i: int) -> list[Group]:
-    """What layer i must hold (spec §3.3). The first alternative is the standard layout."""
-    p, E = f"blk.{i}.", hp.n_embd
-    g = [Group("norms", [{p + "attn_norm.weight": (E,), p + "post_attention_norm.weight": (E,)}])]
-    if hp.recurrent[i]:
-        H_v, val, conv = hp.ssm_dt_rank, hp.ssm_d_inner, hp.conv_dim
-        common = {p + "ssm_conv1d.weight": (hp.ssm_conv_kernel, conv), p + "ssm_dt.bias": (H_v,),
-                  p + "ssm_a": (H_v,), p + "ssm_norm.weight": (hp.d_v,), p + "ssm_out.weight": (val, E)}
-        g.append(Group("gated deltanet", [common]))
-        split = {p + "attn_qkv.weight": (E, conv), p + "attn_gate.weight": (E, val)}
-        if hp.arch == "qwen3next":
-            g.append(Group("gdn input projection", [split, {p + "ssm_in.weight": (E, conv + val)}]))
-            g.append(Group("gdn beta/alpha", [{p + "ssm_ba.weight": (E, 2 * H_v)}]))
-        else:
-            g.append(Group("gdn input projection", [split]))
-            g.append(Group("gdn beta/alpha", [{p + "ssm_beta.weight": (E, H_v), p + "ssm_alpha.weight": (E, H_v)}]))
-    else:
-        hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
-        g.append(Group("attention", [{p + "attn_output.weight": (nh * hd, E), p + "attn_q_norm.weight": (hd,),
-                                      p + "attn_k_norm.weight": (hd,)}]))
-        g.append(Group("attention projections", [
-            {p + "attn_q.weight": (E, 2 * nh * hd), p + "attn_k.weight": (E, nkv * hd), p + "attn_v.weight": (E, nkv * hd)},
-            {p + "attn_qkv.weight": (E, 2 * nh * hd + 2 * nkv * hd)}]))
-    if hp.is_moe:
-        ne, ff = hp.n_expert, hp.n_ff_exp
-        g.append(Group("router", [{p + "ffn_gate_inp.weight": (E, ne)}]))
-        g.append(Group("experts", [
-            {p + "ffn_gate_exps.weight": (E, ff, ne), p + "ffn_up_exps.weight": (E, ff, ne),
-             p + "ffn_down_exps.weight": (ff, E, ne)},
-            {p + "ffn_gate_up_exps.weight": (E, 2 * ff, ne), p + "ffn_down_exps.weight": (ff, E, ne)}]))
-        if hp.n_ff_shexp:
-            sf = hp.n_ff_shexp
-            g.append(Group("shared expert", [{p + "ffn_gate_inp_shexp.weight": (E,),
-                                              p + "ffn_gate_shexp.weight": (E, sf), p + "ffn_up_shexp.weight": (E, sf),
-                                              p + "ffn_down_shexp.weight": (sf, E)}]))
-    else:
-        g.append(Group("feed-forward", [{p + "ffn_gate.weight": (E, hp.n_ff), p + "ffn_up.weight": (E, hp.n_ff),
-                                         p + "ffn_down.weight": (hp.n_ff, E)}]))
-    return g
-
-
-def global_schema(hp: Hparams) -> list[Group]:
-    g = [Group("embeddings", [{"token_embd.weight": (hp.n_embd, hp.n_vocab), "output_norm.weight": (hp.n_embd,)}]),
-         Group("lm head", [{"output.weight": (hp.n_embd, hp.n_vocab)}], optional=True)]
-    return g
+# ---- the tensor schema (format/schema.py: the C core's table) ------------------------
 
 
 def expected_tensors(hp: Hparams) -> dict[str, tuple[int, ...]]:
     """The standard layout: every tensor name -> ne that a file of these hparams holds
     (first alternative of each group; output.weight only when not tied)."""
     out: dict[str, tuple[int, ...]] = {}
-    for grp in global_schema(hp) + [x for i in range(hp.n_layer) for x in layer_schema(hp, i)]:
+    for grp in [x for i in range(-1, hp.n_layer) for x in groups(hp, i)]:
         if grp.optional and hp.tied_embeddings:
             continue
         out.update(grp.alternatives[0])
     return out
 
 
-def _same_shape(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
+def same_shape(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
     # trailing 1s are not significant (a {2048, 1} vector is a {2048} vector)
     h = list(have)
     while len(h) > len(want) and h[-1] == 1:
@@ -311,10 +255,12 @@ def check_schema(hp: Hparams, tensors: dict[str, TensorInfo], path: str = "<mode
     """Checks every group; returns {group description: chosen alternative index}.
     Raises FormatError naming the first missing or misshapen tensor."""
     chosen = {}
-    groups = [(None, g) for g in global_schema(hp)]
-    groups += [(i, g) for i in range(hp.n_layer) for g in layer_schema(hp, i)]
-    for layer, grp in groups:
-        where = f"{grp.what}" + (f" of layer {layer}" if layer is not None else "")
+    try:
+        every = [(i, g) for i in range(-1, hp.n_layer) for g in groups(hp, i)]
+    except FormatError as e:
+        raise FormatError(f"{path}: {e}") from None
+    for layer, grp in every:
+        where = f"{grp.what}" + (f" of layer {layer}" if layer >= 0 else "")
         pick = next((k for k, alt in enumerate(grp.alternatives) if all(n in tensors for n in alt)), None)
         if pick is None:
             if grp.optional:
@@ -326,7 +272,7 @@ def check_schema(hp: Hparams, tensors: dict[str, TensorInfo], path: str = "<mode
             raise FormatError(f"{path}: {where}: required tensor {missing[0]!r} is missing{alts}")
         for name, want in grp.alternatives[pick].items():
             have = tensors[name].ne
-            if not _same_shape(have, want):
+            if not same_shape(have, want):
                 raise FormatError(f"{path}: tensor {name!r} has ne={list(have)}, expected {list(want)} "
                                   f"(from the hyperparameters)")
         chosen[where] = pick

@@ -155,20 +155,20 @@ class ForwardOps:
         o = self.scratch.buf("o", 4 * n * hp.ssm_d_inner).ptr
         beta = self.scratch.buf("beta", 4 * n * Hv).ptr
         g = self.scratch.buf("g", 4 * n * Hv).ptr
-        self._mm2(L["qkv"], L["z"], h, qkv, z, n, hq)
-        self._mm2(L["beta"], L["alpha"], h, beta, g, n, hq)
-        k.conv1d_silu(qkv, L["conv"], st.conv_ptr(si), u, n, conv_dim, hp.ssm_conv_kernel)
+        self._mm2(L["attn_qkv"], L["attn_gate"], h, qkv, z, n, hq)
+        self._mm2(L["ssm_beta"], L["ssm_alpha"], h, beta, g, n, hq)
+        k.conv1d_silu(qkv, L["ssm_conv1d"], st.conv_ptr(si), u, n, conv_dim, hp.ssm_conv_kernel)
         k.gdn_l2norm_qk(u, n, conv_dim, Hk, dk)
         if n > 1:          # a long recurrence: the gates in a launch of their own (on its serial path they cost more)
-            k.gdn_gates(beta, g, L["dt"], L["a"], n, Hv)
+            k.gdn_gates(beta, g, L["ssm_dt"], L["ssm_a"], n, Hv)
         k.gdn_recurrent(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, tiled=not self._faults.get("gdn_grouped"),
-                        dt_bias=L["dt"] if n == 1 else None, ssm_a=L["a"] if n == 1 else None)
+                        dt_bias=L["ssm_dt"] if n == 1 else None, ssm_a=L["ssm_a"] if n == 1 else None)
         # a decode step's norm also writes o's Q8_1 where the out projection runs int8 (no quantize launch of its
         # own; in a 2048-token pass the fused form took 5 ms more than quantize_q8_1's launch, H200)
-        oq = self.scratch.buf("oq", hp.ssm_d_inner // 32 * gpu.Q8_1_BYTES).ptr if n == 1 and self._int8_for(L["out"], n) \
+        oq = self.scratch.buf("oq", hp.ssm_d_inner // 32 * gpu.Q8_1_BYTES).ptr if n == 1 and self._int8_for(L["ssm_out"], n) \
             else None
         k.gdn_gated_rmsnorm(o, z, L["ssm_norm"], o, n * Hv, dv, hp.rms_eps, yq=oq)
-        self._mm(L["out"], o, y, n, oq)
+        self._mm(L["ssm_out"], o, y, n, oq)
 
     def _attention_planned(self, L: dict, h: int, hq, st: "GpuState", si: int, y: int) -> None:
         """One token whose position is the device int st.io[1]: every argument independent of the position."""
@@ -179,16 +179,16 @@ class ForwardOps:
         o = self.scratch.buf("ao", 4 * nh * hd).ptr
         kb, vb = self.scratch.buf("kb", 4 * kvw).ptr, self.scratch.buf("vb", 4 * kvw).ptr
         kc, vc, pos_dev = st.k_ptr(si), st.v_ptr(si), st.io.ptr + 4
-        self._mm(L["q"], h, qg, 1, hq)
-        self._mm2(L["k"], L["v"], h, kb, vb, 1, hq)
+        self._mm(L["attn_q"], h, qg, 1, hq)
+        self._mm2(L["attn_k"], L["attn_v"], h, kb, vb, 1, hq)
         cs = self.scratch.rope_cs(st.n_ctx).ptr
-        k.qk_norm_rope(qg, L["q_norm"], cs, 1, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps, pos_dev=pos_dev)
-        k.qk_norm_rope(kb, L["k_norm"], cs, 1, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps, pos_dev=pos_dev)
+        k.qk_norm_rope(qg, L["attn_q_norm"], cs, 1, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps, pos_dev=pos_dev)
+        k.qk_norm_rope(kb, L["attn_k_norm"], cs, 1, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps, pos_dev=pos_dev)
         k.kv_store(kb, vb, kc, vc, pos_dev, kvw)
         n_split = k.attn_splits(st.n_ctx)[0]
         part = self.scratch.buf("attn_part", k.attn_partials_bytes(nh, hd, gpu.ATTN_MAX_SPLIT)).ptr
         k.attention_decode(qg, kc, vc, o, part, st.n_ctx, nh, nkv, hd, n_split=n_split, pos_dev=pos_dev)
-        self._mm(L["o"], o, y, 1)
+        self._mm(L["attn_output"], o, y, 1)
 
     def _attention(self, L: dict, h: int, hq, n: int, st: "GpuState", si: int, y: int) -> None:
         hp, k = self.hparams, self.k
@@ -199,19 +199,19 @@ class ForwardOps:
         o = self.scratch.buf("ao", 4 * n * nh * hd).ptr
         kc, vc = st.k_ptr(si), st.v_ptr(si)
         kn, vn = kc + 4 * pos * kvw, vc + 4 * pos * kvw   # this batch's cache rows
-        self._mm(L["q"], h, qg, n, hq)
-        self._mm(L["k"], h, kn, n, hq)
-        self._mm(L["v"], h, vn, n, hq)
+        self._mm(L["attn_q"], h, qg, n, hq)
+        self._mm(L["attn_k"], h, kn, n, hq)
+        self._mm(L["attn_v"], h, vn, n, hq)
         cs = self.scratch.rope_cs(st.n_ctx).ptr + 4 * pos * hp.n_rot   # rows pos.. of [n_ctx, n_rot/2, 2]
-        k.qk_norm_rope(qg, L["q_norm"], cs, n, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps)
-        k.qk_norm_rope(kn, L["k_norm"], cs, n, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps)
+        k.qk_norm_rope(qg, L["attn_q_norm"], cs, n, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps)
+        k.qk_norm_rope(kn, L["attn_k_norm"], cs, n, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps)
         if n == 1:
             n_split, _ = k.attn_splits(pos + 1)
             part = self.scratch.buf("attn_part", k.attn_partials_bytes(nh, hd, n_split)).ptr
             k.attention_decode(qg, kc, vc, o, part, pos + 1, nh, nkv, hd, n_split=n_split)
         else:
             k.attention_prefill(qg, kc, vc, o, n, pos, nh, nkv, hd)
-        self._mm(L["o"], o, y, n)
+        self._mm(L["attn_output"], o, y, n)
 
     def _ffn(self, L: dict, h: int, hq, n: int, y: int) -> None:
         hp, k = self.hparams, self.k
@@ -221,9 +221,9 @@ class ForwardOps:
             self.scratch.arena_open("ffn")
             g = self.scratch.buf("ffg", 4 * n * ff).ptr
             u = self.scratch.buf("ffu", 4 * n * ff).ptr
-            self._mm2(L["gate"], L["up"], h, g, u, n, hq)
+            self._mm2(L["ffn_gate"], L["ffn_up"], h, g, u, n, hq)
             k.swiglu(g, u, g, n * ff)
-            self._mm(L["down"], g, y, n)
+            self._mm(L["ffn_down"], g, y, n)
             return
         if n == 1 and self.cpu_experts:
             return self._ffn_hybrid(L, h, hq, y)
@@ -237,7 +237,7 @@ class ForwardOps:
         u = self.scratch.buf("eu", 4 * pairs * ff).ptr
         sort = n > 1 and self.sort_pairs
         yd = None if sort else self.scratch.buf("ed", 4 * pairs * E).ptr     # sorted: the outputs stay in xg (pinv)
-        self._mm(L["router"], h, logits, n, hq)
+        self._mm(L["ffn_gate_inp"], h, logits, n, hq)
         k.moe_route(logits, ids, wts, n, ne, kk)
         base = 0
         # the grouped GEMMs' work list made on the GPU (moe_sort): no host wait, where the host needs no ids
@@ -282,7 +282,7 @@ class ForwardOps:
         if sort and self.grouped:
             self._grouped_experts(L, base, xg, g, u, pairs, ptiles, n_tiles, xq)   # output in xg (sorted)
         else:
-            addr = {w: base + L[w].ptr for w in ("gate_exps", "up_exps", "down_exps")}
+            addr = {w: base + L[w].ptr for w in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
             self._pair_gemvs(L, addr, x_tok, hq if not sort else None, g, u, xg if sort else yd, eids, pairs,
                              x_group)
         self._mark("routed experts")
@@ -318,7 +318,7 @@ class ForwardOps:
         ids = self.scratch.buf("hy_ids", 4 * kk).ptr
         wts = self.scratch.buf("hy_wts", 4 * kk).ptr
         logits = self.scratch.buf("router", 4 * ne).ptr
-        self._mm(L["router"], h, logits, 1, hq)
+        self._mm(L["ffn_gate_inp"], h, logits, 1, hq)
         k.moe_route(logits, ids, wts, 1, ne, kk)
         la = hy["lookahead"]
         parity = int(np.searchsorted(hy["layers"], i)) % 2        # the early buffer's half this layer uses
@@ -328,7 +328,7 @@ class ForwardOps:
                          n_early=n_early, extra_idx=hy["extra_idx"].ptr + 4 * i * ne if extra else None)
         if la and i in la["from"]:    # the next MoE layer's experts predicted from this h (the CPU prefetches them)
             j = la["from"][i]
-            k.hybrid_predict(self.layers[j]["router"].ptr, h, la["scales"] + 4 * E * i, la["logits"], ne, E)
+            k.hybrid_predict(self.layers[j]["ffn_gate_inp"].ptr, h, la["scales"] + 4 * E * i, la["logits"], ne, E)
             k.hybrid_predict_publish(la["logits"], ne, min(LOOKAHEAD_PRED, ne), hy["pin_idx"].ptr + 4 * j * ne
                                      if self.pinned.get(j) else None, la["pred"] + 4 * gpu.HY_PRED_MAX * j,
                                      chan + 4 * hy["layout"].slot_offset(j), chan, E, kk)
@@ -348,11 +348,11 @@ class ForwardOps:
         if pinned:         # rows 1..kk: the pinned experts (gids: index in the pin store)
             store = self.res.pin_store[i].ptr
             addr = {w: store + self.res.pin_off[names[w]] + L[w].ptr - self.res.stage_offset[names[w]]
-                    for w in ("gate_exps", "up_exps", "down_exps")}
+                    for w in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
             self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * E, meta, kk, kk)
         if link or n_early or extra:  # rows kk+1..2kk: early, fetched and extra experts (lslots: their staging slot)
             addr = {w: staged[names[w]] + L[w].ptr - self.res.stage_offset[names[w]]
-                    for w in ("gate_exps", "up_exps", "down_exps")}
+                    for w in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
             self._pair_gemvs(L, addr, h, hq, g, u, rows + 4 * (1 + kk) * E, meta + 8 * kk, kk, kk)
         k.hybrid_wait(slot, chan, rows, E, kk, HYBRID_WAIT_CYCLES)
         n_rows = 1 + kk * (2 if link or n_early or extra else 1 if pinned else 0)
@@ -370,26 +370,26 @@ class ForwardOps:
         < 0: the pair is skipped, its row zero)."""
         hp, k = self.hparams, self.k
         E, ff = hp.n_embd, hp.n_ff_exp
-        int8 = self.int8 and L["gate_exps"].qtype != gpu.F32
+        int8 = self.int8 and L["ffn_gate_exps"].qtype != gpu.F32
         x, xs = x_rows, E
         if int8:
             x, xs = xq, E // 32
             if x is None:         # several rows: quantise each (tokens, or gathered pairs)
                 x = self._q8_1(x_rows, pairs // x_group * E, "xq_tok")
-        wg, wu = L["gate_exps"], L["up_exps"]
+        wg, wu = L["ffn_gate_exps"], L["ffn_up_exps"]
         if (wg.qtype, wg.nrows, wg.ncols, wg.expert_bytes) == (wu.qtype, wu.nrows, wu.ncols, wu.expert_bytes):
-            k.gemv_ids(wg.qtype, addr["gate_exps"], x, g, wg.nrows, wg.ncols, eids, pairs, wg.expert_bytes, x_group,
-                       xs, int8=int8, W2=addr["up_exps"], y2=u)       # gate and up in one launch
+            k.gemv_ids(wg.qtype, addr["ffn_gate_exps"], x, g, wg.nrows, wg.ncols, eids, pairs, wg.expert_bytes, x_group,
+                       xs, int8=int8, W2=addr["ffn_up_exps"], y2=u)       # gate and up in one launch
         else:
-            for w, a, o in ((wg, addr["gate_exps"], g), (wu, addr["up_exps"], u)):
+            for w, a, o in ((wg, addr["ffn_gate_exps"], g), (wu, addr["ffn_up_exps"], u)):
                 k.gemv_ids(w.qtype, a, x, o, w.nrows, w.ncols, eids, pairs, w.expert_bytes, x_group, xs, int8=int8)
         k.swiglu(g, u, g, pairs * ff)
-        w = L["down_exps"]
+        w = L["ffn_down_exps"]
         int8d = self.int8 and w.qtype != gpu.F32
         xd, xds = g, ff
         if int8d:
             xd, xds = self._q8_1(g, pairs * ff, "xq_down"), ff // 32
-        k.gemv_ids(w.qtype, addr["down_exps"], xd, out, w.nrows, w.ncols, eids, pairs, w.expert_bytes, 1, xds,
+        k.gemv_ids(w.qtype, addr["ffn_down_exps"], xd, out, w.nrows, w.ncols, eids, pairs, w.expert_bytes, 1, xds,
                    int8=int8d)
 
     def _shared_and_combine(self, L: dict, h: int, hq, n: int, yd: int, wts: int, y: int, rows=None) -> None:
@@ -409,16 +409,16 @@ class ForwardOps:
             su = self.scratch.buf("su", 4 * n * fs).ptr
             sh = self.scratch.buf("sh", 4 * n * E).ptr
             shg = self.scratch.buf("shg", 4 * n).ptr
-            self._mm2(L["sh_gate"], L["sh_up"], h, sg, su, n, hq)
+            self._mm2(L["ffn_gate_shexp"], L["ffn_up_shexp"], h, sg, su, n, hq)
             k.swiglu(sg, su, sg, n * fs)
-            self._mm(L["sh_down"], sg, sh, n)
-            self._mm(L["sh_gate_inp"], h, shg, n, hq)
+            self._mm(L["ffn_down_shexp"], sg, sh, n)
+            self._mm(L["ffn_gate_inp_shexp"], h, shg, n, hq)
         return sh, shg
 
     def _group_tile(self, L: dict) -> int:
         """Pairs per tile of layer L's grouped expert GEMMs (their work list is cut to it): gemm_mma's 64 where all
         three expert matrices run on it, else 32."""
-        mma = self.mma and all(L[w].qtype != gpu.F32 for w in ("gate_exps", "up_exps", "down_exps"))
+        mma = self.mma and all(L[w].qtype != gpu.F32 for w in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
         return gpu.Kernels.group_tile(self.int8_prefill, mma)
 
     def _gather_hq(self, L: dict, hq, ptok: int, pairs: int) -> int | None:
@@ -426,7 +426,7 @@ class ForwardOps:
         bits as quantising the gathered f32 rows: no f32 gather, no quantise pass) -> its address, or None where
         the experts read f32 rows (not grouped, f32 weights, no hq, rows not in 16-byte words)."""
         rb = self.hparams.n_embd // 32 * gpu.Q8_1_BYTES
-        if not (self.grouped and self.int8_prefill and L["gate_exps"].qtype != gpu.F32 and hq is not None
+        if not (self.grouped and self.int8_prefill and L["ffn_gate_exps"].qtype != gpu.F32 and hq is not None
                 and rb % 16 == 0):
             return None
         xq = self.scratch.buf("xq_tok", pairs * rb).ptr
@@ -439,17 +439,17 @@ class ForwardOps:
         xq, their Q8_1 rows gathered already: _gather_hq), the down projection's output in xg [pairs, E] (sorted
         order); g, u [pairs, ff] scratch."""
         k, ff, E = self.k, self.hparams.n_ff_exp, self.hparams.n_embd
-        int8 = self.int8_prefill and L["gate_exps"].qtype != gpu.F32
+        int8 = self.int8_prefill and L["ffn_gate_exps"].qtype != gpu.F32
         mma = self._group_tile(L) == gpu.GEMM_MMA_TT        # then every matrix here is int8
         x = xg
         if int8:       # one Q8_1 copy of the gathered rows for gate and up
             x = xq if xq is not None else self._q8_1(xg, pairs * E, "xq_tok")
-        for wname, out in (("gate_exps", g), ("up_exps", u)):
+        for wname, out in (("ffn_gate_exps", g), ("ffn_up_exps", u)):
             w = L[wname]
             k.gemm_ids(w.qtype, base + w.ptr, x, out, w.nrows, w.ncols, tiles, n_tiles, w.expert_bytes, pairs,
                        int8=int8, mma=mma)
         k.swiglu(g, u, g, pairs * ff)
-        w = L["down_exps"]
+        w = L["ffn_down_exps"]
         int8d = self.int8_prefill and w.qtype != gpu.F32
         xd = g
         if int8d:

@@ -115,7 +115,7 @@ class HybridChannel:
                                            "GPU can fetch experts only from page-locked memory")
                 dev0 = _native.gpu_host_device_pointer(self.gm.res.map_base)
                 host_dev = {n: dev0 + (a - self.gm.res.map_base) for n, a in self.gm.res.host_addr.items()}
-            moe = [L["index"] for L in self.gm.layers if "router" in L]
+            moe = [L["index"] for L in self.gm.layers if "ffn_gate_inp" in L]
             self.ch = {"buf": pb, "arr": arr, "ptr": int(_native.ffi.cast("uintptr_t", pb.ptr)), "layout": lay,
                        "host_dev": host_dev,
                        "pin_idx": gpu.Buffer.from_array(self.gm.res.pin_table(), "hybrid pin indices"), "seq": 0,
@@ -164,17 +164,17 @@ class HybridChannel:
             regions = [{}, {}]
             for p in (0, 1):
                 for L in self.gm.layers:
-                    if "router" not in L:
+                    if "ffn_gate_inp" not in L:
                         continue
-                    for t, w in enumerate(("gate_exps", "up_exps", "down_exps")):
+                    for t, w in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
                         regions[p][L["exp_tensor"][w]] = base + ((3 * p + t) * n) * slot
             hy["early_regions"], hy["early_stride"] = regions, 3 * n * slot
         return hy["early_regions"]
 
     def _early_slot_bytes(self) -> int:
         """The largest expert of any expert tensor (a slot of the early buffer)."""
-        return max(L[w].expert_bytes for L in self.gm.layers if "router" in L
-                   for w in ("gate_exps", "up_exps", "down_exps"))
+        return max(L[w].expert_bytes for L in self.gm.layers if "ffn_gate_inp" in L
+                   for w in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
 
     def early(self) -> dict | None:
         """le_hybrid_serve's early config: the copy stream and, per layer and gate/up/down, the staging address of
@@ -189,7 +189,7 @@ class HybridChannel:
             regions = self.early_regions()
             for i in hy["layers"]:
                 L = self.gm.layers[int(i)]
-                for t, w in enumerate(("gate_exps", "up_exps", "down_exps")):
+                for t, w in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
                     name = L["exp_tensor"][w]
                     if L[w].ptr != self.gm.res.stage_offset[name]:
                         raise UnavailableError(f"early_experts: layer {i}'s {w} is part of a fused tensor")

@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 
 from ..core.errors import PlanningError
+from ..format.schema import weights
 from .launch import ATTN_MAX_SPLIT, F32, GPU_TYPES, Q8_1_BYTES
 
 
@@ -70,11 +71,9 @@ def resident_names(file, stream_experts: bool = False) -> list:
 
 
 def expert_tensors(file, layer: int) -> list[str]:
-    """The routed-expert tensors of a layer, in file order ([n_expert, rows, cols] each)."""
-    p = f"blk.{layer}."
-    names = [p + s for s in ("ffn_gate_up_exps.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
-                             "ffn_down_exps.weight")]
-    return [n for n in names if n in file.tensors]
+    """The routed-expert tensors of a layer ([n_expert, rows, cols] each): the file's alternative, in the schema's
+    order."""
+    return list(dict.fromkeys(w.tensor for w in weights(file.hparams, layer, file.tensors) if w.expert))
 
 
 def f32_routers(file) -> bool:

@@ -330,7 +330,7 @@ class GpuModel(ForwardOps):
             else:
                 self._attention(L, h, hq, n, st, si, y)
                 self._mark("attention")
-            k.add_rmsnorm(x, y, L["post_norm"], h, hq, E, n, hp.rms_eps)      # residual add, norm, Q8_1: one launch
+            k.add_rmsnorm(x, y, L["post_attention_norm"], h, hq, E, n, hp.rms_eps)      # residual add, norm, Q8_1: one launch
             self._ffn(L, h, hq, n, y)
             if i + 1 < len(self.layers):
                 k.add_rmsnorm(x, y, self.layers[i + 1]["attn_norm"], h, hq, E, n, hp.rms_eps)

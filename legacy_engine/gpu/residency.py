@@ -13,6 +13,7 @@ import numpy as np
 from .. import gpu
 from ..core import _native
 from ..core.errors import EngineError, UnavailableError
+from ..format.schema import weights
 from .layout import ALLOC_GRANULE, align_up, expert_tensors, expected_distinct
 
 # The streamed prefill puts a layer's pinned experts into its staging (beside the copied ones: the grouped GEMMs read
@@ -21,6 +22,9 @@ from .layout import ALLOC_GRANULE, align_up, expert_tensors, expected_distinct
 # skewed, 2048 tokens, 6 GiB, H200, alternated in one process, .lebench pinab): 6,089 vs 5,885 tok/s, the GPU
 # waiting for expert copies 14 vs 26 ms a prefill.
 PIN_COPY_KERNEL = True
+
+# f32 vectors the forward runs as a one-row matrix (_W), not as an array: the shared expert's gate [E]
+MATRIX_VECTORS = {"ffn_gate_inp_shexp"}
 
 
 def consecutive_runs(ids) -> list[tuple[int, int]]:
@@ -178,56 +182,23 @@ class Residency:
         self.embd = self._w("token_embd.weight")    # in VRAM, or read from host memory (embd_where)
         self.out_norm = self._f32("output_norm.weight")
         self.head = self._w("output.weight") if "output.weight" in T else self.embd
-        self.layers = []
-        for i in range(hp.n_layer):
-            p = f"blk.{i}."
-            L = {"attn_norm": self._f32(p + "attn_norm.weight"),
-                 "post_norm": self._f32(p + "post_attention_norm.weight")}
-            if hp.recurrent[i]:
-                L.update(qkv=self._w(p + "attn_qkv.weight"), z=self._w(p + "attn_gate.weight"),
-                         beta=self._w(p + "ssm_beta.weight"), alpha=self._w(p + "ssm_alpha.weight"),
-                         conv=self._f32(p + "ssm_conv1d.weight"), dt=self._f32(p + "ssm_dt.bias"),
-                         a=self._f32(p + "ssm_a"), ssm_norm=self._f32(p + "ssm_norm.weight"),
-                         out=self._w(p + "ssm_out.weight"))
+        self.layers = [self._layer(i) for i in range(hp.n_layer)]
+
+    def _layer(self, i: int) -> dict:
+        """Layer i's weights by slot name (format/schema.py: "attn_qkv", "ffn_gate_exps" …): f32 arrays' device
+        addresses, matrices as _W; "exp_tensor": {expert slot: its file tensor} where the layer has experts."""
+        L: dict = {"index": i}
+        for w in weights(self.hparams, i, self.file.tensors):
+            if w.f32 and w.slot not in MATRIX_VECTORS:
+                L[w.slot] = self._f32(w.tensor)
+            elif w.expert:
+                L[w.slot] = self._w(w.tensor, expert_rows=w.rows)
+                L.setdefault("exp_tensor", {})[w.slot] = w.tensor
             else:
-                if p + "attn_qkv.weight" in T:
-                    q, kv = 2 * hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
-                    L.update(q=self._w(p + "attn_qkv.weight", rows=(0, q)),
-                             k=self._w(p + "attn_qkv.weight", rows=(q, q + kv)),
-                             v=self._w(p + "attn_qkv.weight", rows=(q + kv, q + 2 * kv)))
-                else:
-                    L.update(q=self._w(p + "attn_q.weight"), k=self._w(p + "attn_k.weight"),
-                             v=self._w(p + "attn_v.weight"))
-                L.update(o=self._w(p + "attn_output.weight"), q_norm=self._f32(p + "attn_q_norm.weight"),
-                         k_norm=self._f32(p + "attn_k_norm.weight"))
-            if hp.n_expert:
-                L["router"] = self._w(p + "ffn_gate_inp.weight")
-                if p + "ffn_gate_up_exps.weight" in T:
-                    ff = hp.n_ff_exp
-                    L["gate_exps"] = self._w(p + "ffn_gate_up_exps.weight", expert_rows=(0, ff))
-                    L["up_exps"] = self._w(p + "ffn_gate_up_exps.weight", expert_rows=(ff, 2 * ff))
-                    L["exp_tensor"] = {"gate_exps": p + "ffn_gate_up_exps.weight",
-                                       "up_exps": p + "ffn_gate_up_exps.weight"}
-                else:
-                    L["gate_exps"] = self._w(p + "ffn_gate_exps.weight")
-                    L["up_exps"] = self._w(p + "ffn_up_exps.weight")
-                    L["exp_tensor"] = {"gate_exps": p + "ffn_gate_exps.weight", "up_exps": p + "ffn_up_exps.weight"}
-                L["down_exps"] = self._w(p + "ffn_down_exps.weight")
-                L["exp_tensor"]["down_exps"] = p + "ffn_down_exps.weight"
-                if hp.n_ff_shexp:
-                    L.update(sh_gate_inp=self._w(p + "ffn_gate_inp_shexp.weight"),
-                             sh_gate=self._w(p + "ffn_gate_shexp.weight"), sh_up=self._w(p + "ffn_up_shexp.weight"),
-                             sh_down=self._w(p + "ffn_down_shexp.weight"))
-            else:
-                L.update(gate=self._w(p + "ffn_gate.weight"), up=self._w(p + "ffn_up.weight"),
-                         down=self._w(p + "ffn_down.weight"))
-            L["index"] = i
-            self.layers.append(L)
-        # the shared-expert gate is an [E] vector: one output row
-        for L in self.layers:
-            if "sh_gate_inp" in L:
-                w = L["sh_gate_inp"]
-                w.nrows, w.ncols = 1, self.hparams.n_embd
+                L[w.slot] = self._w(w.tensor, rows=w.rows)
+        for name in MATRIX_VECTORS & L.keys():   # an [E] vector run as a one-row matrix
+            L[name].nrows, L[name].ncols = 1, self.hparams.n_embd
+        return L
 
     def _setup_streaming(self, progress) -> None:
         """Host addresses of every layer's expert tensors (the weight map, page-locked in place), the staging

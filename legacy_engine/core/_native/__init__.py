@@ -5,7 +5,7 @@ given in the docstrings. One module per area of the C API, each taking `lib`/`ff
   detect      CPU features, NUMA nodes, GPUs          quants      type traits, (de)quantising a row
   model       le_model, le_state, the forward pass    isa         kernel tiers, gdn_step and the dot products
   gpu_driver  the CUDA driver API (le_gpu.h)          memory      anonymous memory, madvise, NUMA policies
-  sampler     le_sample (penalties, top-k/p, min-p, the draw)
+  sampler     le_sample (penalties, top-k/p, min-p, the draw)     schema      the tensor schema table (le_schema.h)
 `from legacy_engine.core import _native; _native.X` names every wrapper, whichever module holds it.
 """
 # re-exported: _native.X is the engine's one view of the C API
@@ -25,7 +25,8 @@ from .isa import (ISA_NAMES, dot_f32, f32_isa, gdn_step, get_isa, isa_supported,
 from .memory import (MPOL_NAMES, NUMA_MODES, AnonMemory, mem_advise, mem_alloc, mem_page_nodes,  # noqa: F401
                      mem_policy, mem_prefault, mem_set_numa, numa_cpus_of_node, numa_nodes, numa_set_library,
                      numa_spread_cpus, numa_thread_policy, numa_thread_policy_set)
-from .model import (HPARAM_FIELDS, MAX_LAYERS, PROFILE_PHASES, NativeModel, NativeState, fault_bits,  # noqa: F401
-                    forward, weight_slot)
+from .model import PROFILE_PHASES, NativeModel, NativeState, fault_bits, forward  # noqa: F401
 from .quants import dequantize_row, quantize_row, type_traits  # noqa: F401
+from .schema import (HPARAM_FIELDS, MAX_LAYERS, hparams_struct, layer_kinds, schema_arch_names,  # noqa: F401
+                     schema_dims, schema_rows)
 from .sampler import SAMPLE_FORCE, SAMPLE_PATHS, NativeSampler, sample_isa  # noqa: F401

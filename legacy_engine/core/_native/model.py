@@ -5,12 +5,9 @@ import numpy as np
 
 from ..errors import NativeError, UnavailableError
 from ._lib import c_int, check, ffi, lib, struct_to_dict
+from .schema import MAX_LAYERS, hparams_struct
 
 
-HPARAM_FIELDS = ("n_layer", "n_embd", "n_vocab", "n_head", "n_head_kv", "head_dim", "n_rot", "rope_theta",
-                 "rms_eps", "ssm_conv_kernel", "ssm_d_state", "ssm_n_group", "ssm_dt_rank", "ssm_d_inner",
-                 "gdn_tiled", "n_ff", "n_expert", "n_expert_used", "n_ff_exp", "n_ff_shexp", "faults")
-MAX_LAYERS = 512
 
 
 def fault_bits(faults: dict) -> int:
@@ -21,11 +18,6 @@ def fault_bits(faults: dict) -> int:
         raise ValueError(f"unknown faults {sorted(unknown)}")
     return ((lib.LE_FAULT_ROPE_INTERLEAVED if faults.get("rope_interleaved") else 0)
             | (lib.LE_FAULT_NO_TOPK_RENORM if faults.get("no_topk_renorm") else 0))
-
-
-def weight_slot(name: str) -> int:
-    """The C slot id of a weight, e.g. 'LE_W_SSM_A'."""
-    return getattr(lib, name)
 
 
 # le_model_profile's phases, in the C core's order (native/le_ops.h LE_PROF_*)
@@ -39,13 +31,7 @@ class NativeModel:
     def __init__(self, hp: dict, recurrent: list[bool], rope_sections, n_threads: int):
         if len(recurrent) > MAX_LAYERS:
             raise UnavailableError(f"{len(recurrent)} layers; this build handles at most {MAX_LAYERS}")
-        c = ffi.new("le_hparams *")
-        for k in HPARAM_FIELDS:
-            setattr(c, k, hp[k])
-        for i, s in enumerate(rope_sections):
-            c.rope_sections[i] = s
-        for i, r in enumerate(recurrent):
-            c.recurrent[i] = int(r)
+        c = hparams_struct(hp, recurrent, rope_sections)
         p = ffi.new("le_model **")
         check(lib.le_model_create(c, n_threads, p), "le_model_create")
         self.ptr = ffi.gc(p[0], lib.le_model_free)
@@ -53,12 +39,13 @@ class NativeModel:
         self.n_layer = len(recurrent)
         self.n_embd = int(hp["n_embd"])
 
-    def set_weight(self, layer: int, slot: str, data: np.ndarray, qtype: int, ne0: int, ne1: int, ne2: int = 1,
+    def set_weight(self, layer: int, slot: int, data: np.ndarray, qtype: int, ne0: int, ne1: int, ne2: int = 1,
                    nb2: int = 0, byte_offset: int = 0, what: str = "") -> None:
-        """data: the tensor's bytes (uint8 view into the map); byte_offset selects a row range."""
+        """slot: an le_weight_slot (the schema's); data: the tensor's bytes (uint8 view into the map); byte_offset
+        selects a row range."""
         buf = ffi.from_buffer(data)
         self.keep.append(buf)
-        check(lib.le_model_set_weight(self.ptr, layer, weight_slot(slot), buf + byte_offset, qtype, ne0, ne1, ne2,
+        check(lib.le_model_set_weight(self.ptr, layer, slot, buf + byte_offset, qtype, ne0, ne1, ne2,
                                       nb2), f"setting {what or slot}")
 
     def finalize(self) -> None:
