@@ -82,7 +82,7 @@ size_t le_attention_plan(const le_model *m, const le_weight *w, int n, int n_ctx
 }
 
 int le_attention_layer(const le_model *m, le_arena *ar, const le_weight *w, const float *x, int n, int pos,
-                       float *kc, float *vc, float *out) {
+                       const int32_t *rope_pos, float *kc, float *vc, float *out) {
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd, hd = hp->head_dim, nh = hp->n_head, nkv = hp->n_head_kv;
     int qw = nh * 2 * hd, kvw = nkv * hd;
@@ -103,8 +103,9 @@ int le_attention_layer(const le_model *m, le_arena *ar, const le_weight *w, cons
         for (int h = 0; h < nh; h++) le_rmsnorm(qt + h * 2 * hd, qn, hd, hp->rms_eps, qt + h * 2 * hd);
         for (int h = 0; h < nkv; h++) le_rmsnorm(kt + h * hd, knw, hd, hp->rms_eps, kt + h * hd);
         /* rotate q heads (stride 2*hd: the gate half is skipped) and k heads */
-        le_rope_neox(qt, nh, 2 * hd, hp->n_rot, hp->rope_sections, hp->rope_theta, pos + t, hp->faults);
-        le_rope_neox(kt, nkv, hd, hp->n_rot, hp->rope_sections, hp->rope_theta, pos + t, hp->faults);
+        const int32_t *p = rope_pos + 3 * t;
+        le_rope_neox(qt, nh, 2 * hd, hp->n_rot, hp->rope_sections, hp->rope_theta, p, hp->faults);
+        le_rope_neox(kt, nkv, hd, hp->n_rot, hp->rope_sections, hp->rope_theta, p, hp->faults);
     }
     /* each thread's scores for pos + n keys (the plan holds n_ctx) */
     size_t core = ar->used;

@@ -85,6 +85,7 @@ static inline double le_prof_start(const le_model *m) { return m->profile ? le_n
 struct le_state {
     const le_model *m;
     int n_ctx, pos;
+    int rope_delta; /* M-RoPE: a text token at sequence position i rotates at i + rope_delta (le_forward_embd) */
     int64_t conv_floats, ssm_floats, kv_floats; /* per layer */
     float *conv;   /* [n_gdn][K-1][conv_dim]: the last K-1 pre-conv inputs, oldest first */
     float *ssm;    /* [n_gdn][H_v][d_k][d_v] */
@@ -150,12 +151,13 @@ static inline float le_sigmoid(float x) { return 1.0f / (1.0f + __builtin_expf(-
 static inline float le_softplus(float x) { return x > 20.0f ? x : __builtin_log1pf(__builtin_expf(x)); }
 
 /* ---- rope.c ------------------------------------------------------------------------
- * NeoX rotation of the first n_rot dims of each head (pairs (i, i + n_rot/2)) at text
- * position pos; IMRoPE sections pick each frequency slot's position component as ggml
- * does (text tokens: t = h = w = pos, e = 0). x: n_heads heads, head_stride floats apart
- * (the q heads of [q | gate] rows: 2 * head_dim); each angle is computed once for all heads. */
-void le_rope_neox(float *x, int n_heads, int head_stride, int n_rot, const int sections[4], float theta, int pos,
-                  int faults);
+ * NeoX rotation of the first n_rot dims of each head (pairs (i, i + n_rot/2)) at rope
+ * position pos = (t, h, w); IMRoPE sections pick each frequency slot's component as ggml
+ * does (text tokens: t = h = w, e = 0); without sections every slot takes t. x: n_heads heads,
+ * head_stride floats apart (the q heads of [q | gate] rows: 2 * head_dim); each angle is
+ * computed once for all heads. */
+void le_rope_neox(float *x, int n_heads, int head_stride, int n_rot, const int sections[4], float theta,
+                  const int32_t pos[3], int faults);
 
 /* ---- gdn.c -------------------------------------------------------------------------
  * The Gated DeltaNet mixer of one layer for n tokens. x: [n, n_embd] normalised input;
@@ -166,10 +168,11 @@ int le_gdn_layer(const le_model *m, le_arena *a, const le_weight *w, const float
 size_t le_gdn_plan(const le_model *m, const le_weight *w, int n);
 
 /* ---- attention.c -------------------------------------------------------------------
- * The gated attention mixer for n tokens at positions pos..pos+n-1.
- * kc, vc: [n_ctx, n_head_kv * head_dim] caches, written at those positions. */
+ * The gated attention mixer for n tokens at sequence positions pos..pos+n-1, rotated at rope
+ * positions rope_pos [n][3] (t, h, w). kc, vc: [n_ctx, n_head_kv * head_dim] caches, written at
+ * the sequence positions. */
 int le_attention_layer(const le_model *m, le_arena *a, const le_weight *w, const float *x, int n, int pos,
-                       float *kc, float *vc, float *out);
+                       const int32_t *rope_pos, float *kc, float *vc, float *out);
 /* Scratch bytes le_attention_layer takes for n tokens in a context of n_ctx (scores: n_ctx per thread, so that a
  * decode step's need does not grow with its position). */
 size_t le_attention_plan(const le_model *m, const le_weight *w, int n, int n_ctx);

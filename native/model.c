@@ -148,20 +148,46 @@ size_t le_forward_plan(const le_model *m, int n, int n_ctx) {
         if (mixer > most) most = mixer;
         if (ffn > most) most = ffn;
     }
-    return le_align64(3 * (size_t)n * hp->n_embd * sizeof(float)) + most;
+    return le_align64(3 * (size_t)n * hp->n_embd * sizeof(float)) + le_align64(3 * (size_t)n * sizeof(int32_t)) + most;
+}
+
+/* The rows of a pass: token embeddings, or the caller's rows where tokens[t] < 0 (an image's merged patches). */
+static int embed_rows(const le_model *m, const int32_t *tokens, const float *embd, int n, float *x) {
+    const le_hparams *hp = &m->hp;
+    int E = hp->n_embd;
+    for (int t = 0; t < n; t++) {
+        if (tokens[t] >= hp->n_vocab || (tokens[t] < 0 && !embd))
+            return LE_FAIL(LE_ERR_INVALID_ARG, "token %d at index %d is outside the vocabulary [0, %d)", tokens[t], t,
+                           hp->n_vocab);
+        if (tokens[t] >= 0)
+            le_weight_row(&m->global[LE_W_TOKEN_EMBD], tokens[t], x + (size_t)t * E);
+        else
+            memcpy(x + (size_t)t * E, embd + (size_t)t * E, (size_t)E * sizeof(float));
+    }
+    return LE_OK;
+}
+
+/* rope_pos [n][3] of a pass: pos3's, or text positions (sequence position + rope_delta in every component) */
+static int rope_positions(const le_state *s, const int32_t *pos3, int n, int32_t *out) {
+    for (int i = 0; pos3 && i < 3 * n; i++)
+        if (pos3[i] < 0) return LE_FAIL(LE_ERR_INVALID_ARG, "rope position %d of row %d is negative", pos3[i], i / 3);
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < 3; c++) out[3 * t + c] = pos3 ? pos3[3 * t + c] : s->pos + t + s->rope_delta;
+    return LE_OK;
 }
 
 int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *logits, int all_logits, int chunked) {
+    return le_forward_embd(m, s, tokens, NULL, NULL, n, logits, all_logits, chunked);
+}
+
+int le_forward_embd(le_model *m, le_state *s, const int32_t *tokens, const float *embd, const int32_t *pos3, int n,
+                    float *logits, int all_logits, int chunked) {
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd;
     if (!tokens || n < 1) return LE_FAIL(LE_ERR_INVALID_ARG, "no tokens");
     if (s->m != m) return LE_FAIL(LE_ERR_INVALID_ARG, "state belongs to another model");
     if (s->pos + n > s->n_ctx)
         return LE_FAIL(LE_ERR_INVALID_ARG, "%d tokens at position %d exceed the context of %d", n, s->pos, s->n_ctx);
-    for (int t = 0; t < n; t++)
-        if (tokens[t] < 0 || tokens[t] >= hp->n_vocab)
-            return LE_FAIL(LE_ERR_INVALID_ARG, "token %d at index %d is outside the vocabulary [0, %d)", tokens[t], t,
-                           hp->n_vocab);
     /* the scratch of the whole pass, planned here: the state's arena grows only for a longer pass than before
      * (or another int8 setting), never inside the layers */
     le_arena *ar = &s->scratch;
@@ -171,8 +197,13 @@ int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *lo
     float *buf = le_arena_take(ar, 3 * (size_t)n * E * sizeof(float));
     if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "activations for %d tokens: beyond the plan", n);
     float *x = buf, *h = x + (size_t)n * E, *y = h + (size_t)n * E;
+    int32_t *rope_pos = le_arena_take(ar, 3 * (size_t)n * sizeof(int32_t));
+    if (!rope_pos) return LE_FAIL(LE_ERR_NO_MEMORY, "positions for %d tokens: beyond the plan", n);
     double tp = le_prof_start(m);
-    for (int t = 0; t < n; t++) le_weight_row(&m->global[LE_W_TOKEN_EMBD], tokens[t], x + (size_t)t * E);
+    if ((rc = embed_rows(m, tokens, embd, n, x)) || (rc = rope_positions(s, pos3, n, rope_pos))) {
+        ar->used = 0;
+        return rc;
+    }
 
     for (int l = 0; l < hp->n_layer && !rc; l++) {
         const le_weight *w = m->layer[l];
@@ -183,7 +214,8 @@ int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *lo
         if (hp->recurrent[l])
             rc = le_gdn_layer(m, ar, w, h, n, s->conv + si * s->conv_floats, s->ssm + si * s->ssm_floats, chunked, y);
         else
-            rc = le_attention_layer(m, ar, w, h, n, s->pos, s->k + si * s->kv_floats, s->v + si * s->kv_floats, y);
+            rc = le_attention_layer(m, ar, w, h, n, s->pos, rope_pos, s->k + si * s->kv_floats,
+                                    s->v + si * s->kv_floats, y);
         if (rc) break;
         tp = le_prof_start(m);
         for (size_t i = 0; i < (size_t)n * E; i++) x[i] += y[i];
@@ -196,6 +228,11 @@ int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *lo
     }
     if (!rc) {
         s->pos += n;
+        if (pos3) { /* the next text position is one past the largest used (transformers' get_rope_index) */
+            int32_t most = INT32_MIN;
+            for (int i = 0; i < 3 * n; i++) most = pos3[i] > most ? pos3[i] : most;
+            s->rope_delta = most + 1 - s->pos;
+        }
         if (logits) {
             int first = all_logits ? 0 : n - 1, n_out = n - first;
             for (int t = first; t < n; t++)

@@ -1,6 +1,6 @@
 /* state.c — one sequence's state: GDN conv + SSM states, attention KV cache, position.
  *
- * Saved form (le_state_save): a header {magic, version, pos, sizes} then the conv
+ * Saved form (le_state_save): a header {magic, version, pos, sizes, rope delta} then the conv
  * states, the SSM states, and K and V rows [0, pos) of every attention layer, all f32.
  * The snapshot cache and the CPU<->GPU handoff build on save/restore/copy. The forward pass's scratch arena
  * (le_ops.h) lives here too: it is not part of the sequence (never saved, copied or reset).
@@ -16,7 +16,7 @@
 
 typedef struct {
     uint32_t magic, version;
-    int32_t pos, n_gdn, n_attn, pad;
+    int32_t pos, n_gdn, n_attn, rope_delta;
     int64_t conv_floats, ssm_floats, kv_floats;
 } state_header;
 
@@ -59,8 +59,17 @@ int le_state_n_ctx(const le_state *s) { return s->n_ctx; }
 int64_t le_state_scratch_growths(const le_state *s) { return s->scratch.growths; }
 int64_t le_state_scratch_bytes(const le_state *s) { return (int64_t)s->scratch.size; }
 
+int le_state_rope_delta(const le_state *s) { return s->rope_delta; }
+
+int le_state_set_rope_delta(le_state *s, int delta) {
+    if (!s) return LE_FAIL(LE_ERR_INVALID_ARG, "NULL state");
+    s->rope_delta = delta;
+    return LE_OK;
+}
+
 void le_state_reset(le_state *s) {
     s->pos = 0;
+    s->rope_delta = 0;
     memset(s->conv, 0, (size_t)(s->m->n_gdn * s->conv_floats) * sizeof(float));
     memset(s->ssm, 0, (size_t)(s->m->n_gdn * s->ssm_floats) * sizeof(float));
 }
@@ -80,7 +89,7 @@ int le_state_save(const le_state *s, void *buf, int64_t nbytes) {
         return LE_FAIL(LE_ERR_INVALID_ARG, "buffer of %lld bytes, %lld needed", (long long)nbytes,
                        (long long)le_state_nbytes(s));
     const le_model *m = s->m;
-    state_header h = {STATE_MAGIC, STATE_VERSION, s->pos, m->n_gdn, m->n_attn, 0, s->conv_floats, s->ssm_floats,
+    state_header h = {STATE_MAGIC, STATE_VERSION, s->pos, m->n_gdn, m->n_attn, s->rope_delta, s->conv_floats, s->ssm_floats,
                       row_floats(s)};
     char *p = buf;
     memcpy(p, &h, sizeof h);
@@ -128,6 +137,7 @@ int le_state_restore(le_state *s, const void *buf, int64_t nbytes) {
         p += rows;
     }
     s->pos = h.pos;
+    s->rope_delta = h.rope_delta;
     return LE_OK;
 }
 
@@ -144,6 +154,7 @@ int le_state_copy(le_state *dst, const le_state *src) {
         memcpy(dst->v + a * dst->kv_floats, src->v + a * src->kv_floats, rows);
     }
     dst->pos = src->pos;
+    dst->rope_delta = src->rope_delta;
     return LE_OK;
 }
 
@@ -171,6 +182,7 @@ int le_state_restore_recurrent(le_state *s, const void *buf, int64_t nbytes, int
     memcpy(s->conv, buf, conv);
     memcpy(s->ssm, (const char *)buf + conv, (size_t)need - conv);
     s->pos = pos;
+    s->rope_delta = 0; /* text positions; a prefix with an image sets its delta after (le_state_set_rope_delta) */
     return LE_OK;
 }
 

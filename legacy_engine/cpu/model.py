@@ -124,10 +124,14 @@ class Model:
         return _native.NativeState(self.native, n_ctx)
 
     def forward(self, state: _native.NativeState, tokens, all_logits: bool = False, chunked: bool = True,
-                want_logits: bool = True) -> np.ndarray | None:
+                want_logits: bool = True, embd: np.ndarray | None = None,
+                positions: np.ndarray | None = None) -> np.ndarray | None:
         """tokens: int[n] at positions state.pos.. -> logits float32[n or 1, n_vocab].
+        embd, positions (images): rows [n, n_embd] that replace the tokens marked -1, and M-RoPE positions [n, 3]
+        (format/multimodal.py); _native.forward says more.
         FormatError when a returned row is not finite (check_logits); the state has advanced then."""
-        out = _native.forward(self.native, state, tokens, self.hparams.n_vocab, all_logits, chunked, want_logits)
+        out = _native.forward(self.native, state, tokens, self.hparams.n_vocab, all_logits, chunked, want_logits,
+                              embd, positions)
         if out is not None:
             check_logits(out, state.pos - out.shape[0])
         return out

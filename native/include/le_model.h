@@ -114,7 +114,12 @@ int le_state_n_ctx(const le_state *s);
  * first allocates nothing: the growths stay. */
 int64_t le_state_scratch_growths(const le_state *s);
 int64_t le_state_scratch_bytes(const le_state *s);
-/* Forgets everything: position 0, zero recurrent state. */
+/* M-RoPE (images): a text token at sequence position i rotates at rope position i + rope_delta; 0 until a pass with
+ * explicit positions (le_forward_embd), then the largest position used + 1 - the sequence position after it. Saved,
+ * restored and copied with the state; le_state_restore_recurrent sets 0. */
+int le_state_rope_delta(const le_state *s);
+int le_state_set_rope_delta(le_state *s, int delta);
+/* Forgets everything: position 0, rope delta 0, zero recurrent state. */
 void le_state_reset(le_state *s);
 /* Bytes le_state_save writes at the state's current position. */
 int64_t le_state_nbytes(const le_state *s);
@@ -142,6 +147,12 @@ int le_state_copy(le_state *dst, const le_state *src);
  * the whole batch (prefill), 0 the recurrent step token by token. */
 int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *logits, int all_logits,
                int chunked);
+/* le_forward for a pass with embeddings and M-RoPE positions (an image in the prompt): row t is token tokens[t]'s
+ * embedding, or where tokens[t] < 0 row t of embd ([n, n_embd] f32; may be NULL when no token is < 0). pos3: NULL
+ * (text: every component = sequence position + rope_delta), or [n][3] rope positions (t, h, w), each >= 0; after
+ * such a pass rope_delta = the largest of them + 1 - the sequence position after the pass. */
+int le_forward_embd(le_model *m, le_state *s, const int32_t *tokens, const float *embd, const int32_t *pos3, int n,
+                    float *logits, int all_logits, int chunked);
 
 /* The routed experts of one token for experts chosen elsewhere (the hybrid decode: the GPU routes and
  * runs the pinned experts, the CPU the rest): out[E] = sum over j with ids[j] >= 0 of

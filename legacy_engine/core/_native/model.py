@@ -183,6 +183,15 @@ class NativeState:
         return lib.le_state_n_ctx(self.ptr)
 
     @property
+    def rope_delta(self) -> int:
+        """M-RoPE: a text token at sequence position i rotates at i + rope_delta (nonzero after an image)."""
+        return lib.le_state_rope_delta(self.ptr)
+
+    @rope_delta.setter
+    def rope_delta(self, delta: int) -> None:
+        check(lib.le_state_set_rope_delta(self.ptr, c_int(delta, "rope_delta")), "le_state_set_rope_delta")
+
+    @property
     def scratch_growths(self) -> int:
         """Times the forward pass's scratch (the state's) was allocated: a longer pass than before grows it, a
         decode step after the first never does."""
@@ -253,16 +262,32 @@ class NativeState:
 
 
 def forward(model: NativeModel, state: NativeState, tokens, n_vocab: int, all_logits: bool, chunked: bool,
-            want_logits: bool = True) -> np.ndarray | None:
-    """tokens: int32[n] -> logits float32[n or 1, n_vocab] (None when want_logits is False)."""
+            want_logits: bool = True, embd: np.ndarray | None = None,
+            positions: np.ndarray | None = None) -> np.ndarray | None:
+    """tokens: int32[n] -> logits float32[n or 1, n_vocab] (None when want_logits is False).
+    embd: None, or float32 [n, n_embd] whose row t is the input where tokens[t] is -1 (an image's merged patches);
+    positions: None (text: sequence position + the state's rope delta), or int32 [n, 3] M-RoPE positions (t, h, w)."""
     raw = np.asarray(tokens)
-    if raw.size and (raw.dtype.kind not in "iu" or raw.min() < 0 or raw.max() > np.iinfo(np.int32).max):
-        raise ValueError(f"token ids must be non-negative int32 integers, got dtype {raw.dtype}")
+    lo = -1 if embd is not None else 0
+    if raw.size and (raw.dtype.kind not in "iu" or raw.min() < lo or raw.max() > np.iinfo(np.int32).max):
+        what = "non-negative int32 integers" if lo == 0 else "int32 integers >= -1 (-1: a row of embd)"
+        raise ValueError(f"token ids must be {what}, got dtype {raw.dtype}")
     toks = np.ascontiguousarray(raw, dtype=np.int32).reshape(-1)
     n = toks.size
+    e = p = ffi.NULL
+    if embd is not None:
+        embd = np.ascontiguousarray(embd, dtype=np.float32)
+        if embd.ndim != 2 or embd.shape[0] != n or embd.shape[1] != model.n_embd:
+            raise ValueError(f"embd {embd.shape}: expected [{n}, {model.n_embd}]")
+        e = ffi.from_buffer("float[]", embd)
+    if positions is not None:
+        positions = np.ascontiguousarray(positions, dtype=np.int32)
+        if positions.shape != (n, 3):
+            raise ValueError(f"positions {positions.shape}: expected [{n}, 3]")
+        p = ffi.from_buffer("int32_t[]", positions)
     out = np.empty((n if all_logits else 1, n_vocab), dtype=np.float32) if want_logits else None
     lp = ffi.from_buffer("float[]", out) if want_logits else ffi.NULL
-    check(lib.le_forward(model.ptr, state.ptr, ffi.from_buffer("int32_t[]", toks), n, lp, int(all_logits),
-                         int(chunked)),
+    check(lib.le_forward_embd(model.ptr, state.ptr, ffi.from_buffer("int32_t[]", toks), e, p, n, lp,
+                              int(all_logits), int(chunked)),
           "le_forward")
     return out
