@@ -19,7 +19,7 @@ INCLUDE = os.path.join(ROOT, "native", "include")
 
 # Order matters: later headers use types of earlier ones.
 API_HEADERS = ["le_status.h", "le_quants.h", "le_caps.h", "le_gpu.h", "le_model.h", "le_memory.h",
-               "le_sample.h", "le_schema.h"]
+               "le_sample.h", "le_schema.h", "le_vision.h"]
 
 
 def cdef_text(path):

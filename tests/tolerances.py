@@ -170,3 +170,22 @@ SAMPLING_DRAW_ABS = 1e-5
 # fraction of the row's mass: fixed point of 2^-40 (2^-41 per token: 1.1e-7 at 248k tokens) of expf's value (2 ulp
 # per token: 2.4e-7 of each mass).
 SAMPLE_MASS_REL = 5e-7
+
+# ---- the vision tower (tests/test_vision_tower.py; spec §2.7) ------------------------------------------------------
+# The tower's ops (LayerNorm, both GELUs, the 2-D RoPE, bidirectional attention, the position-grid interpolation)
+# in f32 against a float64 numpy transcription: each output is a handful of f32 roundings (libm's tanhf/erff/
+# cosf/sinf/expf within ~1 ulp; sums in double or of short rows), so a few ulps of max(|ref|, 1): 16 · 2^-24 ≈ 1e-6.
+VISION_OP_REL = 16 * 2.0**-24
+
+# Bidirectional attention (le_vision_op_attention) against float64 numpy, relative to max(|ref|, 1): each score is a
+# head_dim-term f32 dot product (|q·k| up to ~30 for the test's inputs of std 2), whose rounding (~1e-6 absolute)
+# becomes a relative error of the softmax weights; measured 1.9e-6; 1e-5 leaves ~5x.
+VISION_ATTN_REL = 1e-5
+
+# Merged embeddings (|y| ≈ 2.5) of the f32 tower against transformers' Qwen3_5VisionModel in f32 on the same
+# weights (for an F16 mmproj: transformers on the f16-rounded weights, which our f32 path dequantises exactly).
+# Both compute every step in f32; only summation orders and libm-vs-Sleef transcendentals differ: measured max |Δ|
+# 1.3e-6 … 3.2e-6 on the tiny towers (grids up to 8 x 10 and real images). llama.cpp leaves ~1e-2 (spec §2.7: its f16
+# GELU table); 2e-5 keeps ~6x room over the measured and stays ~20x below the smallest injected bug (the GELU in the
+# wrong form in one place: 3.6e-4 … 4.6e-4; position grid not interpolated, RoPE rows/columns swapped: 0.4 … 0.9).
+VISION_F32_ABS = 2e-5

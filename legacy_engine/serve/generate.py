@@ -11,8 +11,12 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..format.chat import render_chat, render_prompt
-from ..core.errors import Cancelled, ContextLengthError, EngineError
+from ..core.errors import Cancelled, ContextLengthError, EngineError, FormatError, UnavailableError
 from ..cpu.model import DEFAULT_CTX, Model, check_logits
+from ..cpu.vision import VisionTower
+from ..format.image import ImageConfig, ImageInput, load_image
+from ..format.mmproj import MmprojFile, check_compatible
+from ..format.multimodal import ImageSpan, expand_pads, rope_positions
 from .sampling import Sampler, SamplingParams
 from ..format.tokenizer import Tokenizer
 from ..gpu.model import GpuModel
@@ -44,6 +48,13 @@ class Timings:
                 f"decode {self.decode_tokens} tok, {self.decode_tps:.1f} tok/s")
 
 
+@dataclass(frozen=True)
+class PromptImages:
+    """The images of a prompt: where their rows lie and the tower's merged embeddings for them, in order."""
+    spans: tuple[ImageSpan, ...]
+    embeddings: np.ndarray          # [sum of the spans' n_tokens, n_embd] f32
+
+
 @dataclass
 class Generation:
     text: str
@@ -59,7 +70,8 @@ class Engine:
                  mmap: bool = True, numa: str = "off", pin: bool = True, gpu: bool = False,
                  gpu_tier: str | None = None, gpu_int8: bool | None = None, gpu_graphs: bool | None = None,
                  gpu_vram: int | None = None, gpu_min_tokens: int | None = None, gpu_decode: str = "auto",
-                 gpu_mma: bool | None = None, progress=None, check_tensors: bool = False):
+                 gpu_mma: bool | None = None, progress=None, check_tensors: bool = False,
+                 mmproj: str | os.PathLike | None = None):
         """mmap, numa: where the weights live; pin: worker threads pinned; check_tensors: every weight's values
         scanned at load (Model's arguments of the same names).
         gpu: GPU-resident mode (gpu.model.GpuModel: the whole model in VRAM, prefill and decode on the GPU;
@@ -68,7 +80,9 @@ class Engine:
         free minus a margin: a model that does not fit runs split, planner.gpu_placement: experts streamed for GPU
         prefill of passes >= gpu_min_tokens, hot ones pinned; gpu_decode 'cpu', 'hybrid' (routed experts not pinned
         on the CPU, the rest on the GPU) or 'auto' (the planner's faster));
-        `self.cpu_model` stays the CPU engine of the same file."""
+        `self.cpu_model` stays the CPU engine of the same file.
+        mmproj: the vision projector GGUF of this model (llama.cpp's mmproj file): images in prompts
+        (`prompt_images`), the tower on the CPU."""
         t0 = time.perf_counter()
         self.cpu_model = self.model = Model(path, n_threads, mmap=mmap, numa=numa, pin=pin,
                                             check_tensors=check_tensors)
@@ -92,6 +106,15 @@ class Engine:
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         self.n_ctx = min(n_ctx, self.model.hparams.n_ctx_train)
+        self.vision = None
+        if mmproj is not None:
+            mm = MmprojFile.open(mmproj)
+            check_compatible(mm.hparams, self.cpu_model.hparams, mm.path)
+            self.vision = VisionTower(mm, self.cpu_model.n_threads)
+            v = mm.hparams     # the processor the tower was trained with, sized by this file
+            self.image_config = ImageConfig(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch,
+                                            merge_size=v.merge, min_pixels=v.min_pixels, max_pixels=v.max_pixels,
+                                            image_mean=v.image_mean, image_std=v.image_std)
         self.load_s = time.perf_counter() - t0
 
     def session(self) -> "Session":
@@ -106,6 +129,33 @@ class Engine:
         self.gpu.apply(new)
         self.placement = new
         return True
+
+    def load_images(self, sources) -> list[ImageInput]:
+        """Paths or bytes -> preprocessed images (format.image, the tower's patch and pixel limits)."""
+        if self.vision is None:
+            raise UnavailableError("images need the model's vision projector: load it with --mmproj FILE "
+                                   "(llama.cpp's mmproj GGUF of this model)")
+        return [load_image(s, self.image_config) for s in sources]
+
+    def expand_images(self, ids: list[int], images: list[ImageInput]) -> tuple[list[int], list[ImageSpan]]:
+        """ids with one <|image_pad|> per image (the chat template's) -> (ids with each pad widened to its image's
+        tokens, the images' spans). FormatError when pads and images do not pair up."""
+        pad = self.tokenizer.id_of("<|image_pad|>")
+        if not images:
+            if pad is not None and pad in ids:
+                raise FormatError("the prompt holds <|image_pad|> but no image was given")
+            return ids, []
+        if self.vision is None:
+            raise UnavailableError("images need the model's vision projector: load it with --mmproj FILE")
+        if pad is None:
+            raise FormatError("this model's vocabulary has no <|image_pad|> token: it takes no images")
+        return expand_pads(ids, pad, images, self.vision.hparams.merge)
+
+    def encode_images(self, spans: list[ImageSpan], images: list[ImageInput]) -> PromptImages | None:
+        """The tower's merged embeddings of a prompt's images (expand_images' spans): None without images."""
+        if not images:
+            return None
+        return PromptImages(tuple(spans), np.concatenate([self.vision.encode(img) for img in images]))
 
     def chat_prompt(self, messages: list[dict], enable_thinking: bool = True, tools=None) -> str:
         return render_chat(messages, self.chat_template, add_generation_prompt=True,
@@ -151,19 +201,40 @@ class Session:
             self.reset()
             raise
 
-    def _forward(self, ids: list[int], all_logits: bool, chunked: bool) -> np.ndarray:
+    def _forward(self, ids: list[int], all_logits: bool, chunked: bool, rows: dict | None = None) -> np.ndarray:
+        """rows: an image pass's forward arguments (tokens with -1 at image rows, embd, positions)."""
         def run():
-            out = self.engine.model.forward(self.state, ids, all_logits=all_logits, chunked=chunked)
+            if rows is not None and self.engine.model is not self.engine.cpu_model:
+                raise UnavailableError("images run on the CPU engine for now: the GPU engine takes no image rows "
+                                       "yet (run without --gpu)")
+            kw = rows or {"tokens": ids}
+            out = self.engine.model.forward(self.state, all_logits=all_logits, chunked=chunked, **kw)
             if self.engine.model is not self.engine.cpu_model:   # Model.forward checks its own rows
                 check_logits(out, self.state.pos - out.shape[0])
             return out
         return self._run(ids, run)
 
+    def _image_rows(self, ids: list[int], images: PromptImages) -> dict:
+        """The forward arguments of a prompt with images: tokens (-1 at image rows), embd [n, n_embd], M-RoPE
+        positions [n, 3] from where the session's rope positions stand."""
+        toks = np.array(ids, dtype=np.int64)
+        embd = np.zeros((len(ids), self.engine.cpu_model.hparams.n_embd), np.float32)
+        at = 0
+        for s in images.spans:
+            toks[s.start:s.end] = -1
+            embd[s.start:s.end] = images.embeddings[at:at + s.n_tokens]
+            at += s.n_tokens
+        if at != len(images.embeddings):
+            raise ValueError(f"{len(images.embeddings)} image embedding rows for spans of {at} tokens")
+        pos = rope_positions(len(ids), list(images.spans), self.state.pos + self.state.rope_delta)
+        return {"tokens": toks, "embd": embd, "positions": pos}
+
     def prefill(self, ids: list[int], all_logits: bool = False, chunked: bool = True,
-                cancel: Callable[[], bool] | None = None) -> np.ndarray:
+                cancel: Callable[[], bool] | None = None, images: PromptImages | None = None) -> np.ndarray:
         """Runs ids after what the session holds. Returns logits of the last token
         (float32[n_vocab]) or of every token ([n, n_vocab]) when all_logits. cancel() is asked before each
-        PREFILL_BATCH chunk; True raises Cancelled, the session then holds the chunks already run."""
+        PREFILL_BATCH chunk; True raises Cancelled, the session then holds the chunks already run.
+        images: the prompt's images (Engine.prompt_images: ids already widened)."""
         if not ids:
             raise ValueError("empty prompt: nothing to run")
         if self.pos + len(ids) > self.state.n_ctx:
@@ -172,12 +243,14 @@ class Session:
                                      f"{self.engine.model.hparams.n_ctx_train})")
         t0 = time.perf_counter()
         outs = []
+        rows = self._image_rows(ids, images) if images is not None else None
         for i in range(0, len(ids), PREFILL_BATCH):
             if cancel is not None and cancel():
                 raise Cancelled(f"prefill cancelled after {i} of {len(ids)} tokens")
             part = ids[i:i + PREFILL_BATCH]
             last = i + PREFILL_BATCH >= len(ids)
-            out = self._forward(part, all_logits=all_logits, chunked=chunked)
+            chunk = {k: v[i:i + PREFILL_BATCH] for k, v in rows.items()} if rows else None
+            out = self._forward(part, all_logits=all_logits, chunked=chunked, rows=chunk)
             if all_logits or last:
                 outs.append(out)
             self.tokens += part
@@ -211,17 +284,21 @@ class Session:
                                                                            self.tokens + [token])))
 
     def stream(self, prompt: str | list[int], max_tokens: int = 128, params: SamplingParams | None = None,
-               stop: list[str] | None = None, result: list | None = None) -> Iterator[str]:
+               stop: list[str] | None = None, result: list | None = None,
+               images: list[ImageInput] | None = None) -> Iterator[str]:
         """Yields text pieces as they are generated. A Generation is appended to `result`
         when given. Stops at an EOS token or a stop string (not included): finish "stop";
-        at max_tokens or a full context: finish "length"."""
+        at max_tokens or a full context: finish "length". images: one per <|image_pad|> of the prompt, in order
+        (Engine.load_images)."""
         tok = self.engine.tokenizer
         ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids, spans = self.engine.expand_images(ids, images or [])
+        prompt_images = self.engine.encode_images(spans, images or [])
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         sampler = Sampler(params, model=self.engine.cpu_model)   # its pool: idle between forwards (and on a GPU)
         stop = [s for s in (stop or []) if s]
-        logits = self.prefill(ids)
+        logits = self.prefill(ids, images=prompt_images)
         decoder = tok.stream()
         text, pending, out_ids, finish, stopped_by_string = "", "", [], "length", False
         hold = max((len(s) for s in stop), default=1) - 1
@@ -257,9 +334,10 @@ class Session:
             self.engine.repin()
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, params: SamplingParams | None = None,
-                 stop: list[str] | None = None, on_text: Callable[[str], None] | None = None) -> Generation:
+                 stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
+                 images: list[ImageInput] | None = None) -> Generation:
         result: list[Generation] = []
-        for piece in self.stream(prompt, max_tokens, params, stop, result):
+        for piece in self.stream(prompt, max_tokens, params, stop, result, images):
             if on_text:
                 on_text(piece)
         return result[0]

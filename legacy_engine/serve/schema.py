@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..core.errors import TemplateRenderError
+from ..core.errors import FormatError, TemplateRenderError
 from ..format.chat import TemplateRaised, render_chat
+from .images import ImageRequestError, request_images
 from .sampling import SamplingParams
 
 
@@ -142,6 +143,7 @@ class ServeConfig:
     max_reading: int = 64                 # request bodies read at once; more wait (within read_timeout)
     special_in_user_text: bool = False    # parse control tokens in user text (the old, unsafe behaviour)
     render_seconds: float = 10.0          # a chat template render that takes longer is stopped
+    image_dir: str | None = None          # --allow-file-images: file:// image URLs under it; None: refused
 
 
 @dataclass
@@ -155,6 +157,8 @@ class Plan:
     include_usage: bool
     thinking: bool = False               # the prompt leaves a <think> block open: output starts in reasoning
     tools: list | None = None            # parse <tool_call> output against these
+    images: list = field(default_factory=list)    # format.image.ImageInput, one per image span, in prompt order
+    spans: list = field(default_factory=list)     # format.multimodal.ImageSpan of each, in ids (already widened)
 
 
 def _options(body: dict, cfg: ServeConfig, chat: bool) -> dict:
@@ -208,11 +212,10 @@ def plan_chat(body: dict, engine, cfg: ServeConfig, render=None) -> Plan:
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty array of {'role': …, 'content': …}", "messages",
                    "invalid_type" if not isinstance(messages, list) else "invalid_value")
-    for i, m in enumerate(messages):
-        parts = m.get("content") if isinstance(m, dict) else None
-        if isinstance(parts, list) and any(not isinstance(p, dict) or p.get("type", "text") != "text" for p in parts):
-            raise _bad(f"messages[{i}].content: only text parts are supported (this server has no vision path)",
-                       "messages", "unsupported_value")
+    try:
+        images = request_images(messages, engine, cfg.image_dir)
+    except ImageRequestError as e:
+        raise _bad(str(e), "messages", e.code) from None
     tools = body.get("tools") or None
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
@@ -235,9 +238,12 @@ def plan_chat(body: dict, engine, cfg: ServeConfig, render=None) -> Plan:
         raise APIError(500, str(e), "server_error", code="template_error") from None
     except ValueError as e:
         raise _bad(str(e), "messages") from None
-    ids = engine.tokenizer.encode_prompt(prompt, literal)
+    try:
+        ids, spans = engine.expand_images(engine.tokenizer.encode_prompt(prompt, literal), images)
+    except FormatError as e:
+        raise _bad(str(e), "messages") from None
     return Plan(**_fit(ids, opts, cfg, engine.n_ctx, "messages"), thinking=prompt.rstrip().endswith("<think>"),
-                tools=tools)
+                tools=tools, images=images, spans=spans)
 
 
 def plan_completion(body: dict, engine, cfg: ServeConfig) -> Plan:

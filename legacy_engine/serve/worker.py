@@ -13,10 +13,10 @@ from .sampling import Sampler
 from .schema import APIError, Plan
 
 
-def fresh_prefill(session, ids, cancel=None):
-    """The default prefill seam: the whole prompt from an empty state."""
+def fresh_prefill(session, ids, cancel=None, images=None):
+    """The default prefill seam: the whole prompt from an empty state (images: generate.PromptImages)."""
     session.reset()
-    return session.prefill(ids, cancel=cancel)
+    return session.prefill(ids, cancel=cancel, images=images)
 
 
 class Job:
@@ -170,7 +170,11 @@ class Worker:
         plan, sess, tok, c = job.plan, self.session, self.engine.tokenizer, self.counters
         t = sess.timings
         p0, ps0, d0, ds0 = t.prefill_tokens, t.prefill_s, t.decode_tokens, t.decode_s
-        logits = self.prefill(sess, plan.ids, cancel=lambda: job.cancelled)
+        if plan.images:   # image prompts run whole: the prefix cache keys text tokens only (for now)
+            logits = fresh_prefill(sess, plan.ids, lambda: job.cancelled,
+                                   self.engine.encode_images(plan.spans, plan.images))
+        else:
+            logits = self.prefill(sess, plan.ids, cancel=lambda: job.cancelled)
         cached = max(0, len(plan.ids) - (t.prefill_tokens - p0))  # the cache counts only what it ran
         job.send("start", {"prompt_tokens": len(plan.ids), "cached_tokens": cached})
         sampler = self.make_sampler(plan.params)

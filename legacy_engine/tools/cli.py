@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import json
 import os
 import re
@@ -31,6 +32,7 @@ from ..cpu.threads import format_report, report
 from ..format.chat import TemplateRenderer, render_chat, render_prompt
 from ..format.gguf_file import GGUFFile
 from ..format.gguf_model import ModelFile, check_tensor_values
+from ..format.mmproj import MmprojFile, is_mmproj
 from ..format.tokenizer import Tokenizer
 from ..gpu.commands import cli_build
 from ..plan import probe
@@ -47,7 +49,8 @@ from .serve_cmd import add_serve_parser
 
 DEMO_PRESET = "tiny-moe"
 DEMO_SEED = 1234
-CHAT_HELP = "a line per turn; /reset forgets the conversation, /exit (or Ctrl-D) ends it, Ctrl-C stops an answer"
+CHAT_HELP = ("a line per turn; /image PATH adds an image to the next turn (with --mmproj), /reset forgets the "
+             "conversation, /exit (or Ctrl-D) ends it, Ctrl-C stops an answer")
 
 
 def _fmt_bytes(n: int) -> str:
@@ -114,6 +117,26 @@ def model_report(path: str, check_tensors: bool = False) -> tuple[dict, list[str
     return data, lines
 
 
+def mmproj_report(path: str) -> tuple[dict, list[str]]:
+    """`info FILE`'s (JSON data, text lines) for a vision projector (mmproj) GGUF."""
+    m = MmprojFile.open(path)
+    v = m.hparams
+    total = sum(t.n_bytes for t in m.tensors.values())
+    types = sorted({t.type_name for t in m.tensors.values()})
+    data = {"path": m.path, "file_bytes": m.gguf.file_size, "vision": dataclasses.asdict(v), "tensors": len(m.tensors),
+            "tensor_bytes": total, "types": types}
+    lines = [f"mmproj   {m.path}",
+             f"  GGUF v{m.gguf.version}, {_fmt_bytes(m.gguf.file_size)}, {len(m.tensors)} tensors ({', '.join(types)}): "
+             f"a Qwen3.5/3.6 vision tower (qwen3vl_merger)",
+             f"  ViT: {v.depth} blocks, hidden {v.hidden}, {v.n_head} heads (head_dim {v.head_dim}), FFN {v.ffn}, "
+             f"patch {v.patch_size} x temporal {v.temporal_patch}, {v.pos_side}x{v.pos_side} learned positions",
+             f"  merger: {v.merge}x{v.merge} patches -> one LM token of {v.out_hidden} (the LM's n_embd must match)",
+             f"  images resized to {v.min_pixels:,}…{v.max_pixels:,} pixels, sides multiples of {v.patch_size * v.merge}"
+             f"; mean {list(v.image_mean)}, std {list(v.image_std)}",
+             "  the tower runs on the CPU (native/vision.c); use: run MODEL --mmproj FILE --image PATH"]
+    return data, lines
+
+
 def cmd_info(args) -> int:
     rep = machine_report()
     try:
@@ -127,7 +150,10 @@ def cmd_info(args) -> int:
     data = {"machine": rep, "planner_probes": saved, "cpu_load": load}
     lines = [f"legacy_engine {__import__('legacy_engine').__version__}"] + format_machine_report(rep)
     lines += format_report(load) + planner
-    if args.model:
+    if args.model and is_mmproj(GGUFFile(args.model).metadata):
+        data["mmproj"], mlines = mmproj_report(args.model)
+        lines += mlines
+    elif args.model:
         mdata, mlines = model_report(args.model, check_tensors=getattr(args, "check_tensors", False))
         data["model"] = mdata
         lines += mlines
@@ -200,10 +226,11 @@ def _print_text(t: str) -> None:
     print(t, end="", flush=True)
 
 
-def _generate(path: str, args, messages_or_text, chat: bool, checked=None) -> int:
+def _generate(path: str, args, messages_or_text, chat: bool, checked=None, image_paths=()) -> int:
     params, kw = checked or _preflight(args)
     eng = load_engine(path, kw)
     _describe_gpu(eng)
+    images = eng.load_images(image_paths) if image_paths else None
     sess = eng.session()
     prompt = messages_or_text
     if chat:  # user text that spells a control token stays text (chat.render_prompt)
@@ -215,7 +242,7 @@ def _generate(path: str, args, messages_or_text, chat: bool, checked=None) -> in
         finally:
             renderer.close()
     res = sess.generate(prompt, max_tokens=_max_tokens(args, eng), params=params, stop=args.stop,
-                        on_text=_print_text)
+                        on_text=_print_text, images=images)
     print()
     print(f"[{res.finish_reason}] {res.timings.summary()}", file=sys.stderr)
     return 0
@@ -228,6 +255,11 @@ def cmd_run(args) -> int:
         args.parser.error("give a prompt with -p TEXT, or use `legacy-engine chat`")  # exits 2, like any bad flag
     if not args.prompt:
         args.parser.error("empty prompt: nothing to run (give some text with -p)")
+    if args.image:     # as llama.cpp's mtmd-cli: the images and the text as one user turn of the chat template
+        if not args.mmproj:
+            args.parser.error("--image needs the model's vision projector: --mmproj FILE")
+        parts = [{"type": "image"} for _ in args.image] + [{"type": "text", "text": args.prompt}]
+        return _generate(args.model, args, [{"role": "user", "content": parts}], chat=True, image_paths=args.image)
     return _generate(args.model, args, args.prompt, chat=False)
 
 
@@ -258,6 +290,17 @@ def _turn_renderer(eng, enable_thinking: bool, specials=(), render_fn=None):
         enable_thinking=enable_thinking)
 
 
+def _image_command(eng, command: str, pending: list) -> None:
+    """/image PATH: the image joins the next user turn (pending); a bad path or image is said and forgotten."""
+    path = command[len("/image"):].strip()
+    try:
+        pending += eng.load_images([path])
+        print(f"(image {os.path.basename(path)}: {pending[-1].n_tokens} tokens, with the next message)",
+              file=sys.stderr)
+    except (OSError, EngineError, ValueError) as e:
+        print(f"legacy-engine: {e}", file=sys.stderr)
+
+
 def cmd_chat(args) -> int:
     """Interactive chat through the model's chat template, one user turn per line of stdin (CHAT_HELP). The session
     keeps its state between turns, so a turn runs only the tokens it adds (_turn_renderer)."""
@@ -271,6 +314,7 @@ def cmd_chat(args) -> int:
                                  renderer.render)
     system = [{"role": "system", "content": args.prompt}] if args.prompt else []
     messages, sess = list(system), eng.session()
+    pending, seen = [], []      # images for the next turn; every image of the conversation (a re-run needs them)
     tty = sys.stdin.isatty()
     if tty:
         try:
@@ -286,14 +330,19 @@ def cmd_chat(args) -> int:
         command = line.strip()
         if command in ("/exit", "/quit", "/bye"):
             break
+        if command.startswith("/image"):
+            _image_command(eng, command, pending)
+            continue
         if command == "/reset":
-            messages = list(system)
+            messages, pending, seen = list(system), [], []
             sess.reset()
             print("(conversation reset)", file=sys.stderr)
             continue
         if not command:
             continue
-        user = {"role": "user", "content": line}
+        user = {"role": "user", "content": [{"type": "image"} for _ in pending] + [{"type": "text", "text": line}]
+                if pending else line}
+        turn_images, seen, pending = pending, seen + pending, []
         if incremental and sess.tokens:   # the session holds the conversation up to the last answer
             closing, turn = incremental
             text, literal = turn(user)    # user text that spells a control token stays text (chat.render_prompt)
@@ -301,13 +350,14 @@ def cmd_chat(args) -> int:
                                                                for a, b in literal], add_bos=False)
         else:
             sess.reset()
+            turn_images = seen
             ids = eng.tokenizer.encode_prompt(*eng.chat_text(messages + [user], enable_thinking=think,
                                                              special_in_user_text=args.special_in_user_text,
                                                              render=renderer.render))
         sess.timings = generate.Timings(load_s=eng.load_s)     # this turn's numbers
         try:
             res = sess.generate(ids, max_tokens=_max_tokens(args, eng), params=params, stop=args.stop,
-                                on_text=_print_text)
+                                on_text=_print_text, images=turn_images)
         except ContextLengthError as e:   # refused before it ran: the state is as it was
             print(f"legacy-engine: {e}; /reset starts a new conversation", file=sys.stderr)
             continue
@@ -404,6 +454,9 @@ def _gen_flags(s, n_predict: int = 128) -> None:
     s.add_argument("--no-think", action="store_true", help="chat: disable the <think> block")
     s.add_argument("--special-in-user-text", action="store_true",
                    help="chat: parse control tokens (<|im_start|> ...) typed in messages; default: they are text")
+    s.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="the model's vision projector (llama.cpp's mmproj GGUF): images in prompts (--image, chat's "
+                        "/image)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -422,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", help="a Qwen3.5/3.6 GGUF file")
     s.add_argument("-p", "--prompt", help="the prompt (raw text; with --chat: a system message)")
     s.add_argument("--chat", action="store_true", help="the same as `legacy-engine chat MODEL`")
+    s.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image (PNG, JPEG, WebP, GIF) the prompt asks about, before its text, through the chat "
+                        "template (repeatable; needs --mmproj)")
     _gen_flags(s)
     s.set_defaults(func=cmd_run, parser=s)
 

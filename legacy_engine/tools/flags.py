@@ -82,6 +82,8 @@ def engine_kwargs(args) -> dict:
             or decode is not None or kw["gpu_mma"] is not None) and not kw["gpu"]:
         raise SystemExit("error: --gpu-tier, --gpu-f32, --gpu-no-mma, --vram, --decode and --no-cuda-graphs need "
                          "--gpu")
+    if getattr(args, "mmproj", None):
+        kw["mmproj"] = args.mmproj
     if getattr(args, "check_tensors", False):
         kw["check_tensors"] = True
     if getattr(args, "threads", None) is not None:

@@ -86,6 +86,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--cache-disk", type=_size, default=None, metavar="BYTES",
                    help="disk budget of --cache-dir: the most recently used snapshots stay, each with the pages "
                         "it needs (default: unbounded)")
+    s.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="the model's vision projector (llama.cpp's mmproj GGUF): chat messages may then hold "
+                        "image_url parts with data: URLs (raise --max-body for large images)")
+    s.add_argument("--allow-file-images", dest="image_dir", default=None, metavar="DIR",
+                   help="also accept file:// image URLs of files under DIR (default: refused; no URL is ever "
+                        "fetched from the network)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info: one line per request)")
     s.set_defaults(func=cmd_serve)
@@ -106,7 +112,8 @@ def build_server(args):
     cfg = ServeConfig(model_id=name, api_key=args.api_key or None, max_body=args.max_body,
                       max_tokens=args.max_tokens, defaults=defaults, enable_thinking=not args.no_think,
                       host=args.host, port=args.port, allow_origins=tuple(args.allow_origin),
-                      read_timeout=args.read_timeout, special_in_user_text=args.special_in_user_text)
+                      read_timeout=args.read_timeout, special_in_user_text=args.special_in_user_text,
+                      image_dir=args.image_dir)
     return create_app(worker, cfg), worker
 
 

@@ -29,4 +29,6 @@ from .model import PROFILE_PHASES, NativeModel, NativeState, fault_bits, forward
 from .quants import dequantize_row, quantize_row, type_traits  # noqa: F401
 from .schema import (HPARAM_FIELDS, MAX_LAYERS, hparams_struct, layer_kinds, schema_arch_names,  # noqa: F401
                      schema_dims, schema_rows)
+from .vision import (VISION_FAULTS, VISION_ROLES, NativeVision, vision_attention,  # noqa: F401
+                     vision_fault_bits, vision_gelu, vision_layernorm, vision_pos_embed, vision_rope, vision_slot)
 from .sampler import SAMPLE_FORCE, SAMPLE_PATHS, NativeSampler, sample_isa  # noqa: F401

@@ -1,0 +1,138 @@
+"""Images end to end on the CPU: files -> format.image -> the tower (cpu/vision.py) -> the LM (M-RoPE, embeddings at the
+pads) through Engine/Session, the CLI (`run --mmproj --image`, `chat`'s /image, `info MMPROJ`) and the server's
+image_url parts (serve/images.py).
+
+Oracle: Qwen3_5(Moe)ForConditionalGeneration in f32 on the same checkpoint, given the same pixel values (test_image
+proves format.image equals transformers' processor bit for bit): the logits at every position of a two-image
+conversation within LOGIT_ABS_F32.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from legacy_engine.format.image import load_image
+from legacy_engine.serve.generate import Engine
+from legacy_engine.serve.images import ImageRequestError, request_images
+
+import tolerances as tol
+
+pytestmark = pytest.mark.cpu
+PIL = pytest.importorskip("PIL.Image")
+
+IMAGE_PAD = 4012
+
+
+def _png(path, w, h, seed):
+    rng = np.random.default_rng(seed)
+    PIL.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+    return str(path)
+
+
+def _png_bytes(w, h, seed):
+    buf = io.BytesIO()
+    rng = np.random.default_rng(seed)
+    PIL.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _hf_logits(hf_dir, ids, images):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    cls = Qwen3_5MoeForConditionalGeneration if cfg.model_type == "qwen3_5_moe" else Qwen3_5ForConditionalGeneration
+    model = cls.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        out = model(input_ids=t, pixel_values=torch.from_numpy(np.concatenate([i.patches for i in images])),
+                    image_grid_thw=torch.tensor([i.grid_thw for i in images]),
+                    mm_token_type_ids=(t == IMAGE_PAD).int(), use_cache=False)
+    return out.logits[0].float().numpy()
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_image_conversation_matches_transformers(tiny_vision_gguf, tmp_path, kind):
+    hf, text, mmproj = tiny_vision_gguf(kind, "f32")
+    eng = Engine(text, n_threads=2, mmproj=mmproj)
+    images = eng.load_images([_png(tmp_path / "a.png", 97, 61, 1), _png(tmp_path / "b.png", 224, 160, 2)])
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]},
+                {"role": "assistant", "content": "noise"},
+                {"role": "user", "content": [{"type": "text", "text": "and this"}, {"type": "image"}]}]
+    ids = eng.tokenizer.encode_prompt(*eng.chat_text(messages, enable_thinking=False))
+    full, spans = eng.expand_images(ids, images)
+    assert [s.n_tokens for s in spans] == [i.n_tokens for i in images]
+    sess = eng.session()
+    ours = sess.prefill(full, all_logits=True, images=eng.encode_images(spans, images))
+    ref = _hf_logits(hf, full, images)
+    err = np.abs(ours - ref).max()
+    print(f"{kind}: max |Δlogit| {err:.2e} over {len(full)} positions ({sum(s.n_tokens for s in spans)} image rows)")
+    assert err <= tol.LOGIT_ABS_F32, err
+    # a different image with the same text gives other logits (the pixels reach the LM)
+    other = eng.load_images([_png(tmp_path / "c.png", 97, 61, 3)]) + images[1:]
+    assert other[0].digest != images[0].digest
+    sess.reset()
+    moved = sess.prefill(full, all_logits=True, images=eng.encode_images(spans, other))
+    assert np.abs(moved - ours).max() > 100 * tol.LOGIT_ABS_F32
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_cli_run_and_info_with_an_image(tiny_vision_gguf, tmp_path):
+    _, text, mmproj = tiny_vision_gguf("dense", "f32")
+    img = _png(tmp_path / "a.png", 64, 96, 4)
+    run = [sys.executable, "-m", "legacy_engine.tools.cli"]
+    r = subprocess.run(run + ["run", text, "--mmproj", mmproj, "--image", img, "-p", "describe", "-n", "3", "-t", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "[length]" in r.stderr
+    r = subprocess.run(run + ["run", text, "--image", img, "-p", "x"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--mmproj" in r.stderr
+    r = subprocess.run(run + ["info", mmproj], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ViT: 2 blocks, hidden 64" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    chat = subprocess.run(run + ["chat", text, "--mmproj", mmproj, "-n", "2", "-t", "2", "--no-think"],
+                          input=f"/image {tmp_path / 'missing.png'}\n/image {img}\nwhat is it?\n", capture_output=True,
+                          text=True, timeout=300)
+    assert chat.returncode == 0, chat.stderr[-2000:]
+    assert "missing.png" in chat.stderr and "(image a.png: 70 tokens, with the next message)" in chat.stderr
+
+
+class _Engine:
+    """The part of Engine request_images uses: a vision flag and load_images."""
+    def __init__(self, vision=True):
+        self.vision = object() if vision else None
+
+    def load_images(self, sources):
+        return [load_image(s) for s in sources]
+
+
+def _msg(url):
+    return [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+def test_request_images_parts(tmp_path):
+    data = "data:image/png;base64," + base64.b64encode(_png_bytes(40, 30, 5)).decode()
+    (img,) = request_images(_msg(data), _Engine(), None)
+    assert img.grid_thw[0] == 1 and img.n_tokens > 0
+    path = _png(tmp_path / "x.png", 40, 30, 5)
+    (same,) = request_images(_msg(f"file://{path}"), _Engine(), str(tmp_path))
+    assert same.digest == img.digest
+    bad = {"data:image/png,abc": "base64", "data:image/png;base64,@@@": "base64 is invalid",
+           "https://example.com/a.png": "fetches no URLs", f"file://{path}": "file:// image URLs are off",
+           "data:image/png;base64," + base64.b64encode(b"not an image").decode(): "content\\[1\\]"}
+    for url, why in bad.items():
+        with pytest.raises(ImageRequestError, match=why):
+            request_images(_msg(url), _Engine(), None)
+    with pytest.raises(ImageRequestError, match="outside the directory"):
+        request_images(_msg("file:///etc/passwd"), _Engine(), str(tmp_path))
+    with pytest.raises(ImageRequestError, match="no vision projector") as e:
+        request_images(_msg(data), _Engine(vision=False), None)
+    assert e.value.code == "unsupported_value"
+    assert request_images([{"role": "user", "content": "text only"}], _Engine(vision=False), None) == []
