@@ -136,3 +136,32 @@ def test_request_images_parts(tmp_path):
         request_images(_msg(data), _Engine(vision=False), None)
     assert e.value.code == "unsupported_value"
     assert request_images([{"role": "user", "content": "text only"}], _Engine(vision=False), None) == []
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_server_answers_an_image_url(tiny_vision_gguf, tmp_path):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from test_server import MODEL_ID, serving
+    from legacy_engine.serve.worker import Worker
+    _, text, mmproj = tiny_vision_gguf("dense", "f32")
+    eng = Engine(text, n_threads=2, n_ctx=1024, mmproj=mmproj)
+    png = _png_bytes(80, 50, 6)
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "what is it?"}]}]
+    # the oracle: the same engine's Session on the same rendered prompt and image, greedy
+    ids = eng.tokenizer.encode_prompt(*eng.chat_text(messages, enable_thinking=False))
+    want = eng.session().generate(ids, max_tokens=4, images=eng.load_images([png]))
+    with serving(Worker(eng), max_body=1 << 20) as (port, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=4, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        n_img = eng.load_images([png])[0].n_tokens
+        assert r.usage.prompt_tokens == len(ids) - 1 + n_img
+        assert r.choices[0].message.content == want.text
+        bad = dict(messages=[{"role": "user", "content": [{"type": "image_url",
+                                                           "image_url": {"url": "http://example.com/a.png"}}]}])
+        with pytest.raises(openai.BadRequestError, match="fetches no URLs"):
+            client.chat.completions.create(model=MODEL_ID, max_tokens=2, **bad)
