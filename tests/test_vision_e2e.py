@@ -165,3 +165,50 @@ def test_server_answers_an_image_url(tiny_vision_gguf, tmp_path):
                                                            "image_url": {"url": "http://example.com/a.png"}}]}])
         with pytest.raises(openai.BadRequestError, match="fetches no URLs"):
             client.chat.completions.create(model=MODEL_ID, max_tokens=2, **bad)
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_prefix_cache_keys_images_by_their_pixels(tiny_vision_gguf, tmp_path):
+    """The cache's answer equals a fresh session's bit for bit: a repeat (exact hit), the same text with another
+    image (no reuse past the image's page), and an extension (restored inside the image: its rope delta with it,
+    checked by decode steps after the restore)."""
+    from legacy_engine.serve.cache import PrefixCache
+    _, text, mmproj = tiny_vision_gguf("moe", "f32")
+    eng = Engine(text, n_threads=2, mmproj=mmproj)
+    cache = PrefixCache.for_model(eng.model, ram_bytes=1 << 28)
+    img_a, img_b = eng.load_images([_png(tmp_path / "a.png", 97, 61, 1), _png(tmp_path / "b.png", 97, 61, 2)])
+    system = [{"role": "system", "content": "you look at pictures " * 20}]
+
+    def prompt(img, extra=""):
+        msgs = system + [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?" + extra}]}]
+        ids, spans = eng.expand_images(eng.tokenizer.encode_prompt(*eng.chat_text(msgs, enable_thinking=False)), [img])
+        return ids, eng.encode_images(spans, [img])
+
+    def fresh(ids, images, steps=3):
+        s = eng.session()
+        out = [s.prefill(ids, images=images)]
+        for t in range(steps):
+            out.append(s.decode(7 + t))
+        return np.stack(out)
+
+    def cached(ids, images, steps=3):
+        s = eng.session()
+        out = [cache.prefill(s, ids, images=images)]
+        for t in range(steps):
+            out.append(s.decode(7 + t))
+        return np.stack(out), dict(cache.last)
+
+    ids_a, im_a = prompt(img_a)
+    start = im_a.spans[0].start
+    got, last = cached(ids_a, im_a)
+    assert last["reused"] == 0 and np.array_equal(got, fresh(ids_a, im_a))
+    got, last = cached(ids_a, im_a)                      # the same prompt and image: an exact hit
+    assert last["exact"] and np.array_equal(got, fresh(ids_a, im_a))
+    ids_b, im_b = prompt(img_b)                          # the same text, another image
+    assert ids_b == ids_a
+    got, last = cached(ids_b, im_b)
+    assert last["reused"] <= start and np.array_equal(got, fresh(ids_b, im_b))
+    ids_x, im_x = prompt(img_a, " and more words after it, " * 8)   # an extension of the first prompt
+    got, last = cached(ids_x, im_x)
+    assert last["reused"] > start and np.array_equal(got, fresh(ids_x, im_x))   # restored inside the image

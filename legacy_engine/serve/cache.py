@@ -57,7 +57,7 @@ import numpy as np
 from ..core.errors import Cancelled, ContextLengthError, EngineError
 from ..format.fingerprint import model_fingerprint
 from .cache_disk import FORMAT_VERSION, KIND_PAGE, KIND_SNAPSHOT, CacheFileWarning, DiskTier  # noqa: F401 (API)
-from .generate import PREFILL_BATCH
+from .generate import PREFILL_BATCH, rope_delta_at
 
 CHUNK = 64          # native/gdn.c GDN_CHUNK: restore points and forward-call splits are multiples of it
 assert PREFILL_BATCH % CHUNK == 0, "prefill batches must split at chunk boundaries"
@@ -66,8 +66,16 @@ _END_SEED = b"legacy_engine prompt end v%d" % FORMAT_VERSION
 _fingerprints: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Model -> model_fingerprint, once
 
 
-def chain_keys(ids, page: int) -> list[bytes]:
-    """[h_1 .. h_K], K = len(ids) // page: h_k = sha256(h_{k-1} || int32 LE tokens [(k-1)*page, k*page))."""
+def _image_salt(spans, lo: int, hi: int) -> bytes:
+    """What identifies the images whose rows meet [lo, hi): each one's pixel digest, start and grid. An image's pad
+    tokens are the same ids whatever the image: this keeps a different image with the same text from a hit."""
+    return b"".join(s.digest.encode() + struct.pack("<4q", s.start, *s.grid) for s in spans
+                    if s.start < hi and s.end > lo)
+
+
+def chain_keys(ids, page: int, spans=()) -> list[bytes]:
+    """[h_1 .. h_K], K = len(ids) // page: h_k = sha256(h_{k-1} || int32 LE tokens [(k-1)*page, k*page) || the
+    image salt of those rows). spans: the prompt's images (format.multimodal.ImageSpan)."""
     toks = np.asarray(ids, dtype=np.int64)
     if toks.size and (toks.min() < 0 or toks.max() >= 1 << 31):
         raise ValueError("token ids must lie in [0, 2**31)")
@@ -75,16 +83,18 @@ def chain_keys(ids, page: int) -> list[bytes]:
     h = hashlib.sha256(b"legacy_engine prefix chain v%d page %d" % (FORMAT_VERSION, page)).digest()
     out = []
     for k in range(toks.size // page):
-        h = hashlib.sha256(h + raw[4 * k * page:4 * (k + 1) * page]).digest()
+        h = hashlib.sha256(h + raw[4 * k * page:4 * (k + 1) * page]
+                           + _image_salt(spans, k * page, (k + 1) * page)).digest()
         out.append(h)
     return out
 
 
-def end_key(ids, keys: list[bytes], page: int) -> bytes:
-    """The key of the end entry of the whole prompt ids (keys = chain_keys(ids, page)): a hash of the chain key of
-    its aligned prefix [0, floor(L/page)*page), its tail tokens and its length L."""
+def end_key(ids, keys: list[bytes], page: int, spans=()) -> bytes:
+    """The key of the end entry of the whole prompt ids (keys = chain_keys(ids, page, spans)): a hash of the chain
+    key of its aligned prefix [0, floor(L/page)*page), its tail tokens (and the images they hold) and its length L."""
     k = len(ids) // page
     tail = np.asarray(ids[k * page:], dtype=np.int64).astype("<i4").tobytes()
+    tail += _image_salt(spans, k * page, len(ids))
     prefix = keys[k - 1] if k else b"page %d" % page
     return hashlib.sha256(_END_SEED + prefix + struct.pack("<q", len(ids)) + tail).digest()
 
@@ -176,7 +186,7 @@ class PrefixCache(DiskTier):
 
     # ---- public -------------------------------------------------------------------------------------------
 
-    def prefill(self, session, ids, cancel=None) -> np.ndarray:
+    def prefill(self, session, ids, cancel=None, images=None) -> np.ndarray:
         """Runs the whole sequence `ids` in `session`, reusing the longest cached prefix, and returns the
         logits of its last token (float32[n_vocab]), equal bit for bit to a fresh session's prefill.
 
@@ -184,7 +194,8 @@ class PrefixCache(DiskTier):
         Snapshots, KV pages and the end entry of ids are stored for later prompts; an exact repeat of a prompt
         whose end entry is held runs nothing (reused == len(ids)). cancel() is asked before each forward call
         (at most PREFILL_BATCH tokens apart); True raises Cancelled: the session holds the part already run and
-        the snapshots taken so far stay (each is complete)."""
+        the snapshots taken so far stay (each is complete). images: the prompt's images (generate.PromptImages):
+        keyed by their pixels' digests; a restore inside or after one also restores the state's rope delta."""
         ids = [int(t) for t in ids]
         n, state = len(ids), session.state
         if n == 0:
@@ -192,10 +203,15 @@ class PrefixCache(DiskTier):
         if n > state.n_ctx:
             raise ContextLengthError(f"{n} tokens exceed the context of {state.n_ctx} tokens")
         sizes = self._check_model(session.engine.model)
-        keys = chain_keys(ids, self.page)
-        ekey = end_key(ids, keys, self.page)
+        spans = images.spans if images is not None else ()
+        keys = chain_keys(ids, self.page, spans)
+        ekey = end_key(ids, keys, self.page, spans)
+        rows = None
+        if images is not None:
+            session.reset()      # the image rows' positions count from an empty state
+            rows = session.image_rows(ids, images)
         t0 = time.perf_counter()
-        logits = self._restore_end(session, ids, ekey)
+        logits = self._restore_end(session, ids, ekey, rows)
         if logits is not None:
             t1 = time.perf_counter()
             with self._lock:
@@ -210,6 +226,8 @@ class PrefixCache(DiskTier):
         try:
             if p:
                 state.restore_recurrent(snap, p)
+                if rows is not None:
+                    state.rope_delta = rope_delta_at(rows["positions"], p)
                 for j, d in enumerate(pages):
                     state.write_kv(j * self.page, self.page, d)
         except EngineError:
@@ -220,7 +238,7 @@ class PrefixCache(DiskTier):
                 self._unpin(snap_key)
         session.tokens = ids[:p]
         t1 = time.perf_counter()
-        logits = self._run(session, ids, p, keys, pages, ekey, cancel)
+        logits = self._run(session, ids, p, keys, pages, ekey, cancel, rows)
         t2 = time.perf_counter()
         with self._lock:
             self._stats["hits" if p else "misses"] += 1
@@ -312,7 +330,7 @@ class PrefixCache(DiskTier):
             return pos, key if pinned else None, data, pages
         return 0, None, None, []
 
-    def _restore_end(self, session, ids: list[int], ekey: bytes) -> np.ndarray | None:
+    def _restore_end(self, session, ids: list[int], ekey: bytes, rows: dict | None) -> np.ndarray | None:
         """An exact repeat: writes the end entry of ids (pages, tail rows, state at len(ids)) into the session and
         returns a copy of its logits; None (session untouched) when the entry is not held."""
         with self._lock:
@@ -326,6 +344,8 @@ class PrefixCache(DiskTier):
         session.reset()
         try:
             state.restore_recurrent(e.data, e.pos)
+            if rows is not None:
+                state.rope_delta = rope_delta_at(rows["positions"], e.pos)
             for j, d in enumerate(pages):
                 state.write_kv(j * self.page, self.page, d)
             if e.pos > a:
@@ -355,9 +375,9 @@ class PrefixCache(DiskTier):
         return sorted(q for q in pts if q > p)
 
     def _run(self, session, ids: list[int], p: int, keys: list[bytes], pages: list[bytes], ekey: bytes,
-             cancel=None) -> np.ndarray:
+             cancel=None, rows: dict | None = None) -> np.ndarray:
         """Prefill ids[p:] in forward calls that split only at multiples of 64, storing snapshots, pages and the
-        end entry (key ekey)."""
+        end entry (key ekey). rows: the image rows' forward arguments of the whole prompt (generate.image_rows)."""
         n, model, state = len(ids), session.engine.model, session.state
         capture = self._capture_points(p, n)
         cuts = sorted(set(capture) | set(range((p // PREFILL_BATCH + 1) * PREFILL_BATCH, n, PREFILL_BATCH)) | {n})
@@ -367,7 +387,8 @@ class PrefixCache(DiskTier):
             if cancel is not None and cancel():
                 raise Cancelled(f"prefill cancelled after {pos} of {n} tokens")
             try:
-                out = model.forward(state, ids[pos:q], all_logits=False, chunked=True, want_logits=q == n)
+                kw = {k: v[pos:q] for k, v in rows.items()} if rows is not None else {"tokens": ids[pos:q]}
+                out = model.forward(state, all_logits=False, chunked=True, want_logits=q == n, **kw)
             except EngineError:
                 session.reset()  # a failed forward may have updated some layers
                 raise

@@ -25,6 +25,7 @@ from ..plan import planner
 from ..plan.split import SplitModel
 
 PREFILL_BATCH = 256  # tokens per forward call during prefill: bounds activation memory
+ENCODED_IMAGES = 16  # the tower's outputs kept by image digest (Engine._encode)
 
 
 @dataclass
@@ -53,6 +54,26 @@ class PromptImages:
     """The images of a prompt: where their rows lie and the tower's merged embeddings for them, in order."""
     spans: tuple[ImageSpan, ...]
     embeddings: np.ndarray          # [sum of the spans' n_tokens, n_embd] f32
+
+
+def image_rows(ids: list[int], images: PromptImages, n_embd: int, offset: int = 0) -> dict:
+    """The forward arguments of a prompt with images: tokens (-1 at image rows), embd [n, n_embd] (the images' rows
+    filled), M-RoPE positions [n, 3] from rope position `offset` (the state's position + its rope delta)."""
+    toks = np.array(ids, dtype=np.int64)
+    embd = np.zeros((len(ids), n_embd), np.float32)
+    at = 0
+    for s in images.spans:
+        toks[s.start:s.end] = -1
+        embd[s.start:s.end] = images.embeddings[at:at + s.n_tokens]
+        at += s.n_tokens
+    if at != len(images.embeddings):
+        raise ValueError(f"{len(images.embeddings)} image embedding rows for spans of {at} tokens")
+    return {"tokens": toks, "embd": embd, "positions": rope_positions(len(ids), list(images.spans), offset)}
+
+
+def rope_delta_at(positions: np.ndarray, p: int) -> int:
+    """The state's rope delta after rows [0, p) of a prompt with these positions (le_forward_embd's rule)."""
+    return int(positions[:p].max()) + 1 - p if p else 0
 
 
 @dataclass
@@ -107,6 +128,7 @@ class Engine:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         self.n_ctx = min(n_ctx, self.model.hparams.n_ctx_train)
         self.vision = None
+        self._encoded: dict[str, np.ndarray] = {}     # image digest -> merged embeddings, oldest first
         if mmproj is not None:
             mm = MmprojFile.open(mmproj)
             check_compatible(mm.hparams, self.cpu_model.hparams, mm.path)
@@ -155,7 +177,18 @@ class Engine:
         """The tower's merged embeddings of a prompt's images (expand_images' spans): None without images."""
         if not images:
             return None
-        return PromptImages(tuple(spans), np.concatenate([self.vision.encode(img) for img in images]))
+        return PromptImages(tuple(spans), np.concatenate([self._encode(img) for img in images]))
+
+    def _encode(self, img: ImageInput) -> np.ndarray:
+        # the tower's output by the image's pixel hash: a repeated image (a conversation's earlier turns, a cached
+        # prompt) is not encoded again
+        out = self._encoded.pop(img.digest, None)
+        if out is None:
+            out = self.vision.encode(img)
+        self._encoded[img.digest] = out
+        while len(self._encoded) > ENCODED_IMAGES:
+            self._encoded.pop(next(iter(self._encoded)))
+        return out
 
     def chat_prompt(self, messages: list[dict], enable_thinking: bool = True, tools=None) -> str:
         return render_chat(messages, self.chat_template, add_generation_prompt=True,
@@ -204,9 +237,6 @@ class Session:
     def _forward(self, ids: list[int], all_logits: bool, chunked: bool, rows: dict | None = None) -> np.ndarray:
         """rows: an image pass's forward arguments (tokens with -1 at image rows, embd, positions)."""
         def run():
-            if rows is not None and self.engine.model is not self.engine.cpu_model:
-                raise UnavailableError("images run on the CPU engine for now: the GPU engine takes no image rows "
-                                       "yet (run without --gpu)")
             kw = rows or {"tokens": ids}
             out = self.engine.model.forward(self.state, all_logits=all_logits, chunked=chunked, **kw)
             if self.engine.model is not self.engine.cpu_model:   # Model.forward checks its own rows
@@ -214,20 +244,13 @@ class Session:
             return out
         return self._run(ids, run)
 
-    def _image_rows(self, ids: list[int], images: PromptImages) -> dict:
-        """The forward arguments of a prompt with images: tokens (-1 at image rows), embd [n, n_embd], M-RoPE
-        positions [n, 3] from where the session's rope positions stand."""
-        toks = np.array(ids, dtype=np.int64)
-        embd = np.zeros((len(ids), self.engine.cpu_model.hparams.n_embd), np.float32)
-        at = 0
-        for s in images.spans:
-            toks[s.start:s.end] = -1
-            embd[s.start:s.end] = images.embeddings[at:at + s.n_tokens]
-            at += s.n_tokens
-        if at != len(images.embeddings):
-            raise ValueError(f"{len(images.embeddings)} image embedding rows for spans of {at} tokens")
-        pos = rope_positions(len(ids), list(images.spans), self.state.pos + self.state.rope_delta)
-        return {"tokens": toks, "embd": embd, "positions": pos}
+    def image_rows(self, ids: list[int], images: PromptImages) -> dict:
+        """image_rows of ids after what the session holds (its rope position); UnavailableError on the GPU
+        engines, which take no image rows yet."""
+        if self.engine.model is not self.engine.cpu_model:
+            raise UnavailableError("images run on the CPU engine for now: the GPU engine takes no image rows "
+                                   "yet (run without --gpu)")
+        return image_rows(ids, images, self.engine.cpu_model.hparams.n_embd, self.state.pos + self.state.rope_delta)
 
     def prefill(self, ids: list[int], all_logits: bool = False, chunked: bool = True,
                 cancel: Callable[[], bool] | None = None, images: PromptImages | None = None) -> np.ndarray:
@@ -243,7 +266,7 @@ class Session:
                                      f"{self.engine.model.hparams.n_ctx_train})")
         t0 = time.perf_counter()
         outs = []
-        rows = self._image_rows(ids, images) if images is not None else None
+        rows = self.image_rows(ids, images) if images is not None else None
         for i in range(0, len(ids), PREFILL_BATCH):
             if cancel is not None and cancel():
                 raise Cancelled(f"prefill cancelled after {i} of {len(ids)} tokens")

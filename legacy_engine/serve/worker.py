@@ -170,9 +170,9 @@ class Worker:
         plan, sess, tok, c = job.plan, self.session, self.engine.tokenizer, self.counters
         t = sess.timings
         p0, ps0, d0, ds0 = t.prefill_tokens, t.prefill_s, t.decode_tokens, t.decode_s
-        if plan.images:   # image prompts run whole: the prefix cache keys text tokens only (for now)
-            logits = fresh_prefill(sess, plan.ids, lambda: job.cancelled,
-                                   self.engine.encode_images(plan.spans, plan.images))
+        if plan.images:   # the cache keys the images' rows by their pixels' digests
+            logits = self.prefill(sess, plan.ids, cancel=lambda: job.cancelled,
+                                  images=self.engine.encode_images(plan.spans, plan.images))
         else:
             logits = self.prefill(sess, plan.ids, cancel=lambda: job.cancelled)
         cached = max(0, len(plan.ids) - (t.prefill_tokens - p0))  # the cache counts only what it ran
