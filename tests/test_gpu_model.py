@@ -1126,3 +1126,35 @@ def test_sample_next_draws_what_the_row_draws(pname, graphs, gpu_device, tiny_fi
     row = pname in ("temp", "penalties")
     assert gm._sampler.stats == {"candidates": 0 if row else 24, "window": 0, "row": 24 if row else 0}
     gm.close()
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VIDS)
+def test_image_rows_and_mrope_match_cpu(variant, gpu_device, tiny_file, cpu_model):
+    """An image's pass on the GPU (embedding rows where tokens are -1, M-RoPE positions), split over two passes,
+    then decode steps at the state's rope delta (the decode plan's rope position), against the CPU engine; the
+    delta crosses the GPU -> CPU handoff."""
+    from legacy_engine.format.multimodal import ImageSpan, rope_positions
+    tier, arch = variant
+    cpu = cpu_model("moe")
+    gm = gpu_model(cpu, "moe", tier, arch)
+    hp = cpu.hparams
+    n, span = 60, ImageSpan(10, (1, 4, 6), "x")               # 24 image rows at [10, 34)
+    ids = np.array(sequence(n, hp.n_vocab), dtype=np.int64)
+    ids[span.start:span.end] = -1
+    embd = np.random.default_rng(3).standard_normal((n, hp.n_embd)).astype(np.float32)
+    pos = rope_positions(n, [span])
+    out = {}
+    for name, model in (("cpu", cpu), ("gpu", gm)):
+        st = model.new_state(N_CTX)
+        got = [model.forward(st, ids[:20], all_logits=True, embd=embd[:20], positions=pos[:20]),
+               model.forward(st, ids[20:], all_logits=True, embd=embd[20:], positions=pos[20:])]
+        assert st.rope_delta == int(pos.max()) + 1 - n
+        got += [model.forward(st, [t], all_logits=True) for t in (5, 9, 2)]
+        out[name] = np.concatenate(got)
+        if name == "gpu":
+            back = cpu.new_state(N_CTX)
+            st.to_cpu(back)
+            assert (back.pos, back.rope_delta) == (st.pos, st.rope_delta)
+    d = float(np.abs(out["gpu"].astype(np.float64) - out["cpu"]).max())
+    print(f"\nimage rows {gpu.variant_name(tier, arch)}: max|Δ| vs the CPU engine {d:.2e}")
+    assert d <= tol.LOGIT_ABS_F32, d

@@ -171,7 +171,8 @@ class ForwardOps:
         self._mm(L["ssm_out"], o, y, n, oq)
 
     def _attention_planned(self, L: dict, h: int, hq, st: "GpuState", si: int, y: int) -> None:
-        """One token whose position is the device int st.io[1]: every argument independent of the position."""
+        """One token whose position is the device int st.io[1] (its rope position st.io[2]): every argument
+        independent of the position."""
         hp, k = self.hparams, self.k
         hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
         qw, kvw = nh * 2 * hd, nkv * hd
@@ -181,9 +182,9 @@ class ForwardOps:
         kc, vc, pos_dev = st.k_ptr(si), st.v_ptr(si), st.io.ptr + 4
         self._mm(L["attn_q"], h, qg, 1, hq)
         self._mm2(L["attn_k"], L["attn_v"], h, kb, vb, 1, hq)
-        cs = self.scratch.rope_cs(st.n_ctx).ptr
-        k.qk_norm_rope(qg, L["attn_q_norm"], cs, 1, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps, pos_dev=pos_dev)
-        k.qk_norm_rope(kb, L["attn_k_norm"], cs, 1, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps, pos_dev=pos_dev)
+        cs, rope_dev = self.scratch.rope_cs(st.n_ctx).ptr, st.io.ptr + 8
+        k.qk_norm_rope(qg, L["attn_q_norm"], cs, 1, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps, pos_dev=rope_dev)
+        k.qk_norm_rope(kb, L["attn_k_norm"], cs, 1, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps, pos_dev=rope_dev)
         k.kv_store(kb, vb, kc, vc, pos_dev, kvw)
         n_split = k.attn_splits(st.n_ctx)[0]
         part = self.scratch.buf("attn_part", k.attn_partials_bytes(nh, hd, gpu.ATTN_MAX_SPLIT)).ptr
@@ -202,7 +203,7 @@ class ForwardOps:
         self._mm(L["attn_q"], h, qg, n, hq)
         self._mm(L["attn_k"], h, kn, n, hq)
         self._mm(L["attn_v"], h, vn, n, hq)
-        cs = self.scratch.rope_cs(st.n_ctx).ptr + 4 * pos * hp.n_rot   # rows pos.. of [n_ctx, n_rot/2, 2]
+        cs = self._rope_cs          # this pass's rope rows [n, n_rot/2, 2] (GpuModel._pass_rope)
         k.qk_norm_rope(qg, L["attn_q_norm"], cs, n, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps)
         k.qk_norm_rope(kn, L["attn_k_norm"], cs, n, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps)
         if n == 1:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import gpu
+from ..core import _native
 from ..core.errors import PlanningError, UnavailableError
 from ..cpu.model import DEFAULT_CTX, check_logits
 from .forward import ForwardOps
@@ -36,7 +37,7 @@ from .options import GpuOptions, default_tier
 from .placement import PREFILL_CHUNK, Placement, place
 from .residency import Residency
 from .sample import DeviceSampler
-from .scratch import Scratch, rope_table
+from .scratch import Scratch, rope_rows, rope_table
 from .state import GpuState
 
 # what other modules import from here (the rooms' names they knew as gpu.model's)
@@ -215,27 +216,21 @@ class GpuModel(ForwardOps):
         return GpuState(self, n_ctx)
 
     def forward(self, state: "GpuState", tokens, all_logits: bool = False, chunked: bool = True,
-                want_logits: bool = True) -> np.ndarray | None:
+                want_logits: bool = True, embd: np.ndarray | None = None,
+                positions: np.ndarray | None = None) -> np.ndarray | None:
         """tokens: int[n] at positions state.pos.. -> logits float32[n or 1, n_vocab] (as Model.forward;
-        `chunked` is accepted for the interface: the GPU runs the GDN recurrence token by token)."""
-        hp = self.hparams
-        ids = np.asarray(tokens)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError("tokens: a non-empty 1-D sequence of ids")
-        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= hp.n_vocab:
-            raise ValueError(f"token ids must be integers in [0, {hp.n_vocab})")
-        if not isinstance(state, GpuState) or state.gm is not self:
-            raise ValueError("state belongs to another model (make it with this GpuModel's new_state)")
-        if state.pos + ids.size > state.n_ctx:
-            raise ValueError(f"{ids.size} tokens at position {state.pos} exceed the context of {state.n_ctx}")
-        ids = ids.astype(np.int32)
-        if ids.size == 1 and self.plan:
+        `chunked` is accepted for the interface: the GPU runs the GDN recurrence token by token).
+        embd, positions (images): rows [n, n_embd] for the tokens marked -1, M-RoPE positions [n, 3]."""
+        ids, embd, positions = self._check_pass(state, tokens, embd, positions)
+        if ids.size == 1 and self.plan and positions is None and embd is None:
             return self._decode(state, int(ids[0]), want_logits)
         outs = []
         for c0 in range(0, ids.size, self.chunk):
             part = ids[c0:c0 + self.chunk]
             last = c0 + self.chunk >= ids.size
-            if part.size == 1 and self.plan:
+            rows = None if positions is None else (None if embd is None else embd[c0:c0 + self.chunk],
+                                                   positions[c0:c0 + self.chunk])
+            if part.size == 1 and self.plan and rows is None:
                 # a last chunk of one token is the decode plan's step (an unplanned one-token pass would allocate
                 # decode buffers of its own, and the plan be recorded again at the next token)
                 out = self._decode(state, int(part[0]), want_logits and (all_logits or last))
@@ -243,12 +238,67 @@ class GpuModel(ForwardOps):
                     outs.append(out)
                 continue
             out = self._forward_chunk(state, part, all_logits if want_logits else False,
-                                      want_logits and (all_logits or last))
+                                      want_logits and (all_logits or last), rows=rows)
             if out is not None:
                 outs.append(out)
         if not want_logits:
             return None
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _check_pass(self, state, tokens, embd, positions):
+        """-> (ids int32 [n], embd f32 [n, E] or None, positions int32 [n, 3] or None), checked as the C core checks
+        them (le_forward_embd); a pass with embd always carries positions (text ones where none were given)."""
+        hp = self.hparams
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError("tokens: a non-empty 1-D sequence of ids")
+        lo = -1 if embd is not None else 0
+        if ids.dtype.kind not in "iu" or ids.min() < lo or ids.max() >= hp.n_vocab:
+            raise ValueError(f"token ids must be integers in [{lo}, {hp.n_vocab})")
+        if not isinstance(state, GpuState) or state.gm is not self:
+            raise ValueError("state belongs to another model (make it with this GpuModel's new_state)")
+        if state.pos + ids.size > state.n_ctx:
+            raise ValueError(f"{ids.size} tokens at position {state.pos} exceed the context of {state.n_ctx}")
+        if embd is not None:
+            embd = np.ascontiguousarray(embd, dtype=np.float32)
+            if embd.shape != (ids.size, hp.n_embd):
+                raise ValueError(f"embd {embd.shape}: expected [{ids.size}, {hp.n_embd}]")
+            if positions is None:
+                positions = state.pos + state.rope_delta + np.arange(ids.size)[:, None].repeat(3, 1)
+        if positions is not None:
+            positions = np.ascontiguousarray(positions, dtype=np.int32)
+            if positions.shape != (ids.size, 3) or positions.min() < 0:
+                raise ValueError(f"positions {positions.shape}: expected [{ids.size}, 3] rope positions >= 0")
+            text = state.pos + state.rope_delta + np.arange(ids.size)
+            if ids.min() >= 0 and (positions == text[:, None]).all():   # text rows where text goes: a plain pass
+                embd = positions = None                                  # (the decode plan's, for one token)
+        return ids.astype(np.int32), embd, positions
+
+    def _pass_rope(self, st: "GpuState", n: int, positions: np.ndarray | None) -> int:
+        """Device address of a pass's rope rows [n, n_rot/2, 2]: rows of the table (text at pos + rope delta), or
+        for M-RoPE positions the pass's own rows, computed on the host as the table is (scratch.rope_rows)."""
+        hp = self.hparams
+        p = st.pos + st.rope_delta
+        if positions is None and 0 <= p and p + n <= st.n_ctx:
+            return self.scratch.rope_cs(st.n_ctx).ptr + 4 * p * hp.n_rot
+        if positions is None:
+            positions = p + np.arange(n)[:, None].repeat(3, 1)
+        buf = self.scratch.buf("rope_rows", 4 * n * hp.n_rot)
+        gpu.synchronize()                  # the previous pass may still read the buffer
+        buf.upload(rope_rows(hp, positions))
+        return buf.ptr
+
+    def _embed_rows(self, ids: np.ndarray, embd: np.ndarray, x: int) -> None:
+        """x [n, E] <- the token embeddings of ids, with embd's rows where ids is -1 (an image's merged patches):
+        built on the host (the embedding rows dequantised from the file) and uploaded."""
+        E, t = self.hparams.n_embd, self.file.tensors["token_embd.weight"]
+        raw = np.frombuffer(memoryview(self.file.gguf.data("token_embd.weight")).cast("B"), dtype=np.uint8)
+        rb = t.n_bytes // self.hparams.n_vocab
+        rows = embd.copy()
+        for r in np.flatnonzero(ids >= 0):
+            rows[r] = _native.dequantize_row(t.type, raw[ids[r] * rb:(ids[r] + 1) * rb], E)
+        gpu.synchronize()
+        _native.gpu_copy_htod(x, rows, rows.nbytes)
 
     def sample_next(self, state: "GpuState", token: int, sampler, history: list[int] | None) -> int:
         """forward(state, [token]), then `sampler`'s draw from its logits -> the next token; history: the tokens
@@ -270,7 +320,11 @@ class GpuModel(ForwardOps):
         hp = self.hparams
         if self.decode_extras:
             self.hy.extras_step()
-        st.io.upload(np.array([token, st.pos], dtype=np.int32))
+        rope = st.pos + st.rope_delta
+        if not 0 <= rope < st.n_ctx:
+            raise ValueError(f"rope position {rope} (position {st.pos} + delta {st.rope_delta}) outside the rope "
+                             f"table of {st.n_ctx}")
+        st.io.upload(np.array([token, st.pos, rope], dtype=np.int32))
         if st._plan is None or st._plan_gen != self.scratch.gen:
             st._plan = None
             with gpu.record() as launches:
@@ -294,9 +348,10 @@ class GpuModel(ForwardOps):
         return out if want else None
 
     def _forward_chunk(self, st: "GpuState", ids: np.ndarray | None, all_logits: bool, want: bool,
-                       planned: bool = False) -> np.ndarray | None:
+                       planned: bool = False, rows: tuple | None = None) -> np.ndarray | None:
         """ids [n] from the host; planned: one token whose id and position are already in st.io (the decode
-        plan's form: no argument depends on them)."""
+        plan's form: no argument depends on them); rows: (embd [n, E] or None, positions [n, 3]) of an image
+        pass."""
         hp, k = self.hparams, self.k
         n, E = (1 if planned else ids.size), hp.n_embd
         self.scratch.tag = "d" if n == 1 else "p"
@@ -306,17 +361,22 @@ class GpuModel(ForwardOps):
                 self.hy.extras_off()
         if n == 1 and self.cpu_experts:
             self.hy.next()
+        embd, positions = rows if rows is not None else (None, None)
         if planned:
             idb = st.io
         else:
             idb = self.scratch.buf("tokens", 4 * n)
-            idb.upload(ids)
+            idb.upload(np.maximum(ids, 0))
+            self._rope_cs = self._pass_rope(st, n, positions)
         x = self.scratch.buf("x", 4 * n * E).ptr
         h = self.scratch.buf("h", 4 * n * E).ptr
         y = self.scratch.buf("y", 4 * n * E).ptr
         if self.stream:
             self.res.prefetch_all(self.res.next_moe(-1), n)
-        k.get_rows(self.embd.qtype, self.embd.ptr, idb.ptr, x, n, E)
+        if embd is not None:
+            self._embed_rows(ids, embd, x)
+        else:
+            k.get_rows(self.embd.qtype, self.embd.ptr, idb.ptr, x, n, E)
         self._mark("embed")
         hq = self._hq(n)        # h's Q8_1 (int8 paths): each add_rmsnorm writes it with h
         k.add_rmsnorm(x, None, self.layers[0]["attn_norm"], h, hq, E, n, hp.rms_eps)
@@ -338,6 +398,8 @@ class GpuModel(ForwardOps):
                 k.add(x, y, x, n * E)
             self._mark("ffn rest")
         st._pos += n
+        if positions is not None:        # the next text position: one past the largest used (le_forward_embd)
+            st.rope_delta = int(positions.max()) + 1 - st.pos
         if not want:
             gpu.synchronize()
             self._flush_counts()

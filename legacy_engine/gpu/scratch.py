@@ -9,10 +9,11 @@ from .layout import ARENA_ALIGN, ARENA_NAMES, align_up, arena_bytes
 from .runtime import Buffer, BufferView, synchronize
 
 
-def rope_table(hp, n_ctx: int) -> np.ndarray:
-    """[n_ctx, n_rot/2, 2] f32 (cos, sin) of every position and frequency slot, as native/rope.c computes
-    them: inv_freq = theta^(-2i/n_rot) and the angle in f64, IMRoPE's position per slot (text tokens:
-    t = h = w = pos, e = 0), then cos/sin rounded to f32."""
+def rope_rows(hp, positions: np.ndarray) -> np.ndarray:
+    """[n, n_rot/2, 2] f32 (cos, sin) of rope positions [n, 3] (t, h, w) per frequency slot, as native/rope.c
+    computes them: inv_freq = theta^(-2i/n_rot) and the angle in f64, IMRoPE's component per slot (slot i takes
+    component i % 3 where its section covers it, else 0; without sections every slot takes t), then cos/sin
+    rounded to f32."""
     half = hp.n_rot // 2
     i = np.arange(half)
     inv_freq = np.power(np.float64(np.float32(hp.rope_theta)), -2.0 * i / hp.n_rot)
@@ -21,10 +22,15 @@ def rope_table(hp, n_ctx: int) -> np.ndarray:
         sec = i % 3
         covered = ((sec == 0) & (i < 3 * s[0])) | ((sec == 1) & (i < 3 * s[1])) | ((sec == 2) & (i < 3 * s[2]))
     else:
-        covered = np.ones(half, dtype=bool)
-    pos = np.arange(n_ctx, dtype=np.float64)[:, None]
+        sec, covered = np.zeros(half, dtype=np.int64), np.ones(half, dtype=bool)
+    pos = np.asarray(positions, dtype=np.float64)[:, sec]          # [n, half]: each slot's component
     ang = np.where(covered[None, :], pos, 0.0) * inv_freq[None, :]
-    return np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(np.float32)
+    return np.ascontiguousarray(np.stack([np.cos(ang), np.sin(ang)], axis=-1), dtype=np.float32)
+
+
+def rope_table(hp, n_ctx: int) -> np.ndarray:
+    """[n_ctx, n_rot/2, 2]: rope_rows of the text positions 0 .. n_ctx - 1 (t = h = w = pos)."""
+    return rope_rows(hp, np.repeat(np.arange(n_ctx)[:, None], 3, axis=1))
 
 
 class Scratch:

@@ -32,7 +32,9 @@ class GpuState:
         self.ssm = gpu.Buffer(4 * max(1, n_gdn * self.ssm_floats), "GDN SSM states")
         self.k = gpu.Buffer(4 * max(1, n_attn * self.n_ctx * self.kvw), "K cache")
         self.v = gpu.Buffer(4 * max(1, n_attn * self.n_ctx * self.kvw), "V cache")
-        self.io = gpu.Buffer(8, "decode token, position")    # int32 [token, pos] of a planned decode step
+        # int32 [token, pos, rope pos] of a planned decode step (rope pos = pos + rope_delta: M-RoPE after an image)
+        self.io = gpu.Buffer(12, "decode token, position, rope position")
+        self.rope_delta = 0     # as NativeState's: a text token at position i rotates at i + rope_delta
         self._plan, self._plan_gen = None, -1
         gm.scratch.rope_cs(self.n_ctx)
         self.reset()
@@ -45,6 +47,7 @@ class GpuState:
         _native.gpu_memset8(self.conv.ptr, 0, self.conv.nbytes)
         _native.gpu_memset8(self.ssm.ptr, 0, self.ssm.nbytes)
         self._pos = 0
+        self.rope_delta = 0
 
     def conv_ptr(self, i: int) -> int:
         return self.conv.ptr + 4 * i * self.conv_floats
@@ -95,6 +98,7 @@ class GpuState:
         if ns:
             self.ssm.upload(mv[nc:])
         self._pos = int(pos)
+        self.rope_delta = 0     # as le_state_restore_recurrent: the caller sets an image prefix's delta
 
     def _kv_rows(self, start: int, n: int) -> None:
         if start < 0 or n < 0 or start + n > self.n_ctx:
@@ -133,6 +137,7 @@ class GpuState:
     def copy_from(self, other: "GpuState") -> None:
         self.restore_recurrent(other.save_recurrent(), other.pos)
         self.write_kv(0, other.pos, other.read_kv(0, other.pos))
+        self.rope_delta = other.rope_delta
 
     # the handoff between engines, through one page-locked staging buffer of the model (GpuModel._handoff_buffer):
     # device <-> page-locked copies at the link's speed and one memcpy on the CPU side, instead of pageable copies
@@ -149,12 +154,13 @@ class GpuState:
         if stage is None:                          # larger than the page-locked cap: pageable copies
             cpu_state.restore_recurrent(self.save_recurrent(), self.pos)
             cpu_state.write_kv(start, n, self.read_kv(start, n))
-            return
-        self.save_recurrent_into(stage[:nr])
-        cpu_state.restore_recurrent(stage[:nr], self.pos)
-        if n:
-            self.read_kv_into(start, n, stage[:nk])
-            cpu_state.write_kv(start, n, stage[:nk])
+        else:
+            self.save_recurrent_into(stage[:nr])
+            cpu_state.restore_recurrent(stage[:nr], self.pos)
+            if n:
+                self.read_kv_into(start, n, stage[:nk])
+                cpu_state.write_kv(start, n, stage[:nk])
+        cpu_state.rope_delta = self.rope_delta
 
     def from_cpu(self, cpu_state) -> None:
         """Takes over a CPU NativeState's sequence."""
@@ -164,9 +170,10 @@ class GpuState:
         if stage is None:
             self.restore_recurrent(cpu_state.save_recurrent(), pos)
             self.write_kv(0, pos, cpu_state.read_kv(0, pos))
-            return
-        cpu_state.save_recurrent_into(stage[:nr])
-        self.restore_recurrent(stage[:nr], pos)
-        if pos:
-            cpu_state.read_kv_into(0, pos, stage[:nk])
-            self.write_kv(0, pos, stage[:nk])
+        else:
+            cpu_state.save_recurrent_into(stage[:nr])
+            self.restore_recurrent(stage[:nr], pos)
+            if pos:
+                cpu_state.read_kv_into(0, pos, stage[:nk])
+                self.write_kv(0, pos, stage[:nk])
+        self.rope_delta = cpu_state.rope_delta

@@ -41,10 +41,13 @@ class SplitModel:
         return self._gst
 
     def forward(self, state, tokens, all_logits: bool = False, chunked: bool = True,
-                want_logits: bool = True) -> np.ndarray | None:
-        """Model.forward; the pass runs on the GPU when it has >= min_gpu_tokens tokens."""
+                want_logits: bool = True, embd: np.ndarray | None = None,
+                positions: np.ndarray | None = None) -> np.ndarray | None:
+        """Model.forward; the pass runs on the GPU when it has >= min_gpu_tokens tokens. embd, positions: an image
+        pass's rows and M-RoPE positions (Model.forward); the rope delta crosses with the state."""
+        img = {"embd": embd, "positions": positions}
         if self.hybrid:
-            return self._forward_hybrid(state, tokens, all_logits, want_logits)
+            return self._forward_hybrid(state, tokens, all_logits, want_logits, img)
         ids = np.asarray(tokens)
         if ids.ndim == 1 and ids.size >= self.min_gpu_tokens:
             if state.pos + ids.size > state.n_ctx:
@@ -52,26 +55,27 @@ class SplitModel:
             gst = self._gpu_state(state.n_ctx)
             gst.from_cpu(state)
             pos0 = state.pos
-            out = self.gm.forward(gst, ids, all_logits=all_logits, want_logits=want_logits)
+            out = self.gm.forward(gst, ids, all_logits=all_logits, want_logits=want_logits, **img)
             gst.to_cpu_rows(state, pos0, ids.size)    # back: the recurrent states and the KV rows this pass wrote
             self.passes["gpu"] += 1
             return out
         self.passes["cpu"] += 1
-        return self.cpu.forward(state, tokens, all_logits, chunked, want_logits)
+        return self.cpu.forward(state, tokens, all_logits, chunked, want_logits, **img)
 
-    def _forward_hybrid(self, state, tokens, all_logits: bool, want_logits: bool) -> np.ndarray | None:
+    def _forward_hybrid(self, state, tokens, all_logits: bool, want_logits: bool, img: dict) -> np.ndarray | None:
         ids = np.asarray(tokens)
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError("tokens: a non-empty 1-D sequence of ids")
         if ids.size >= self.min_gpu_tokens:
             self.passes["gpu"] += 1
-            return self.gm.forward(state, ids, all_logits=all_logits, want_logits=want_logits)
+            return self.gm.forward(state, ids, all_logits=all_logits, want_logits=want_logits, **img)
         if state.pos + ids.size > state.n_ctx:      # checked before the first step: nothing runs
             raise ValueError(f"{ids.size} tokens at position {state.pos} exceed the context of {state.n_ctx}")
         outs = []
         for j in range(ids.size):
             last = j == ids.size - 1
-            out = self.gm.forward(state, ids[j:j + 1], want_logits=want_logits and (all_logits or last))
+            row = {k: None if v is None else v[j:j + 1] for k, v in img.items()}
+            out = self.gm.forward(state, ids[j:j + 1], want_logits=want_logits and (all_logits or last), **row)
             self.passes["hybrid"] += 1
             if out is not None:
                 outs.append(out)

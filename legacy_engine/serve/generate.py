@@ -245,11 +245,7 @@ class Session:
         return self._run(ids, run)
 
     def image_rows(self, ids: list[int], images: PromptImages) -> dict:
-        """image_rows of ids after what the session holds (its rope position); UnavailableError on the GPU
-        engines, which take no image rows yet."""
-        if self.engine.model is not self.engine.cpu_model:
-            raise UnavailableError("images run on the CPU engine for now: the GPU engine takes no image rows "
-                                   "yet (run without --gpu)")
+        """image_rows of ids after what the session holds (its rope position)."""
         return image_rows(ids, images, self.engine.cpu_model.hparams.n_embd, self.state.pos + self.state.rope_delta)
 
     def prefill(self, ids: list[int], all_logits: bool = False, chunked: bool = True,
