@@ -69,19 +69,6 @@ def test_expand_pads_and_bad_grids():
         rope_positions(4, [ImageSpan(0, (1, 2, 2), "a"), ImageSpan(2, (1, 1, 1), "b")])
 
 
-def _hf_logits(hf_dir, ids, pixels, grids):
-    torch = pytest.importorskip("torch")
-    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
-    cfg = AutoConfig.from_pretrained(hf_dir)
-    cls = Qwen3_5MoeForConditionalGeneration if cfg.model_type == "qwen3_5_moe" else Qwen3_5ForConditionalGeneration
-    model = cls.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    t = torch.tensor([ids])
-    with torch.no_grad():
-        out = model(input_ids=t, pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.tensor(grids),
-                    mm_token_type_ids=(t == IMAGE_PAD).int(), use_cache=False)
-    return out.logits[0].float().numpy()
-
-
 def _prompt(grids, seed=0):
     """A conversation-like prompt: text, an image, text, another image mid-way, text; then 6 continuation tokens."""
     rng = np.random.default_rng(seed)
@@ -111,7 +98,8 @@ def _ours(model, ids, spans, embd, cont, positions="mrope", delta=True):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_lm_with_image_embeddings_matches_transformers(tiny_vision_gguf, kind):
-    from fixtures.tiny_vision import reference_vision_embeddings, sample_image
+    pytest.importorskip("torch")
+    from fixtures.tiny_vision import reference_logits, reference_vision_embeddings, sample_image
     hf, text, _ = tiny_vision_gguf(kind, "f32")
     grids = [(1, 4, 6), (1, 6, 2)]
     imgs = [sample_image(g[1:], seed=i) for i, g in enumerate(grids)]
@@ -119,7 +107,7 @@ def test_lm_with_image_embeddings_matches_transformers(tiny_vision_gguf, kind):
     embd = reference_vision_embeddings(hf, pixels, np.array(grids))
     ids, cont = _prompt(grids)
     full, spans = expand_pads(ids, IMAGE_PAD, [_Img(g[1], g[2]) for g in grids], merge=2)
-    ref = _hf_logits(hf, full + cont, pixels, grids)
+    ref = reference_logits(hf, full + cont, pixels, grids)
     model = Model(text, n_threads=2)
     ours = _ours(model, full, spans, embd, cont)
     assert ours.shape == ref.shape

@@ -42,17 +42,9 @@ def _png_bytes(w, h, seed):
 
 
 def _hf_logits(hf_dir, ids, images):
-    torch = pytest.importorskip("torch")
-    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
-    cfg = AutoConfig.from_pretrained(hf_dir)
-    cls = Qwen3_5MoeForConditionalGeneration if cfg.model_type == "qwen3_5_moe" else Qwen3_5ForConditionalGeneration
-    model = cls.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    t = torch.tensor([ids])
-    with torch.no_grad():
-        out = model(input_ids=t, pixel_values=torch.from_numpy(np.concatenate([i.patches for i in images])),
-                    image_grid_thw=torch.tensor([i.grid_thw for i in images]),
-                    mm_token_type_ids=(t == IMAGE_PAD).int(), use_cache=False)
-    return out.logits[0].float().numpy()
+    pytest.importorskip("torch")
+    from fixtures.tiny_vision import reference_logits
+    return reference_logits(hf_dir, ids, np.concatenate([i.patches for i in images]), [i.grid_thw for i in images])
 
 
 @pytest.mark.oracle
