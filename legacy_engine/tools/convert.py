@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path
@@ -26,6 +25,8 @@ import numpy as np
 
 from ..core.errors import FormatError
 from ..format.vocab import QWEN35_PATTERN  # Qwen3.5's pre-tokenizer split regex (llama.cpp "qwen35")
+from .checkpoint import Checkpoint
+from .convert_mmproj import MMPROJ_OUTTYPES, convert_mmproj
 
 # model_type (top level or text_config) → GGUF architecture
 ARCHS = {
@@ -147,68 +148,6 @@ def _rope_params(hp: dict) -> dict:
         if key not in rope and hp.get(key) is not None:
             rope[key] = hp[key]
     return rope
-
-
-# ---------------------------------------------------------------------------------------------------- safetensors
-
-def _safetensors_header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
-class Checkpoint:
-    """The tensors of a (possibly sharded) safetensors checkpoint, read one at a time as numpy arrays.
-
-    F32/F16 tensors go through safetensors' numpy API. numpy has no bfloat16, so BF16 tensors are read as raw
-    uint16 words from a memory map of the file and widened to F32 exactly (bits << 16), as llama.cpp does."""
-
-    def __init__(self, hf_dir: Path):
-        hf_dir = Path(hf_dir)
-        index = hf_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
-        if not files:
-            raise FormatError(f"no *.safetensors files in {hf_dir}")
-        self._where: dict[str, tuple[Path, dict, int]] = {}
-        for fname in files:
-            path = hf_dir / fname
-            if not path.is_file():
-                raise FormatError(f"{path} is listed in model.safetensors.index.json but missing")
-            header, data_start = _safetensors_header(path)
-            for name, info in header.items():
-                self._where[name] = (path, info, data_start)
-        self._open: dict[Path, object] = {}       # safe_open handles / memory maps, one per shard
-
-    def names(self) -> list[str]:
-        return list(self._where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._where[name][1]["shape"])
-
-    def load(self, name: str, index: tuple = ()) -> np.ndarray:
-        """tensor[index] as F32 or F16 (BF16 and other types become F32); slicing first saves memory."""
-        path, info, data_start = self._where[name]
-        if info["dtype"] == "BF16":
-            if (path, "mmap") not in self._open:
-                self._open[path, "mmap"] = np.memmap(path, dtype=np.uint8, mode="r")
-            begin, end = info["data_offsets"]
-            words = self._open[path, "mmap"][data_start + begin:data_start + end].view("<u2")
-            raw = words.reshape(info["shape"])[index]
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        if path not in self._open:
-            from safetensors import safe_open
-            self._open[path] = safe_open(path, framework="np")
-        arr = self._open[path].get_slice(name)[index] if index else self._open[path].get_tensor(name)
-        return arr if arr.dtype in (np.float16, np.float32) else arr.astype(np.float32)
-
-    def close(self) -> None:
-        self._open.clear()
 
 
 # ---------------------------------------------------------------------------------------------------- transforms
@@ -681,9 +620,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("out", type=Path, help="output .gguf path")
     ap.add_argument("--outtype", choices=list(OUTTYPES), default="f16",
                     help="type of the weight matrices (default f16); norms/routers/conv/ssm_a/dt stay f32")
+    ap.add_argument("--mmproj", type=Path, default=None, metavar="MMPROJ.gguf",
+                    help="also write the checkpoint's vision tower as llama.cpp's mmproj GGUF (run/chat/serve "
+                         "--mmproj read it)")
+    ap.add_argument("--mmproj-outtype", choices=list(MMPROJ_OUTTYPES), default="f16",
+                    help="type of the vision tower's matrices (default f16, as llama.cpp's common files)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     convert(args.hf_dir, args.out, outtype=args.outtype, progress=not args.no_progress)
+    if args.mmproj is not None:
+        convert_mmproj(args.hf_dir, args.mmproj, outtype=args.mmproj_outtype, progress=not args.no_progress)
     return 0
 
 
