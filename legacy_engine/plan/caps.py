@@ -169,6 +169,10 @@ def format_machine_report(rep: dict) -> list[str]:
         lines.append("  --vram SIZE budgets VRAM; a model over it runs split (`legacy-engine plan` shows the choice): "
                      "streamed prefill, hybrid decode through a page-locked channel the GPU and CPU both poll (needs "
                      "unified addressing: a 64-bit driver), the planner's link experts fetched over PCIe")
+        lines.append("  sampling: in VRAM on every tier (sample_cut: the candidates of top-k/top-p/min-p chosen on the "
+                     "GPU, only they cross the link; a flat top-p row's cut bin; penalties or temperature alone: the "
+                     "row is downloaded)")
+        lines.append("  images: the LM's image rows and M-RoPE on the GPU; the vision tower itself runs on the CPU")
     else:
         lines.append(f"GPU      none: {gpu['reason']}")
     return lines
