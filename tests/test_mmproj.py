@@ -137,7 +137,7 @@ def rewrite(src, dst, meta=None, drop=(), tensors=None) -> str:
     return str(dst)
 
 
-F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
+F32, Q2_K = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q2_K
 U32, F32V, STR, BOOL, ARR = (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.STRING,
                              gguf.GGUFValueType.BOOL, gguf.GGUFValueType.ARRAY)
 
@@ -177,7 +177,7 @@ BAD = {   # case -> (rewrite kwargs, what the message must contain)
     "out width": (dict(tensors={"mm.2.weight": _zeros(32, 256)}), "'mm.2.weight' has ne=[256, 32], expected [256, 64]"),
     "more blocks than the depth": (dict(meta={"clip.vision.block_count": 3}), "'v.blk.2.ln1.weight' is missing"),
     "extra tensor": (dict(tensors={"v.deepstack.0.norm.weight": _zeros(64)}), "unexpected tensor 'v.deepstack.0.norm"),
-    "Q8_0 weight": (dict(tensors={"mm.0.weight": (np.zeros((256, 272), np.uint8), Q8_0)}), "ggml type Q8_0"),
+    "Q2_K weight": (dict(tensors={"mm.0.weight": (np.zeros((256, 84), np.uint8), Q2_K)}), "ggml type Q2_K"),
 }
 
 

@@ -204,3 +204,59 @@ def test_prefix_cache_keys_images_by_their_pixels(tiny_vision_gguf, tmp_path):
     ids_x, im_x = prompt(img_a, " and more words after it, " * 8)   # an extension of the first prompt
     got, last = cached(ids_x, im_x)
     assert last["reused"] > start and np.array_equal(got, fresh(ids_x, im_x))   # restored inside the image
+
+
+def _requantize(src, dst, qtype):
+    """src's mmproj with every 2-D matrix but the position table as qtype (gguf-py's quantiser) -> (dst, and a copy
+    whose matrices hold the dequantised values in F32)."""
+    import gguf
+    r = gguf.GGUFReader(str(src))
+    outs = []
+    for path, as_q in ((dst, True), (str(dst) + ".deq.gguf", False)):
+        w = gguf.GGUFWriter(str(path), "clip")
+        for k, f in r.fields.items():
+            if k.startswith("GGUF.") or k == "general.architecture":
+                continue
+            v = f.contents()
+            if isinstance(v, bool):
+                w.add_bool(k, v)
+            elif isinstance(v, int):
+                w.add_uint32(k, v)
+            elif isinstance(v, float):
+                w.add_float32(k, v)
+            elif isinstance(v, str):
+                w.add_string(k, v)
+            else:
+                w.add_array(k, v)
+        for t in r.tensors:
+            x = np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+            if x.ndim == 2 and t.name != "v.position_embd.weight":    # the patch kernels stay float (llama.cpp's)
+                q = gguf.quants.quantize(x, qtype)
+                if as_q:
+                    w.add_tensor(t.name, q, raw_dtype=qtype)
+                    continue
+                x = gguf.quants.dequantize(q, qtype).reshape(x.shape)
+            w.add_tensor(t.name, np.ascontiguousarray(x))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        outs.append(path)
+    return outs
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_q8_0_mmproj(tiny_vision_gguf, tmp_path):
+    """A Q8_0 mmproj encodes as its dequantised F32 copy does (bit for bit: each row is dequantised, then the f32
+    path), and stays near the f32 tower (its own rounding, measured here)."""
+    import gguf
+    from legacy_engine.cpu.vision import VisionTower
+    _, _, mm = tiny_vision_gguf("dense", "f32")
+    q8, deq = _requantize(mm, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    img = load_image(_png(tmp_path / "a.png", 97, 61, 1))
+    out = {name: VisionTower(p, n_threads=2).encode(img) for name, p in (("q8", q8), ("deq", deq), ("f32", mm))}
+    assert np.array_equal(out["q8"], out["deq"])
+    drift = float(np.abs(out["q8"] - out["f32"]).max())
+    print(f"Q8_0 mmproj vs f32: max |Δ| {drift:.2e} (embeddings of std {out['f32'].std():.2f})")
+    assert 0 < drift < 0.05 * float(np.abs(out["f32"]).max())

@@ -42,8 +42,9 @@ ROPE_THETA = 10000.0          # base of the ViT's 2-D axial RoPE (transformers Q
 MIN_PIXELS = 65_536           # Qwen2VLImageProcessor size.shortest_edge of the real Qwen3.5 preprocessor_config.json
 MAX_PIXELS = 16_777_216       # ... and size.longest_edge; transformers' preprocessing is the one the model saw
 IN_CHANNELS = 3               # RGB: the Conv3d's input channels
-# ggml types the tower reads (dequantised to f32 on load): the converter's f32/f16/bf16 outtypes.
-SUPPORTED_TYPES = ("F32", "F16", "BF16")
+# ggml types the tower reads (each row dequantised to f32 as a matmul reads it): the converter's f32/f16/bf16
+# outtypes, and Q8_0 (the quantised mmproj files people share)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
 
 _V = "clip.vision."
 
