@@ -139,7 +139,10 @@ ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"qua
            "moe_combine": {"moe_combine_f32"}, "hybrid_sync": {"hybrid_publish_f32", "hybrid_wait_f32", "hybrid_fetch_u8",
                                                           "hybrid_predict_f32", "hybrid_predict_publish_i32"},
            "sample_cut": {"sample_max_f32", "sample_hist_f32", "sample_cut_f32", "sample_compact_f32",
-                          "sample_draw_blocks_f32", "sample_draw_pick_f32"}}
+                          "sample_draw_blocks_f32", "sample_draw_pick_f32"},
+           # the vision tower's (tests/test_gpu_vision.py)
+           "layernorm": {"layernorm_f32"}, "gelu": {"gelu_tanh_f32", "gelu_erf_f32", "bias_add_f32", "bias_residual_f32"},
+           "rope_vision": {"rope_vision_f32"}, "attention_bidir": {"attn_bidir_f32"}}
 
 
 def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:

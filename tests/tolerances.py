@@ -189,3 +189,31 @@ VISION_ATTN_REL = 1e-5
 # GELU table); 2e-5 keeps ~6x room over the measured and stays ~20x below the smallest injected bug (the GELU in the
 # wrong form in one place: 3.6e-4 … 4.6e-4; position grid not interpolated, RoPE rows/columns swapped: 0.4 … 0.9).
 VISION_F32_ABS = 2e-5
+
+# ---- the vision tower on the GPU (tests/test_gpu_vision.py) ---------------------------------------------------------
+# layernorm.cu against float64 numpy, relative to max(|ref|, 1): the mean and the sum of squared deviations are f32
+# per-thread sums added as a tree (the reference sums in f64); with the test's offset mean (20 + 3 N(0, 1)) the mean's
+# rounding (a few ulps of 20) is what shows, ~1e-6 of the unit-scale output. 1e-5 leaves room for 4608-wide rows.
+GPU_LAYERNORM_REL = 1e-5
+
+# gelu.cu (tanh and erf forms, bias folded in) against the C core's le_gelu_*_ref on the same f32 input, relative to
+# max(|ref|, 1): CUDA's tanhf / erff (<= 2 ulp) against libm's (~1 ulp), and the polynomial's products contracted to
+# FMA on the GPU: a few ulps, as VISION_OP_REL.
+GPU_VISION_GELU_REL = 16 * 2.0**-24
+
+# attention_bidir.cu against float64 numpy, relative to max(|ref|, 1): the scores are hd-term f32 dot products summed
+# in one sequential chain per lane (|q.k| / sqrt(hd) up to ~15 at the test's std 2: their rounding, ~1e-6 of a score,
+# moves the peaked softmax's weights by as much), then the online softmax's per-tile rescales and o = acc / l at the
+# end (the reference normalises first and sums in f64). Measured (H200, every tier the same): 3.9e-6 (hd 32),
+# 8.0e-6 (hd 72), 1.6e-5 (784 keys, hd 64), 1.3e-5 (hd 256); at std 1 all <= 8e-7. The CPU op on the same inputs:
+# up to 5.2e-6. 5e-5 leaves ~3x.
+GPU_ATTN_BIDIR_REL = 5e-5
+
+# GpuVisionTower against the CPU VisionTower (native/vision.c) on the same weights, relative to max(|ref|, 1) (|y| of a
+# few tenths to ~3): both f32 throughout; the GEMMs sum in another order (gemm_f32's k order vs le_matmul's SIMD
+# lanes), the norms' and the softmax's sums in f32 trees (the CPU's in f64), CUDA's tanhf/erff/expf vs libm. Measured
+# (H200, tests/test_gpu_vision.py's random towers, fermi-sm35 and dp4a-sm90 alike): 1.8e-6 … 2.9e-6 (depth 2, hidden
+# 64 and 288 with head size 72 and F16 matrices), 6.6e-6 (one real-size layer: hidden 768, ffn 3072, 28 x 28). The
+# GELU in the wrong form in one place (the CPU tower's injected faults) moves the output by 2.4e-4 … 5.9e-4, so 3e-5
+# keeps ~5x over the measured and ~8x below the smallest such bug.
+GPU_VISION_TOWER_REL = 3e-5

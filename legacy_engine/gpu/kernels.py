@@ -19,9 +19,10 @@ from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_MAX_HD, ATTN_MAX_SPL
 from .matmul import MatmulLaunchers
 from .runtime import Buffer, BufferView, Module, Stream, _ensure_open, _native, device_arch
 from .toolchain import SOURCES, check_variant, get_ptx, has_mma, variant_name
+from .vision_kernels import VisionLaunchers
 
 
-class Kernels(MatmulLaunchers):
+class Kernels(MatmulLaunchers, VisionLaunchers):
     """The cuda8 kernels of one variant (tier, arch) on the open device.
 
     Each op checks shapes and buffer sizes before launching (an out-of-bounds kernel would take the

@@ -172,7 +172,9 @@ def format_machine_report(rep: dict) -> list[str]:
         lines.append("  sampling: in VRAM on every tier (sample_cut: the candidates of top-k/top-p/min-p chosen on the "
                      "GPU, only they cross the link; a flat top-p row's cut bin; penalties or temperature alone: the "
                      "row is downloaded)")
-        lines.append("  images: the LM's image rows and M-RoPE on the GPU; the vision tower itself runs on the CPU")
+        lines.append("  images: the vision tower on the GPU beside a resident model (layernorm, gelu, rope_vision, "
+                     "attention_bidir, gemm_f32; every tier), on the CPU beside a split one; the LM's image rows and "
+                     "M-RoPE on the GPU")
     else:
         lines.append(f"GPU      none: {gpu['reason']}")
     return lines

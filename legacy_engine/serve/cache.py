@@ -388,7 +388,7 @@ class PrefixCache(DiskTier):
                 raise Cancelled(f"prefill cancelled after {pos} of {n} tokens")
             try:
                 kw = {k: v[pos:q] for k, v in rows.items()} if rows is not None else {"tokens": ids[pos:q]}
-                out = model.forward(state, all_logits=False, chunked=True, want_logits=q == n, **kw)
+                out = model.forward(state, kw.pop("tokens"), all_logits=False, chunked=True, want_logits=q == n, **kw)
             except EngineError:
                 session.reset()  # a failed forward may have updated some layers
                 raise

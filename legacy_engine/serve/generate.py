@@ -20,6 +20,7 @@ from ..format.multimodal import ImageSpan, expand_pads, rope_positions
 from .sampling import Sampler, SamplingParams
 from ..format.tokenizer import Tokenizer
 from ..gpu.model import GpuModel
+from ..gpu.vision import GpuVisionTower
 from ..gpu.options import GpuOptions
 from ..plan import planner
 from ..plan.split import SplitModel
@@ -127,7 +128,8 @@ class Engine:
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         self.n_ctx = min(n_ctx, self.model.hparams.n_ctx_train)
-        self.vision = None
+        self.vision = self.vision_gpu = None
+        self.vision_where = ""
         self._encoded: dict[str, np.ndarray] = {}     # image digest -> merged embeddings, oldest first
         if mmproj is not None:
             mm = MmprojFile.open(mmproj)
@@ -137,6 +139,7 @@ class Engine:
             self.image_config = ImageConfig(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch,
                                             merge_size=v.merge, min_pixels=v.min_pixels, max_pixels=v.max_pixels,
                                             image_mean=v.image_mean, image_std=v.image_std)
+            self.vision_gpu, self.vision_where = self._gpu_tower()
         self.load_s = time.perf_counter() - t0
 
     def session(self) -> "Session":
@@ -151,6 +154,18 @@ class Engine:
         self.gpu.apply(new)
         self.placement = new
         return True
+
+    def _gpu_tower(self) -> tuple[GpuVisionTower | None, str]:
+        """(the tower on the GPU, where it runs and why): on the GPU beside a resident model; on the CPU without a
+        GPU, beside a split model (the budget is the experts'), or when its upload does not fit."""
+        if self.gpu is None:
+            return None, "the CPU"
+        if self.placement.stream:
+            return None, "the CPU (the model runs split: its VRAM budget goes to the experts)"
+        try:
+            return GpuVisionTower(self.vision, self.gpu.k), "the GPU"
+        except (EngineError, MemoryError) as e:
+            return None, f"the CPU (its upload to the GPU failed: {e})"
 
     def load_images(self, sources) -> list[ImageInput]:
         """Paths or bytes -> preprocessed images (format.image, the tower's patch and pixel limits)."""
@@ -184,7 +199,7 @@ class Engine:
         # prompt) is not encoded again
         out = self._encoded.pop(img.digest, None)
         if out is None:
-            out = self.vision.encode(img)
+            out = (self.vision_gpu or self.vision).encode(img)
         self._encoded[img.digest] = out
         while len(self._encoded) > ENCODED_IMAGES:
             self._encoded.pop(next(iter(self._encoded)))
@@ -237,8 +252,8 @@ class Session:
     def _forward(self, ids: list[int], all_logits: bool, chunked: bool, rows: dict | None = None) -> np.ndarray:
         """rows: an image pass's forward arguments (tokens with -1 at image rows, embd, positions)."""
         def run():
-            kw = rows or {"tokens": ids}
-            out = self.engine.model.forward(self.state, all_logits=all_logits, chunked=chunked, **kw)
+            kw = dict(rows or {"tokens": ids})       # the image rows' embd and positions, when there are
+            out = self.engine.model.forward(self.state, kw.pop("tokens"), all_logits=all_logits, chunked=chunked, **kw)
             if self.engine.model is not self.engine.cpu_model:   # Model.forward checks its own rows
                 check_logits(out, self.state.pos - out.shape[0])
             return out

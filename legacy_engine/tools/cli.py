@@ -215,6 +215,8 @@ def _describe_gpu(eng) -> None:
     if eng.gpu is not None:
         print(eng.model.describe(), file=sys.stderr)
         print(f"placement: {eng.placement.why}", file=sys.stderr)
+    if eng.vision is not None and eng.gpu is not None:
+        print(f"vision tower: on {eng.vision_where}", file=sys.stderr)
 
 
 def _max_tokens(args, eng) -> int:
