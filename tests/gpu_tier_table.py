@@ -2,7 +2,7 @@
 
     LE_PTX_DIR=DIR python tests/gpu_tier_table.py [--out table.md] [-- extra pytest args]
 
-Runs `pytest -m gpu tests/test_gpu.py tests/test_gpu_model.py` with LE_GPU_STRICT=1 (a variant that cannot be built
+Runs `pytest -m gpu tests/test_gpu.py tests/test_gpu_model.py tests/test_gpu_vision.py` with LE_GPU_STRICT=1 (a variant that cannot be built
 fails instead of skipping), reads its JUnit XML, and prints a markdown table: one row per test (kernel or whole-model
 check), one column per variant (fermi-sm35, kepler-sm35, dp4a-sm61, dp4a-sm70 and the card's own arch per tier),
 each cell "passed/total" of that test's parameter cases on that variant; tests that take no variant go in the
@@ -29,7 +29,7 @@ def run(extra: list[str]) -> tuple[int, Path]:
     xml = Path(tempfile.mkdtemp()) / "gpu.xml"
     env = dict(os.environ, LE_GPU_STRICT="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}",
-           str(HERE / "test_gpu.py"), str(HERE / "test_gpu_model.py")] + extra
+           str(HERE / "test_gpu.py"), str(HERE / "test_gpu_model.py"), str(HERE / "test_gpu_vision.py")] + extra
     rc = subprocess.run(cmd, env=env, cwd=HERE.parent).returncode
     return rc, xml
 
