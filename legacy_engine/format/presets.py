@@ -1,6 +1,7 @@
 """The model family's presets as data: the hyperparameters of each Qwen3.5 / Qwen3.6 shape (spec §1.2), the quant
 mixes by name, and the type llama.cpp gives each tensor in a mix (llama-quant.cpp's rules) -> the file's tensor
-plan (`plan_tensors`). make-model writes these files; the planner describes them without writing
+plan (`plan_tensors`), and each preset's vision tower (`VISION_PRESETS`, `preset_vision_hparams`: what
+make-model --mmproj-out writes). make-model writes these files; the planner describes them without writing
 (`DescribedFile`, `plan --preset`).
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..core.errors import EngineError
 from .gguf_file import TensorInfo
 from .gguf_model import Hparams, expected_tensors
+from .mmproj import VisionHparams
 
 T = GGMLQuantizationType
 
@@ -40,6 +42,23 @@ PRESETS: dict[str, dict] = {
     "qwen3.6-35b-a3b": dict(_COMMON, arch="qwen35moe", name="Qwen3.6 35B A3B", n_layer=40, n_embd=2048,
                             n_head=16, n_head_kv=2, ssm_n_group=16, ssm_dt_rank=32, n_expert=256,
                             n_expert_used=8, n_ff_exp=512, n_ff_shexp=512, tied=False, quant="q4_k_m"),
+}
+
+# Vision towers (spec §2.7, transformers' Qwen3_5VisionConfig field names in the comments): what make-model
+# --mmproj-out writes. Every size shares patch 16, temporal patch 2, merge 2, 2304 = 48x48 positions, LayerNorm eps
+# 1e-6 (the converter writes the text config's rms_norm_eps) and mean = std = 0.5; out_hidden = the preset's n_embd.
+#   small: 0.8B's first-party config.json (spec §2.7); Qwen3.5-2B/4B assumed the same (not checked).
+#   large: 35B-A3B (spec §2.7) and the transformers class defaults; 9B: the same in third-party copies of its
+#          config.json (out_hidden_size 4096), not read from the first-party file.
+#   tiny:  tests/fixtures/tiny_vision.py's tower (depth 2, hidden 64, 2 heads, 8x8 positions), for fast tests.
+_VISION_COMMON = dict(patch_size=16, temporal_patch=2, merge=2, n_pos=2304, eps=1e-6, image_mean=(0.5, 0.5, 0.5),
+                      image_std=(0.5, 0.5, 0.5))
+_VISION_SMALL = dict(_VISION_COMMON, depth=12, hidden=768, n_head=12, ffn=3072)      # depth, hidden_size, num_heads,
+_VISION_LARGE = dict(_VISION_COMMON, depth=27, hidden=1152, n_head=16, ffn=4304)     # intermediate_size
+_VISION_TINY = dict(_VISION_COMMON, depth=2, hidden=64, n_head=2, ffn=128, n_pos=64)
+VISION_PRESETS: dict[str, dict] = {
+    "tiny-moe": _VISION_TINY, "tiny-dense": _VISION_TINY, "qwen3.5-0.8b": _VISION_SMALL,
+    "qwen3.5-9b": _VISION_LARGE, "qwen3.6-35b-a3b": _VISION_LARGE,
 }
 
 # --quant name -> (LLAMA_FTYPE value, default tensor type, mix). mix None = pure.
@@ -89,6 +108,19 @@ def preset_hparams(preset: str, layers: int | None = None) -> Hparams:
         ssm_d_inner=p["ssm_dt_rank"] * p["ssm_d_state"],
         recurrent=tuple((i + 1) % interval != 0 for i in range(n_layer)), n_vocab=N_VOCAB,
         tied_embeddings=p["tied"], **kw)
+
+
+def preset_vision_hparams(preset: str, depth: int | None = None) -> VisionHparams:
+    """The VisionHparams of a preset's vision tower (VISION_PRESETS), optionally cut to `depth` blocks."""
+    if preset not in VISION_PRESETS:
+        raise MakeModelError(f"unknown preset {preset!r} for a vision tower; choose one of {', '.join(VISION_PRESETS)}")
+    v = dict(VISION_PRESETS[preset])
+    if depth is not None:
+        if depth < 1:
+            raise MakeModelError(f"--mmproj-depth must be at least 1, got {depth}")
+        v["depth"] = int(depth)
+    return VisionHparams(**v, out_hidden=PRESETS[preset]["n_embd"],
+                         image_size=math.isqrt(v["n_pos"]) * v["patch_size"])
 
 
 # ---- tensor types: llama.cpp's rules ---------------------------------------------------------------

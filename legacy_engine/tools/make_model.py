@@ -48,8 +48,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from ..core.errors import EngineError
 from ..format.gguf_model import Hparams
 from ..format.presets import (N_VOCAB, PRESETS, QUANTS, MakeModelError, TensorSpec, layer_of, plan_tensors,
-                              preset_hparams)
+                              preset_hparams, preset_vision_hparams)
 from ..format.vocab import qwen_vocab, vocab_metadata
+from .make_mmproj import MMPROJ_TYPES, make_mmproj, mmproj_nbytes, plan_mmproj
 
 T = GGMLQuantizationType
 
@@ -485,11 +486,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tame", action="store_true",
                    help="scale residual-branch output projections (ssm_out, attn_output, ffn_down*) by 0.25: "
                         "less chaotic under quantisation, for accuracy comparisons")
-    target = p.add_mutually_exclusive_group(required=True)   # usage: (--out F.gguf | --dry-run)
-    target.add_argument("--out", metavar="F.gguf", help="output path (written atomically); required unless --dry-run")
+    target = p.add_mutually_exclusive_group()   # usage: (--out F.gguf | --dry-run), or --mmproj-out alone
+    target.add_argument("--out", metavar="F.gguf",
+                        help="output path (written atomically); required unless --dry-run or --mmproj-out")
     target.add_argument("--dry-run", action="store_true",
                         help="print the tensor plan (types and bytes) without writing anything")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    v = p.add_argument_group("vision tower (make_mmproj.py)")
+    v.add_argument("--mmproj-out", metavar="MMPROJ.gguf",
+                   help="also (or, without --out, only) write the preset's vision tower as a random-weight mmproj "
+                        "GGUF in llama.cpp's converter layout (clip / qwen3vl_merger)")
+    v.add_argument("--mmproj-type", choices=list(MMPROJ_TYPES), default="f16", type=str.lower,
+                   help="type of the mmproj's matrices, as the converter's --outtype (f16, like llama.cpp's common "
+                        "files; 1-D tensors and the position table stay F32)")
+    v.add_argument("--mmproj-depth", type=int, default=None, metavar="N",
+                   help="keep only the first N ViT blocks (fast tests); default: the preset's real depth")
     return p
 
 
@@ -513,11 +524,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {t:8s} {c:5d} tensors {b / 2**30:8.3f} GiB")
             for n in notes:
                 print(f"  note: {n}")
+            if args.mmproj_out:
+                vspecs = plan_mmproj(preset_vision_hparams(args.preset, args.mmproj_depth), args.mmproj_type)
+                print(f"vision tower ({args.mmproj_type}): {len(vspecs)} tensors, "
+                      f"{sum(mmproj_nbytes(ne, t) for _, ne, t in vspecs):,} bytes of tensor data")
             return 0
-        if not args.out:
-            build_parser().error("--out is required (or --dry-run)")
-        make_model(args.preset, args.out, layers=args.layers, quant=args.quant, router_skew=args.router_skew,
-                   seed=args.seed, tame=args.tame, progress=not args.quiet)
+        if not args.out and not args.mmproj_out:
+            build_parser().error("--out is required (or --dry-run, or --mmproj-out for the vision tower only)")
+        if args.out:
+            make_model(args.preset, args.out, layers=args.layers, quant=args.quant, router_skew=args.router_skew,
+                       seed=args.seed, tame=args.tame, progress=not args.quiet)
+        if args.mmproj_out:
+            make_mmproj(args.preset, args.mmproj_out, outtype=args.mmproj_type, depth=args.mmproj_depth,
+                        seed=args.seed, progress=not args.quiet)
         return 0
     except EngineError as e:
         print(f"legacy-engine make-model: error: {e}", file=sys.stderr)
