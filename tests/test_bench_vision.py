@@ -53,3 +53,16 @@ def test_bench_vision_beside_llama_cpp(tiny_vision_gguf, tmp_path, capsys):
     assert theirs[0]["tokens"] == ours[0]["tokens"] == 196          # 448x448: both keep it (multiple of 32)
     assert theirs[1]["tokens"] == 35 < ours[1]["tokens"]        # spec §2.7: llama.cpp keeps fewer tokens
     assert "ours/llama" in text and "per patch" in text
+
+
+def test_bench_vision_time_to_first_token(tiny_vision_gguf, tmp_path, capsys):
+    _, text_gguf, mmproj = tiny_vision_gguf("dense", "f16")
+    res, text = _run(tmp_path, capsys, mmproj, "--text", str(text_gguf))
+    rows = res["ttft"]["1"]
+    assert [r["image"] for r in rows] == ["448x448", "224x160"]
+    for r in rows:
+        parts = r["preprocess_s"] + r["encode_s"] + r["prefill_s"]
+        assert 0 < r["ttft_min_s"] <= r["ttft_median_s"] and r["where"] == "the CPU"
+        assert r["ttft_median_s"] == pytest.approx(parts, rel=0.5)     # medians of parts vs the median of sums
+        assert r["prompt_tokens"] > r["image_tokens"] > 0
+    assert "time to first token" in text

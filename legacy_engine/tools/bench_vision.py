@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import io
 import json
 import statistics
 import sys
@@ -33,6 +34,7 @@ from PIL import Image
 from .. import gpu
 from ..cpu.vision import VisionTower
 from ..gpu.vision import GpuVisionTower
+from ..serve.generate import Engine
 from ..format.image import preprocess
 from ..format.mmproj import IN_CHANNELS, MmprojFile, VisionHparams
 
@@ -86,6 +88,48 @@ def bench_ours(mmproj: str, threads: int, images: dict, reps: int, log, gpu_tier
                    **_stats(runs, encode_flops(hp, n), n))
         log(f"  ours {'gpu ' + gpu_tier if gpu_tier else 't' + str(threads)} {row['image']}: {row['median_s']:.3f} s "
             f"({row['gflops']:.1f} GFLOP/s)")
+        rows.append(row)
+    return rows
+
+
+# ---- time to first token ------------------------------------------------------------------------------------------
+
+QUESTION = "What is in this picture?"
+
+
+def bench_ttft(text_gguf: str, mmproj: str, threads: int, images: dict, reps: int, log,
+               gpu_tier: str | None = None) -> list[dict]:
+    """Time to the first token of an image question through Engine/Session as `run --image` does it: the PNG's
+    bytes decoded and preprocessed, the tower's encode (its cache of encoded images emptied each time), the prompt's
+    prefill, the greedy first token; with the split of the three."""
+    eng = Engine(text_gguf, n_threads=threads, mmproj=mmproj, gpu=gpu_tier is not None, gpu_tier=gpu_tier, pin=False)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    ids = eng.tokenizer.encode_prompt(*eng.chat_text(msgs, enable_thinking=False))
+    rows = []
+    for (w, h), rgb in images.items():
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, format="PNG")
+        png, phases = buf.getvalue(), []
+        for _ in range(reps + 1):                   # the first run warms the scratch and the kernels: dropped
+            eng._encoded.clear()
+            t0 = time.perf_counter()
+            imgs = eng.load_images([png])
+            full, spans = eng.expand_images(ids, imgs)
+            t1 = time.perf_counter()
+            pi = eng.encode_images(spans, imgs)
+            t2 = time.perf_counter()
+            logits = eng.session().prefill(full, images=pi)
+            int(np.argmax(logits))
+            phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        phases = phases[1:]
+        ttft = [sum(p) for p in phases]
+        row = dict(image=f"{w}x{h}", prompt_tokens=len(full), image_tokens=imgs[0].n_tokens,
+                   ttft_median_s=statistics.median(ttft), ttft_min_s=min(ttft),
+                   preprocess_s=statistics.median(p[0] for p in phases),
+                   encode_s=statistics.median(p[1] for p in phases),
+                   prefill_s=statistics.median(p[2] for p in phases), where=eng.vision_where)
+        log(f"  ttft {'gpu ' + gpu_tier if gpu_tier else 't' + str(threads)} {row['image']}: "
+            f"{row['ttft_median_s']:.3f} s")
         rows.append(row)
     return rows
 
@@ -187,7 +231,7 @@ def bench_llama(mmproj: str, text_gguf: str, threads: int, images: dict, reps: i
 
 
 def bench_vision(mmproj: str, threads=(2,), sizes=SIZES, reps: int = 3, llama: str | None = None, seed: int = 0,
-                 log=None, gpu_tier: str | None = None) -> dict:
+                 log=None, gpu_tier: str | None = None, text: str | None = None) -> dict:
     """Runs the module docstring's measurements; returns {"ours": {t: [rows]}, "llama": {t: [rows]} or error,
     "gpu": [rows] with gpu_tier}."""
     log = log or (lambda s: None)
@@ -200,6 +244,10 @@ def bench_vision(mmproj: str, threads=(2,), sizes=SIZES, reps: int = 3, llama: s
         out["ours"][str(t)] = bench_ours(mmproj, t, images, reps, log)
     if gpu_tier:
         out["gpu"] = {"tier": gpu_tier, "rows": bench_ours(mmproj, threads[0], images, reps, log, gpu_tier)}
+    if text:
+        out["ttft"] = {str(t): bench_ttft(text, mmproj, t, images, reps, log) for t in threads}
+        if gpu_tier:
+            out["ttft"]["gpu"] = bench_ttft(text, mmproj, threads[0], images, reps, log, gpu_tier)
     if llama:
         try:
             for t in threads:
@@ -235,6 +283,12 @@ def print_vision(res: dict) -> None:
             print(f"{r['image']:>10} {'ours gpu':>9} {r['resized']:>10} {r['patches']:>8} {r['tokens']:>7} "
                   f"{r['median_s']:>9.3f} {r['min_s']:>8.3f} {r['gflop']:>8.1f} {r['gflops']:>8.1f} "
                   f"{r['ms_per_patch']:>9.3f}")
+    for where, rows in (res.get("ttft") or {}).items():
+        print(f"\ntime to first token of an image + \"{QUESTION}\" ({'GPU' if where == 'gpu' else where + ' threads'})")
+        for r in rows:
+            print(f"{r['image']:>10}  {r['prompt_tokens']:>5} tokens ({r['image_tokens']} image)  "
+                  f"ttft {r['ttft_median_s']:.3f} s (min {r['ttft_min_s']:.3f}) = preprocess {r['preprocess_s']:.3f} "
+                  f"+ encode {r['encode_s']:.3f} (tower on {r['where']}) + prefill {r['prefill_s']:.3f}")
     if res["llama_error"]:
         print(f"\nllama.cpp not measured: {res['llama_error']}")
 
@@ -251,6 +305,9 @@ def add_parser(sub) -> None:
                     help="also encode with llama.cpp's mtmd (llama-cpp-python); needs the text GGUF the mmproj "
                          "belongs to (its n_embd = the projector's output)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the synthetic images (0)")
+    sp.add_argument("--text", metavar="TEXT.gguf", default=None,
+                    help="also time the first token of an image question through this model (Engine, as run --image "
+                         "does it): preprocessing, encode, prefill")
     sp.add_argument("--gpu", dest="gpu_tier", choices=("fermi", "kepler", "dp4a"), default=None,
                     help="also time the tower on the GPU with this kernel tier (gpu/vision.py)")
     sp.add_argument("--json", metavar="FILE", default=None, help="also write the numbers to FILE as JSON")
@@ -267,7 +324,7 @@ def main(args) -> int:
                                                                              for s in sizes):
         raise SystemExit("error: --threads and --reps >= 1; --sizes WxH with W, H >= 1")
     res = bench_vision(args.mmproj, threads, sizes, args.reps, args.llama, args.seed,
-                       log=lambda s: print(s, file=sys.stderr, flush=True), gpu_tier=args.gpu_tier)
+                       log=lambda s: print(s, file=sys.stderr, flush=True), gpu_tier=args.gpu_tier, text=args.text)
     print_vision(res)
     if args.json:
         with open(args.json, "w") as f:
