@@ -192,6 +192,17 @@ class LlamaMtmd:
             raise RuntimeError(f"mtmd_encode_chunk returned {rc}")
         return dt
 
+    def embeddings(self, chunk, n_embd: int) -> np.ndarray:
+        """float32 [n_tokens, n_embd] (a copy): mtmd_encode_chunk on the image chunk, then mtmd_get_output_embd, which
+        holds n_tokens × n_embd floats, token-major. n_embd: the projector's output width (the mmproj's out_hidden);
+        the binding has no getter for it, and llama_model_n_embd of the vocab-only text model reads 0."""
+        self.encode(chunk)
+        n_tok = self.mt.mtmd_input_chunk_get_n_tokens(chunk)
+        ptr = self.mt.mtmd_get_output_embd(self.ctx)
+        if not ptr:
+            raise RuntimeError("mtmd_get_output_embd returned NULL after mtmd_encode_chunk")
+        return np.ctypeslib.as_array(ptr, shape=(n_tok * n_embd,)).reshape(n_tok, n_embd).copy()
+
     def grid(self, chunk) -> tuple[int, int, int]:
         """(tokens, token columns, token rows) of an image chunk."""
         it = self.mt.mtmd_input_chunk_get_tokens_image(chunk)
