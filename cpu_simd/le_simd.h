@@ -67,14 +67,21 @@ void quantize_row_q8_K_avx2(const float *x, void *y, int64_t n);
 /* ---- f32 kernels of the decode step (native/f32_ref.c, cpu_simd/f32_<isa>.c) ----------
  * gdn_step: one Gated DeltaNet v-head, one token; S [dk, dv] f32 updated in place:
  *   S <- decay S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q   (dv <= LE_GDN_MAX_DV)
- * dot: sum a[i] b[i] (the f32 matmul path: router, shared-expert gate, attention scores). */
+ * dot: sum a[i] b[i] (the f32 matmul path: router, shared-expert gate, attention scores).
+ * gemm_tile: C[i, j] = sum_k A[i, k] B[j, k] for i < M, j < N (C = A B^T, C overwritten): A [M, K] (activations,
+ *   queries) and B [N, K] (weight rows, keys), both row-major with K contiguous, row strides lda / ldb / ldc in
+ *   floats. Each C element's sum is in an order fixed by K alone (not by i, j, M or N), so how a product is cut
+ *   into tiles never changes a bit. The vision tower's matmuls and attention scores. */
 #define LE_GDN_MAX_DV 1024
 typedef void (*le_gdn_step_fn)(float *S, const float *q, const float *k, const float *v, float decay, float beta,
                                int dk, int dv, float *o);
 typedef float (*le_dot_f32_fn)(const float *a, const float *b, int64_t n);
+typedef void (*le_gemm_tile_f32_fn)(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
+                                    int M, int N, int K);
 typedef struct {
     le_gdn_step_fn gdn_step;
     le_dot_f32_fn dot;
+    le_gemm_tile_f32_fn gemm_tile;
 } le_f32_kernels;
 
 /* 8 independent partial sums in a fixed order (gcc vectorises it without -ffast-math). */
@@ -97,6 +104,12 @@ float le_dot_f32_avx2(const float *a, const float *b, int64_t n);
 void le_gdn_step_avx512(float *S, const float *q, const float *k, const float *v, float decay, float beta, int dk,
                         int dv, float *o);
 float le_dot_f32_avx512(const float *a, const float *b, int64_t n);
+#define LE_DECLARE_GEMM_TILE(isa)                                                                                   \
+    void le_gemm_tile_f32_##isa(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,    \
+                                int M, int N, int K);
+LE_DECLARE_GEMM_TILE(ref)
+LE_DECLARE_GEMM_TILE(avx2)
+LE_DECLARE_GEMM_TILE(avx512)
 
 /* [LE_ISA_*]; NULL members fall back to the next lower tier */
 extern const le_f32_kernels le_f32_table[LE_ISA_COUNT];

@@ -302,3 +302,9 @@ int le_dot_f32_k(const float *a, const float *b, int64_t n, float *out) {
     *out = le_get_f32_kernels()->dot(a, b, n);
     return LE_OK;
 }
+
+int le_gemm_f32_k(const float *a, const float *b, int m, int n, int k, float *c) {
+    if (!a || !b || !c || m < 0 || n < 0 || k < 0) return LE_FAIL(LE_ERR_INVALID_ARG, "le_gemm_f32_k: bad argument");
+    le_get_f32_kernels()->gemm_tile(a, k, b, k, c, n, m, n, k);
+    return LE_OK;
+}

@@ -4,6 +4,7 @@
  *
  * gdn_step, one v-head, one token (spec §2.3), S: [dk, dv] row-major f32, in place:
  *   S <- decay S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q
+ * gemm_tile: C [M, N] = A [M, K] B [N, K]^T, each element one le_dot_f32_plain (8 partial sums).
  * Test: tests/test_f32_kernels.py. */
 #include "le_simd.h"
 
@@ -30,3 +31,9 @@ void le_gdn_step_ref(float *S, const float *q, const float *k, const float *v, f
 }
 
 float le_dot_f32_ref(const float *a, const float *b, int64_t n) { return le_dot_f32_plain(a, b, n); }
+
+void le_gemm_tile_f32_ref(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int M,
+                          int N, int K) {
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) C[i * ldc + j] = le_dot_f32_plain(A + i * lda, B + j * ldb, K);
+}

@@ -33,7 +33,7 @@ void le_rope2d_row_ref(float *x, int n_head, int head_dim, const float *cos_r, c
 void le_attention_bidir(le_pool *pool, const float *qkv, int64_t n, int64_t seg_len, int n_head, int head_dim,
                         float *scores, float *out);
 /* Floats of one thread's softmax row for segments of seg_len. */
-int64_t le_attention_bidir_row_floats(int64_t seg_len);
+int64_t le_attention_bidir_row_floats(int64_t seg_len, int head_dim);
 
 /* ---- pos_embed.c ---------------------------------------------------------------------
  * The position embedding of the patch at (row, col) of an h x w grid: table [side^2, hidden] f32 sampled

@@ -6,8 +6,8 @@
  *              xn = LN2(x); x += W_fc2 gelu_tanh(W_fc1 xn + b1) + b2                               (gelu.c)
  *   merger:    xn = LN(x) [n, H] = [n / M^2, M^2 H] (M^2 consecutive patches side by side: the processor's order
  *              puts each M x M group together); out = W_2 gelu_erf(W_1 xn + b1) + b2   [n / M^2, O]
- * Matmuls go through the LM's le_matmul on its f32 path (int8 off: the weights are F32/F16/BF16, each row
- * dequantised once and dotted with every patch); the row-wise steps (bias, activation, RoPE, residual, norm)
+ * Matmuls run as tiles of tokens x weight rows through the f32 table's gemm_tile (weights F32 read in place, F16/BF16/
+ * Q8_0 dequantised a block of rows at a time; the biases are added by the row jobs after); the row-wise steps (bias, activation, RoPE, residual, norm)
  * run as parallel jobs over rows. Every output element is computed by one task whose result does not depend on
  * the thread that runs it: any thread count gives the same bits.
  * Scratch: one arena, planned per encode from the image's size (vision_plan) and grown only when an image needs
@@ -209,6 +209,10 @@ int64_t le_vision_scratch_growths(const le_vision *v) { return v ? v->scratch.gr
 
 /* ---- encode ------------------------------------------------------------------------------------------------- */
 
+/* The matmuls' tiles (mm, below): tokens x weight rows per task. */
+#define MM_TOK 64
+#define MM_ROWS 16
+
 /* The row-wise steps between the matmuls, one parallel job each (rows_task). */
 enum { RJ_LN, RJ_EMBED, RJ_QKV, RJ_GELU_TANH, RJ_GELU_ERF, RJ_RESID, RJ_BIAS };
 
@@ -276,12 +280,12 @@ typedef struct {
     float *x, *xn, *qkv, *att, *ff; /* [n, H] [n, H] [n, 3H] [n, H] [n, F] */
     float *cos_t, *sin_t;           /* [hw, hd/2] each */
     int32_t *pos;                   /* [hw, 2] (row, col) of a frame's patches */
-    float *scores;                  /* [n_threads][le_attention_bidir_row_floats(hw)] */
+    float *scores;                  /* [n_threads][le_attention_bidir_row_floats(hw, hd)] */
     float *tmp;                     /* [n_threads][le_floats64(H)] */
 } vision_bufs;
 
-/* Bytes of each piece (sizes[]) and their sum; the matmuls' own scratch comes after them (le_matmul_scratch on the
- * f32 path: two dequantised rows per thread of the widest input). */
+/* Bytes of each piece (sizes[]) and their sum; the matmuls' own scratch comes after them (mm: MM_ROWS dequantised
+ * rows per thread of the widest input). */
 static size_t vision_plan(const le_vision *v, int64_t n, int64_t hw, size_t sizes[9]) {
     const le_vision_hparams *hp = &v->hp;
     int64_t H = hp->hidden, T = le_pool_threads(v->pool), half = H / hp->n_head / 2;
@@ -289,7 +293,7 @@ static size_t vision_plan(const le_vision *v, int64_t n, int64_t hw, size_t size
                                                                          : (int64_t)hp->merge * hp->merge * H;
     if (hp->ffn > widest) widest = hp->ffn;
     int64_t floats[9] = {n * H, n * H, 3 * n * H, n * H, n * hp->ffn, hw * half, hw * half, 0,
-                         T * le_attention_bidir_row_floats(hw)};
+                         T * le_attention_bidir_row_floats(hw, (int)(H / hp->n_head))};
     size_t total = 0;
     for (int i = 0; i < 9; i++) {
         sizes[i] = sizeof(float) * (size_t)floats[i];
@@ -297,7 +301,7 @@ static size_t vision_plan(const le_vision *v, int64_t n, int64_t hw, size_t size
         total += le_align64(sizes[i]);
     }
     total += le_align64(sizeof(float) * (size_t)(T * le_floats64(H)));
-    return total + le_matmul_scratch((int)T, 1, 0, widest);
+    return total + le_align64(sizeof(float) * (size_t)(T * MM_ROWS * widest));
 }
 
 static int take_bufs(le_vision *v, int64_t n, int64_t hw, vision_bufs *b) {
@@ -314,21 +318,54 @@ static int take_bufs(le_vision *v, int64_t n, int64_t hw, vision_bufs *b) {
     return b->tmp ? LE_OK : LE_FAIL(LE_ERR_NO_MEMORY, "vision scratch beyond the plan");
 }
 
-/* Bytes of activation rows one product reads per weight row: le_matmul dots every weight row with all its input
- * rows, so the input is cut into chunks that stay in a core's L2 while the weight streams past (a whole image's
- * patches, 784 x 768 f32 = 2.4 MB, would come from memory again for every weight row). */
-#define MM_CHUNK_BYTES (192 * 1024)
+/* The matmuls: y [n, w.ne1] = x [n, w.ne0] W^T, cut into tasks of MM_TOK tokens x MM_ROWS weight rows, each one
+ * call of the f32 table's gemm_tile (register-blocked, le_simd.h). Tasks go weight-row block outer, token block
+ * inner, so a thread's run of consecutive tasks dequantises a block of F16/BF16/Q8_0 rows once into its buffer
+ * (f32 weights are read in place) and reuses it for every token block of the run. The cut is fixed by the shapes
+ * and every element's sum is fixed by K alone (gemm_tile's contract): any thread count gives the same bits.
+ * Sizes: a token block of 64 x 768 f32 (192 KiB) and a row block of 16 x 768 (48 KiB) stay in a core's L2. */
+typedef struct {
+    const le_weight *w;
+    const float *x; /* [n, ne0] */
+    float *y;       /* [n, ne1] */
+    float *wbuf;    /* [n_threads][MM_ROWS * ne0]: dequantised row blocks (non-f32 weights) */
+    int64_t n, n_tb, n_rb;
+    le_gemm_tile_f32_fn gemm;
+} mm_job;
 
-/* y [n, w.ne1] = x [n, w.ne0] W^T on the pool (f32 path), in chunks of input rows; each output element is still
- * one dot product, so the chunking does not change a bit. */
-static int mm(le_vision *v, const le_weight *w, const float *x, int64_t n, float *y) {
-    int64_t chunk = MM_CHUNK_BYTES / (w->ne0 * (int64_t)sizeof(float));
-    if (chunk < 16) chunk = 16;
-    for (int64_t r = 0; r < n; r += chunk) {
-        int64_t m = n - r < chunk ? n - r : chunk;
-        int rc = le_matmul(v->pool, &v->scratch, 0, w, 0, x + r * w->ne0, m, w->ne0, y + r * w->ne1, w->ne1);
-        if (rc != LE_OK) return rc;
+static void mm_tiles(void *ctx, int64_t t0, int64_t t1, int thread) {
+    mm_job *j = ctx;
+    const le_weight *w = j->w;
+    int64_t K = w->ne0, have = -1; /* the row block in this thread's buffer */
+    float *buf = j->wbuf + (int64_t)thread * MM_ROWS * K;
+    for (int64_t idx = t0; idx < t1; idx++) {
+        int64_t rb = idx / j->n_tb, tb = idx % j->n_tb, r0 = rb * MM_ROWS, m0 = tb * MM_TOK;
+        int rows = (int)(w->ne1 - r0 < MM_ROWS ? w->ne1 - r0 : MM_ROWS);
+        int toks = (int)(j->n - m0 < MM_TOK ? j->n - m0 : MM_TOK);
+        const float *B;
+        if (w->type == LE_TYPE_F32) {
+            B = (const float *)(w->data + r0 * w->nb1);
+        } else {
+            if (have != rb)
+                for (int r = 0; r < rows; r++) w->tr->dequantize_row(w->data + (r0 + r) * w->nb1, buf + r * K, K);
+            have = rb;
+            B = buf;
+        }
+        j->gemm(j->x + m0 * K, K, B, K, j->y + m0 * w->ne1 + r0, w->ne1, toks, rows, (int)K);
     }
+}
+
+static int mm(le_vision *v, const le_weight *w, const float *x, int64_t n, float *y) {
+    float *wbuf = NULL;
+    size_t mark = v->scratch.used;
+    if (w->type != LE_TYPE_F32 &&
+        !(wbuf = le_arena_take(&v->scratch, sizeof(float) * (size_t)(le_pool_threads(v->pool) * MM_ROWS * w->ne0))))
+        return LE_FAIL(LE_ERR_NO_MEMORY, "vision matmul: scratch beyond the plan");
+    mm_job j = {w, x, y, wbuf, n, (n + MM_TOK - 1) / MM_TOK, (w->ne1 + MM_ROWS - 1) / MM_ROWS,
+                le_get_f32_kernels()->gemm_tile};
+    int64_t tasks = j.n_tb * j.n_rb;
+    le_parallel_for(v->pool, tasks, tasks / (4 * le_pool_threads(v->pool)) + 1, mm_tiles, &j);
+    v->scratch.used = mark;
     return LE_OK;
 }
 

@@ -102,3 +102,55 @@ def test_gdn_step_rejects_bad_input():
         _native.gdn_step(np.zeros((4, 4), np.float64), np.zeros(4), np.zeros(4), np.zeros(4), 1.0, 0.5)
     with pytest.raises(_native.NativeError):
         _native.gdn_step(np.zeros((4, 2000), np.float32), np.zeros(4), np.zeros(4), np.zeros(2000), 1.0, 0.5)
+
+
+GEMM_SHAPES = [(1, 1, 1), (3, 5, 7), (4, 4, 16), (7, 9, 33), (64, 16, 768), (32, 784, 64), (5, 13, 3072), (2, 3, 0)]
+
+
+def gemm_bound(a, b):
+    """Per-element bound of gemm_tile against f64: (K + extra) u sum |a_ik b_jk|."""
+    M = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)).T
+    return (a.shape[1] + tol.GEMM_TILE_F32_EXTRA) * U * M + 1e-30
+
+
+@tiers
+@pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
+def test_gemm_tile_matches_f64_and_ref(forced_isa, m, n, k):
+    rng = np.random.default_rng([m, n, k])
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k)).astype(np.float32)
+    c = _native.gemm_f32(a, b)
+    exact = a.astype(np.float64) @ b.astype(np.float64).T
+    bnd = gemm_bound(a, b)
+    assert np.all(np.abs(c - exact) <= bnd), f"{forced_isa}: off by {np.abs(c - exact).max()}"
+    before = _native.get_isa()
+    try:
+        _native.set_isa("ref")
+        c_ref = _native.gemm_f32(a, b)
+    finally:
+        _native.set_isa(before)
+    assert np.all(np.abs(c - c_ref) <= 2 * bnd), f"{forced_isa}: off the reference by {np.abs(c - c_ref).max()}"
+
+
+@tiers
+def test_gemm_tile_cut_changes_no_bit(forced_isa):
+    """gemm_tile's contract: an element's sum depends on K alone, so any block of C computed alone (tails, odd
+    offsets) has the same bits as in the whole product (what makes the vision tower thread-count invariant)."""
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((13, 771)).astype(np.float32)
+    b = rng.standard_normal((10, 771)).astype(np.float32)
+    whole = _native.gemm_f32(a, b)
+    for i0, i1, j0, j1 in [(0, 1, 0, 1), (1, 6, 3, 10), (5, 13, 1, 4), (12, 13, 7, 10)]:
+        assert np.array_equal(_native.gemm_f32(a[i0:i1], b[j0:j1]), whole[i0:i1, j0:j1])
+
+
+def test_gemm_tile_bound_catches_a_lost_term():
+    """Negative control: an element missing one of its K products is outside the bound."""
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((8, 768)).astype(np.float32)
+    b = rng.standard_normal((8, 768)).astype(np.float32)
+    c = _native.gemm_f32(a, b)
+    bad = c.copy()
+    bad[3, 2] -= a[3, 700] * b[2, 700]
+    exact = a.astype(np.float64) @ b.astype(np.float64).T
+    assert not np.all(np.abs(bad - exact) <= gemm_bound(a, b))

@@ -229,3 +229,10 @@ GPU_VISION_TOWER_REL = 3e-5
 # far, the GELU-in-the-wrong-form bugs (1.6e-4 … 1.9e-4 from transformers) do not: that is VISION_F32_ABS's job
 # (tests/test_vision_tower.py, against transformers).
 MTMD_VISION_REL = 3e-3
+
+# f32 gemm tile kernel (le_simd.h gemm_tile; tests/test_f32_kernels.py), per element against f64 math: each C element
+# is one dot product of K terms, summed in 8 (ref) or 8/16 (SIMD) lane chains of at most K / lanes additions then a
+# reduction tree of 3-4 levels: |err| <= (K + GEMM_TILE_F32_EXTRA) u sum_k |a_ik b_jk|, as DOT_F32_EXTRA (16: the 16
+# lanes' tree plus the masked tail). Measured on random N(0, 1) operands: <= 0.63 of (K u M). A SIMD tier against the
+# scalar reference: both within that bound of the exact sum, so within twice it of each other.
+GEMM_TILE_F32_EXTRA = 16

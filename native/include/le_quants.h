@@ -68,6 +68,8 @@ int le_f32_isa(void);
 int le_gdn_step(float *S, const float *q, const float *k, const float *v, float decay, float beta, int dk, int dv,
                 float *o);
 int le_dot_f32_k(const float *a, const float *b, int64_t n, float *out);
+/* c [m, n] = a [m, k] b [n, k]^T (all row-major, contiguous) with the selected tier's gemm tile kernel. */
+int le_gemm_f32_k(const float *a, const float *b, int m, int n, int k, float *c);
 
 /* IEEE half <-> float, round to nearest even (numpy's conversion). */
 float le_fp16_to_fp32(uint16_t h);

@@ -65,6 +65,18 @@ def gdn_step(S: np.ndarray, q, k, v, decay: float, beta: float) -> np.ndarray:
     return o
 
 
+def gemm_f32(a, b) -> np.ndarray:
+    """The selected tier's f32 gemm tile kernel: a [m, k] @ b [n, k].T -> [m, n]."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    b = np.ascontiguousarray(b, dtype=np.float32)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"shapes {a.shape} and {b.shape}: expected [m, k] and [n, k]")
+    c = np.empty((a.shape[0], b.shape[0]), np.float32)
+    check(lib.le_gemm_f32_k(ffi.from_buffer("float[]", a), ffi.from_buffer("float[]", b), a.shape[0], b.shape[0],
+                            a.shape[1], ffi.from_buffer("float[]", c)), "le_gemm_f32_k")
+    return c
+
+
 def dot_f32(a, b) -> float:
     """The selected tier's f32 dot product."""
     a = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
