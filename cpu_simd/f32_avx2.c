@@ -77,12 +77,8 @@ void le_gdn_step_avx2(float *S, const float *q, const float *k, const float *v, 
     for (; c < dv; c += 8) block8(S, q, k, v, decay, beta, kq, dk, dv, c, o);
 }
 
-/* ---- gemm_tile: C [M, N] = A [M, K] B [N, K]^T ------------------------------------------------------------------
- * Register blocking: 3 rows of A x 4 rows of B, one ymm accumulator per C element (12) + 4 B vectors = the 16 ymm
- * registers (A is an FMA memory operand); FMA over K 8 floats at a time, the last < 8 with masked loads (zeros add
- * nothing). The 4 accumulators of a C row are reduced together (unpack / shuffle / lane add) into 4 contiguous sums.
- * A missing row or column of a tail tile is a zero accumulator: each lane's tree is the same whatever its neighbours
- * hold, so an element's sum does not depend on where it sits in the tile, or the tile in C. */
+/* ---- gemm_tile: C [M, N] = A [M, K] B [N, K]^T; the body is gemm_tile_x86.h (3 rows of A x 4 rows of B in ymm), shared with the other
+ * tier: here its vector operations and the reduction of a C row's 4 accumulators into 4 contiguous sums. */
 static inline __m128 reduce4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
     __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b)); /* per 128: a02 b02 a13 b13 */
     __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
@@ -91,74 +87,15 @@ static inline __m128 reduce4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-static inline __attribute__((always_inline)) void gemm_micro_256(const float *A, int64_t lda, const float *B,
-                                                                 int64_t ldb, float *C, int64_t ldc, int K,
-                                                                 const int MR, const int NR) {
-    __m256 acc[3][4];
-#pragma GCC unroll 3
-    for (int i = 0; i < 3; i++)
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps();
-    int k = 0;
-    for (; k + 8 <= K; k += 8) {
-        __m256 b[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; j++) b[j] = _mm256_loadu_ps(B + j * ldb + k);
-#pragma GCC unroll 3
-        for (int i = 0; i < MR; i++) {
-            __m256 a = _mm256_loadu_ps(A + i * lda + k);
-#pragma GCC unroll 4
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]);
-        }
-    }
-    if (k < K) {
-        __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(K - k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256 b[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; j++) b[j] = _mm256_maskload_ps(B + j * ldb + k, m);
-#pragma GCC unroll 3
-        for (int i = 0; i < MR; i++) {
-            __m256 a = _mm256_maskload_ps(A + i * lda + k, m);
-#pragma GCC unroll 4
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]);
-        }
-    }
-#pragma GCC unroll 3
-    for (int i = 0; i < MR; i++) {
-        __m128 s = reduce4_256(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-        if (NR == 4) {
-            _mm_storeu_ps(C + i * ldc, s);
-        } else {
-            float t[4];
-            _mm_storeu_ps(t, s);
-            for (int j = 0; j < NR; j++) C[i * ldc + j] = t[j];
-        }
-    }
-}
-
-#define GEMM_TAIL_CASE(mr, nr)                                                                                      \
-    case (mr) * 8 + (nr): gemm_micro_256(A, lda, B, ldb, C, ldc, K, mr, nr); break;
-
-static void gemm_tail_256(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int K,
-                          int mr, int nr) {
-    switch (mr * 8 + nr) {
-        GEMM_TAIL_CASE(1, 1) GEMM_TAIL_CASE(1, 2) GEMM_TAIL_CASE(1, 3) GEMM_TAIL_CASE(1, 4)
-        GEMM_TAIL_CASE(2, 1) GEMM_TAIL_CASE(2, 2) GEMM_TAIL_CASE(2, 3) GEMM_TAIL_CASE(2, 4)
-        GEMM_TAIL_CASE(3, 1) GEMM_TAIL_CASE(3, 2) GEMM_TAIL_CASE(3, 3)
-    default: break;
-    }
-}
-
-void le_gemm_tile_f32_avx2(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int M,
-                           int N, int K) {
-    for (int i = 0; i < M; i += 3) {
-        int mr = M - i < 3 ? M - i : 3;
-        for (int j = 0; j < N; j += 4) {
-            int nr = N - j < 4 ? N - j : 4;
-            const float *a = A + i * lda, *b = B + j * ldb;
-            float *c = C + i * ldc + j;
-            if (mr == 3 && nr == 4) gemm_micro_256(a, lda, b, ldb, c, ldc, K, 3, 4);
-            else gemm_tail_256(a, lda, b, ldb, c, ldc, K, mr, nr);
-        }
-    }
-}
+#define GT_VEC __m256
+#define GT_LANES 8
+#define GT_MR 3                        /* 12 accumulators + 4 B vectors = the 16 ymm (A is an FMA memory operand) */
+#define GT_ZERO() _mm256_setzero_ps()
+#define GT_LOAD(p) _mm256_loadu_ps(p)
+#define GT_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define GT_MASK_T __m256i
+#define GT_MASK(n) _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
+#define GT_MASKLOAD(m, p) _mm256_maskload_ps(p, m)
+#define GT_REDUCE4 reduce4_256
+#define GT_NAME le_gemm_tile_f32_avx2
+#include "gemm_tile_x86.h"

@@ -78,12 +78,8 @@ void le_gdn_step_avx512(float *S, const float *q, const float *k, const float *v
     for (; c < dv; c += 16) block16(S, q, k, v, decay, beta, kq, dk, dv, c, o);
 }
 
-/* ---- gemm_tile: C [M, N] = A [M, K] B [N, K]^T ------------------------------------------------------------------
- * Register blocking: 4 rows of A x 4 rows of B, one zmm accumulator per C element (16), FMA over K 16 floats at a
- * time (8 loads per 16 FMAs), the last < 16 with masked loads (zeros add nothing). Then the 4 accumulators of a C
- * row are reduced together (unpack / shuffle / lane adds) into 4 contiguous sums. A missing row or column of a tail
- * tile is a zero accumulator: each lane's tree is the same whatever its neighbours hold, so an element's sum does
- * not depend on where it sits in the tile, or the tile in C. */
+/* ---- gemm_tile: C [M, N] = A [M, K] B [N, K]^T; the body is gemm_tile_x86.h (4 rows of A x 4 rows of B in zmm), shared with the other
+ * tier: here its vector operations and the reduction of a C row's 4 accumulators into 4 contiguous sums. */
 static inline __m128 reduce4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* per 128: a02 b02 a13 b13 */
     __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
@@ -93,75 +89,15 @@ static inline __m128 reduce4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-static inline __attribute__((always_inline)) void gemm_micro_512(const float *A, int64_t lda, const float *B,
-                                                                 int64_t ldb, float *C, int64_t ldc, int K,
-                                                                 const int MR, const int NR) {
-    __m512 acc[4][4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++)
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-    int k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 b[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; j++) b[j] = _mm512_loadu_ps(B + j * ldb + k);
-#pragma GCC unroll 4
-        for (int i = 0; i < MR; i++) {
-            __m512 a = _mm512_loadu_ps(A + i * lda + k);
-#pragma GCC unroll 4
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
-        }
-    }
-    if (k < K) {
-        __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
-        __m512 b[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; j++) b[j] = _mm512_maskz_loadu_ps(m, B + j * ldb + k);
-#pragma GCC unroll 4
-        for (int i = 0; i < MR; i++) {
-            __m512 a = _mm512_maskz_loadu_ps(m, A + i * lda + k);
-#pragma GCC unroll 4
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < MR; i++) {
-        __m128 s = reduce4_512(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-        if (NR == 4) {
-            _mm_storeu_ps(C + i * ldc, s);
-        } else {
-            float t[4];
-            _mm_storeu_ps(t, s);
-            for (int j = 0; j < NR; j++) C[i * ldc + j] = t[j];
-        }
-    }
-}
-
-#define GEMM_TAIL_CASE(mr, nr)                                                                                      \
-    case (mr) * 8 + (nr): gemm_micro_512(A, lda, B, ldb, C, ldc, K, mr, nr); break;
-
-static void gemm_tail_512(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int K,
-                          int mr, int nr) {
-    switch (mr * 8 + nr) {
-        GEMM_TAIL_CASE(1, 1) GEMM_TAIL_CASE(1, 2) GEMM_TAIL_CASE(1, 3) GEMM_TAIL_CASE(1, 4)
-        GEMM_TAIL_CASE(2, 1) GEMM_TAIL_CASE(2, 2) GEMM_TAIL_CASE(2, 3) GEMM_TAIL_CASE(2, 4)
-        GEMM_TAIL_CASE(3, 1) GEMM_TAIL_CASE(3, 2) GEMM_TAIL_CASE(3, 3) GEMM_TAIL_CASE(3, 4)
-        GEMM_TAIL_CASE(4, 1) GEMM_TAIL_CASE(4, 2) GEMM_TAIL_CASE(4, 3)
-    default: break;
-    }
-}
-
-void le_gemm_tile_f32_avx512(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int M,
-                             int N, int K) {
-    for (int i = 0; i < M; i += 4) {
-        int mr = M - i < 4 ? M - i : 4;
-        for (int j = 0; j < N; j += 4) {
-            int nr = N - j < 4 ? N - j : 4;
-            const float *a = A + i * lda, *b = B + j * ldb;
-            float *c = C + i * ldc + j;
-            if (mr == 4 && nr == 4) gemm_micro_512(a, lda, b, ldb, c, ldc, K, 4, 4);
-            else gemm_tail_512(a, lda, b, ldb, c, ldc, K, mr, nr);
-        }
-    }
-}
+#define GT_VEC __m512
+#define GT_LANES 16
+#define GT_MR 4                        /* 16 accumulators of the 32 zmm */
+#define GT_ZERO() _mm512_setzero_ps()
+#define GT_LOAD(p) _mm512_loadu_ps(p)
+#define GT_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define GT_MASK_T __mmask16
+#define GT_MASK(n) ((__mmask16)((1u << (n)) - 1))
+#define GT_MASKLOAD(m, p) _mm512_maskz_loadu_ps(m, p)
+#define GT_REDUCE4 reduce4_512
+#define GT_NAME le_gemm_tile_f32_avx512
+#include "gemm_tile_x86.h"
