@@ -136,18 +136,28 @@ def bench_ttft(text_gguf: str, mmproj: str, threads: int, images: dict, reps: in
 
 # ---- llama.cpp (mtmd through llama-cpp-python) ---------------------------------------------------------------------
 
+_SILENT_LOG: list = []     # the no-op log callback, alive for the process: llama.cpp keeps calling the pointer
+
+
+def _silent_log():
+    import llama_cpp
+    if not _SILENT_LOG:
+        _SILENT_LOG.append(llama_cpp.llama_log_callback(lambda level, text, user: None))
+    return _SILENT_LOG[0]
+
+
 class LlamaMtmd:
-    """An mtmd context of llama-cpp-python 0.3.36 over (mmproj, text model loaded vocab-only). RuntimeError with
-    what failed when it cannot be made."""
+    """An mtmd context of llama-cpp-python 0.3.36 over (mmproj, text model loaded vocab-only), llama.cpp's logs
+    silenced while it lives (close() gives them back to llama-cpp-python's logger). RuntimeError with what failed
+    when it cannot be made."""
 
     def __init__(self, mmproj: str, text_gguf: str, n_threads: int):
         import llama_cpp
         from llama_cpp import mtmd_cpp
 
         self.lc, self.mt = llama_cpp, mtmd_cpp
-        self._quiet = llama_cpp.llama_log_callback(lambda level, text, user: None)   # kept: C holds the pointer
-        llama_cpp.llama_log_set(self._quiet, None)
-        mtmd_cpp.mtmd_log_set(self._quiet, None)
+        llama_cpp.llama_log_set(_silent_log(), None)
+        mtmd_cpp.mtmd_log_set(_silent_log(), None)
         llama_cpp.llama_backend_init()
         mp = llama_cpp.llama_model_default_params()
         mp.vocab_only = True          # mtmd reads the LM's n_embd and tokenizer only
@@ -210,8 +220,12 @@ class LlamaMtmd:
                 self.mt.mtmd_image_tokens_get_ny(it))
 
     def close(self) -> None:
+        from llama_cpp import _logger
         self.mt.mtmd_free(self.ctx)
         self.lc.llama_model_free(self.model)
+        # back to llama-cpp-python's own callback (its module keeps it alive), never a freed one
+        self.lc.llama_log_set(_logger.llama_log_callback, None)
+        self.mt.mtmd_log_set(_logger.llama_log_callback, None)
 
 
 def bench_llama(mmproj: str, text_gguf: str, threads: int, images: dict, reps: int, hp: VisionHparams,
