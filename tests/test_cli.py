@@ -231,9 +231,9 @@ def test_tokenize_prints_pieces(model_path):
 
 def test_make_model_usage_shows_out_required():
     r = _cli("make-model", "-h")
-    assert r.returncode == 0 and "(--out F.gguf | --dry-run)" in r.stdout, r.stdout
-    r = _cli("make-model", "--preset", "tiny-moe")
-    assert r.returncode == 2 and "one of the arguments --out --dry-run is required" in r.stderr, r.stderr
+    assert r.returncode == 0 and "[--out F.gguf | --dry-run]" in r.stdout and "--mmproj-out" in r.stdout, r.stdout
+    r = _cli("make-model", "--preset", "tiny-moe")       # --mmproj-out alone writes only the vision tower
+    assert r.returncode == 2 and "--out is required (or --dry-run, or --mmproj-out" in r.stderr, r.stderr
 
 
 def test_bench_cache_defaults_finish_in_a_minute():
