@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..core.errors import FormatError
+from ..core.paths import written_atomically
 from ..format.vocab import QWEN35_PATTERN  # Qwen3.5's pre-tokenizer split regex (llama.cpp "qwen35")
 from .checkpoint import Checkpoint
 from .convert_mmproj import MMPROJ_OUTTYPES, convert_mmproj
@@ -553,32 +554,12 @@ def _chat_template(hf_dir: Path):
 
 # ---------------------------------------------------------------------------------------------------- convert
 
-def convert(hf_dir, out_path, outtype: str = "f16", progress: bool = True) -> Path:
-    """Convert a Hugging Face Qwen3.5 / Qwen3.6 text checkpoint to a GGUF file llama.cpp would also write.
-
-    hf_dir:   directory with config.json (model_type qwen3_5_text, qwen3_5_moe_text, or the VLM qwen3_5 /
-              qwen3_5_moe, whose vision tower and MTP head are skipped), *.safetensors (sharded index supported;
-              F32/F16/BF16) and tokenizer.json (+ tokenizer_config.json for special tokens and chat template).
-    out_path: the .gguf to write; written to `out_path.tmp` first and renamed when complete.
-    outtype:  type of the large matrices: "f32", "f16" (default: lossless for BF16 checkpoints' range in
-              practice, and what pre-Ampere GPUs compute in), "bf16" (lossless for BF16 checkpoints), "q8_0" or
-              "q4_0" (gguf-py's quantisers; for K-quant mixes run llama-quantize on an f16 file).
-              Norms, 1-D tensors, ssm_conv1d, ssm_a, ssm_dt and the routers stay F32 whatever is asked.
-    progress: show a tqdm progress bar (bytes written).
-    Returns out_path. Raises FormatError for a missing config/tensor/tokenizer or an unsupported model_type.
-    """
+def _write(path, arch: str, outs, hf_dir: Path, hp, outtype: str, progress: bool, desc: str) -> None:
+    """The GGUF of `outs` (the converter's plan) and its metadata, tensor by tensor, to path."""
     import gguf
     from tqdm import tqdm
 
-    hf_dir, out_path = Path(hf_dir), Path(out_path)
-    if outtype not in OUTTYPES:
-        raise ValueError(f"outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
-    hp, arch = load_hparams(hf_dir)
-    ck = Checkpoint(hf_dir)
-    outs = _plan(ck, hp, arch, outtype)
-
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    w = gguf.GGUFWriter(tmp, arch)
+    w = gguf.GGUFWriter(path, arch)
     try:
         total = 0
         for out in outs:
@@ -593,7 +574,7 @@ def convert(hf_dir, out_path, outtype: str = "f16", progress: bool = True) -> Pa
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        with tqdm(total=total, unit="B", unit_scale=True, desc=out_path.name, disable=not progress) as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress) as bar:
             for out in outs:
                 x = out.load()
                 if x.shape != out.shape:
@@ -601,13 +582,36 @@ def convert(hf_dir, out_path, outtype: str = "f16", progress: bool = True) -> Pa
                 data = gguf.quants.quantize(np.ascontiguousarray(x), out.qtype)
                 w.write_tensor_data(data)
                 bar.update(data.nbytes)
-        w.close()
-        os.replace(tmp, out_path)
     finally:
         w.close()
+
+
+def convert(hf_dir, out_path, outtype: str = "f16", progress: bool = True) -> Path:
+    """Convert a Hugging Face Qwen3.5 / Qwen3.6 text checkpoint to a GGUF file llama.cpp would also write.
+
+    hf_dir:   directory with config.json (model_type qwen3_5_text, qwen3_5_moe_text, or the VLM qwen3_5 /
+              qwen3_5_moe, whose vision tower and MTP head are skipped), *.safetensors (sharded index supported;
+              F32/F16/BF16) and tokenizer.json (+ tokenizer_config.json for special tokens and chat template).
+    out_path: the .gguf to write; written to a temporary file beside it and renamed when complete.
+    outtype:  type of the large matrices: "f32", "f16" (default: lossless for BF16 checkpoints' range in
+              practice, and what pre-Ampere GPUs compute in), "bf16" (lossless for BF16 checkpoints), "q8_0" or
+              "q4_0" (gguf-py's quantisers; for K-quant mixes run llama-quantize on an f16 file).
+              Norms, 1-D tensors, ssm_conv1d, ssm_a, ssm_dt and the routers stay F32 whatever is asked.
+    progress: show a tqdm progress bar (bytes written).
+    Returns out_path. Raises FormatError for a missing config/tensor/tokenizer or an unsupported model_type.
+    """
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
+    hp, arch = load_hparams(hf_dir)
+    ck = Checkpoint(hf_dir)
+    outs = _plan(ck, hp, arch, outtype)
+
+    try:
+        with written_atomically(out_path) as tmp:
+            _write(tmp, arch, outs, hf_dir, hp, outtype, progress, out_path.name)
+    finally:
         ck.close()
-        if tmp.exists():
-            tmp.unlink()
     return out_path
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.errors import FormatError
+from ..core.paths import written_atomically
 from .checkpoint import Checkpoint
 
 MMPROJ_OUTTYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16")}
@@ -106,8 +107,8 @@ def _add_keys(w, vision: dict, text: dict, pre: dict, file_type) -> None:
 
 def convert_mmproj(hf_dir, out_path, outtype: str = "f16", progress: bool = True) -> Path:
     """Writes the vision tower of the checkpoint in hf_dir (config.json with a vision_config, *.safetensors with
-    model.visual.*, preprocessor_config.json) to out_path as llama.cpp's mmproj GGUF (written to out_path.tmp,
-    renamed when complete). FormatError for a checkpoint without a Qwen3.5 vision tower."""
+    model.visual.*, preprocessor_config.json) to out_path as llama.cpp's mmproj GGUF (written to a temporary file beside
+    it, renamed when complete). FormatError for a checkpoint without a Qwen3.5 vision tower."""
     import gguf
     from tqdm import tqdm
 
@@ -118,25 +119,23 @@ def convert_mmproj(hf_dir, out_path, outtype: str = "f16", progress: bool = True
     ck = Checkpoint(hf_dir)
     plan = _plan(ck)
     big = gguf.GGMLQuantizationType[MMPROJ_OUTTYPES[outtype][0]]
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    w = gguf.GGUFWriter(tmp, "clip")
     try:
-        _add_keys(w, vision, text, pre, gguf.LlamaFileType[MMPROJ_OUTTYPES[outtype][1]])
-        with tqdm(total=len(plan), unit="tensor", desc=out_path.name, disable=not progress) as bar:
-            for name, src, index in plan:
-                x = ck.load(src, index) if index else ck.load(src)
-                x = np.ascontiguousarray(x, dtype=np.float32)
-                qtype = big if x.ndim >= 2 and name not in _F32_ALWAYS else gguf.GGMLQuantizationType.F32
-                w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_shape=x.shape, raw_dtype=qtype)
-                bar.update(1)
-            w.write_header_to_file()
-            w.write_kv_data_to_file()
-            w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out_path)
+        with written_atomically(out_path) as tmp:
+            w = gguf.GGUFWriter(tmp, "clip")
+            try:
+                _add_keys(w, vision, text, pre, gguf.LlamaFileType[MMPROJ_OUTTYPES[outtype][1]])
+                with tqdm(total=len(plan), unit="tensor", desc=out_path.name, disable=not progress) as bar:
+                    for name, src, index in plan:
+                        x = ck.load(src, index) if index else ck.load(src)
+                        x = np.ascontiguousarray(x, dtype=np.float32)
+                        qtype = big if x.ndim >= 2 and name not in _F32_ALWAYS else gguf.GGMLQuantizationType.F32
+                        w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_shape=x.shape, raw_dtype=qtype)
+                        bar.update(1)
+                w.write_header_to_file()
+                w.write_kv_data_to_file()
+                w.write_tensors_to_file()
+            finally:
+                w.close()
     finally:
-        w.close()
         ck.close()
-        if tmp.exists():
-            tmp.unlink()
     return out_path

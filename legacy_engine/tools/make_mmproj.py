@@ -34,6 +34,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, VisionProjectorType, size_label
 from gguf.quants import quantize
 
+from ..core.paths import written_atomically
 from ..format.mmproj import GLOBAL_TENSORS, VisionHparams, expected_tensors, tensor_roles
 from ..format.presets import PRESETS, MakeModelError, preset_vision_hparams
 
@@ -151,20 +152,10 @@ def make_mmproj(preset: str, out: str, *, outtype: str = "f16", depth: int | Non
     desc = (f"random weights by legacy-engine make-model: vision tower of preset {preset}, depth {hp.depth}, "
             f"type {outtype}, seed {seed}")
     out = os.fspath(out)
-    d = os.path.dirname(os.path.abspath(out))
-    os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".{os.path.basename(out)}.{os.getpid()}.tmp")
     t0 = time.perf_counter()
-    try:
+    with written_atomically(out) as tmp:
         _write(tmp, hp, specs, roles, seed, (MMPROJ_TYPES[outtype][0], name, desc), total, progress,
                os.path.basename(out))
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     if progress:
         dt = time.perf_counter() - t0
         print(f"make-model: wrote {out}: vision tower {hp.depth} blocks × {hp.hidden}, {outtype}, "

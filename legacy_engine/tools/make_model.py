@@ -46,6 +46,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..core.errors import EngineError
+from ..core.paths import written_atomically
 from ..format.gguf_model import Hparams
 from ..format.presets import (N_VOCAB, PRESETS, QUANTS, MakeModelError, TensorSpec, layer_of, plan_tensors,
                               preset_hparams, preset_vision_hparams)
@@ -442,20 +443,10 @@ def make_model(preset: str, out: str, *, layers: int | None = None, quant: str |
     total = len(header) + data_bytes
 
     out = os.fspath(out)
-    d = os.path.dirname(os.path.abspath(out))
-    os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".{os.path.basename(out)}.{os.getpid()}.tmp")
     t0 = time.perf_counter()
-    try:
+    with written_atomically(out) as tmp:
         _stream(tmp, header, _data_chunks(specs, hp, seed, tame, router_skew), total, progress,
                 os.path.basename(out))
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     dt = time.perf_counter() - t0
     if progress:
         print(f"make-model: wrote {out}: {total:,} bytes ({total / 2**30:.2f} GiB) in {dt:.1f} s, "
