@@ -130,7 +130,8 @@ def format_machine_report(rep: dict) -> list[str]:
     for name, tier in k["vec_dot"].items():
         by_tier.setdefault(tier or "none (dequantise + f32)", []).append(name)
     lines.append("  integer dot products (W4A8 ...): " + "; ".join(f"{t}: {' '.join(n)}" for t, n in by_tier.items()))
-    lines.append(f"  f32 decode kernels (GDN step, f32 dot): {k['f32_kernels']}"
+    lines.append("  f32 kernels (GDN step, f32 dot, gemm_tile: the vision tower's matmuls and attention): "
+                 f"{k['f32_kernels']}"
                  + (" (the scalar reference: this tier has none of its own)" if k["f32_kernels"] == "ref" else ""))
     if numa["available"]:
         cpus = "; ".join(f"node {n}: CPUs {_cpu_ranges(c)}" for n, c in numa.get("node_cpus", {}).items())
