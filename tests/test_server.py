@@ -135,11 +135,13 @@ def serving(worker: Worker, **cfg):
     assert not worker.alive, "the worker thread outlived the server"
 
 
-@pytest.fixture(scope="module")
-def server(model_path):
+@pytest.fixture(scope="module", params=[1, 8], ids=["parallel1", "parallel8"])
+def server(model_path, request):
+    """The server with one slot (jobs one at a time) and with 8 (jobs together, their decode steps batched): every
+    test of this module runs against both."""
     engine = Engine(model_path, n_threads=N_THREADS, n_ctx=N_CTX)
     cache = PrefixCache(model_fingerprint(engine.model), ram_bytes=1 << 30)
-    worker = Worker(engine, cache=cache, max_queue=256)
+    worker = Worker(engine, cache=cache, max_queue=256, parallel=request.param)
     with serving(worker, api_key=API_KEY, max_body=MAX_BODY, read_timeout=READ_TIMEOUT,
                  render_seconds=RENDER_SECONDS) as (port, cfg):
         yield Served(port, worker, cache, cfg)
@@ -543,8 +545,9 @@ def test_concurrent_clients_fifo(server, client):
     assert all(r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1 for r in results)
     ran = list(server.worker.log)[start:]
     assert len(ran) == n and all(finish in ("length", "stop") for _, finish, _, _ in ran)
-    seqs = [seq for seq, *_ in ran]
-    assert seqs == sorted(seqs) and seqs == list(range(seqs[0], seqs[0] + n))  # FIFO, none skipped
+    seqs = list(server.worker.admitted)[-n:]
+    assert seqs == list(range(seqs[0], seqs[0] + n))  # started FIFO, none skipped
+    assert sorted(seq for seq, *_ in ran) == seqs
     print(f"\n100 concurrent chat requests (max_tokens 2) answered in {elapsed:.2f} s")
 
 
@@ -639,27 +642,32 @@ def test_disconnect_while_waiting_non_stream(server):
 
 
 def test_disconnect_while_queued_skips_the_job(server, client):
-    """A request whose client leaves while it waits behind another never runs."""
+    """A request whose client leaves while it waits behind others (every slot busy) never runs."""
     server.wait_idle()
     floor = server.worker._seq
-    stream = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=1500, temperature=0,
-                                            stream=True)  # keeps the worker busy
-    next(iter(stream))
+    k = server.worker.parallel
+    streams = []
+    for _ in range(k):  # keep every slot busy
+        streams.append(client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=1500,
+                                                      temperature=0, stream=True))
+        next(iter(streams[-1]))
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
     body = json.dumps({"model": MODEL_ID, "prompt": "queued", "max_tokens": 5})
     conn.request("POST", "/v1/completions", body=body.encode(),
                  headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     t0 = time.monotonic()
     while server.worker.queued < 1:
-        assert time.monotonic() - t0 < 10, "the second request was not queued"
+        assert time.monotonic() - t0 < 10, "the request was not queued"
         time.sleep(0.01)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     time.sleep(0.2)  # let the server see the hang-up before the worker reaches the job
-    stream.close()
+    for st in streams:
+        st.close()
     server.wait_idle()
     ran = {seq: (finish, n) for seq, finish, _, n in server.worker.log if seq >= floor}
-    assert ran == {floor: ran[floor], floor + 1: ("cancelled", 0)} and ran[floor][0] == "cancelled"
+    assert set(ran) == set(range(floor, floor + k + 1))
+    assert all(ran[floor + i][0] == "cancelled" for i in range(k)) and ran[floor + k] == ("cancelled", 0)
     _, text = server.raw("GET", "/metrics")
     assert 'legacy_engine_requests_total{endpoint="completions",code="499"}' in text
 

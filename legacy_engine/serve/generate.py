@@ -375,3 +375,42 @@ class Session:
             if on_text:
                 on_text(piece)
         return result[0]
+
+
+def batched_decode(engine: Engine) -> Callable[[list[Session], list[int], list], list[int]]:
+    """decode(sessions, tokens, samplers) -> the next token of each session: every token run after what its session
+    holds, then its sampler's draw. One pass for all of them where the model has forward_batch (the CPU engine, and
+    the split engine's CPU decode: each weight row read once for all sequences, each sequence's logits the bits of
+    decoding it alone); otherwise one session after another (batched_decode_mode says which)."""
+    fwd = getattr(engine.model, "forward_batch", None)
+    if fwd is None:
+        return lambda sessions, tokens, samplers: [s.decode_next(t, smp)
+                                                   for s, t, smp in zip(sessions, tokens, samplers)]
+
+    def decode(sessions: list[Session], tokens: list[int], samplers: list) -> list[int]:
+        for s in sessions:
+            if s.pos + 1 > s.state.n_ctx:
+                raise ContextLengthError(f"the context of {s.state.n_ctx} tokens is full")
+        t0 = time.perf_counter()
+        try:
+            logits = fwd([s.state for s in sessions], [[int(t)] for t in tokens], chunked=False)
+        except EngineError:     # a failed pass may have updated some layers of any of them: none is trusted
+            for s in sessions:
+                s.reset()
+            raise
+        dt = time.perf_counter() - t0
+        out = []
+        for s, t, smp, row in zip(sessions, tokens, samplers, logits):
+            s.tokens.append(int(t))
+            s.timings.decode_tokens += 1
+            s.timings.decode_s += dt
+            out.append(smp.sample(row, s.tokens))
+        return out
+    return decode
+
+
+def batched_decode_mode(engine: Engine) -> str:
+    """What batched_decode does with this engine, in words (info, /metrics, serve's banner)."""
+    if getattr(engine.model, "forward_batch", None) is not None:
+        return "batched: one pass for every running sequence"
+    return "sequential: one pass per sequence (this engine has no batched pass yet)"

@@ -23,11 +23,13 @@ def render_metrics(worker: Worker, requests: dict) -> str:
     metric("prefill_tokens_total", "counter", "Prompt tokens run through the model.", c.prefill_tokens)
     metric("prefill_seconds_total", "counter", "Seconds spent in prefill (cache restores included).",
            float(c.prefill_s))
-    metric("decode_tokens_total", "counter", "Tokens run through single-token decode.", c.decode_tokens)
-    metric("decode_seconds_total", "counter", "Seconds spent in decode.", float(c.decode_s))
+    metric("decode_tokens_total", "counter", "Tokens run through decode steps (every sequence of a step).",
+           c.decode_tokens)
+    metric("decode_seconds_total", "counter", "Seconds spent in decode steps (wall time: a step's sequences share "
+           "it).", float(c.decode_s))
     metric("prefill_tokens_per_second", "gauge", "Prefill speed since start (prefill tokens / seconds).",
            float(c.prefill_tokens / c.prefill_s if c.prefill_s else 0.0))
-    metric("decode_tokens_per_second", "gauge", "Decode speed since start (decode tokens / seconds).",
+    metric("decode_tokens_per_second", "gauge", "Aggregate decode speed since start (decode tokens / seconds).",
            float(c.decode_tokens / c.decode_s if c.decode_s else 0.0))
     stats = worker.cache.stats if worker.cache is not None else {}
     metric("cache_hits_total", "counter", "Prefills that restored a cached prefix.", stats.get("hits", 0))
@@ -40,5 +42,12 @@ def render_metrics(worker: Worker, requests: dict) -> str:
            [('{outcome="done"}', c.jobs_done), ('{outcome="cancelled"}', c.jobs_cancelled),
             ('{outcome="failed"}', c.jobs_failed)])
     metric("queue_length", "gauge", "Requests waiting for the worker.", worker.queued)
-    metric("requests_running", "gauge", "Requests being generated (0 or 1).", int(worker.current is not None))
+    metric("requests_running", "gauge", "Requests being generated (prompt or decode).", worker.running)
+    metric("slots", "gauge", "Generations the worker runs at once (--parallel).", worker.parallel)
+    metric("slots_used", "gauge", "Slots holding a generation in decode.", len(worker.slots))
+    sizes = list(worker.batch_sizes)
+    metric("decode_batch_size", "gauge", "Sequences per decode step, mean of the last 256 steps.",
+           float(sum(sizes) / len(sizes)) if sizes else 0.0)
+    metric("decode_steps_total", "counter", "Decode steps run (each advances every running sequence).",
+           c.decode_steps)
     return "\n".join(lines) + "\n"

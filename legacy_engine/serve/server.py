@@ -247,7 +247,8 @@ class _App:
         from starlette.responses import JSONResponse
         ok = self.worker.alive
         return JSONResponse({"status": "ok" if ok else "error", "model": self.cfg.model_id,
-                             "queue": self.worker.queued, "running": self.worker.current is not None},
+                             "queue": self.worker.queued, "running": self.worker.running,
+                             "slots": self.worker.parallel},
                             status_code=200 if ok else 503)
 
     async def metrics(self, request):

@@ -1,14 +1,16 @@
-"""The worker: one thread that owns the engine and its one Session, and runs the queued Jobs one at a time, in
-order of arrival (server.py's docstring tells how a request flows)."""
+"""The worker: one thread that owns the engine and its sessions (one per slot), and runs the queued Jobs in order of
+arrival, up to `parallel` at once, their decode steps batched (server.py's docstring tells how a request flows)."""
 from __future__ import annotations
 
 import asyncio
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from ..core.errors import Cancelled, ContextLengthError
+from .generate import batched_decode
 from .sampling import Sampler
 from .schema import APIError, Plan
 
@@ -58,31 +60,75 @@ class Counters:
     prefill_s: float = 0.0
     decode_tokens: int = 0
     decode_s: float = 0.0
+    decode_steps: int = 0
     jobs_done: int = 0
     jobs_cancelled: int = 0
     jobs_failed: int = 0
 
 
+class Slot:
+    """One running generation: its job, its session (a state of its own), the sampler and the text stream; `token`
+    is the last sampled token, not yet run through the model."""
+
+    def __init__(self, job: Job, session, sampler, tokenizer):
+        self.job, self.session, self.sampler, self.tok = job, session, sampler, tokenizer
+        self.decoder = tokenizer.stream()
+        self.hold = max((len(s) for s in job.plan.stop), default=1) - 1   # chars that may still start a stop string
+        self.pending, self.n, self.finish, self.cut_by_stop = "", 0, None, False
+        self.token: int | None = None
+        self.cached = 0
+
+    def push(self, token: int) -> None:
+        """A sampled token: counted, streamed (held back while it may start a stop string), finish set when the
+        generation ends with it."""
+        plan, self.token = self.job.plan, token
+        self.n += 1
+        if token in self.tok.eos_ids:
+            self.finish = "stop"
+            return
+        self.pending += self.decoder.push(token)
+        cut = min((self.pending.find(s) for s in plan.stop if s in self.pending), default=-1)
+        if cut >= 0:
+            self.pending, self.finish, self.cut_by_stop = self.pending[:cut], "stop", True
+            return
+        if len(self.pending) > self.hold:
+            self.job.send("text", self.pending[:len(self.pending) - self.hold])
+            self.pending = self.pending[len(self.pending) - self.hold:]
+        if self.n >= plan.max_tokens:   # max_tokens fits the context: the plan checked it
+            self.finish = "length"
+
+
 class Worker:
-    """Runs every job on one thread, one at a time, in the order submitted (FIFO).
+    """Runs the jobs on one thread, up to `parallel` at once (each in a slot of its own: a session, a state), taken
+    in the order submitted (FIFO).
 
-    prefill(session, ids, cancel) -> float32[n_vocab] is the seam through which the prompt is run: by default a
-    fresh prefill, with `cache` the PrefixCache's (shared by every request); it asks cancel() between chunks and
-    raises Cancelled when the job was cancelled. make_sampler(params) -> an object with
-    sample(logits, history) -> id: a seam for tests that need scripted output. max_queue bounds the jobs
-    waiting (not counting the one running)."""
+    A step decodes one token of every running job together (batch_decode: the engine reads each weight once for
+    all of them where it can). A new job's prompt is run by prefill(session, ids, cancel) -> float32[n_vocab], the
+    seam through which prompts run: by default a fresh prefill, with `cache` the PrefixCache's (shared by every
+    slot). Between the prompt's chunks (each cancel() call) the running jobs take one decode step, so a long prompt
+    does not stall them; cancel() raises Cancelled when that job was cancelled. make_sampler(params) -> an object
+    with sample(logits, history) -> id: a seam for tests that need scripted output. max_queue bounds the jobs
+    waiting (not counting the running ones)."""
 
-    def __init__(self, engine, cache=None, prefill=None, max_queue: int = 256):
+    def __init__(self, engine, cache=None, prefill=None, max_queue: int = 256, parallel: int = 1):
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.engine = engine
         self.cache = cache
-        self.session = engine.session()
+        self.parallel = parallel
+        self.sessions = [engine.session() for _ in range(parallel)]
+        self.session = self.sessions[0]
         self.prefill = prefill or (cache.prefill if cache is not None else fresh_prefill)
         cpu = getattr(engine, "cpu_model", None)   # its pool runs the sampler's passes (idle between forwards)
         self.make_sampler = lambda params: Sampler(params, model=cpu)
+        self.batched = batched_decode(engine)
         self.max_queue = max_queue
         self.counters = Counters()
-        self.log: deque = deque(maxlen=4096)  # (seq, finish_reason, prompt_tokens, completion_tokens), in order run
-        self.current: Job | None = None
+        self.log: deque = deque(maxlen=4096)  # (seq, finish_reason, prompt_tokens, completion_tokens), in order ended
+        self.admitted: deque = deque(maxlen=4096)     # job seqs in the order their prompts started
+        self.slots: list[Slot] = []           # running generations, in order admitted
+        self.admitting: Job | None = None     # the job whose prompt runs now
+        self.batch_sizes: deque = deque(maxlen=256)   # sequences of each recent decode step
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._seq = 0
@@ -103,6 +149,18 @@ class Worker:
     def queued(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def running(self) -> int:
+        """Jobs admitted and not ended (prefilling or decoding)."""
+        return len(self.slots) + (self.admitting is not None)
+
+    @property
+    def current(self) -> Job | None:
+        """A running job (the oldest), or None when idle."""
+        if self.admitting is not None:
+            return self.admitting
+        return self.slots[0].job if self.slots else None
+
     def submit(self, job: Job) -> None:
         with self._lock:
             if self._stopping:
@@ -114,14 +172,14 @@ class Worker:
             self._queue.put(job)
 
     def stop(self) -> None:
-        """Refuses new jobs, cancels the running one and every queued one: each gets a 503 shutting_down (a stream:
+        """Refuses new jobs, cancels the running ones and every queued one: each gets a 503 shutting_down (a stream:
         an error event), and the thread ends after them."""
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True
-            if self.current is not None:
-                self.current.cancel(_shutting_down())
+            for job in self._running_jobs():
+                job.cancel(_shutting_down())
             self._queue.put(None)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -132,92 +190,133 @@ class Worker:
 
     # ---- the thread
 
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                break
-            if self._stopping:
-                job.cancel(_shutting_down())
-            if job.cancelled:  # its client left while it waited, or the server is stopping
-                self.log.append((job.seq, "cancelled", len(job.plan.ids), 0))
-                self.counters.jobs_cancelled += 1
-                job.send("error", job.error or APIError(503, "the request was cancelled before it ran",
-                                                        "server_error", code="cancelled"))
-                continue
-            self.current = job
-            if self._stopping:  # stop() came between the two checks above
-                job.cancel(_shutting_down())
-            try:
-                self._execute(job)
-            except Cancelled:  # between prefill chunks: its client left, or the server is stopping
-                self.counters.jobs_cancelled += 1
-                self.log.append((job.seq, "cancelled", len(job.plan.ids), 0))
-                job.send("error", job.error or APIError(499, "the client closed the connection",
-                                                        code="client_closed_request"))
-            except Exception as e:  # the worker outlives any one request
-                if isinstance(e, ContextLengthError):
-                    err = APIError(400, str(e), code="context_length_exceeded")
-                else:
-                    err = APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error")
-                self.counters.jobs_failed += 1
-                self.log.append((job.seq, "error", len(job.plan.ids), 0))
-                job.send("error", err)
-            finally:
-                self.current = None
+    def _running_jobs(self) -> list[Job]:
+        jobs = [s.job for s in self.slots]
+        return jobs + [self.admitting] if self.admitting is not None else jobs
 
-    def _execute(self, job: Job) -> None:
-        plan, sess, tok, c = job.plan, self.session, self.engine.tokenizer, self.counters
-        t = sess.timings
-        p0, ps0, d0, ds0 = t.prefill_tokens, t.prefill_s, t.decode_tokens, t.decode_s
-        if plan.images:   # the cache keys the images' rows by their pixels' digests
-            logits = self.prefill(sess, plan.ids, cancel=lambda: job.cancelled,
-                                  images=self.engine.encode_images(plan.spans, plan.images))
-        else:
-            logits = self.prefill(sess, plan.ids, cancel=lambda: job.cancelled)
-        cached = max(0, len(plan.ids) - (t.prefill_tokens - p0))  # the cache counts only what it ran
-        job.send("start", {"prompt_tokens": len(plan.ids), "cached_tokens": cached})
-        sampler = self.make_sampler(plan.params)
-        decoder = tok.stream()
-        hold = max((len(s) for s in plan.stop), default=1) - 1  # chars that may still start a stop string
-        pending, n, finish, cut_by_stop, token = "", 0, "length", False, None
-        while n < plan.max_tokens:
+    def _run(self) -> None:
+        ended = False
+        while not ended or self.slots:
+            if not ended and len(self.slots) < self.parallel:
+                try:    # wait for work only when nothing runs
+                    job = self._queue.get(block=not self.slots)
+                except queue.Empty:
+                    job = False
+                if job is None:
+                    ended = True
+                elif job:
+                    self._admit(job, self.sessions[self._free_session()])
+                    continue    # fill every free slot before the next step
+            self._step()
+
+    def _free_session(self) -> int:
+        used = {id(s.session) for s in self.slots}
+        return next(i for i, s in enumerate(self.sessions) if id(s) not in used)
+
+    def _end(self, job: Job, finish: str, prompt: int, n: int, err: APIError | None = None) -> None:
+        self.log.append((job.seq, finish, prompt, n))
+        if err is not None:
+            job.send("error", err)
+
+    def _admit(self, job: Job, session) -> None:
+        """Runs the job's prompt in `session` (the running jobs step between its chunks), samples its first token
+        and gives it a slot; a job cancelled before or during its prompt ends here."""
+        if self._stopping:
+            job.cancel(_shutting_down())
+        if job.cancelled:   # its client left while it waited, or the server is stopping
+            self.counters.jobs_cancelled += 1
+            self._end(job, "cancelled", len(job.plan.ids), 0, job.error or APIError(
+                503, "the request was cancelled before it ran", "server_error", code="cancelled"))
+            return
+        plan, c = job.plan, self.counters
+        self.admitted.append(job.seq)
+        t = session.timings
+        p0, ps0 = t.prefill_tokens, t.prefill_s
+        self.admitting = job
+        if self._stopping:   # stop() came between the two checks above
+            job.cancel(_shutting_down())
+
+        def between_chunks() -> bool:
+            if self.slots:
+                self._step()
+            return job.cancelled
+        try:
+            kw = {"images": self.engine.encode_images(plan.spans, plan.images)} if plan.images else {}
+            logits = self.prefill(session, plan.ids, cancel=between_chunks, **kw)
+            slot = Slot(job, session, self.make_sampler(plan.params), self.engine.tokenizer)
+            slot.cached = max(0, len(plan.ids) - (t.prefill_tokens - p0))  # the cache counts only what it ran
+            job.send("start", {"prompt_tokens": len(plan.ids), "cached_tokens": slot.cached})
             if job.cancelled:
-                finish = "cancelled"
-                break
-            # the first token from the prompt's logits, the next ones from a decode step (max_tokens fits the
-            # context: the plan checked it)
-            token = sampler.sample(logits, sess.tokens) if token is None else sess.decode_next(token, sampler)
-            n += 1
-            if token in tok.eos_ids:
-                finish = "stop"
-                break
-            pending += decoder.push(token)
-            cut = min((pending.find(s) for s in plan.stop if s in pending), default=-1)
-            if cut >= 0:
-                pending, finish, cut_by_stop = pending[:cut], "stop", True
-                break
-            if len(pending) > hold:
-                job.send("text", pending[:len(pending) - hold])
-                pending = pending[len(pending) - hold:]
-        if not cut_by_stop:
-            pending += decoder.flush()
-        if pending and finish != "cancelled":
-            job.send("text", pending)
+                slot.finish = "cancelled"
+            else:
+                slot.push(slot.sampler.sample(logits, session.tokens))
+        except Cancelled:   # between prompt chunks: its client left, or the server is stopping
+            c.jobs_cancelled += 1
+            self._end(job, "cancelled", len(plan.ids), 0, job.error or APIError(
+                499, "the client closed the connection", code="client_closed_request"))
+            return
+        except Exception as e:  # the worker outlives any one request
+            self._fail(job, e)
+            return
+        finally:
+            self.admitting = None
+            c.prefill_tokens += t.prefill_tokens - p0
+            c.prefill_s += t.prefill_s - ps0
+        self.slots.append(slot)
+        if slot.finish is not None:
+            self._retire(slot)
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        if isinstance(e, ContextLengthError):
+            err = APIError(400, str(e), code="context_length_exceeded")
+        else:
+            err = APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error")
+        self.counters.jobs_failed += 1
+        self._end(job, "error", len(job.plan.ids), 0, err)
+
+    def _step(self) -> None:
+        """One decode step of every running job that goes on (the cancelled ones end first)."""
+        for s in [s for s in self.slots if s.job.cancelled]:
+            s.finish = "cancelled"
+            self._retire(s)
+        if not self.slots:
+            return
+        slots = list(self.slots)
+        t0 = time.perf_counter()
+        try:
+            nxt = self.batched([s.session for s in slots], [s.token for s in slots], [s.sampler for s in slots])
+        except Exception as e:   # the step's jobs fail together; their sessions are reset by Session
+            for s in slots:
+                self.slots.remove(s)
+                self._fail(s.job, e)
+            return
+        self.counters.decode_tokens += len(slots)
+        self.counters.decode_steps += 1
+        self.counters.decode_s += time.perf_counter() - t0
+        self.batch_sizes.append(len(slots))
+        for s, token in zip(slots, nxt):
+            s.push(token)
+            if s.finish is not None:
+                self._retire(s)
+
+    def _retire(self, slot: Slot) -> None:
+        """A slot whose generation ended: the rest of its text, its counts, its last event; the slot is free."""
+        self.slots.remove(slot)
+        job, plan, c = slot.job, slot.job.plan, self.counters
+        if not slot.cut_by_stop:
+            slot.pending += slot.decoder.flush()
+        if slot.pending and slot.finish != "cancelled":
+            job.send("text", slot.pending)
         c.prompt_tokens += len(plan.ids)
-        c.cached_tokens += cached
-        c.completion_tokens += n
-        c.prefill_tokens += t.prefill_tokens - p0
-        c.prefill_s += t.prefill_s - ps0
-        c.decode_tokens += t.decode_tokens - d0
-        c.decode_s += t.decode_s - ds0
-        c.jobs_cancelled += finish == "cancelled"
-        c.jobs_done += finish != "cancelled"
-        self.log.append((job.seq, finish, len(plan.ids), n))
-        if finish == "cancelled" and job.error is not None:  # the server is stopping; the client still listens
+        c.cached_tokens += slot.cached
+        c.completion_tokens += slot.n
+        c.jobs_cancelled += slot.finish == "cancelled"
+        c.jobs_done += slot.finish != "cancelled"
+        self.log.append((job.seq, slot.finish, len(plan.ids), slot.n))
+        if slot.finish == "cancelled" and job.error is not None:  # the server is stopping; the client still listens
             job.send("error", job.error)
         else:
-            job.send("done", {"finish_reason": finish, "completion_tokens": n})
+            job.send("done", {"finish_reason": slot.finish, "completion_tokens": slot.n})
 
 
 def _shutting_down() -> APIError:

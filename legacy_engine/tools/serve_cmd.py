@@ -8,8 +8,9 @@ import re
 import sys
 
 from ..core.errors import UnavailableError
+from ..plan.slots import DEFAULT_PARALLEL, SlotPlan, serve_slots
 from ..serve.cache import PrefixCache
-from ..serve.generate import Engine
+from ..serve.generate import Engine, batched_decode_mode
 from ..serve.origin import ORIGIN_POLICY
 from ..serve.sampling import SamplingParams
 from ..serve.schema import ServeConfig
@@ -62,6 +63,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     gpu_flags(s)  # --no-mmap, --numa
     s.add_argument("--max-body", type=_size, default=4 << 20, metavar="BYTES",
                    help="largest request body; larger ones get 413 (default 4M)")
+    s.add_argument("--parallel", "-np", type=_positive, default=None, metavar="N",
+                   help="generations run at once, their decode steps batched (default: the planner's: up to "
+                        f"{DEFAULT_PARALLEL} where the engine batches and their states fit in a quarter of the "
+                        "free memory; 1 where it decodes one sequence per pass)")
     s.add_argument("--max-queue", type=_positive, default=256, metavar="N",
                    help="requests allowed to wait for the model; more get 503 queue_full (default 256)")
     s.add_argument("--max-tokens", type=_positive, default=None, metavar="N",
@@ -98,6 +103,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     return s
 
 
+def _slots(engine) -> SlotPlan:
+    return serve_slots(engine.model.hparams, engine.n_ctx, batched_decode_mode(engine).startswith("batched"))
+
+
 def build_server(args):
     """(app, worker) from parsed `serve` flags: loads the model and makes the cache."""
     defaults = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
@@ -107,7 +116,7 @@ def build_server(args):
     if args.cache_ram > 0 or args.cache_dir:
         cache = PrefixCache.for_model(engine.model, ram_bytes=args.cache_ram, disk_dir=args.cache_dir,
                                       disk_bytes=args.cache_disk)
-    worker = Worker(engine, cache=cache, max_queue=args.max_queue)
+    worker = Worker(engine, cache=cache, max_queue=args.max_queue, parallel=args.parallel or _slots(engine).n)
     name = args.alias or os.path.basename(args.model).removesuffix(".gguf")
     cfg = ServeConfig(model_id=name, api_key=args.api_key or None, max_body=args.max_body,
                       max_tokens=args.max_tokens, defaults=defaults, enable_thinking=not args.no_think,
@@ -136,6 +145,9 @@ def cmd_serve(args) -> int:
     model_id = app.state.api.cfg.model_id
     print(f"legacy-engine serve: {model_id} (context {worker.engine.n_ctx}, cache "
           f"{'on' if worker.cache is not None else 'off'}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    why = "--parallel" if args.parallel else f"the planner: {_slots(worker.engine).why}"
+    print(f"legacy-engine serve: {worker.parallel} slot(s) ({why}); decode {batched_decode_mode(worker.engine)}",
+          file=sys.stderr)
     config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     try:
