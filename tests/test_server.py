@@ -1086,3 +1086,54 @@ def test_sigterm_ends_streams_and_queued_requests_cleanly(model_path, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+# ------------------------------------------------------------------------------------------------ several at once
+
+def test_concurrent_answers_equal_alone(server, client, ref):
+    """8 clients at once with different prompts (different lengths): each answer is the one its prompt gets alone
+    (greedy), whether the jobs ran one at a time or together in batched decode steps."""
+    server.wait_idle()
+    prompts = [f"story {i}: " + " ".join(["once upon a time"] * (1 + 3 * i)) for i in range(8)]
+    barrier = threading.Barrier(len(prompts), timeout=30)
+
+    def one(p: str):
+        barrier.wait()
+        return client.completions.create(model=MODEL_ID, prompt=p, max_tokens=12, temperature=0)
+    steps0 = server.worker.counters.decode_steps
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        results = list(pool.map(one, prompts, timeout=120))
+    for p, r in zip(prompts, results):
+        want = ref.session().generate(p, max_tokens=12, params=SamplingParams(temperature=0))
+        assert r.choices[0].text == want.text, p
+    if server.worker.parallel > 1:   # the steps were shared: fewer steps than tokens decoded
+        steps = server.worker.counters.decode_steps - steps0
+        assert steps < sum(r.usage.completion_tokens - 1 for r in results), steps
+
+
+def test_running_jobs_step_while_a_long_prompt_runs(server, client):
+    """With several slots, a job already decoding takes steps between a new long prompt's chunks (it is not stalled
+    until that prompt ends); with one slot the long prompt waits for it instead."""
+    if server.worker.parallel == 1:
+        pytest.skip("one slot: jobs run one at a time")
+    server.wait_idle()
+    saved, seen = server.worker.prefill, []
+
+    def recording(session, ids_, cancel=None, **kw):
+        def check():
+            seen.append((len(ids_), server.worker.counters.decode_steps))
+            return cancel()
+        return saved(session, ids_, check, **kw)
+    server.worker.prefill = recording
+    try:
+        stream = client.completions.create(model=MODEL_ID, prompt="a short one", max_tokens=400, temperature=0,
+                                           stream=True)
+        next(iter(stream))
+        long_ids = random.Random(3).choices(range(1000, 5000), k=1200)   # 5 chunks of PREFILL_BATCH
+        r = client.completions.create(model=MODEL_ID, prompt=long_ids, max_tokens=1, temperature=0)
+        stream.close()
+    finally:
+        server.worker.prefill = saved
+    assert r.usage.prompt_tokens == 1200
+    steps = [st for n, st in seen if n == 1200]
+    assert len(steps) >= 5 and all(b > a for a, b in zip(steps, steps[1:])), steps
