@@ -448,7 +448,11 @@ def test_chat_output_split_is_cut_independent(thinking, tools, text, reasoning, 
     ({"tools": "get_weather"}, "tools"),
     ({"tools": [{"type": "function", "function": {}}]}, "tools"),
     ({"logprobs": True}, "logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wrong"}}}},
+     "response_format"),
+    ({"response_format": "json"}, "response_format"),
     ({"chat_template_kwargs": {"enable_thinking": "no"}}, "enable_thinking"),
 ])
 def test_wrong_types_and_values(server, body, param):
@@ -1137,3 +1141,40 @@ def test_running_jobs_step_while_a_long_prompt_runs(server, client):
     assert r.usage.prompt_tokens == 1200
     steps = [st for n, st in seen if n == 1200]
     assert len(steps) >= 5 and all(b > a for a, b in zip(steps, steps[1:])), steps
+
+
+# ------------------------------------------------------------------------------------------------ response_format
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_json_schema_output_parses_and_fits(server, client, temperature):
+    """response_format json_schema: the random model's answer is a JSON document of the schema (llguidance's masks),
+    for greedy and sampled draws (thinking off: the random model never closes its reasoning; tests/test_grammar.py
+    covers the document starting after </think>)."""
+    for seed in (7, 8):
+        r = client.chat.completions.create(
+            model=MODEL_ID, max_tokens=120, temperature=temperature, seed=seed, messages=MESSAGES, extra_body=NO_THINK,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", text
+        doc = json.loads(text)
+        assert set(doc) == {"name", "age", "tags"} and isinstance(doc["name"], str) and len(doc["name"]) <= 10
+        assert type(doc["age"]) is int and 0 <= doc["age"] <= 150
+        assert isinstance(doc["tags"], list) and len(doc["tags"]) <= 3 and set(doc["tags"]) <= {"a", "b"}
+
+
+def test_json_object_and_unconstrained_differ(server, client):
+    """json_object gives an object where the same request without it gives the model's free text."""
+    base = dict(model=MODEL_ID, max_tokens=60, temperature=0, messages=MESSAGES, extra_body=NO_THINK)
+    free = client.chat.completions.create(**base).choices[0].message.content
+    r = client.chat.completions.create(**base, response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:   # cut by max_tokens inside the document: still a prefix of an object
+        assert text.startswith("{")
+    assert text != free

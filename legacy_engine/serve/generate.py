@@ -384,8 +384,9 @@ def batched_decode(engine: Engine) -> Callable[[list[Session], list[int], list],
     decoding it alone); otherwise one session after another (batched_decode_mode says which)."""
     fwd = getattr(engine.model, "forward_batch", None)
     if fwd is None:
-        return lambda sessions, tokens, samplers: [s.decode_next(t, smp)
-                                                   for s, t, smp in zip(sessions, tokens, samplers)]
+        return lambda sessions, tokens, samplers: [  # a constrained draw needs the whole row (needs_row)
+            smp.sample(s.decode(t), s.tokens) if getattr(smp, "needs_row", False) else s.decode_next(t, smp)
+            for s, t, smp in zip(sessions, tokens, samplers)]
 
     def decode(sessions: list[Session], tokens: list[int], samplers: list) -> list[int]:
         for s in sessions:

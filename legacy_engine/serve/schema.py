@@ -11,6 +11,7 @@ from ..core.errors import FormatError, TemplateRenderError
 from ..format.chat import TemplateRaised, render_chat
 from .images import ImageRequestError, request_images
 from .sampling import SamplingParams
+from .grammar import GrammarError, grammar_of
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -115,9 +116,6 @@ def _unsupported(body: dict, chat: bool) -> None:
         raise _bad("logprobs are not supported by this server", "logprobs", "unsupported_value")
     if _field(body, "logit_bias", (dict,), {}):
         raise _bad("logit_bias is not supported by this server", "logit_bias", "unsupported_value")
-    fmt = _field(body, "response_format", (dict,))
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise _bad("only response_format {'type': 'text'} is supported", "response_format", "unsupported_value")
     if not chat:
         if _field(body, "echo", (bool,), False):
             raise _bad("echo is not supported by this server", "echo", "unsupported_value")
@@ -159,6 +157,7 @@ class Plan:
     tools: list | None = None            # parse <tool_call> output against these
     images: list = field(default_factory=list)    # format.image.ImageInput, one per image span, in prompt order
     spans: list = field(default_factory=list)     # format.multimodal.ImageSpan of each, in ids (already widened)
+    grammar: str | None = None           # response_format's llguidance grammar (serve/grammar.py); None: free text
 
 
 def _options(body: dict, cfg: ServeConfig, chat: bool) -> dict:
@@ -166,9 +165,13 @@ def _options(body: dict, cfg: ServeConfig, chat: bool) -> dict:
     mt = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     stream = _field(body, "stream", (bool,), False)
     opts = _field(body, "stream_options", (dict,), {})
+    try:
+        grammar = grammar_of(_field(body, "response_format", (dict,)))
+    except GrammarError as e:
+        raise _bad(str(e), "response_format") from None
     return dict(max_tokens=_field(body, mt, INTEGER, None, lambda v: v >= 1, ">= 1"),
                 params=_sampling(body, cfg.defaults), stop=_stop_strings(body), stream=stream,
-                include_usage=stream and _field(opts, "include_usage", (bool,), False))
+                include_usage=stream and _field(opts, "include_usage", (bool,), False), grammar=grammar)
 
 
 def _fit(ids: list[int], opts: dict, cfg: ServeConfig, n_ctx: int, param: str) -> dict:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..core.errors import Cancelled, ContextLengthError
 from .generate import batched_decode
+from .grammar import ConstrainedSampler
 from .sampling import Sampler
 from .schema import APIError, Plan
 
@@ -94,7 +95,9 @@ class Slot:
         if len(self.pending) > self.hold:
             self.job.send("text", self.pending[:len(self.pending) - self.hold])
             self.pending = self.pending[len(self.pending) - self.hold:]
-        if self.n >= plan.max_tokens:   # max_tokens fits the context: the plan checked it
+        if getattr(self.sampler, "stopped", False):     # response_format's document is complete
+            self.finish = "stop"
+        elif self.n >= plan.max_tokens:   # max_tokens fits the context: the plan checked it
             self.finish = "length"
 
 
@@ -243,7 +246,11 @@ class Worker:
         try:
             kw = {"images": self.engine.encode_images(plan.spans, plan.images)} if plan.images else {}
             logits = self.prefill(session, plan.ids, cancel=between_chunks, **kw)
-            slot = Slot(job, session, self.make_sampler(plan.params), self.engine.tokenizer)
+            sampler = self.make_sampler(plan.params)
+            if plan.grammar is not None:   # response_format: the document after the reasoning, if any
+                sampler = ConstrainedSampler(sampler, self.engine.tokenizer, self.engine.model.hparams.n_vocab,
+                                             plan.grammar, armed=not plan.thinking)
+            slot = Slot(job, session, sampler, self.engine.tokenizer)
             slot.cached = max(0, len(plan.ids) - (t.prefill_tokens - p0))  # the cache counts only what it ran
             job.send("start", {"prompt_tokens": len(plan.ids), "cached_tokens": slot.cached})
             if job.cancelled:
