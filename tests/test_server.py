@@ -1178,3 +1178,38 @@ def test_json_object_and_unconstrained_differ(server, client):
     else:   # cut by max_tokens inside the document: still a prefix of an object
         assert text.startswith("{")
     assert text != free
+
+
+def test_short_request_starts_inside_a_long_prompt(server, client):
+    """With a free slot, a short request that arrives while a long prompt runs starts between that prompt's chunks
+    and is answered before the long one (each chunk slowed to 0.25 s by the seam); with one slot it waits."""
+    server.wait_idle()
+    saved, started = server.worker.prefill, threading.Event()
+
+    def slow(session, ids_, cancel=None, **kw):
+        def check():
+            if len(ids_) > 1000:
+                started.set()
+                time.sleep(0.25)
+            return cancel()
+        return saved(session, ids_, check, **kw)
+    server.worker.prefill = slow
+    done = {}
+    try:
+        long_ids = random.Random(4).choices(range(1000, 5000), k=1500)   # 6 chunks of PREFILL_BATCH
+
+        def long_one():
+            client.completions.create(model=MODEL_ID, prompt=long_ids, max_tokens=1, temperature=0)
+            done["long"] = time.monotonic()
+        t = threading.Thread(target=long_one)
+        t.start()
+        assert started.wait(10)
+        client.completions.create(model=MODEL_ID, prompt="short", max_tokens=2, temperature=0)
+        done["short"] = time.monotonic()
+        t.join(60)
+    finally:
+        server.worker.prefill = saved
+    if server.worker.parallel > 1:
+        assert done["short"] < done["long"], done
+    else:
+        assert done["long"] < done["short"], done
