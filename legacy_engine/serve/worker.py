@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..core.errors import Cancelled, ContextLengthError
 from .generate import batched_decode
 from .grammar import ConstrainedSampler
-from .sampling import Sampler
+from .sampling import LogprobSampler, Sampler
 from .schema import APIError, Plan
 
 
@@ -84,9 +84,12 @@ class Slot:
         generation ends with it."""
         plan, self.token = self.job.plan, token
         self.n += 1
+        entries = self.sampler.take() if isinstance(self.sampler, LogprobSampler) else None
         if token in self.tok.eos_ids:
             self.finish = "stop"
             return
+        if entries:     # ahead of the token's text (the end-of-generation token has none, as its text)
+            self.job.send("logprobs", entries)
         self.pending += self.decoder.push(token)
         cut = min((self.pending.find(s) for s in plan.stop if s in self.pending), default=-1)
         if cut >= 0:
@@ -268,6 +271,8 @@ class Worker:
             if plan.grammar is not None:   # response_format: the document after the reasoning, if any
                 sampler = ConstrainedSampler(sampler, self.engine.tokenizer, self.engine.model.hparams.n_vocab,
                                              plan.grammar, armed=not plan.thinking)
+            if plan.logprobs is not None:  # outermost: it reports the model's row, not the masked one
+                sampler = LogprobSampler(sampler, plan.logprobs)
             slot = Slot(job, session, sampler, self.engine.tokenizer)
             slot.cached = max(0, len(plan.ids) - (t.prefill_tokens - p0))  # the cache counts only what it ran
             job.send("start", {"prompt_tokens": len(plan.ids), "cached_tokens": slot.cached})
