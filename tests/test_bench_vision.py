@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from legacy_engine.format.mmproj import MmprojFile
+from legacy_engine.format.mmproj import MmprojFile, encode_flops
 from legacy_engine.tools import bench_cmd
-from legacy_engine.tools.bench_vision import encode_flops
 
 pytestmark = [pytest.mark.cpu, pytest.mark.oracle, pytest.mark.slow]
 

@@ -12,8 +12,8 @@ differently (aspect-preserving within 8,192 … 4,194,304 pixels, spec §2.7), s
 reported beside ours and the times are compared per image and per patch.
 
 Each engine encodes one 256x256 image untimed per thread count (weights paged in, threads started), then every size
---reps times; median and min count. GFLOP per encode counts the matmuls and the attention of the hparams and that engine's grid (N patches,
-H hidden, F ffn, D blocks, merge² = 4, O out):
+--reps times; median and min count. GFLOP per encode counts the matmuls and the attention of the hparams and that
+engine's grid (format/mmproj.py encode_flops: N patches, H hidden, F ffn, D blocks, merge² = 4, O out):
   patch embedding 2·N·(3·2·P·P)·H; per block 2·N·H·3H (qkv) + 4·N²·H (QKᵀ and AV, full attention over the image)
   + 2·N·H² (proj) + 4·N·H·F (fc1, fc2); merger 2·(N/4)·(4H)² + 2·(N/4)·4H·O.
 Results: benchmarks/results/vision_encode_cpu_2026-11-26.md.
@@ -36,20 +36,10 @@ from ..cpu.vision import VisionTower
 from ..gpu.vision import GpuVisionTower
 from ..serve.generate import Engine
 from ..format.image import preprocess
-from ..format.mmproj import IN_CHANNELS, MmprojFile, VisionHparams
+from ..format.mmproj import MmprojFile, VisionHparams, encode_flops
 
 SIZES = ((448, 448), (1024, 1024), (1920, 1080))
 WARMUP = (256, 256)     # one untimed encode per engine and thread count: loads the weights' pages and the threads
-
-
-def encode_flops(hp: VisionHparams, n_patches: int) -> int:
-    """Multiply-adds × 2 of one encode of n_patches patches (the module docstring's count)."""
-    n, h, f = n_patches, hp.hidden, hp.ffn
-    patch = 2 * n * IN_CHANNELS * hp.temporal_patch * hp.patch_size ** 2 * h
-    block = 2 * n * h * 3 * h + 4 * n * n * h + 2 * n * h * h + 4 * n * h * f
-    m = hp.merge ** 2
-    merger = 2 * (n // m) * (m * h) ** 2 + 2 * (n // m) * m * h * hp.out_hidden
-    return patch + hp.depth * block + merger
 
 
 def synthetic_rgb(width: int, height: int, seed: int) -> np.ndarray:
