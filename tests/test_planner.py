@@ -195,6 +195,7 @@ def test_plan_command(tmp_path):
     r = run("--preset", "qwen3.6-35b-a3b", "--vram", "6GiB", "--no-gpu", "--prompt", "512", "--gen", "32")
     assert r.returncode == 0, r.stderr
     assert "chosen: cpu" in r.stdout and "no usable GPU" in r.stdout
+    assert "serve --parallel B" in r.stdout and "B=8" in r.stdout       # the batched decode's prediction
     assert (tmp_path / probe.MACHINE_FILE).exists()                     # measured once, cached
     bad = run("--preset", "qwen3.6-35b-a3b", "--vram", "lots")
     assert bad.returncode == 2 and "unit" in bad.stderr

@@ -11,7 +11,9 @@ import sys
 from ..format.gguf_model import ModelFile
 from ..format.mmproj import MmprojFile, check_compatible
 from ..format.presets import DescribedFile, preset_vision_hparams
-from ..plan.planner import GiB, Strategy, load_routing, parse_size, plan
+from ..format.footprint import weight_footprint
+from ..plan.planner import CPU_DECODE_EFF, GiB, Strategy, load_routing, parse_size, plan
+from ..plan.slots import predict_batched_decode
 from ..plan.probe import Machine, measure
 from ..plan.vision import VisionPlacement, vision_placement
 
@@ -97,11 +99,16 @@ def main(argv: list[str] | None = None) -> int:
         check_compatible(hp, f.hparams, args.mmproj or args.preset)
         vp = vision_placement(f, hp, m, budget, n_ctx=max(args.prompt + args.gen, 1), int8=m.gpu_tier == "dp4a")
     ss = plan(f, m, budget - vp.reserve if vp else vram, args.prompt, args.gen, counts=counts)
+    batched = predict_batched_decode(m, f.hparams, weight_footprint(f), context=args.prompt + args.gen // 2,
+                                     counts=counts, efficiency=CPU_DECODE_EFF)
     if args.json:
         print(json.dumps({"machine": dc.asdict(m), "strategies": [dc.asdict(s) for s in ss],
-                          "vision": vp.as_dict() if vp else None}, indent=1, default=float))
+                          "vision": vp.as_dict() if vp else None, "cpu_batched_decode": batched},
+                         indent=1, default=float))
     else:
         print_plan(name, m, ss, args.prompt, args.gen, vram, vp)
+        print("serving (serve --parallel B), CPU decode of B streams at once, aggregate tok/s: " + ", ".join(
+            f"B={b} {v:.1f} ({v / batched[1]:.2f}x)" for b, v in batched.items()))
         print("pinned experts: " + ("the hottest by this file's saved routing counts" if counts else
                                     "spread evenly (no routing counts saved for this file yet)"))
     return 0
