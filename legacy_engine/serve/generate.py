@@ -204,6 +204,10 @@ class Engine:
             return None
         return PromptImages(tuple(spans), np.concatenate([self._encode(img) for img in images]))
 
+    def forget_images(self) -> None:
+        """Drops the tower's cached encodes: the next prompt's images are encoded again (a benchmark's repeats)."""
+        self._encoded.clear()
+
     def _encode(self, img: ImageInput) -> np.ndarray:
         # the tower's output by the image's pixel hash: a repeated image (a conversation's earlier turns, a cached
         # prompt) is not encoded again
