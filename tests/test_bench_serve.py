@@ -3,7 +3,6 @@ parser on canned streams, the percentiles, one streamed request against a canned
 server on the tiny model (and llama-server's, where a binary is found)."""
 from __future__ import annotations
 
-import http.client
 import http.server
 import json
 import random
@@ -114,11 +113,7 @@ def canned_server():
 
 
 def _request(port: int) -> dict:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        return run_request(conn, Request(0, " one two", 2, 4, True, 11), "k")
-    finally:
-        conn.close()
+    return run_request(port, Request(0, " one two", 2, 4, True, 11), "k")
 
 
 def test_run_request_reads_usage(canned_server):

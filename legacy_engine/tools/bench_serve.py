@@ -223,15 +223,18 @@ def _body(req: Request) -> bytes:
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
 
 
-def run_request(conn: http.client.HTTPConnection, req: Request, api_key: str) -> dict:
-    """Sends req on conn and reads its stream: a record with the times (seconds), the tokens and the usage, or
-    with "error" set. The connection stays usable unless "error" is set."""
+def run_request(port: int, req: Request, api_key: str) -> dict:
+    """Sends req to the server on this port (127.0.0.1) and reads its stream: a record with the times (seconds,
+    from before the connection is made), the tokens and the usage, or with "error" set. One connection per request:
+    llama-server's closes a kept-alive connection between streamed answers, and a new one on the loopback costs
+    well under a millisecond."""
     rec = dict(index=req.index, shared=req.shared, prompt_tokens_sent=req.prompt_tokens, max_tokens=req.max_tokens,
                error=None, ttft_s=None, e2e_s=None, itl_s=[], chunks=0, completion_tokens=None, prompt_tokens=None,
                cached_tokens=None, finish_reason=None, text="")
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
     t0 = time.perf_counter()
     rec["t_send"] = t0
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
     try:
         conn.request("POST", "/v1/completions", _body(req), headers)
         resp = conn.getresponse()
@@ -261,7 +264,7 @@ def run_request(conn: http.client.HTTPConnection, req: Request, api_key: str) ->
                 rec["completion_tokens"] = usage.get("completion_tokens")
                 rec["prompt_tokens"] = usage.get("prompt_tokens")
                 rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        resp.read()                                     # the rest of the body: the connection can be reused
+        resp.read()                                     # the rest of the body
         rec["e2e_s"] = time.perf_counter() - t0
         rec["t_last"] = last
         rec["text"] = "".join(pieces)
@@ -269,6 +272,8 @@ def run_request(conn: http.client.HTTPConnection, req: Request, api_key: str) ->
             rec["completion_tokens"], rec["tokens_from"] = rec["chunks"], "chunks"
     except (OSError, http.client.HTTPException, ValueError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
     return rec
 
 
@@ -280,20 +285,15 @@ def run_load(port: int, api_key: str, requests: list[Request], clients: int) -> 
     start = threading.Barrier(clients + 1)
 
     def client() -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
         start.wait()
         while True:
             with lock:
                 req = next(todo, None)
             if req is None:
                 break
-            rec = run_request(conn, req, api_key)
-            if rec["error"]:                            # a fresh connection for the next one
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+            rec = run_request(port, req, api_key)
             with lock:
                 records.append(rec)
-        conn.close()
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     for t in threads:
@@ -422,11 +422,7 @@ class ServerProcess:
 def _warm_up(port: int, api_key: str, words: list[str]) -> None:
     req = Request(-1, "".join(" " + w for w in words[-WARMUP["words"]:]), WARMUP["words"], WARMUP["max_tokens"],
                   False, 0)
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
-    try:
-        rec = run_request(conn, req, api_key)
-    finally:
-        conn.close()
+    rec = run_request(port, req, api_key)
     if rec["error"]:
         raise EngineError(f"the warm-up request failed: {rec['error']}")
 
