@@ -25,7 +25,7 @@ from .isa import (ISA_NAMES, dot_f32, exp_sub_sum_f32, f32_isa, gdn_step, gelu_t
 from .memory import (MPOL_NAMES, NUMA_MODES, AnonMemory, mem_advise, mem_alloc, mem_page_nodes,  # noqa: F401
                      mem_policy, mem_prefault, mem_set_numa, numa_cpus_of_node, numa_nodes, numa_set_library,
                      numa_spread_cpus, numa_thread_policy, numa_thread_policy_set)
-from .model import PROFILE_PHASES, NativeModel, NativeState, fault_bits, forward  # noqa: F401
+from .model import PROFILE_PHASES, NativeModel, NativeState, fault_bits, forward, forward_seqs  # noqa: F401
 from .quants import dequantize_row, quantize_row, type_traits  # noqa: F401
 from .schema import (HPARAM_FIELDS, MAX_LAYERS, hparams_struct, layer_kinds, schema_arch_names,  # noqa: F401
                      schema_dims, schema_rows)
