@@ -37,6 +37,7 @@ from fixtures.make_reference import tiny_gguf
 from legacy_engine.core import _native
 from legacy_engine.core.errors import ContextLengthError, NativeError
 from legacy_engine.cpu.model import Model
+from fixtures.isa import isa_forced
 
 pytestmark = pytest.mark.cpu
 
@@ -99,13 +100,8 @@ def models(tmp_path_factory):
 @pytest.fixture(params=_native.ISA_NAMES)
 def tier(request):
     """Each CPU tier forced in turn (integer and f32 kernels), the previous one restored after."""
-    isa = request.param
-    if not _native.isa_supported(isa):
-        pytest.skip(f"this CPU cannot run {isa} kernels (CPUID/XGETBV); run on a host that has it")
-    prev = _native.get_isa()
-    _native.set_isa(isa)
-    yield isa
-    _native.set_isa(prev)
+    with isa_forced(request.param) as isa:
+        yield isa
 
 
 @pytest.fixture(params=PATHS, ids=[f"{f}-{p}" for f, p in PATHS])
