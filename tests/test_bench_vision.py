@@ -62,7 +62,7 @@ def test_bench_vision_time_to_first_token(tiny_vision_gguf, tmp_path, capsys):
     assert [r["image"] for r in rows] == ["448x448", "224x160"]
     for r in rows:
         parts = r["preprocess_s"] + r["encode_s"] + r["prefill_s"]
-        assert 0 < r["ttft_min_s"] <= r["ttft_median_s"] and r["where"] == "the CPU"
+        assert 0 < r["ttft_min_s"] <= r["ttft_median_s"] and r["where"].startswith("the CPU")
         assert r["ttft_median_s"] == pytest.approx(parts, rel=0.5)     # medians of parts vs the median of sums
         assert r["prompt_tokens"] > r["image_tokens"] > 0
     assert "time to first token" in text

@@ -1108,7 +1108,7 @@ def test_sigterm_ends_streams_and_queued_requests_cleanly(model_path, tmp_path):
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-c", SERVE_MAIN, "serve", model_path, "--port", str(port),
-                             "--ctx", "2048", "--threads", "2", "--alias", "t", "--cache-ram", "0",
+                             "--ctx", "2048", "--threads", "2", "--alias", "t", "--cache-ram", "0", "--parallel", "1",
                              "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             encoding="utf-8", errors="replace")
     try:
@@ -1208,7 +1208,8 @@ def test_running_jobs_step_while_a_long_prompt_runs(server, client):
 # ------------------------------------------------------------------------------------------------ response_format
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+          "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 150},
                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
 
 
@@ -1247,6 +1248,7 @@ def test_short_request_starts_inside_a_long_prompt(server, client):
     and is answered before the long one (each chunk slowed to 0.25 s by the seam); with one slot it waits."""
     server.wait_idle()
     saved, started = server.worker.prefill, threading.Event()
+    floor = server.worker._seq
 
     def slow(session, ids_, cancel=None, **kw):
         def check():
@@ -1271,7 +1273,7 @@ def test_short_request_starts_inside_a_long_prompt(server, client):
         t.join(60)
     finally:
         server.worker.prefill = saved
-    if server.worker.parallel > 1:
-        assert done["short"] < done["long"], done
-    else:
-        assert done["long"] < done["short"], done
+    server.wait_idle()
+    ended = [seq for seq, *_ in server.worker.log if seq >= floor]     # in the order the jobs ended
+    assert sorted(ended) == [floor, floor + 1] and done.keys() == {"long", "short"}
+    assert ended == ([floor + 1, floor] if server.worker.parallel > 1 else [floor, floor + 1]), ended
