@@ -98,16 +98,15 @@ def test_llama_ttft_logits_beside_ours(tiny_vision_gguf):
     (Engine's prefill): both engines saw the same prompt and the same PNG (448x448: the same 196-token grid)."""
     pytest.importorskip("llama_cpp.mtmd_cpp", reason="llama-cpp-python without the mtmd bindings")
     from legacy_engine.serve.generate import Engine
-    from legacy_engine.tools.bench_vision import LlamaChat, QUESTION, llama_prompt, png_bytes, synthetic_rgb
+    from legacy_engine.tools.bench_vision import LlamaChat, image_question, llama_prompt, png_bytes, synthetic_rgb
     from tolerances import MTMD_TTFT_LOGITS_REL
 
     _, text_gguf, mmproj = tiny_vision_gguf("dense", "f16")
     png = png_bytes(synthetic_rgb(448, 448, 0))
     eng = Engine(str(text_gguf), n_threads=2, mmproj=str(mmproj), pin=False)
-    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
-    prompt, literal = eng.chat_text(msgs, enable_thinking=False)
+    prompt, ids = image_question(eng)
     imgs = eng.load_images([png])
-    full, spans = eng.expand_images(eng.tokenizer.encode_prompt(prompt, literal), imgs)
+    full, spans = eng.expand_images(ids, imgs)
     ours = np.asarray(eng.session().prefill(full, images=eng.encode_images(spans, imgs)), np.float64)
 
     m = LlamaChat(str(mmproj), str(text_gguf), 2)

@@ -116,29 +116,41 @@ def _ttft_row(image: str, prompt_tokens: int, image_tokens: int, phases: list[tu
                 prefill_s=statistics.median(p[2] for p in phases), first_token=first_token, **extra)
 
 
+def image_question(eng: Engine) -> tuple[str, list[int]]:
+    """(the rendered chat prompt of one image + QUESTION, its tokens with the one <|image_pad|>), as `run --image`
+    makes them."""
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    prompt, literal = eng.chat_text(msgs, enable_thinking=False)
+    return prompt, eng.tokenizer.encode_prompt(prompt, literal)
+
+
+def ttft_once(eng: Engine, ids: list[int], png: bytes) -> tuple[tuple[float, float, float], int, int, int]:
+    """One image question through eng from the PNG's bytes: ((preprocess, encode, prefill) s, prompt tokens, image
+    tokens, greedy first token). ids: the tokenized prompt with its one <|image_pad|>."""
+    eng.forget_images()
+    t0 = time.perf_counter()
+    imgs = eng.load_images([png])
+    full, spans = eng.expand_images(ids, imgs)
+    t1 = time.perf_counter()
+    pi = eng.encode_images(spans, imgs)
+    t2 = time.perf_counter()
+    first = int(np.argmax(eng.session().prefill(full, images=pi)))
+    return (t1 - t0, t2 - t1, time.perf_counter() - t2), len(full), imgs[0].n_tokens, first
+
+
 def bench_ttft(text_gguf: str, mmproj: str, threads: int, images: dict, reps: int, log,
                gpu_tier: str | None = None) -> tuple[list[dict], str]:
     """Time to the first token of an image question through Engine/Session as `run --image` does it: the PNG's
     bytes decoded and preprocessed, the tower's encode (its cache of encoded images emptied each time), the prompt's
     prefill, the greedy first token; with the split of the three. -> (rows, the rendered prompt text)."""
     eng = Engine(text_gguf, n_threads=threads, mmproj=mmproj, gpu=gpu_tier is not None, gpu_tier=gpu_tier, pin=False)
-    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
-    prompt, literal = eng.chat_text(msgs, enable_thinking=False)
-    ids = eng.tokenizer.encode_prompt(prompt, literal)
+    prompt, ids = image_question(eng)
     rows = []
     for (w, h), rgb in images.items():
-        png, phases = png_bytes(rgb), []
-        for _ in range(reps + 1):                   # the first run warms the scratch and the kernels: dropped
-            eng.forget_images()
-            t0 = time.perf_counter()
-            imgs = eng.load_images([png])
-            full, spans = eng.expand_images(ids, imgs)
-            t1 = time.perf_counter()
-            pi = eng.encode_images(spans, imgs)
-            t2 = time.perf_counter()
-            first = int(np.argmax(eng.session().prefill(full, images=pi)))
-            phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-        row = _ttft_row(f"{w}x{h}", len(full), imgs[0].n_tokens, phases[1:], first, where=eng.vision_where)
+        png = png_bytes(rgb)
+        runs = [ttft_once(eng, ids, png) for _ in range(reps + 1)]  # the first warms scratch and kernels: dropped
+        _, n_prompt, n_image, first = runs[-1]
+        row = _ttft_row(f"{w}x{h}", n_prompt, n_image, [r[0] for r in runs[1:]], first, where=eng.vision_where)
         log(f"  ttft {'gpu ' + gpu_tier if gpu_tier else 't' + str(threads)} {row['image']}: "
             f"{row['ttft_median_s']:.3f} s")
         rows.append(row)
@@ -352,6 +364,23 @@ class LlamaChat(LlamaMtmd):
                 raise RuntimeError(f"{what} (chunk {i} of {n}) returned {rc}")
         return enc, pre
 
+    def ttft_once(self, prompt: bytes, png: bytes) -> tuple[tuple[float, float, float], int, int, int]:
+        """The module's ttft_once through llama.cpp, from an empty memory: ((preprocess, encode, prefill) s, prompt
+        tokens, image tokens, greedy first token). prompt: llama_prompt's text."""
+        self.clear()
+        t0 = time.perf_counter()
+        chunks, bmp = self.tokenize(prompt, png)
+        pre = time.perf_counter() - t0
+        try:
+            enc, fill = self.eval(chunks)
+            t1 = time.perf_counter()
+            first = int(np.argmax(self.last_logits()))
+            fill += time.perf_counter() - t1
+            n_prompt, n_image = self.counts(chunks)
+        finally:
+            self.release(chunks, bmp)
+        return (pre, enc, fill), n_prompt, n_image, first
+
     def last_logits(self) -> np.ndarray:
         """float32 [n_vocab] (a copy): the logits of the last token evaluated."""
         ptr = self.lc.llama_get_logits_ith(self.lctx, -1)
@@ -375,37 +404,34 @@ def llama_prompt(prompt: str, marker: bytes) -> bytes:
     return prompt.replace(IMAGE_MARKUP, marker.decode()).encode()
 
 
-def bench_llama_ttft(mmproj: str, text_gguf: str, threads: int, images: dict, reps: int, prompt: str,
-                     log) -> list[dict]:
-    """bench_ttft's measurement through llama.cpp (the module docstring): the same prompt text and PNG bytes."""
+def open_llama_chat(mmproj: str, text_gguf: str, threads: int, prompt: str, pngs) -> tuple[LlamaChat, bytes]:
+    """(LlamaChat with a context for the longest of the prompts, llama_prompt(prompt)); close() it."""
     m = LlamaChat(mmproj, text_gguf, threads)
     try:
         text = llama_prompt(prompt, m.mt.mtmd_default_marker())
-        pngs = {size: png_bytes(rgb) for size, rgb in images.items()}
         longest = 0
-        for png in pngs.values():                 # the context's size: the longest prompt, tokenized untimed
+        for png in pngs:                          # the context's size: the longest prompt, tokenized untimed
             chunks, bmp = m.tokenize(text, png)
             longest = max(longest, m.counts(chunks)[0])
             m.release(chunks, bmp)
         m.open_context(longest)
+    except BaseException:
+        m.close()
+        raise
+    return m, text
+
+
+def bench_llama_ttft(mmproj: str, text_gguf: str, threads: int, images: dict, reps: int, prompt: str,
+                     log) -> list[dict]:
+    """bench_ttft's measurement through llama.cpp (the module docstring): the same prompt text and PNG bytes."""
+    pngs = {size: png_bytes(rgb) for size, rgb in images.items()}
+    m, text = open_llama_chat(mmproj, text_gguf, threads, prompt, pngs.values())
+    try:
         rows = []
         for (w, h), png in pngs.items():
-            phases = []
-            for _ in range(reps + 1):               # the first run warms the scratch and the threads: dropped
-                m.clear()
-                t0 = time.perf_counter()
-                chunks, bmp = m.tokenize(text, png)
-                pre = time.perf_counter() - t0
-                try:
-                    enc, fill = m.eval(chunks)
-                    t1 = time.perf_counter()
-                    first = int(np.argmax(m.last_logits()))
-                    fill += time.perf_counter() - t1
-                    n_prompt, n_image = m.counts(chunks)
-                finally:
-                    m.release(chunks, bmp)
-                phases.append((pre, enc, fill))
-            row = _ttft_row(f"{w}x{h}", n_prompt, n_image, phases[1:], first)
+            runs = [m.ttft_once(text, png) for _ in range(reps + 1)]     # the first warms scratch, threads: dropped
+            _, n_prompt, n_image, first = runs[-1]
+            row = _ttft_row(f"{w}x{h}", n_prompt, n_image, [r[0] for r in runs[1:]], first)
             log(f"  llama.cpp ttft t{threads} {row['image']}: {row['ttft_median_s']:.3f} s")
             rows.append(row)
         return rows
