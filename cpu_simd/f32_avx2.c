@@ -8,7 +8,8 @@
  * which is the reference's arithmetic reordered (one write pass instead of two). Columns
  * of S are independent, so the work goes in blocks of 32 columns (4 ymm): a block of a
  * 128 x 128 state is 16 KiB and stays in L1 between the two passes. dv not a multiple of
- * 8 goes to the reference. dot: 4 FMA accumulators of 8 lanes. gemm_tile: 3 x 4 register tiles (below).
+ * 8 goes to the reference. dot: 4 FMA accumulators of 8 lanes. gemm_tile: 3 x 4 register tiles, gemm_nn: 6 rows x
+ * 16 columns, exp_sub_sum and gelu_tanh: 8 lanes (below).
  * Oracle: native/f32_ref.c. Test: python -m pytest tests/test_f32_kernels.py -k avx2 */
 #pragma GCC target("avx2,fma")
 
@@ -99,3 +100,50 @@ static inline __m128 reduce4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
 #define GT_REDUCE4 reduce4_256
 #define GT_NAME le_gemm_tile_f32_avx2
 #include "gemm_tile_x86.h"
+
+/* ---- gemm_nn: C [M, N] = A [M, K] B [K, N]; the body is gemm_nn_x86.h: 6 rows x 2 ymm of B's columns (12
+ * accumulators, 2 B vectors and the broadcast of A: 15 of the 16 ymm). */
+#define GT_SET1(f) _mm256_set1_ps(f)
+#define GT_ADD(a, b) _mm256_add_ps(a, b)
+#define GT_STORE(p, v) _mm256_storeu_ps(p, v)
+#define GT_MASKSTORE(p, m, v) _mm256_maskstore_ps(p, m, v)
+#define GN_MR 6
+#define GN_NV 2
+#define GN_NAME le_gemm_nn_f32_avx2
+#include "gemm_nn_x86.h"
+
+/* ---- exp_sub_sum: the body is exp_sub_sum_x86.h; the exp is simd_x86.h's le_exp_ps_256. */
+static inline float hmax_256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+static inline double hsum_pd_256(__m256d v) {
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+#define ES_VEC __m256
+#define ES_LANES 8
+#define ES_SET1(f) _mm256_set1_ps(f)
+#define ES_LOAD(p) _mm256_loadu_ps(p)
+#define ES_STORE(p, v) _mm256_storeu_ps(p, v)
+#define ES_MUL(a, b) _mm256_mul_ps(a, b)
+#define ES_SUB(a, b) _mm256_sub_ps(a, b)
+#define ES_MAX(a, b) _mm256_max_ps(a, b)
+#define ES_HMAX(v) hmax_256(v)
+#define ES_EXP(v) le_exp_ps_256(v)
+#define ES_DVEC __m256d
+#define ES_DZERO() _mm256_setzero_pd()
+#define ES_DADD(d0, d1, v)                                                                                          \
+    (d0 = _mm256_add_pd(d0, _mm256_cvtps_pd(_mm256_castps256_ps128(v))),                                           \
+     d1 = _mm256_add_pd(d1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))))
+#define ES_DHSUM(d) hsum_pd_256(d)
+#define ES_NAME le_exp_sub_sum_f32_avx2
+#include "exp_sub_sum_x86.h"
+
+/* ---- gelu_tanh: the body is gelu_tanh_x86.h (the exp_sub_sum operations above). */
+#define ES_ADD(a, b) _mm256_add_ps(a, b)
+#define ES_DIV(a, b) _mm256_div_ps(a, b)
+#define GE_NAME le_gelu_tanh_f32_avx2
+#include "gelu_tanh_x86.h"

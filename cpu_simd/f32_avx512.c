@@ -8,13 +8,15 @@
  * which is the reference's arithmetic reordered (one write pass instead of two). Columns
  * of S are independent, so the work goes in blocks of 64 columns (4 zmm): a block of a
  * 128 x 128 state is 32 KiB and stays in L1 between the two passes. dv not a multiple of
- * 16 goes to the AVX2 kernel. dot: 4 FMA accumulators of 16 lanes. gemm_tile: 4 x 4 register tiles (below).
+ * 16 goes to the AVX2 kernel. dot: 4 FMA accumulators of 16 lanes. gemm_tile: 4 x 4 register tiles, gemm_nn: 6
+ * rows x 64 columns, exp_sub_sum and gelu_tanh: 16 lanes (below).
  * Oracle: native/f32_ref.c. Test: python -m pytest tests/test_f32_kernels.py -k avx512 */
 #pragma GCC target("avx512f,avx2,fma")
 
 #include <immintrin.h>
 
 #include "le_simd.h"
+#include "simd_x86.h"
 
 float le_dot_f32_avx512(const float *a, const float *b, int64_t n) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(),
@@ -101,3 +103,40 @@ static inline __m128 reduce4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
 #define GT_REDUCE4 reduce4_512
 #define GT_NAME le_gemm_tile_f32_avx512
 #include "gemm_tile_x86.h"
+
+/* ---- gemm_nn: C [M, N] = A [M, K] B [K, N]; the body is gemm_nn_x86.h: 6 rows x 4 zmm of B's columns (24
+ * accumulators and 4 B vectors; A's broadcast is the FMA's memory operand). */
+#define GT_SET1(f) _mm512_set1_ps(f)
+#define GT_ADD(a, b) _mm512_add_ps(a, b)
+#define GT_STORE(p, v) _mm512_storeu_ps(p, v)
+#define GT_MASKSTORE(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+#define GN_MR 6
+#define GN_NV 4
+#define GN_NAME le_gemm_nn_f32_avx512
+#include "gemm_nn_x86.h"
+
+/* ---- exp_sub_sum: the body is exp_sub_sum_x86.h; the exp is simd_x86.h's le_exp_ps_512. */
+#define ES_VEC __m512
+#define ES_LANES 16
+#define ES_SET1(f) _mm512_set1_ps(f)
+#define ES_LOAD(p) _mm512_loadu_ps(p)
+#define ES_STORE(p, v) _mm512_storeu_ps(p, v)
+#define ES_MUL(a, b) _mm512_mul_ps(a, b)
+#define ES_SUB(a, b) _mm512_sub_ps(a, b)
+#define ES_MAX(a, b) _mm512_max_ps(a, b)
+#define ES_HMAX(v) _mm512_reduce_max_ps(v)
+#define ES_EXP(v) le_exp_ps_512(v)
+#define ES_DVEC __m512d
+#define ES_DZERO() _mm512_setzero_pd()
+#define ES_DADD(d0, d1, v)                                                                                          \
+    (d0 = _mm512_add_pd(d0, _mm512_cvtps_pd(_mm512_castps512_ps256(v))),                                           \
+     d1 = _mm512_add_pd(d1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))))
+#define ES_DHSUM(d) _mm512_reduce_add_pd(d)
+#define ES_NAME le_exp_sub_sum_f32_avx512
+#include "exp_sub_sum_x86.h"
+
+/* ---- gelu_tanh: the body is gelu_tanh_x86.h (the exp_sub_sum operations above). */
+#define ES_ADD(a, b) _mm512_add_ps(a, b)
+#define ES_DIV(a, b) _mm512_div_ps(a, b)
+#define GE_NAME le_gelu_tanh_f32_avx512
+#include "gelu_tanh_x86.h"

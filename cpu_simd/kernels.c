@@ -6,6 +6,7 @@
 #include <stddef.h>
 
 #include "le_simd.h"
+#include "le_vision.h" /* le_gelu_tanh_ref */
 
 /* ggml's vec_dot_type pairs (spec §4): Q4_0/Q5_0/Q8_0/IQ4_NL/MXFP4 . Q8_0,
  * Q4_1/Q5_1 . Q8_1, the K-quants and IQ4_XS . Q8_K. */
@@ -55,7 +56,10 @@ const le_quantize_row_fn le_quantize_act_table[LE_ISA_COUNT][LE_TYPE_COUNT] = {
 /* f32 kernels of the decode step: SSSE3 uses the reference (compiled for the baseline,
  * SSE2), the AVX-512 VNNI tier the AVX-512F kernels. */
 const le_f32_kernels le_f32_table[LE_ISA_COUNT] = {
-    [LE_ISA_REF] = {le_gdn_step_ref, le_dot_f32_ref, le_gemm_tile_f32_ref},
-    [LE_ISA_AVX2] = {le_gdn_step_avx2, le_dot_f32_avx2, le_gemm_tile_f32_avx2},
-    [LE_ISA_AVX512VNNI] = {le_gdn_step_avx512, le_dot_f32_avx512, le_gemm_tile_f32_avx512},
+    [LE_ISA_REF] = {le_gdn_step_ref, le_dot_f32_ref, le_gemm_tile_f32_ref, le_gemm_nn_f32_ref,
+                    le_exp_sub_sum_f32_ref, le_gelu_tanh_ref},
+    [LE_ISA_AVX2] = {le_gdn_step_avx2, le_dot_f32_avx2, le_gemm_tile_f32_avx2, le_gemm_nn_f32_avx2,
+                     le_exp_sub_sum_f32_avx2, le_gelu_tanh_f32_avx2},
+    [LE_ISA_AVX512VNNI] = {le_gdn_step_avx512, le_dot_f32_avx512, le_gemm_tile_f32_avx512, le_gemm_nn_f32_avx512,
+                           le_exp_sub_sum_f32_avx512, le_gelu_tanh_f32_avx512},
 };

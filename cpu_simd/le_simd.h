@@ -64,24 +64,43 @@ void quantize_row_q8_0_avx2(const float *x, void *y, int64_t n);
 void quantize_row_q8_1_avx2(const float *x, void *y, int64_t n);
 void quantize_row_q8_K_avx2(const float *x, void *y, int64_t n);
 
-/* ---- f32 kernels of the decode step (native/f32_ref.c, cpu_simd/f32_<isa>.c) ----------
+/* ---- f32 kernels: the decode step's and the vision tower's (native/f32_ref.c, cpu_simd/f32_<isa>.c) ----------
  * gdn_step: one Gated DeltaNet v-head, one token; S [dk, dv] f32 updated in place:
  *   S <- decay S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q   (dv <= LE_GDN_MAX_DV)
  * dot: sum a[i] b[i] (the f32 matmul path: router, shared-expert gate, attention scores).
  * gemm_tile: C[i, j] = sum_k A[i, k] B[j, k] for i < M, j < N (C = A B^T, C overwritten): A [M, K] (activations,
  *   queries) and B [N, K] (weight rows, keys), both row-major with K contiguous, row strides lda / ldb / ldc in
  *   floats. Each C element's sum is in an order fixed by K alone (not by i, j, M or N), so how a product is cut
- *   into tiles never changes a bit. The vision tower's matmuls and attention scores. */
+ *   into tiles never changes a bit. (The vision tower's matmuls and attention ran on it until gemm_nn: outer products
+ *   need no horizontal sums, ~2x on the tower's shapes; benchmarks/results/vision_encode_cpu_2026-11-28.md.)
+ * gemm_nn: C[i, j] = sum_k A[i, k] B[k, j] (C = A B, overwritten): A [M, K] row-major K-contiguous, B [K, N]
+ *   row-major N-contiguous (keys transposed, values as they are). K goes in blocks of LE_GEMM_NN_KB: each block's
+ *   products summed in k order from 0, the block sums added to C in order; so again an element's bits depend on K
+ *   alone. The vision tower's matmuls (weights packed transposed, vision.c) and attention (QK^T, P V).
+ * exp_sub_sum: y[j] = exp(fl(x[j] scale) - fl(m scale)) with m = max_k x[k], for j < n (scale > 0: the softmax's
+ *   numerators of the scaled row, y may be x); returns sum_j y[j], summed in double. The reference calls expf; the
+ *   SIMD tiers a vector expf (simd_x86.h) within tests/tolerances.py's EXP_SUB_SUM_ULP of it.
+ * gelu_tanh: out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) for n floats (in place allowed): the vision
+ *   blocks' MLP activation. Reference le_gelu_tanh_ref (libm tanhf); the SIMD tiers the same function as
+ *   x / (1 + exp(-2u)) with the vector expf (cpu_simd/gelu_tanh_x86.h). */
 #define LE_GDN_MAX_DV 1024
+#define LE_GEMM_NN_KB 128 /* why: a B panel of 128 k x 64 columns (32 KiB: value rows, packed weights) stays in L1 */
 typedef void (*le_gdn_step_fn)(float *S, const float *q, const float *k, const float *v, float decay, float beta,
                                int dk, int dv, float *o);
 typedef float (*le_dot_f32_fn)(const float *a, const float *b, int64_t n);
 typedef void (*le_gemm_tile_f32_fn)(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
                                     int M, int N, int K);
+typedef void (*le_gemm_nn_f32_fn)(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
+                                  int M, int N, int K);
+typedef double (*le_exp_sub_sum_f32_fn)(const float *x, float *y, int64_t n, float scale);
+typedef void (*le_gelu_tanh_f32_fn)(const float *x, int64_t n, float *out);
 typedef struct {
     le_gdn_step_fn gdn_step;
     le_dot_f32_fn dot;
     le_gemm_tile_f32_fn gemm_tile;
+    le_gemm_nn_f32_fn gemm_nn;
+    le_exp_sub_sum_f32_fn exp_sub_sum;
+    le_gelu_tanh_f32_fn gelu_tanh;
 } le_f32_kernels;
 
 /* 8 independent partial sums in a fixed order (gcc vectorises it without -ffast-math). */
@@ -110,6 +129,16 @@ float le_dot_f32_avx512(const float *a, const float *b, int64_t n);
 LE_DECLARE_GEMM_TILE(ref)
 LE_DECLARE_GEMM_TILE(avx2)
 LE_DECLARE_GEMM_TILE(avx512)
+#define LE_DECLARE_SOFTMAX_KERNELS(isa)                                                                             \
+    void le_gemm_nn_f32_##isa(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,      \
+                              int M, int N, int K);                                                                 \
+    double le_exp_sub_sum_f32_##isa(const float *x, float *y, int64_t n, float scale);
+LE_DECLARE_SOFTMAX_KERNELS(ref)
+LE_DECLARE_SOFTMAX_KERNELS(avx2)
+LE_DECLARE_SOFTMAX_KERNELS(avx512)
+/* the reference is le_gelu_tanh_ref (native/gelu.c, le_vision.h) */
+void le_gelu_tanh_f32_avx2(const float *x, int64_t n, float *out);
+void le_gelu_tanh_f32_avx512(const float *x, int64_t n, float *out);
 
 /* [LE_ISA_*]; NULL members fall back to the next lower tier */
 extern const le_f32_kernels le_f32_table[LE_ISA_COUNT];

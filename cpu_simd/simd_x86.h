@@ -231,6 +231,64 @@ static inline __m512i le_group_scales_epi16(__m512i scales16, int base, int per)
 
 #endif /* AVX-512 VNNI */
 
+/* ---- expf on a vector (AVX2 + FMA, AVX-512F): the softmax's exp (le_simd.h exp_sub_sum) -----------------
+ * Cephes' expf: n = round(x log2 e), r = x - n ln2 (ln2 in two floats, each step one FMA: |r| <= ln2/2 with an
+ * error below an ulp of r), exp(r) = 1 + r + r^2 P(r) (P: Cephes' degree-5 minimax, relative error 1.5e-8 on that
+ * interval), times 2^n. The scaling underflows gradually like expf: a subnormal result is rounded once (AVX-512:
+ * vscalefps; AVX2: 2^n as two normal factors 2^(n/2), the first product exact). x is clamped to
+ * [LE_EXP_LO, LE_EXP_HI] first: exp(LE_EXP_LO) is below half the smallest subnormal, so everything from there
+ * down to -inf gives 0 exactly; exp(LE_EXP_HI) overflows to inf as expf does. NaN stays NaN (max/min return
+ * the second operand on NaN). Measured against glibc's expf over [-104, 0]: tests/test_f32_kernels.py. */
+#define LE_EXP_LO -104.0f
+#define LE_EXP_HI 89.0f
+#define LE_EXP_LOG2E 1.44269504088896341f
+#define LE_EXP_LN2_HI 0.693147182464599609375f  /* float(ln 2) */
+#define LE_EXP_LN2_LO -1.904654299957768e-09f   /* ln 2 - LE_EXP_LN2_HI */
+#define LE_EXP_P0 1.9875691500e-4f
+#define LE_EXP_P1 1.3981999507e-3f
+#define LE_EXP_P2 8.3334519073e-3f
+#define LE_EXP_P3 4.1665795894e-2f
+#define LE_EXP_P4 1.6666665459e-1f
+#define LE_EXP_P5 5.0000001201e-1f
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 le_exp_ps_256(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(LE_EXP_HI), _mm256_max_ps(_mm256_set1_ps(LE_EXP_LO), x));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LE_EXP_LOG2E)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LE_EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LE_EXP_LN2_LO), r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(LE_EXP_P0), r, _mm256_set1_ps(LE_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(LE_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(LE_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(LE_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(LE_EXP_P5));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    /* 2^n = 2^n1 2^n2, n1 = floor(n / 2): both in [-75, 65], normal floats */
+    __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+#endif
+
+#if defined(__AVX512F__)
+static inline __m512 le_exp_ps_512(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(LE_EXP_HI), _mm512_max_ps(_mm512_set1_ps(LE_EXP_LO), x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LE_EXP_LOG2E)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LE_EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LE_EXP_LN2_LO), r);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(LE_EXP_P0), r, _mm512_set1_ps(LE_EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(LE_EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(LE_EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(LE_EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(LE_EXP_P5));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
 /* ---- AVX2 and AVX-512 VNNI: one kernel body, the dot instruction chosen by the target ----
  * A quant family's AVX2 and AVX-512 VNNI kernels are one body (cpu_simd/vec_dot_<type>_x86.h)
  * compiled by two small files, vec_dot_<type>_avx2.c and vec_dot_<type>_avx512vnni.c, whose

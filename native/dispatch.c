@@ -308,3 +308,22 @@ int le_gemm_f32_k(const float *a, const float *b, int m, int n, int k, float *c)
     le_get_f32_kernels()->gemm_tile(a, k, b, k, c, n, m, n, k);
     return LE_OK;
 }
+
+int le_gemm_nn_f32_k(const float *a, const float *b, int m, int n, int k, float *c) {
+    if (!a || !b || !c || m < 0 || n < 0 || k < 0) return LE_FAIL(LE_ERR_INVALID_ARG, "le_gemm_nn_f32_k: bad argument");
+    le_get_f32_kernels()->gemm_nn(a, k, b, n, c, n, m, n, k);
+    return LE_OK;
+}
+
+int le_exp_sub_sum_f32_k(const float *x, float *y, int64_t n, float scale, double *sum) {
+    if (!x || !y || !sum || n < 0 || !(scale > 0.0f))
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_exp_sub_sum_f32_k: bad argument (scale %g)", scale);
+    *sum = le_get_f32_kernels()->exp_sub_sum(x, y, n, scale);
+    return LE_OK;
+}
+
+int le_gelu_tanh_f32_k(const float *x, int64_t n, float *out) {
+    if (!x || !out || n < 0) return LE_FAIL(LE_ERR_INVALID_ARG, "le_gelu_tanh_f32_k: bad argument");
+    le_get_f32_kernels()->gelu_tanh(x, n, out);
+    return LE_OK;
+}

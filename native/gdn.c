@@ -11,7 +11,10 @@
  * token by token) and the chunked form (prefill, chunks of 64 tokens: the intra-chunk
  * interactions solved as a unit-lower-triangular system, one state update per chunk;
  * transformers' torch_chunk_gated_delta_rule, llama.cpp's build_delta_net_chunking).
- * Test: tests/test_model.py (against transformers and llama.cpp). */
+ * A pass may hold several sequences (le_seqs): the projections run over all their rows at once, the conv and the
+ * recurrence per sequence in its own state (items (sequence, channel group) and (sequence, v-head)), chunks counted
+ * from each sequence's first row. Test: tests/test_model.py (against transformers and llama.cpp),
+ * tests/test_batch_decode.py (several sequences = each alone, bit for bit). */
 #include <math.h>
 #include <string.h>
 
@@ -24,16 +27,17 @@
 
 typedef struct {
     const le_model *m;
+    const le_seqs *sq;
+    int gi;             /* the layer's index among the GDN layers: each state's ssm of this layer */
     const float *u;     /* [n, conv_dim]: q | k | v after conv + SiLU + l2norm + q scale */
     const float *beta;  /* [n, H_v] */
     const float *g;     /* [n, H_v] log decay (<= 0) */
-    float *ssm;         /* [H_v, d_k, d_v] */
     float *o;           /* [n, d_inner] */
     const float *z;     /* [n, d_inner] output gate (pre-SiLU) */
     const float *norm_w; /* [d_v] ssm_norm */
     float *chunk;       /* chunked form: [n_threads][chunk_floats] each thread's scratch */
     int64_t chunk_floats;
-    int n, chunked;
+    int chunked;
 } gdn_job;
 
 /* Floats of one thread's scratch for the chunked form: G [C], A [C, C], U [C, dv], W [C, dk], Vp [C, dv], tmp [dv] */
@@ -46,40 +50,40 @@ static int k_head_of(const le_hparams *hp, int j) {
     return hp->gdn_tiled ? j % hp->ssm_n_group : j / (hp->ssm_dt_rank / hp->ssm_n_group);
 }
 
-/* The recurrent step of v-head j for token t: the selected tier's gdn_step kernel (native/f32_ref.c is
- * its reference). */
-static void gdn_step_token(const gdn_job *jb, int j, int t, le_gdn_step_fn step) {
+/* The recurrent step of v-head j (state S [d_k, d_v]) for the token of row t: the selected tier's gdn_step kernel
+ * (native/f32_ref.c is its reference). */
+static void gdn_step_token(const gdn_job *jb, float *S, int j, int t, le_gdn_step_fn step) {
     const le_hparams *hp = &jb->m->hp;
     int dk = hp->ssm_d_state, dv = hp->ssm_d_inner / hp->ssm_dt_rank, Hv = hp->ssm_dt_rank, Hk = hp->ssm_n_group;
     int kh = k_head_of(hp, j);
     const float *row = jb->u + (int64_t)t * (2 * Hk * dk + hp->ssm_d_inner);
-    step(jb->ssm + (int64_t)j * dk * dv, row + kh * dk, row + Hk * dk + kh * dk, row + 2 * Hk * dk + j * dv,
+    step(S, row + kh * dk, row + Hk * dk + kh * dk, row + 2 * Hk * dk + j * dv,
          expf(jb->g[(int64_t)t * Hv + j]), jb->beta[(int64_t)t * Hv + j], dk, dv,
          jb->o + (int64_t)t * hp->ssm_d_inner + j * dv);
 }
 
-/* The recurrent step for tokens [0, n) of v-head j. */
-static void gdn_recurrent_head(const gdn_job *jb, int j) {
+/* The recurrent step for rows [r0, r0 + n) of v-head j (one sequence's, state S). */
+static void gdn_recurrent_head(const gdn_job *jb, float *S, int j, int r0, int n) {
     le_gdn_step_fn step = le_get_f32_kernels()->gdn_step;
-    for (int t = 0; t < jb->n; t++) gdn_step_token(jb, j, t, step);
+    for (int t = r0; t < r0 + n; t++) gdn_step_token(jb, S, j, t, step);
 }
 
-/* The chunked form for tokens [0, n) of v-head j (spec §2.3, chunk C = 64); scratch: the thread's chunk slice. */
-static void gdn_chunked_head(const gdn_job *jb, int j, float *scratch) {
+/* The chunked form for rows [r0, r0 + n) of v-head j (one sequence's, state S; spec §2.3, chunk C = 64, chunks
+ * counted from r0); scratch: the thread's chunk slice. */
+static void gdn_chunked_head(const gdn_job *jb, float *S, int j, int r0, int n, float *scratch) {
     const le_hparams *hp = &jb->m->hp;
     int dk = hp->ssm_d_state, dv = hp->ssm_d_inner / hp->ssm_dt_rank, Hv = hp->ssm_dt_rank;
     int kh = k_head_of(hp, j);
     int conv_dim = 2 * hp->ssm_n_group * dk + hp->ssm_d_inner;
     int C = GDN_CHUNK;
-    float *S = jb->ssm + (int64_t)j * dk * dv;
     float *G = scratch, *A = G + C, *U = A + C * C, *W = U + C * dv, *Vp = W + C * dk, *tmp = Vp + C * dv;
 
     le_gdn_step_fn step = le_get_f32_kernels()->gdn_step;
-    for (int c0 = 0; c0 < jb->n; c0 += C) {
-        int L = jb->n - c0 < C ? jb->n - c0 : C;
+    for (int c0 = r0; c0 < r0 + n; c0 += C) { /* c0: the chunk's first row */
+        int L = r0 + n - c0 < C ? r0 + n - c0 : C;
         if (L == 1) { /* a chunk of one token is the recurrent step: so a one-token call (decode) and
                        * the last chunk of a longer call that ends on the same token agree bit for bit */
-            gdn_step_token(jb, j, c0, step);
+            gdn_step_token(jb, S, j, c0, step);
             continue;
         }
 #define Q_(i) (jb->u + (int64_t)(c0 + (i)) * conv_dim + kh * dk)
@@ -158,19 +162,23 @@ static void gdn_chunked_head(const gdn_job *jb, int j, float *scratch) {
     }
 }
 
-/* The heads job: the recurrence of v-head j (recurrent or chunked form) over all tokens,
- * then its gated RMSNorm: o = RMSNorm(o) * ssm_norm * SiLU(z). */
-static void gdn_heads(void *ctx, int64_t h0, int64_t h1, int thread) {
+/* The heads job, one item per (sequence, v-head): the recurrence of v-head j over the sequence's rows (recurrent
+ * or chunked form) in its state, then its gated RMSNorm: o = RMSNorm(o) * ssm_norm * SiLU(z). */
+static void gdn_heads(void *ctx, int64_t i0, int64_t i1, int thread) {
     gdn_job *jb = ctx;
     const le_hparams *hp = &jb->m->hp;
-    int dv = hp->ssm_d_inner / hp->ssm_dt_rank;
-    for (int64_t j = h0; j < h1; j++) {
-        if (jb->chunked) {
-            gdn_chunked_head(jb, (int)j, jb->chunk + (int64_t)thread * jb->chunk_floats);
+    int Hv = hp->ssm_dt_rank, dv = hp->ssm_d_inner / Hv, dk = hp->ssm_d_state;
+    for (int64_t item = i0; item < i1; item++) {
+        int s = (int)(item / Hv), j = (int)(item % Hv);
+        const le_state *st = jb->sq->st[s];
+        int r0 = jb->sq->row0[s], n = jb->sq->row0[s + 1] - r0;
+        float *S = st->ssm + jb->gi * st->ssm_floats + (int64_t)j * dk * dv; /* [d_k, d_v] */
+        if (jb->chunked && n > 1) { /* one token: the recurrent step */
+            gdn_chunked_head(jb, S, j, r0, n, jb->chunk + (int64_t)thread * jb->chunk_floats);
         } else {
-            gdn_recurrent_head(jb, (int)j);
+            gdn_recurrent_head(jb, S, j, r0, n);
         }
-        for (int t = 0; t < jb->n; t++) {
+        for (int t = r0; t < r0 + n; t++) {
             float *oh = jb->o + (size_t)t * hp->ssm_d_inner + j * dv;
             const float *zh = jb->z + (size_t)t * hp->ssm_d_inner + j * dv;
             le_rmsnorm(oh, jb->norm_w, dv, hp->rms_eps, oh);
@@ -179,48 +187,62 @@ static void gdn_heads(void *ctx, int64_t h0, int64_t h1, int thread) {
     }
 }
 
-/* The prep job, one item per channel group: the q head and k head groups (d_k channels each)
- * and the v head groups (d_v channels, plus that head's beta and g):
+/* The prep job, one item per (sequence, channel group): the q head and k head groups (d_k channels each)
+ * and the v head groups (d_v channels, plus that head's beta and g). A sequence of n tokens convolves its
+ * input rows xin = its K-1 conv state rows, then its n qkv rows (read where they lie: no copy):
  *   u[t, c] = SiLU(sum_k w[c, k] xin[t + k, c])   (tap K-1 is the current token)
- *   q, k groups: l2norm; q also * 1/sqrt(d_k);  new conv state: the last K-1 raw inputs */
+ *   q, k groups: l2norm; q also * 1/sqrt(d_k);  new conv state: the last K-1 rows of xin */
 typedef struct {
     const le_model *m;
-    const float *xin;    /* [(K-1) + n, conv_dim]: the conv state rows, then this batch's qkv */
+    const le_seqs *sq;
+    int gi;              /* the layer's index among the GDN layers: each state's conv of this layer */
+    const float *qkv;    /* [n, conv_dim]: the pass's raw projections */
     const float *cw;     /* [conv_dim, K] */
-    float *u, *conv;     /* [n, conv_dim]; [K-1, conv_dim] */
+    float *u;            /* [n, conv_dim] */
     float *b, *a;        /* [n, H_v]: in: projections; out: beta, g */
     const float *dt, *A; /* [H_v] */
-    int n;
 } prep_job;
 
-static void gdn_prep(void *ctx, int64_t g0, int64_t g1, int thread) {
+/* Row i of a sequence's conv input xin: its conv state row i, then its qkv rows (row r0 is xin row K-1). */
+static const float *xin_row(const float *conv, const float *qkv, int K, int conv_dim, int r0, int i) {
+    return i < K - 1 ? conv + (size_t)i * conv_dim : qkv + (size_t)(r0 + i - (K - 1)) * conv_dim;
+}
+
+static void gdn_prep(void *ctx, int64_t i0, int64_t i1, int thread) {
     prep_job *jb = ctx;
     const le_hparams *hp = &jb->m->hp;
     int Hk = hp->ssm_n_group, Hv = hp->ssm_dt_rank, dk = hp->ssm_d_state, dv = hp->ssm_d_inner / Hv;
-    int K = hp->ssm_conv_kernel, conv_dim = 2 * Hk * dk + hp->ssm_d_inner;
+    int K = hp->ssm_conv_kernel, conv_dim = 2 * Hk * dk + hp->ssm_d_inner, n_groups = 2 * Hk + Hv;
     float qscale = 1.0f / sqrtf((float)dk);
-    for (int64_t gi = g0; gi < g1; gi++) {
-        int v_head = gi >= 2 * Hk ? (int)gi - 2 * Hk : -1;
-        int c0 = v_head < 0 ? (int)gi * dk : 2 * Hk * dk + v_head * dv, width = v_head < 0 ? dk : dv;
-        for (int t = 0; t < jb->n; t++) {
+    for (int64_t item = i0; item < i1; item++) {
+        int s = (int)(item / n_groups), gi = (int)(item % n_groups);
+        const le_state *st = jb->sq->st[s];
+        float *conv = st->conv + jb->gi * st->conv_floats; /* [K-1, conv_dim] */
+        int r0 = jb->sq->row0[s], n = jb->sq->row0[s + 1] - r0;
+        int v_head = gi >= 2 * Hk ? gi - 2 * Hk : -1;
+        int c0 = v_head < 0 ? gi * dk : 2 * Hk * dk + v_head * dv, width = v_head < 0 ? dk : dv;
+        for (int t = r0; t < r0 + n; t++) {
             float *ut = jb->u + (size_t)t * conv_dim;
             for (int c = c0; c < c0 + width; c++) {
-                float s = 0.0f;
-                for (int k = 0; k < K; k++) s += jb->cw[c * K + k] * jb->xin[(size_t)(t + k) * conv_dim + c];
-                ut[c] = le_silu(s);
+                float sum = 0.0f;
+                for (int k = 0; k < K; k++)
+                    sum += jb->cw[c * K + k] * xin_row(conv, jb->qkv, K, conv_dim, r0, t - r0 + k)[c];
+                ut[c] = le_silu(sum);
             }
             if (v_head < 0) {
                 le_l2norm(ut + c0, dk, L2NORM_EPS);
                 if (gi < Hk)
                     for (int c = c0; c < c0 + dk; c++) ut[c] *= qscale;
             } else { /* beta = sigmoid(b);  g = softplus(a + dt_bias) * ssm_a  (ssm_a = -exp(A_log) < 0) */
-                float *b = jb->b + t * Hv + v_head, *a = jb->a + t * Hv + v_head;
+                float *b = jb->b + (size_t)t * Hv + v_head, *a = jb->a + (size_t)t * Hv + v_head;
                 *b = le_sigmoid(*b);
                 *a = le_softplus(*a + jb->dt[v_head]) * jb->A[v_head];
             }
         }
+        /* new conv state row k = xin row n + k, in place: ascending k reads a state row (n + k > k) before
+         * it is overwritten */
         for (int k = 0; k < K - 1; k++)
-            memcpy(jb->conv + (size_t)k * conv_dim + c0, jb->xin + (size_t)(jb->n + k) * conv_dim + c0,
+            memcpy(conv + (size_t)k * conv_dim + c0, xin_row(conv, jb->qkv, K, conv_dim, r0, n + k) + c0,
                    (size_t)width * sizeof(float));
     }
 }
@@ -235,11 +257,10 @@ static void proj_mm(const le_weight *w, const float *x, int n, float *qkv, float
     proj[3] = (le_mm){&w[LE_W_SSM_ALPHA], 0, x, n, E, a, w[LE_W_SSM_ALPHA].ne1, NULL};
 }
 
-/* The layer's own scratch: xin [(K-1)+n, conv_dim], u [n, conv_dim], z [n, dinner], b, a [n, Hv], o [n, dinner] */
+/* The layer's own scratch: qkv [n, conv_dim], u [n, conv_dim], z [n, dinner], b, a [n, Hv], o [n, dinner] */
 static size_t own_floats(const le_hparams *hp, int n) {
     size_t conv_dim = 2 * (size_t)hp->ssm_n_group * hp->ssm_d_state + hp->ssm_d_inner;
-    return (size_t)(hp->ssm_conv_kernel - 1 + n) * conv_dim + (size_t)n * conv_dim + 2 * (size_t)n * hp->ssm_d_inner +
-           2 * (size_t)n * hp->ssm_dt_rank;
+    return 2 * (size_t)n * conv_dim + 2 * (size_t)n * hp->ssm_d_inner + 2 * (size_t)n * hp->ssm_dt_rank;
 }
 
 size_t le_gdn_plan(const le_model *m, const le_weight *w, int n) {
@@ -250,49 +271,49 @@ size_t le_gdn_plan(const le_model *m, const le_weight *w, int n) {
     proj_mm(w, x_id, n, NULL, NULL, NULL, NULL, proj);
     le_mm out = {&w[LE_W_SSM_OUT], 0, x_id + 1, n, hp->ssm_d_inner, NULL, hp->n_embd, NULL};
     size_t in = le_matmul_batch_plan(T, m->int8, proj, 4), outp = le_matmul_batch_plan(T, m->int8, &out, 1);
-    size_t chunk = n > 1 ? (size_t)T * (size_t)chunk_floats(hp) * sizeof(float) : 0; /* taken whenever n > 1 */
+    size_t chunk = n > 1 ? (size_t)T * (size_t)chunk_floats(hp) * sizeof(float) : 0; /* taken when a sequence has > 1 */
     size_t most = in > outp ? in : outp;
     return le_align64(own_floats(hp, n) * sizeof(float)) + (chunk > most ? chunk : most);
 }
 
-int le_gdn_layer(const le_model *m, le_arena *ar, const le_weight *w, const float *x, int n, float *conv,
-                 float *ssm, int chunked, float *out) {
+int le_gdn_layer(const le_model *m, le_arena *ar, const le_weight *w, const float *x, const le_seqs *sq, int gi,
+                 int chunked, float *out) {
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd, Hk = hp->ssm_n_group, Hv = hp->ssm_dt_rank, dk = hp->ssm_d_state;
-    int dinner = hp->ssm_d_inner, dv = dinner / Hv, K = hp->ssm_conv_kernel;
-    int conv_dim = 2 * Hk * dk + dinner;
+    int dinner = hp->ssm_d_inner, dv = dinner / Hv;
+    int conv_dim = 2 * Hk * dk + dinner, n = sq->row0[sq->n_seq];
     if (dv > LE_GDN_MAX_DV) return LE_FAIL(LE_ERR_UNSUPPORTED, "value head size %d > %d", dv, LE_GDN_MAX_DV);
     int rc = LE_OK;
     size_t mark = ar->used;
     int T = le_pool_threads(m->pool);
     float *buf = le_arena_take(ar, own_floats(hp, n) * sizeof(float));
     if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "gdn scratch for %d tokens: beyond the plan", n);
-    float *xin = buf, *u = xin + (size_t)(K - 1 + n) * conv_dim, *z = u + (size_t)n * conv_dim;
+    float *qkv = buf, *u = qkv + (size_t)n * conv_dim, *z = u + (size_t)n * conv_dim;
     float *b = z + (size_t)n * dinner, *a = b + (size_t)n * Hv, *o = a + (size_t)n * Hv;
 
-    /* projections (one parallel job); qkv lands after the K-1 rows of conv state */
-    memcpy(xin, conv, (size_t)(K - 1) * conv_dim * sizeof(float));
-    float *qkv = xin + (size_t)(K - 1) * conv_dim;
+    /* projections of every row of the pass (one parallel job: each weight row read once for all sequences) */
     double tp = le_prof_start(m);
     le_mm proj[4];
     proj_mm(w, x, n, qkv, z, b, a, proj);
     if ((rc = le_matmul_batch(m->pool, ar, m->int8, proj, 4))) goto done;
     le_prof(m, &tp, LE_PROF_GDN_PROJ);
 
-    /* conv + SiLU + l2norm per channel group, beta and g; then the heads */
-    int n_groups = 2 * Hk + Hv;
-    prep_job pj = {m, xin, (const float *)w[LE_W_SSM_CONV].data, u, conv, b, a,
-                   (const float *)w[LE_W_SSM_DT].data, (const float *)w[LE_W_SSM_A].data, n};
-    le_parallel_for(m->pool, n_groups, n_groups / (2 * T) + 1, gdn_prep, &pj);
-    gdn_job jb = {m, u, b, a, ssm, o, z, (const float *)w[LE_W_SSM_NORM].data, NULL, chunk_floats(hp), n,
-                  chunked && n > 1};
+    /* conv + SiLU + l2norm per (sequence, channel group), beta and g; then the heads per (sequence, v-head) */
+    int64_t n_prep = (int64_t)sq->n_seq * (2 * Hk + Hv), n_heads = (int64_t)sq->n_seq * Hv;
+    prep_job pj = {m, sq, gi, qkv, (const float *)w[LE_W_SSM_CONV].data, u, b, a,
+                   (const float *)w[LE_W_SSM_DT].data, (const float *)w[LE_W_SSM_A].data};
+    le_parallel_for(m->pool, n_prep, n_prep / (2 * T) + 1, gdn_prep, &pj);
+    int any_long = 0; /* a sequence of more than one token: the chunked form needs its scratch */
+    for (int s = 0; s < sq->n_seq; s++) any_long |= sq->row0[s + 1] - sq->row0[s] > 1;
+    gdn_job jb = {m, sq, gi, u, b, a, o, z, (const float *)w[LE_W_SSM_NORM].data, NULL, chunk_floats(hp),
+                  chunked != 0};
     size_t core = ar->used;
-    /* each thread's chunk scratch (one token: the recurrent step, none) */
-    if (jb.chunked && !(jb.chunk = le_arena_take(ar, (size_t)T * (size_t)jb.chunk_floats * sizeof(float)))) {
+    if (jb.chunked && any_long &&
+        !(jb.chunk = le_arena_take(ar, (size_t)T * (size_t)jb.chunk_floats * sizeof(float)))) {
         rc = LE_FAIL(LE_ERR_NO_MEMORY, "gdn chunk scratch: beyond the plan");
         goto done;
     }
-    le_parallel_for(m->pool, Hv, Hv / (2 * T) + 1, gdn_heads, &jb);
+    le_parallel_for(m->pool, n_heads, n_heads / (2 * T) + 1, gdn_heads, &jb);
     ar->used = core;
     le_prof(m, &tp, LE_PROF_GDN_CORE);
     rc = le_matmul(m->pool, ar, m->int8, &w[LE_W_SSM_OUT], 0, o, n, dinner, out, E);

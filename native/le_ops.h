@@ -70,6 +70,7 @@ struct le_model {
     int profile;                   /* 1: accumulate phase times into prof */
     double *prof;                  /* [LE_PROF_COUNT] seconds */
     le_arena scratch;              /* le_moe_routed's (the forward pass uses its state's) */
+    le_arena batch;                /* le_forward_seqs': several states, so none of theirs */
 };
 
 /* Profiling marks: t holds the time of the previous mark; the span since goes to `phase`. */
@@ -92,6 +93,16 @@ struct le_state {
     float *k, *v;  /* [n_attn][n_ctx][n_head_kv * head_dim] */
     le_arena scratch; /* le_forward's: grown to le_forward_plan of the longest pass so far */
 };
+
+/* The sequences of a pass (le_forward_seqs; le_forward: one). Sequence s owns the contiguous rows
+ * row0[s] .. row0[s+1]-1 of the pass's activations: its tokens at positions st[s]->pos onward, in its own state
+ * (conv + SSM states, KV cache). The mixers run each sequence's recurrence and attention in its state; every other
+ * op is per row, so a row's result does not depend on the other rows of the pass. */
+typedef struct {
+    int n_seq;
+    le_state *const *st; /* [n_seq], distinct */
+    const int *row0;     /* [n_seq + 1]; row0[n_seq] = the pass's rows */
+} le_seqs;
 
 /* ---- matmul.c ---------------------------------------------------------------------
  * y[t, o] = sum_i W_e[o, i] * x[t, i] for t < n_tok, o < W.ne1.
@@ -160,21 +171,22 @@ void le_rope_neox(float *x, int n_heads, int head_stride, int n_rot, const int s
                   const int32_t pos[3], int faults);
 
 /* ---- gdn.c -------------------------------------------------------------------------
- * The Gated DeltaNet mixer of one layer for n tokens. x: [n, n_embd] normalised input;
- * out: [n, n_embd]; conv: [K-1, conv_dim], ssm: [H_v, d_k, d_v] updated in place. */
-int le_gdn_layer(const le_model *m, le_arena *a, const le_weight *w, const float *x, int n, float *conv,
-                 float *ssm, int chunked, float *out);
+ * The Gated DeltaNet mixer of one layer (GDN layer gi among the model's) for the rows of sq. x: [n, n_embd]
+ * normalised input; out: [n, n_embd]; each sequence's conv [K-1, conv_dim] and ssm [H_v, d_k, d_v] of layer gi
+ * updated in place. chunked: the chunked form for each sequence of more than one token. */
+int le_gdn_layer(const le_model *m, le_arena *a, const le_weight *w, const float *x, const le_seqs *sq, int gi,
+                 int chunked, float *out);
 /* Scratch bytes le_gdn_layer takes for n tokens (either form). */
 size_t le_gdn_plan(const le_model *m, const le_weight *w, int n);
 
 /* ---- attention.c -------------------------------------------------------------------
- * The gated attention mixer for n tokens at sequence positions pos..pos+n-1, rotated at rope
- * positions rope_pos [n][3] (t, h, w). kc, vc: [n_ctx, n_head_kv * head_dim] caches, written at
- * the sequence positions. */
-int le_attention_layer(const le_model *m, le_arena *a, const le_weight *w, const float *x, int n, int pos,
-                       const int32_t *rope_pos, float *kc, float *vc, float *out);
-/* Scratch bytes le_attention_layer takes for n tokens in a context of n_ctx (scores: n_ctx per thread, so that a
- * decode step's need does not grow with its position). */
+ * The gated attention mixer (attention layer ai among the model's) for the rows of sq: sequence s's rows at its
+ * positions st[s]->pos onward, rotated at rope positions rope_pos [n][3] (t, h, w), reading and writing its
+ * caches of layer ai ([n_ctx, n_head_kv * head_dim] K and V) at those positions. x, out: [n, n_embd]. */
+int le_attention_layer(const le_model *m, le_arena *a, const le_weight *w, const float *x, const le_seqs *sq,
+                       int ai, const int32_t *rope_pos, float *out);
+/* Scratch bytes le_attention_layer takes for n rows in contexts of at most n_ctx (scores: n_ctx per thread, so that
+ * a decode step's need does not grow with its position). */
 size_t le_attention_plan(const le_model *m, const le_weight *w, int n, int n_ctx);
 
 /* ---- moe.c / ffn -------------------------------------------------------------------
@@ -185,8 +197,9 @@ size_t le_ffn_plan(const le_model *m, const le_weight *w, int n);
 size_t le_moe_routed_plan(const le_model *m, const le_weight *w);
 
 /* ---- model.c -----------------------------------------------------------------------
- * Scratch bytes le_forward takes for a pass of n tokens on a state of n_ctx positions: the activations x, h, y
- * then the largest of any layer's mixer and FFN and the LM head (each gives its scratch back before the next). */
+ * Scratch bytes a pass of n rows takes on states of at most n_ctx positions (le_forward: one state; le_forward_seqs:
+ * up to n): the activations x, h, y, the rows' rope positions and sequence table, then the largest of any layer's
+ * mixer and FFN and the LM head (each gives its scratch back before the next). */
 size_t le_forward_plan(const le_model *m, int n, int n_ctx);
 
 #endif

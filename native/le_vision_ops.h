@@ -29,10 +29,11 @@ void le_rope2d_row_ref(float *x, int n_head, int head_dim, const float *cos_r, c
 
 /* ---- attention_bidir.c ---------------------------------------------------------------
  * qkv [n, 3 H] (H = n_head * head_dim; q | k | v head-major), out [n, H]; every row attends to every row of its
- * segment of seg_len rows (a frame). scores: [n_threads][le_floats64(seg_len)] per-thread softmax rows. */
+ * segment of seg_len rows (a frame). scores: [n_threads][le_attention_bidir_row_floats(seg_len, head_dim)] per-thread
+ * scratch (a tile's scores, the packed keys and values). */
 void le_attention_bidir(le_pool *pool, const float *qkv, int64_t n, int64_t seg_len, int n_head, int head_dim,
                         float *scores, float *out);
-/* Floats of one thread's softmax row for segments of seg_len. */
+/* Floats of one thread's scratch for segments of seg_len. */
 int64_t le_attention_bidir_row_floats(int64_t seg_len, int head_dim);
 
 /* ---- pos_embed.c ---------------------------------------------------------------------

@@ -4,7 +4,19 @@
  *   per layer:  x += Mixer(RMSNorm(x) * attn_norm)               GDN or gated attention
  *               x += FFN(RMSNorm(x) * post_attention_norm)       dense SwiGLU or MoE
  *   logits = W_out (RMSNorm(x) * output_norm)                    W_out = token_embd when tied
- * GGUF norm weights already hold (1 + w). Test: tests/test_model.py. */
+ * GGUF norm weights already hold (1 + w).
+ *
+ * A pass runs the rows of one or several sequences (le_forward: one; le_forward_seqs: several, each in its own state,
+ * rows concatenated: le_seqs), one layer loop for both. Each weight row is read once for all rows of the pass, and
+ * a sequence's results are bit for bit those of its tokens run alone, because nothing mixes rows but the mixers,
+ * which keep sequences apart:
+ *   - RMSNorm, residuals, RoPE: per row.  Matmuls (matmul.c): each activation row is quantised on its own, each
+ *     output element is one vec_dot (or f32 dot) of one weight row and one activation row, whatever the other rows.
+ *   - MoE (moe.c): routing per token; a token's output sums its own experts in ascending expert order.
+ *   - GDN (gdn.c): conv and recurrence per (sequence, channel group / v-head) in the sequence's conv and SSM state;
+ *     the chunked form counts its 64-token chunks from the sequence's first row, as a pass of that sequence does.
+ *   - attention (attention.c): a row's keys are its own sequence's cache, positions 0 .. its own.
+ * Test: tests/test_model.py, tests/test_batch_decode.py (batched vs alone, bit for bit, every path and tier). */
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -50,6 +62,7 @@ void le_model_free(le_model *m) {
     if (!m) return;
     le_pool_free(m->pool);
     le_arena_free(&m->scratch);
+    le_arena_free(&m->batch);
     free(m->layer);
     free(m->state_index);
     free(m->prof);
@@ -134,6 +147,9 @@ int le_model_finalize(le_model *m) {
     return LE_OK;
 }
 
+/* Ints of a pass's row tables: rope_pos [n][3], then row0 [n_seq + 1] (n_seq <= n). */
+static size_t rows_ints(int n) { return 4 * (size_t)n + 1; }
+
 size_t le_forward_plan(const le_model *m, int n, int n_ctx) {
     const le_hparams *hp = &m->hp;
     /* the LM head's batch (all_logits or not: the larger, so a pass's need does not depend on it) */
@@ -148,7 +164,7 @@ size_t le_forward_plan(const le_model *m, int n, int n_ctx) {
         if (mixer > most) most = mixer;
         if (ffn > most) most = ffn;
     }
-    return le_align64(3 * (size_t)n * hp->n_embd * sizeof(float)) + le_align64(3 * (size_t)n * sizeof(int32_t)) + most;
+    return le_align64(3 * (size_t)n * hp->n_embd * sizeof(float)) + le_align64(rows_ints(n) * sizeof(int32_t)) + most;
 }
 
 /* The rows of a pass: token embeddings, or the caller's rows where tokens[t] < 0 (an image's merged patches). */
@@ -167,55 +183,51 @@ static int embed_rows(const le_model *m, const int32_t *tokens, const float *emb
     return LE_OK;
 }
 
-/* rope_pos [n][3] of a pass: pos3's, or text positions (sequence position + rope_delta in every component) */
-static int rope_positions(const le_state *s, const int32_t *pos3, int n, int32_t *out) {
+/* rope_pos [n][3] of a pass: pos3's (one sequence), or text positions: row i of sequence s at its sequence position
+ * pos + i + its rope_delta in every component. */
+static int rope_positions(const le_seqs *sq, const int32_t *pos3, int32_t *out) {
+    int n = sq->row0[sq->n_seq];
     for (int i = 0; pos3 && i < 3 * n; i++)
         if (pos3[i] < 0) return LE_FAIL(LE_ERR_INVALID_ARG, "rope position %d of row %d is negative", pos3[i], i / 3);
-    for (int t = 0; t < n; t++)
-        for (int c = 0; c < 3; c++) out[3 * t + c] = pos3 ? pos3[3 * t + c] : s->pos + t + s->rope_delta;
+    for (int s = 0; s < sq->n_seq; s++) {
+        const le_state *st = sq->st[s];
+        for (int t = sq->row0[s]; t < sq->row0[s + 1]; t++)
+            for (int c = 0; c < 3; c++)
+                out[3 * t + c] = pos3 ? pos3[3 * t + c] : st->pos + (t - sq->row0[s]) + st->rope_delta;
+    }
     return LE_OK;
 }
 
-int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *logits, int all_logits, int chunked) {
-    return le_forward_embd(m, s, tokens, NULL, NULL, n, logits, all_logits, chunked);
-}
-
-int le_forward_embd(le_model *m, le_state *s, const int32_t *tokens, const float *embd, const int32_t *pos3, int n,
-                    float *logits, int all_logits, int chunked) {
+/* One pass of n rows over n_seq sequences (checked by the caller): sequence s's n_tok[s] tokens are the next rows of
+ * tokens, run in states[s] (pos3, embd: one sequence only), in scratch ar reserved by le_forward_plan(n, its
+ * largest n_ctx). Every op but the mixers is per row; the mixers run each sequence in its own state. logits: NULL,
+ * or [n_out, n_vocab]: every row's (all_logits, one sequence) or each sequence's last row's. */
+static int forward_pass(le_model *m, le_arena *ar, le_state *const *states, int n_seq, const int32_t *n_tok, int n,
+                        const int32_t *tokens, const float *embd, const int32_t *pos3, float *logits, int all_logits,
+                        int chunked) {
     const le_hparams *hp = &m->hp;
-    int E = hp->n_embd;
-    if (!tokens || n < 1) return LE_FAIL(LE_ERR_INVALID_ARG, "no tokens");
-    if (s->m != m) return LE_FAIL(LE_ERR_INVALID_ARG, "state belongs to another model");
-    if (s->pos + n > s->n_ctx)
-        return LE_FAIL(LE_ERR_INVALID_ARG, "%d tokens at position %d exceed the context of %d", n, s->pos, s->n_ctx);
-    /* the scratch of the whole pass, planned here: the state's arena grows only for a longer pass than before
-     * (or another int8 setting), never inside the layers */
-    le_arena *ar = &s->scratch;
-    int rc = le_arena_reserve(ar, le_forward_plan(m, n, s->n_ctx), "the forward pass");
-    if (rc) return rc;
-    ar->used = 0;
+    int E = hp->n_embd, rc;
     float *buf = le_arena_take(ar, 3 * (size_t)n * E * sizeof(float));
     if (!buf) return LE_FAIL(LE_ERR_NO_MEMORY, "activations for %d tokens: beyond the plan", n);
     float *x = buf, *h = x + (size_t)n * E, *y = h + (size_t)n * E;
-    int32_t *rope_pos = le_arena_take(ar, 3 * (size_t)n * sizeof(int32_t));
+    int32_t *rope_pos = le_arena_take(ar, rows_ints(n) * sizeof(int32_t));
     if (!rope_pos) return LE_FAIL(LE_ERR_NO_MEMORY, "positions for %d tokens: beyond the plan", n);
+    int *row0 = rope_pos + 3 * (size_t)n; /* [n_seq + 1] */
+    row0[0] = 0;
+    for (int s = 0; s < n_seq; s++) row0[s + 1] = row0[s] + n_tok[s];
+    le_seqs seqs = {n_seq, states, row0}, *sq = &seqs;
     double tp = le_prof_start(m);
-    if ((rc = embed_rows(m, tokens, embd, n, x)) || (rc = rope_positions(s, pos3, n, rope_pos))) {
-        ar->used = 0;
-        return rc;
-    }
+    if ((rc = embed_rows(m, tokens, embd, n, x)) || (rc = rope_positions(sq, pos3, rope_pos))) return rc;
 
     for (int l = 0; l < hp->n_layer && !rc; l++) {
         const le_weight *w = m->layer[l];
-        int si = m->state_index[l];
         for (int t = 0; t < n; t++)
             le_rmsnorm(x + (size_t)t * E, (const float *)w[LE_W_ATTN_NORM].data, E, hp->rms_eps, h + (size_t)t * E);
         le_prof(m, &tp, LE_PROF_EMBED_NORM);
         if (hp->recurrent[l])
-            rc = le_gdn_layer(m, ar, w, h, n, s->conv + si * s->conv_floats, s->ssm + si * s->ssm_floats, chunked, y);
+            rc = le_gdn_layer(m, ar, w, h, sq, m->state_index[l], chunked, y);
         else
-            rc = le_attention_layer(m, ar, w, h, n, s->pos, rope_pos, s->k + si * s->kv_floats,
-                                    s->v + si * s->kv_floats, y);
+            rc = le_attention_layer(m, ar, w, h, sq, m->state_index[l], rope_pos, y);
         if (rc) break;
         tp = le_prof_start(m);
         for (size_t i = 0; i < (size_t)n * E; i++) x[i] += y[i];
@@ -226,24 +238,87 @@ int le_forward_embd(le_model *m, le_state *s, const int32_t *tokens, const float
         tp = le_prof_start(m);
         for (size_t i = 0; i < (size_t)n * E; i++) x[i] += y[i];
     }
-    if (!rc) {
-        s->pos += n;
-        if (pos3) { /* the next text position is one past the largest used (transformers' get_rope_index) */
-            int32_t most = INT32_MIN;
-            for (int i = 0; i < 3 * n; i++) most = pos3[i] > most ? pos3[i] : most;
-            s->rope_delta = most + 1 - s->pos;
-        }
-        if (logits) {
-            int first = all_logits ? 0 : n - 1, n_out = n - first;
-            for (int t = first; t < n; t++)
-                le_rmsnorm(x + (size_t)t * E, (const float *)m->global[LE_W_OUTPUT_NORM].data, E, hp->rms_eps,
-                           h + (size_t)(t - first) * E);
-            const le_weight *head = m->global[LE_W_OUTPUT].data ? &m->global[LE_W_OUTPUT] : &m->global[LE_W_TOKEN_EMBD];
-            le_prof(m, &tp, LE_PROF_EMBED_NORM);
-            rc = le_matmul(m->pool, ar, m->int8, head, 0, h, n_out, E, logits, hp->n_vocab);
-            le_prof(m, &tp, LE_PROF_HEAD);
-        }
+    if (rc) return rc;
+    for (int s = 0; s < sq->n_seq; s++) sq->st[s]->pos += row0[s + 1] - row0[s];
+    if (pos3) { /* one sequence: the next text position is one past the largest used (transformers' get_rope_index) */
+        int32_t most = INT32_MIN;
+        for (int i = 0; i < 3 * n; i++) most = pos3[i] > most ? pos3[i] : most;
+        sq->st[0]->rope_delta = most + 1 - sq->st[0]->pos;
     }
+    if (!logits) return LE_OK;
+    /* the head's rows, gathered into h: every row, or each sequence's last */
+    int n_out = all_logits ? n : sq->n_seq;
+    for (int i = 0; i < n_out; i++) {
+        int t = all_logits ? i : row0[i + 1] - 1;
+        le_rmsnorm(x + (size_t)t * E, (const float *)m->global[LE_W_OUTPUT_NORM].data, E, hp->rms_eps,
+                   h + (size_t)i * E);
+    }
+    const le_weight *head = m->global[LE_W_OUTPUT].data ? &m->global[LE_W_OUTPUT] : &m->global[LE_W_TOKEN_EMBD];
+    le_prof(m, &tp, LE_PROF_EMBED_NORM);
+    rc = le_matmul(m->pool, ar, m->int8, head, 0, h, n_out, E, logits, hp->n_vocab);
+    le_prof(m, &tp, LE_PROF_HEAD);
+    return rc;
+}
+
+int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *logits, int all_logits, int chunked) {
+    return le_forward_embd(m, s, tokens, NULL, NULL, n, logits, all_logits, chunked);
+}
+
+int le_forward_embd(le_model *m, le_state *s, const int32_t *tokens, const float *embd, const int32_t *pos3, int n,
+                    float *logits, int all_logits, int chunked) {
+    if (!m || !s) return LE_FAIL(LE_ERR_INVALID_ARG, "NULL model or state");
+    if (!tokens || n < 1) return LE_FAIL(LE_ERR_INVALID_ARG, "no tokens");
+    if (s->m != m) return LE_FAIL(LE_ERR_INVALID_ARG, "state belongs to another model");
+    if (s->pos + n > s->n_ctx)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "%d tokens at position %d exceed the context of %d", n, s->pos, s->n_ctx);
+    /* the scratch of the whole pass, planned here: the state's arena grows only for a longer pass than before
+     * (or another int8 setting), never inside the layers */
+    le_arena *ar = &s->scratch;
+    int rc = le_arena_reserve(ar, le_forward_plan(m, n, s->n_ctx), "the forward pass");
+    if (rc) return rc;
+    ar->used = 0;
+    int32_t n_tok = n;
+    rc = forward_pass(m, ar, &s, 1, &n_tok, n, tokens, embd, pos3, logits, all_logits, chunked);
+    ar->used = 0;
+    return rc;
+}
+
+int64_t le_model_batch_growths(const le_model *m) { return m ? m->batch.growths : 0; }
+
+int le_forward_seqs(le_model *m, le_state *const *states, int n_seq, const int32_t *tokens, const int32_t *n_tok,
+                    float *logits, int chunked) {
+    if (!m || !states || !tokens || !n_tok) return LE_FAIL(LE_ERR_INVALID_ARG, "le_forward_seqs: a NULL argument");
+    if (n_seq < 1) return LE_FAIL(LE_ERR_INVALID_ARG, "le_forward_seqs: %d sequences, expected >= 1", n_seq);
+    /* every check before anything runs: on an error no state advances */
+    int64_t total = 0;
+    int n_ctx = 1;
+    for (int s = 0; s < n_seq; s++) {
+        const le_state *st = states[s];
+        if (!st) return LE_FAIL(LE_ERR_INVALID_ARG, "sequence %d: NULL state", s);
+        if (st->m != m) return LE_FAIL(LE_ERR_INVALID_ARG, "sequence %d: its state belongs to another model", s);
+        for (int r = 0; r < s; r++)
+            if (states[r] == st)
+                return LE_FAIL(LE_ERR_INVALID_ARG, "sequences %d and %d share one state (each needs its own)", r, s);
+        if (n_tok[s] < 1) return LE_FAIL(LE_ERR_INVALID_ARG, "sequence %d: %d tokens, expected >= 1", s, n_tok[s]);
+        if (n_tok[s] > st->n_ctx - st->pos)
+            return LE_FAIL(LE_ERR_INVALID_ARG, "sequence %d: %d tokens at position %d exceed its context of %d", s,
+                           n_tok[s], st->pos, st->n_ctx);
+        total += n_tok[s];
+        if (st->n_ctx > n_ctx) n_ctx = st->n_ctx;
+    }
+    if (total > INT32_MAX / 4) /* rows index ints (rows_ints: 4 per row) */
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_forward_seqs: %lld tokens in one pass", (long long)total);
+    int n = (int)total;
+    for (int t = 0; t < n; t++)
+        if (tokens[t] < 0 || tokens[t] >= m->hp.n_vocab)
+            return LE_FAIL(LE_ERR_INVALID_ARG, "token %d at index %d is outside the vocabulary [0, %d)", tokens[t], t,
+                           m->hp.n_vocab);
+    /* the model's arena: the states' own belong to their single-sequence passes */
+    le_arena *ar = &m->batch;
+    int rc = le_arena_reserve(ar, le_forward_plan(m, n, n_ctx), "the batched forward pass");
+    if (rc) return rc;
+    ar->used = 0;
+    rc = forward_pass(m, ar, states, n_seq, n_tok, n, tokens, NULL, NULL, logits, 0, chunked);
     ar->used = 0;
     return rc;
 }

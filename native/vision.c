@@ -3,13 +3,14 @@
  *   patches [n, C*T*P*P] --Conv3d as one matmul (+ bias)--> x [n, H]; x += pos_embed(row, col)   (pos_embed.c)
  *   per block: xn = LN1(x); qkv = W_qkv xn + b; q, k <- 2-D RoPE (rope_2d.c);
  *              x += W_o attn(q, k, v) + b   (attention_bidir.c: per frame);
- *              xn = LN2(x); x += W_fc2 gelu_tanh(W_fc1 xn + b1) + b2                               (gelu.c)
+ *              xn = LN2(x); x += W_fc2 gelu_tanh(W_fc1 xn + b1) + b2           (gelu.c; SIMD: le_simd.h)
  *   merger:    xn = LN(x) [n, H] = [n / M^2, M^2 H] (M^2 consecutive patches side by side: the processor's order
  *              puts each M x M group together); out = W_2 gelu_erf(W_1 xn + b1) + b2   [n / M^2, O]
- * Matmuls run as tiles of tokens x weight rows through the f32 table's gemm_tile (weights F32 read in place, F16/BF16/
- * Q8_0 dequantised a block of rows at a time; the biases are added by the row jobs after); the row-wise steps (bias, activation, RoPE, residual, norm)
- * run as parallel jobs over rows. Every output element is computed by one task whose result does not depend on
- * the thread that runs it: any thread count gives the same bits.
+ * Matmuls run as tiles of tokens x weight rows through the f32 table's gemm_nn (a block of weight rows packed
+ * transposed, F16/BF16/Q8_0 dequantised on the way; the biases are added by the row jobs after); the row-wise steps
+ * (bias, activation (the f32 table's gelu_tanh), RoPE, residual, norm) run as parallel jobs over rows. Every
+ * output element is computed by one task whose result does not depend on the thread that runs it: any thread
+ * count gives the same bits.
  * Scratch: one arena, planned per encode from the image's size (vision_plan) and grown only when an image needs
  * more than any before.
  * Test: tests/test_vision_tower.py (ops, and the tower against transformers on tiny converted checkpoints). */
@@ -21,6 +22,10 @@
 #include "le_vision_ops.h"
 
 #define N_GLOBAL LE_VW_LN1_W               /* global slots: 0 .. N_GLOBAL-1 */
+
+/* le_vision_profile's phases (le_vision.h gives the order) */
+enum { VP_PATCH, VP_LN, VP_QKV, VP_QKV_ROPE, VP_ATTN, VP_PROJ, VP_FC1, VP_GELU, VP_FC2, VP_RESID, VP_MERGER,
+       VP_COUNT };
 #define N_BLOCK (LE_VW_COUNT - LE_VW_LN1_W) /* per-block slots */
 
 struct le_vision {
@@ -34,6 +39,8 @@ struct le_vision {
     float *pos_f32;
     int finalized;
     le_arena scratch;
+    int profile;               /* 1: accumulate phase times into prof (le_vision_set_profile) */
+    double prof[VP_COUNT];     /* seconds per phase */
 };
 
 static int64_t patch_len(const le_vision_hparams *hp) {
@@ -204,14 +211,37 @@ int le_vision_finalize(le_vision *v) {
     return rc;
 }
 
+int le_vision_set_profile(le_vision *v, int on) {
+    if (!v) return LE_FAIL(LE_ERR_INVALID_ARG, "NULL tower");
+    v->profile = on != 0;
+    if (on) memset(v->prof, 0, sizeof v->prof);
+    return LE_OK;
+}
+
+int le_vision_profile(const le_vision *v, double *seconds, int n) {
+    if (!v || !seconds) return LE_FAIL(LE_ERR_INVALID_ARG, "NULL tower or output");
+    for (int i = 0; i < n && i < VP_COUNT; i++) seconds[i] = v->prof[i];
+    return VP_COUNT;
+}
+
+/* Profiling marks: *t holds the time of the previous mark; the span since goes to `phase`. */
+static void prof_mark(le_vision *v, double *t, int phase) {
+    if (!v->profile) return;
+    double now = le_now();
+    v->prof[phase] += now - *t;
+    *t = now;
+}
+
 int64_t le_vision_scratch_bytes(const le_vision *v) { return v ? (int64_t)v->scratch.size : 0; }
 int64_t le_vision_scratch_growths(const le_vision *v) { return v ? v->scratch.growths : 0; }
 
 /* ---- encode ------------------------------------------------------------------------------------------------- */
 
-/* The matmuls' tiles (mm, below): tokens x weight rows per task. */
-#define MM_TOK 64
-#define MM_ROWS 16
+/* The matmuls' tiles (mm, below): tokens x weight rows per task. MM_TOK: a multiple of gemm_nn's 6-row register
+ * tile (64 left a 4-row tail in every task: 2.5 % of the encode in tail tiles). MM_ROWS: one full gemm_nn column
+ * block of the AVX-512 tier (4 zmm; 4 of the AVX2 tier's). */
+#define MM_TOK 48
+#define MM_ROWS 64
 
 /* The row-wise steps between the matmuls, one parallel job each (rows_task). */
 enum { RJ_LN, RJ_EMBED, RJ_QKV, RJ_GELU_TANH, RJ_GELU_ERF, RJ_RESID, RJ_BIAS };
@@ -258,7 +288,7 @@ static void rows_task(void *ctx, int64_t r0, int64_t r1, int thread) {
         case RJ_GELU_TANH:
         case RJ_GELU_ERF:
             for (int64_t k = 0; k < C; k++) x[k] += j->b[k];
-            (j->kind == RJ_GELU_TANH ? le_gelu_tanh_ref : le_gelu_erf_ref)(x, C, x);
+            (j->kind == RJ_GELU_TANH ? le_get_f32_kernels()->gelu_tanh : le_gelu_erf_ref)(x, C, x);
             break;
         case RJ_RESID: /* x + (y + b): the Linear's output (with its bias) added to the residual stream */
             for (int64_t k = 0; k < C; k++) x[k] += y[k] + j->b[k];
@@ -284,8 +314,8 @@ typedef struct {
     float *tmp;                     /* [n_threads][le_floats64(H)] */
 } vision_bufs;
 
-/* Bytes of each piece (sizes[]) and their sum; the matmuls' own scratch comes after them (mm: MM_ROWS dequantised
- * rows per thread of the widest input). */
+/* Bytes of each piece (sizes[]) and their sum; the matmuls' own scratch comes after them (mm: a packed block of
+ * MM_ROWS weight rows and one dequantised row per thread, of the widest input). */
 static size_t vision_plan(const le_vision *v, int64_t n, int64_t hw, size_t sizes[9]) {
     const le_vision_hparams *hp = &v->hp;
     int64_t H = hp->hidden, T = le_pool_threads(v->pool), half = H / hp->n_head / 2;
@@ -301,7 +331,7 @@ static size_t vision_plan(const le_vision *v, int64_t n, int64_t hw, size_t size
         total += le_align64(sizes[i]);
     }
     total += le_align64(sizeof(float) * (size_t)(T * le_floats64(H)));
-    return total + le_align64(sizeof(float) * (size_t)(T * MM_ROWS * widest));
+    return total + le_align64(sizeof(float) * (size_t)(T * (MM_ROWS + 1) * widest));
 }
 
 static int take_bufs(le_vision *v, int64_t n, int64_t hw, vision_bufs *b) {
@@ -319,52 +349,61 @@ static int take_bufs(le_vision *v, int64_t n, int64_t hw, vision_bufs *b) {
 }
 
 /* The matmuls: y [n, w.ne1] = x [n, w.ne0] W^T, cut into tasks of MM_TOK tokens x MM_ROWS weight rows, each one
- * call of the f32 table's gemm_tile (register-blocked, le_simd.h). Tasks go weight-row block outer, token block
- * inner, so a thread's run of consecutive tasks dequantises a block of F16/BF16/Q8_0 rows once into its buffer
- * (f32 weights are read in place) and reuses it for every token block of the run. The cut is fixed by the shapes
- * and every element's sum is fixed by K alone (gemm_tile's contract): any thread count gives the same bits.
- * Sizes: a token block of 64 x 768 f32 (192 KiB) and a row block of 16 x 768 (48 KiB) stay in a core's L2. */
+ * call of the f32 table's gemm_nn (outer products in registers, le_simd.h) on the block of weight rows packed
+ * transposed, [K, MM_ROWS], into the thread's buffer (F16/BF16/Q8_0 dequantised a row at a time on the way; f32
+ * weights copied). Tasks go weight-row block outer, token block inner, so a thread's run of consecutive tasks
+ * packs a row block once and reuses it for every token block of the run. The cut is fixed by the shapes and every
+ * element's sum is fixed by K alone (gemm_nn's contract): any thread count gives the same bits.
+ * Sizes: a packed block of 768 x 64 f32 (192 KiB; 768 KiB at K = 3072) and a token block of 48 x K stay in a core's
+ * L2; gemm_nn's panel of 128 k x 64 rows (32 KiB) in L1. */
 typedef struct {
     const le_weight *w;
     const float *x; /* [n, ne0] */
     float *y;       /* [n, ne1] */
-    float *wbuf;    /* [n_threads][MM_ROWS * ne0]: dequantised row blocks (non-f32 weights) */
+    float *wbuf;    /* [n_threads][(MM_ROWS + 1) * ne0]: the packed row block [ne0, MM_ROWS], one dequantised row */
     int64_t n, n_tb, n_rb;
-    le_gemm_tile_f32_fn gemm;
+    le_gemm_nn_f32_fn gemm;
 } mm_job;
+
+/* bt [K, MM_ROWS] = rows r0 .. r0 + rows - 1 of w, transposed (row: scratch for one dequantised row) */
+static void pack_rows(const le_weight *w, int64_t r0, int rows, float *bt, float *row) {
+    int64_t K = w->ne0;
+    for (int r = 0; r < rows; r++) {
+        const float *src = (const float *)(w->data + (r0 + r) * w->nb1);
+        if (w->type != LE_TYPE_F32) {
+            w->tr->dequantize_row(w->data + (r0 + r) * w->nb1, row, K);
+            src = row;
+        }
+        for (int64_t k = 0; k < K; k++) bt[k * MM_ROWS + r] = src[k];
+    }
+}
 
 static void mm_tiles(void *ctx, int64_t t0, int64_t t1, int thread) {
     mm_job *j = ctx;
     const le_weight *w = j->w;
     int64_t K = w->ne0, have = -1; /* the row block in this thread's buffer */
-    float *buf = j->wbuf + (int64_t)thread * MM_ROWS * K;
+    float *bt = j->wbuf + (int64_t)thread * (MM_ROWS + 1) * K;
     for (int64_t idx = t0; idx < t1; idx++) {
         int64_t rb = idx / j->n_tb, tb = idx % j->n_tb, r0 = rb * MM_ROWS, m0 = tb * MM_TOK;
         int rows = (int)(w->ne1 - r0 < MM_ROWS ? w->ne1 - r0 : MM_ROWS);
         int toks = (int)(j->n - m0 < MM_TOK ? j->n - m0 : MM_TOK);
-        const float *B;
-        if (w->type == LE_TYPE_F32) {
-            B = (const float *)(w->data + r0 * w->nb1);
-        } else {
-            if (have != rb)
-                for (int r = 0; r < rows; r++) w->tr->dequantize_row(w->data + (r0 + r) * w->nb1, buf + r * K, K);
-            have = rb;
-            B = buf;
-        }
-        j->gemm(j->x + m0 * K, K, B, K, j->y + m0 * w->ne1 + r0, w->ne1, toks, rows, (int)K);
+        if (have != rb) pack_rows(w, r0, rows, bt, bt + MM_ROWS * K);
+        have = rb;
+        j->gemm(j->x + m0 * K, K, bt, MM_ROWS, j->y + m0 * w->ne1 + r0, w->ne1, toks, rows, (int)K);
     }
 }
 
 static int mm(le_vision *v, const le_weight *w, const float *x, int64_t n, float *y) {
-    float *wbuf = NULL;
     size_t mark = v->scratch.used;
-    if (w->type != LE_TYPE_F32 &&
-        !(wbuf = le_arena_take(&v->scratch, sizeof(float) * (size_t)(le_pool_threads(v->pool) * MM_ROWS * w->ne0))))
-        return LE_FAIL(LE_ERR_NO_MEMORY, "vision matmul: scratch beyond the plan");
+    float *wbuf = le_arena_take(&v->scratch, sizeof(float) * (size_t)(le_pool_threads(v->pool) * (MM_ROWS + 1) *
+                                                                        w->ne0));
+    if (!wbuf) return LE_FAIL(LE_ERR_NO_MEMORY, "vision matmul: scratch beyond the plan");
     mm_job j = {w, x, y, wbuf, n, (n + MM_TOK - 1) / MM_TOK, (w->ne1 + MM_ROWS - 1) / MM_ROWS,
-                le_get_f32_kernels()->gemm_tile};
-    int64_t tasks = j.n_tb * j.n_rb;
-    le_parallel_for(v->pool, tasks, tasks / (4 * le_pool_threads(v->pool)) + 1, mm_tiles, &j);
+                le_get_f32_kernels()->gemm_nn};
+    /* grain: one row block per chunk where there are >= 4 per thread (each block packed once, by one thread), else
+     * ~4 chunks per thread */
+    int64_t tasks = j.n_tb * j.n_rb, T = le_pool_threads(v->pool);
+    le_parallel_for(v->pool, tasks, j.n_rb >= 4 * T ? j.n_tb : tasks / (4 * T) + 1, mm_tiles, &j);
     v->scratch.used = mark;
     return LE_OK;
 }
@@ -376,26 +415,38 @@ static int vision_block(le_vision *v, int blk, const vision_bufs *b, int64_t n, 
 #define W(s) (&w[(s) - N_GLOBAL])
 #define F32(s) ((const float *)W(s)->data)
     int64_t H = hp->hidden;
+    double t = v->profile ? le_now() : 0.0;
     rows_job ln1 = {.kind = RJ_LN, .cols = H, .x = b->xn, .y = b->x, .w = F32(LE_VW_LN1_W), .b = F32(LE_VW_LN1_B)};
     run_rows(v, &ln1, n);
+    prof_mark(v, &t, VP_LN);
     int rc = mm(v, W(LE_VW_QKV_W), b->xn, n, b->qkv);
     if (rc != LE_OK) return rc;
+    prof_mark(v, &t, VP_QKV);
     rows_job qkv = {.kind = RJ_QKV, .cols = 3 * H, .x = b->qkv, .b = F32(LE_VW_QKV_B), .hw = hw, .cos_t = b->cos_t,
                     .sin_t = b->sin_t};
     run_rows(v, &qkv, n);
+    prof_mark(v, &t, VP_QKV_ROPE);
     le_attention_bidir(v->pool, b->qkv, n, hw, hp->n_head, (int)(H / hp->n_head), b->scores, b->att);
+    prof_mark(v, &t, VP_ATTN);
     if ((rc = mm(v, W(LE_VW_O_W), b->att, n, b->xn)) != LE_OK) return rc;
+    prof_mark(v, &t, VP_PROJ);
     rows_job o = {.kind = RJ_RESID, .cols = H, .x = b->x, .y = b->xn, .b = F32(LE_VW_O_B)};
     run_rows(v, &o, n);
+    prof_mark(v, &t, VP_RESID);
     rows_job ln2 = {.kind = RJ_LN, .cols = H, .x = b->xn, .y = b->x, .w = F32(LE_VW_LN2_W), .b = F32(LE_VW_LN2_B)};
     run_rows(v, &ln2, n);
+    prof_mark(v, &t, VP_LN);
     if ((rc = mm(v, W(LE_VW_FC1_W), b->xn, n, b->ff)) != LE_OK) return rc;
+    prof_mark(v, &t, VP_FC1);
     int act = hp->faults & LE_VFAULT_FFN_GELU_ERF ? RJ_GELU_ERF : RJ_GELU_TANH; /* tanh form: the real one */
     rows_job fc1 = {.kind = act, .cols = hp->ffn, .x = b->ff, .b = F32(LE_VW_FC1_B)};
     run_rows(v, &fc1, n);
+    prof_mark(v, &t, VP_GELU);
     if ((rc = mm(v, W(LE_VW_FC2_W), b->ff, n, b->att)) != LE_OK) return rc;
+    prof_mark(v, &t, VP_FC2);
     rows_job fc2 = {.kind = RJ_RESID, .cols = H, .x = b->x, .y = b->att, .b = F32(LE_VW_FC2_B)};
     run_rows(v, &fc2, n);
+    prof_mark(v, &t, VP_RESID);
     return LE_OK;
 #undef W
 #undef F32
@@ -448,13 +499,17 @@ int le_vision_encode(le_vision *v, const float *patches, int64_t n_patches, int6
     if ((rc = take_bufs(v, n, hw, &b)) != LE_OK) return rc;
     /* positions and RoPE angles of one frame (every frame has the same) */
     for (int64_t i = 0; i < hw; i++) le_vision_patch_pos(i, w, hp->merge, &b.pos[2 * i], &b.pos[2 * i + 1]);
+    double tp = v->profile ? le_now() : 0.0;
     le_rope2d_table(b.pos, hw, hp->hidden / hp->n_head, hp->rope_theta, hp->faults, b.cos_t, b.sin_t);
     if ((rc = mm(v, &v->patch, patches, n, b.x)) != LE_OK) goto done;
     rows_job embed = {.kind = RJ_EMBED, .cols = hp->hidden, .x = b.x, .b = (const float *)v->g[LE_VW_PATCH_B].data,
                       .gh = h, .gw = w, .hw = hw, .tmp = b.tmp};
     run_rows(v, &embed, n);
+    prof_mark(v, &tp, VP_PATCH);
     for (int blk = 0; blk < hp->depth && rc == LE_OK; blk++) rc = vision_block(v, blk, &b, n, hw);
+    if (v->profile) tp = le_now();
     if (rc == LE_OK) rc = vision_merger(v, &b, n, out);
+    prof_mark(v, &tp, VP_MERGER);
 done:
     v->scratch.used = 0;
     return rc;

@@ -147,15 +147,10 @@ def llama_cpp_convert(llama_cpp_src, tmp_path_factory):
 def forced_isa(request):
     """Tier `request.param` (parametrize indirect) forced for one test, skipping when this CPU cannot run it; the
     previous tier restored after."""
-    from legacy_engine.core import _native
+    from fixtures.isa import isa_forced
 
-    isa = request.param
-    if not _native.isa_supported(isa):
-        pytest.skip(f"this CPU cannot run {isa} kernels (CPUID/XGETBV); run on a host that has it")
-    prev = _native.get_isa()
-    _native.set_isa(isa)
-    yield isa
-    _native.set_isa(prev)
+    with isa_forced(request.param) as isa:
+        yield isa
 
 
 # ---- tiny vision checkpoints converted by llama.cpp (test_mmproj.py; the vision tower's tests)

@@ -1,6 +1,7 @@
-"""The f32 kernels of the decode step (native/f32_ref.c, cpu_simd/f32_<isa>.c): every tier this CPU runs against
-f64 math, within Higham-style bounds (tolerances.GDN_STEP_*, DOT_F32_EXTRA), plus negative controls showing the
-bound catches a kernel that loses a row or a column. Tiers the CPU lacks are skipped with the reason."""
+"""The f32 kernels (native/f32_ref.c, cpu_simd/f32_<isa>.c; gelu_tanh's reference native/gelu.c): every tier this
+CPU runs against f64 math, within Higham-style bounds (tolerances.GDN_STEP_*, DOT_F32_EXTRA, GEMM_*_EXTRA), the
+vector exp against the reference's expf in ulps (EXP_SUB_SUM_ULP), plus negative controls showing each bound
+catches a kernel that loses a term. Tiers the CPU lacks are skipped with the reason."""
 from __future__ import annotations
 
 import numpy as np
@@ -154,3 +155,142 @@ def test_gemm_tile_bound_catches_a_lost_term():
     bad[3, 2] -= a[3, 700] * b[2, 700]
     exact = a.astype(np.float64) @ b.astype(np.float64).T
     assert not np.all(np.abs(bad - exact) <= gemm_bound(a, b))
+
+
+# ---- gemm_nn: C = A B (the vision attention's QK^T with keys transposed, P V) ------------------------------------
+GEMM_NN_SHAPES = [(1, 1, 1), (3, 5, 7), (6, 64, 128), (7, 9, 33), (48, 4096, 64), (48, 64, 4096), (13, 72, 257),
+                  (5, 130, 300), (64, 64, 3072), (2, 3, 0)]  # tails in every dimension, the attention's real shapes
+
+
+def gemm_nn_bound(a, b):
+    """Per-element bound of gemm_nn against f64: (K + extra) u sum_k |a_ik b_kj|."""
+    M = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    return (a.shape[1] + tol.GEMM_NN_F32_EXTRA) * U * M + 1e-30
+
+
+def _at_ref(fn, *args):
+    before = _native.get_isa()
+    try:
+        _native.set_isa("ref")
+        return fn(*args)
+    finally:
+        _native.set_isa(before)
+
+
+@tiers
+@pytest.mark.parametrize("m,n,k", GEMM_NN_SHAPES)
+def test_gemm_nn_matches_f64_and_ref(forced_isa, m, n, k):
+    rng = np.random.default_rng([m, n, k, 1])
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    c = _native.gemm_nn_f32(a, b)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    bnd = gemm_nn_bound(a, b)
+    assert np.all(np.abs(c - exact) <= bnd), f"{forced_isa}: off by {np.abs(c - exact).max()}"
+    c_ref = _at_ref(_native.gemm_nn_f32, a, b)
+    assert np.all(np.abs(c - c_ref) <= 2 * bnd), f"{forced_isa}: off the reference by {np.abs(c - c_ref).max()}"
+
+
+@tiers
+def test_gemm_nn_cut_changes_no_bit(forced_isa):
+    """gemm_nn's contract: an element's sum depends on K alone, so any block of C computed alone (row and column
+    tails, odd offsets) has the same bits as in the whole product (the attention's tiles, any thread count)."""
+    rng = np.random.default_rng(12)
+    a = rng.standard_normal((13, 300)).astype(np.float32)
+    b = rng.standard_normal((300, 150)).astype(np.float32)
+    whole = _native.gemm_nn_f32(a, b)
+    for i0, i1, j0, j1 in [(0, 1, 0, 1), (1, 8, 3, 70), (5, 13, 17, 150), (12, 13, 64, 129)]:
+        assert np.array_equal(_native.gemm_nn_f32(a[i0:i1], b[:, j0:j1]), whole[i0:i1, j0:j1])
+
+
+def test_gemm_nn_bound_catches_a_lost_term():
+    """Negative control: an element missing one of its K products is outside the bound."""
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((8, 768)).astype(np.float32)
+    b = rng.standard_normal((768, 8)).astype(np.float32)
+    bad = _native.gemm_nn_f32(a, b)
+    bad[3, 2] -= a[3, 700] * b[700, 2]
+    assert not np.all(np.abs(bad - a.astype(np.float64) @ b.astype(np.float64)) <= gemm_nn_bound(a, b))
+
+
+# ---- exp_sub_sum: the softmax's numerators (the vision attention) ------------------------------------------------
+def _ulps(a, b):
+    """|a - b| in units in the last place of f32 (bit patterns of non-negative floats: subnormal steps count too)."""
+    return np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))
+
+
+def exp_sweep():
+    """x - max over the softmax's range: 0 (the max), geometric down to -110 (past expf's underflow to 0 at about
+    -103.97), a dense linear sweep, and the edges: the subnormal threshold (-87.34), the last nonzero results,
+    -inf and -1e30 (masked or far scores), -0."""
+    edges = [-np.inf, -1e30, -87.33, -87.34, -103.96, -103.97, -103.98, -104.0, -126 * np.log(2), -149 * np.log(2),
+             -0.0, -1e-30, -2.0**-24]
+    return np.concatenate([[0.0], -np.geomspace(1e-8, 110, 100001), np.linspace(-110, 0, 100001), edges]
+                          ).astype(np.float32)
+
+
+@tiers
+def test_exp_sub_sum_within_ulps_of_expf(forced_isa):
+    x = exp_sweep()
+    y, s = _native.exp_sub_sum_f32(x)
+    y_ref, s_ref = _at_ref(_native.exp_sub_sum_f32, x)
+    u = _ulps(y, y_ref)
+    assert u.max() <= tol.EXP_SUB_SUM_ULP, f"{forced_isa}: {u.max()} ulps at x = {x[u.argmax()]}"
+    assert np.all(y[x <= -104] == 0) and np.all(y_ref[x <= -104] == 0)   # -inf and far below: 0 exactly
+    assert y[0] == 1.0                                                      # the max itself
+    assert abs(s - s_ref) <= tol.EXP_SUB_SUM_ULP * 2.0**-23 * s_ref
+
+
+@tiers
+@pytest.mark.parametrize("n,scale", [(4096, 0.125), (4099, 1 / np.sqrt(72)), (7, 0.125), (1, 1.0), (17, 0.3)])
+def test_exp_sub_sum_scaled_rows(forced_isa, n, scale):
+    """Rows of scores as the attention gives them (std 20, so the scaled row spans ~-30 .. 0): every length's tail,
+    the argument rounded as the reference rounds it (the max gives exactly 1), the sum in double."""
+    x = (20 * np.random.default_rng([n, 3]).standard_normal(n)).astype(np.float32)
+    y, s = _native.exp_sub_sum_f32(x, scale)
+    y_ref, s_ref = _at_ref(_native.exp_sub_sum_f32, x, scale)
+    assert _ulps(y, y_ref).max() <= tol.EXP_SUB_SUM_ULP
+    assert y[np.argmax(x)] == 1.0
+    assert abs(s - s_ref) <= tol.EXP_SUB_SUM_ULP * 2.0**-23 * s_ref
+    x64 = x.astype(np.float64) * scale
+    assert np.allclose(y, np.exp(x64 - x64.max()), rtol=4 * 2.0**-24 * (1 + np.abs(x64).max()), atol=0)
+
+
+def test_exp_sub_sum_bound_catches_a_few_ulps():
+    """Negative control: a result 3 ulps off (a polynomial one degree short is ~1e3) fails the ulp gate."""
+    x = exp_sweep()
+    y_ref, _ = _at_ref(_native.exp_sub_sum_f32, x)
+    bad = y_ref.copy()
+    bad[1000] = np.nextafter(np.nextafter(np.nextafter(bad[1000], 2), 2), 2)
+    assert _ulps(bad, y_ref).max() > tol.EXP_SUB_SUM_ULP
+
+
+def test_exp_sub_sum_rejects_bad_input():
+    with pytest.raises(_native.NativeError):
+        _native.exp_sub_sum_f32(np.zeros(4, np.float32), 0.0)
+
+
+# ---- gelu_tanh: the vision MLP's activation -----------------------------------------------------------------------
+@tiers
+def test_gelu_tanh_matches_f64_and_ref(forced_isa):
+    x = np.concatenate([np.linspace(-12, 12, 48001), [-1e30, 1e30, 0.0, -0.0, 1e-30, -1e5, 1e5]]).astype(np.float32)
+    x64 = x.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        exact = 0.5 * x64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3)))
+    exact = np.where(np.isnan(exact), 0.0, exact)    # x^3 overflows at +-1e30: the limits are x and -0
+    got = _native.gelu_tanh_f32(x)
+    err = np.abs(got - exact) / np.maximum(np.abs(exact), 1.0)
+    assert err.max() <= tol.VISION_OP_REL, f"{forced_isa}: {err.max():.3g} at x = {x[err.argmax()]}"
+    ref = _at_ref(_native.gelu_tanh_f32, x)
+    assert np.max(np.abs(got - ref) / np.maximum(np.abs(ref), 1.0)) <= 2 * tol.VISION_OP_REL
+    # the tail (a length no tier's vector divides) goes through the same code as the full vectors
+    assert np.array_equal(_native.gelu_tanh_f32(x[5:42]), got[5:42])
+
+
+def test_gelu_tanh_bound_catches_the_erf_form():
+    """Negative control: the erf form (the merger's, a known bug in the blocks) is outside the gate."""
+    x = np.linspace(-8, 8, 4001, dtype=np.float32)
+    erf = np.asarray(_native.vision_gelu(x, "erf"), np.float64)
+    x64 = x.astype(np.float64)
+    exact = 0.5 * x64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3)))
+    assert np.max(np.abs(erf - exact) / np.maximum(np.abs(exact), 1.0)) > tol.VISION_OP_REL

@@ -4,7 +4,8 @@ tests/test_gpu.py, and GpuVisionTower against the CPU VisionTower (native/vision
 here with gguf-py's GGUFWriter (small towers on several grids, one of two frames, one with head size 72, an MLP width
 that needs padding and F16 matrices, and one real-size layer: hidden 768, 12 heads, ffn 3072, grid 28 x 28).
 
-Here (no GPU): the mmproj writer and the CPU tower on it (cpu); everything else skips.
+Here (no GPU): the mmproj writer, the CPU tower on it, and GpuVisionTower's own Python on a host fake of the
+driver and kernels (cpu); everything else skips.
 GPU machine (gguf and cffi carried as wheels, PTX for the legacy variants built on the CPU box):
     LE_PTX_DIR=DIR LE_GPU_STRICT=1 python -m pytest tests/test_gpu_vision.py -m gpu
 Tolerances: tests/tolerances.py GPU_LAYERNORM_REL, GPU_VISION_GELU_REL, GPU_ATTN_BIDIR_REL, GPU_VISION_TOWER_REL.
@@ -316,8 +317,129 @@ def test_tower_negative_control_and_bad_input(kernels, cpu_tower):
     tower = _gpu_tower(cpu, kernels)
     with pytest.raises(FormatError, match="multiples of the spatial merge"):
         tower.encode_patches(patches, (1, 3, 8))
-    with pytest.raises(FormatError, match="expected float32"):
+    with pytest.raises(FormatError, match="holds t\\*h\\*w = 24"):        # cpu/vision.py check_patches
         tower.encode_patches(patches[:-1], grid)
+    with pytest.raises(FormatError, match="float32"):
+        tower.encode_patches(patches.astype(np.float64), grid)
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_tower_vram_is_its_layout(kernels, cpu_tower):
+    """The tower allocates what the planner reserves for it (gpu/vision.py tower_footprint): one weight allocation
+    of weight_layout's bytes, one scratch allocation of scratch_layout's for the largest image so far (the driver
+    layer's count); close() gives both back."""
+    from legacy_engine.gpu.vision import GpuVisionTower, scratch_layout, weight_layout
+    warm = cpu_tower(SMALL)                 # the kernels' first launches done (what they load is not ours to count)
+    _gpu_tower(warm, kernels).encode_patches(sample_patches(warm, (1, 4, 6)), (1, 4, 6))
+    cpu = cpu_tower(ODD)
+    hp = cpu.hparams
+    used0, allocs0 = gpu.mem_stats()["used"], gpu.mem_stats()["n_allocs"]
+    tower = GpuVisionTower(cpu, kernels)
+    assert gpu.mem_stats()["used"] - used0 == weight_layout(hp)[1]
+    for grid in ((1, 6, 10), (1, 4, 6)):          # the second fits the first's scratch
+        tower.encode_patches(sample_patches(cpu, grid), grid)
+        st = gpu.mem_stats()
+        assert st["used"] - used0 == weight_layout(hp)[1] + scratch_layout(hp, 60, 60)[1]
+        assert st["n_allocs"] - allocs0 == 2
+    tower.close()
+    assert gpu.mem_stats()["used"] == used0
+
+
+class _HostDevice:
+    """A host fake of the driver layer (device memory as one numpy arena) and of the tower's Kernels (the C core's
+    reference ops, numpy matmuls): GpuVisionTower's own Python — the layout of its two allocations, the views, the
+    scratch's growth, the shared encode path — runs where there is no GPU."""
+    BASE = 1 << 20
+
+    def __init__(self, nbytes: int):
+        self.arena, self.at, self.live = np.zeros(nbytes, np.uint8), 0, {}
+
+    used = property(lambda self: sum(self.live.values()), doc="bytes allocated now (the driver layer's count)")
+
+    # runtime._native()'s part that Buffer uses
+    def gpu_alloc(self, nbytes, what):
+        ptr, self.at = self.BASE + self.at, self.at + -(-nbytes // 256) * 256
+        assert self.at <= self.arena.size, what
+        self.live[ptr] = nbytes
+        return ptr
+
+    def gpu_free(self, ptr):
+        del self.live[ptr]
+
+    def gpu_copy_htod(self, ptr, src, n, stream):
+        self.arena[ptr - self.BASE:ptr - self.BASE + n] = np.frombuffer(memoryview(src).cast("B"), np.uint8)[:n]
+
+    def gpu_copy_dtoh(self, out, ptr, n, stream):
+        np.frombuffer(memoryview(out).cast("B"), np.uint8)[:n] = self.arena[ptr - self.BASE:ptr - self.BASE + n]
+
+    def a(self, buf, rows, cols):
+        assert buf.nbytes >= 4 * rows * cols, buf.what
+        return self.arena[buf.ptr - self.BASE:buf.ptr - self.BASE + 4 * rows * cols].view(np.float32).reshape(rows, cols)
+
+    # the Kernels the tower calls
+    def gemm_f32(self, qtype, w, x, y, rows, cols, n):
+        self.a(y, n, rows)[:] = self.a(x, n, cols) @ self.a(w, rows, cols).T
+
+    def bias_add(self, x, b, r, n, ncols):
+        v = self.a(x, n // ncols, ncols)
+        v += self.a(b, 1, ncols)
+        if r is not None:
+            v += self.a(r, n // ncols, ncols)
+
+    def bias_residual(self, x, y, b, n, ncols):
+        self.a(x, n // ncols, ncols)[:] += self.a(y, n // ncols, ncols) + self.a(b, 1, ncols)
+
+    def layernorm(self, x, w, b, y, ncols, nrows, eps):
+        self.a(y, nrows, ncols)[:] = _native.vision_layernorm(self.a(x, nrows, ncols), self.a(w, 1, ncols)[0],
+                                                             self.a(b, 1, ncols)[0], eps)
+
+    def gelu(self, x, b, n, ncols, form):
+        v = self.a(x, n // ncols, ncols)
+        v[:] = _native.vision_gelu(v + self.a(b, 1, ncols), form)
+
+    def rope_vision(self, qkv, b, cs, n, seg, n_head, hd):
+        q = self.a(qkv, n, 3 * n_head * hd)
+        q += self.a(b, 1, 3 * n_head * hd)
+        c = self.a(cs, seg, hd).reshape(seg, 1, hd // 2, 2)[np.arange(n) % seg]       # per row: (cos, sin) pairs
+        x = q[:, :2 * n_head * hd].reshape(n, 2 * n_head, hd)                         # the q and k heads
+        x1, x2 = x[..., :hd // 2].copy(), x[..., hd // 2:].copy()
+        x[..., :hd // 2], x[..., hd // 2:] = x1 * c[..., 0] - x2 * c[..., 1], x2 * c[..., 0] + x1 * c[..., 1]
+
+    def attention_bidir(self, qkv, o, n, seg, n_head, hd):
+        self.a(o, n, n_head * hd)[:] = _native.vision_attention(self.a(qkv, n, 3 * n_head * hd).copy(), seg, n_head)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("cfg", [SMALL, ODD], ids=["small", "odd"])
+def test_tower_on_a_host_fake(cpu_tower, cfg, monkeypatch):
+    """GpuVisionTower on _HostDevice gives the CPU tower's embeddings (grids growing and shrinking, two frames; ODD:
+    head size 72, ffn padded 200 -> 224, F16 matrices), in the two allocations its layouts plan (the bytes the
+    planner reserves: tower_footprint); a wrong row count is the CPU tower's FormatError; close() frees both."""
+    from legacy_engine.core.errors import FormatError
+    from legacy_engine.gpu import runtime
+    from legacy_engine.gpu.vision import GpuVisionTower, scratch_layout, weight_layout
+    dev = _HostDevice(64 << 20)
+    monkeypatch.setattr(runtime, "_native", lambda: dev)
+    monkeypatch.setattr(runtime, "_ensure_open", lambda: None)
+    cpu = cpu_tower(cfg)
+    hp = cpu.hparams
+    tower = GpuVisionTower(cpu, dev)
+    assert (dev.used, len(dev.live)) == (weight_layout(hp)[1], 1)
+    grids = [(1, 4, 6), (1, 8, 10), (2, 4, 6), (1, 4, 6)] if cfg is SMALL else [(1, 6, 10), (1, 8, 8)]
+    for grid in grids:
+        patches = sample_patches(cpu, grid, seed=sum(grid))
+        ref = cpu.encode_patches(patches, grid)
+        got = tower.encode_patches(patches, grid)
+        assert got.shape == ref.shape and _rel(got, ref) <= 1e-4, (grid, _rel(got, ref))
+    n = max(t * h * w for t, h, w in grids)
+    hw = max(h * w for _, h, w in grids)
+    assert tower._cap == (n, hw) and len(dev.live) == 2
+    assert dev.used == weight_layout(hp)[1] + scratch_layout(hp, n, hw)[1]
+    with pytest.raises(FormatError, match="holds t\\*h\\*w"):
+        tower.encode_patches(patches[:-1], grids[-1])
+    tower.close()
+    assert not dev.live
 
 
 # ================================================================================================ the engine
@@ -349,3 +471,59 @@ def test_engine_answers_an_image_on_the_gpu(gpu_device, tmp_path):
     d = float(np.abs(out["gpu"].astype(np.float64) - out["cpu"]).max())
     print(f"\nimage prompt, GPU engine vs CPU engine: max|Δ| {d:.2e} over {len(out['cpu'])} rows")
     assert d <= tol.LOGIT_ABS_F32, d
+
+
+@pytest.mark.gpu
+def test_engine_applies_the_vision_placement_beside_a_split(gpu_device, tmp_path, monkeypatch):
+    """Engine(gpu=True, a budget below the resident footprint, mmproj): the planner's decision applied. With the
+    tower's real footprint (the scratch of a 4096x4096 image is larger than this tiny split's whole budget) the tower
+    stays on the CPU and says why; with its footprint cut to this image's size and a budget that holds the split beside
+    it, it goes on the GPU: the split placement keeps its bytes (reserved), the driver's budget holds both, and the
+    image's prompt gives the CPU engine's greedy answer."""
+    from PIL import Image
+    from fixtures.make_reference import tiny_gguf
+    from legacy_engine.gpu import layout
+    from legacy_engine.gpu.vision import tower_footprint
+    from legacy_engine.plan import vision as plan_vision
+    from legacy_engine.serve.generate import Engine
+    from legacy_engine.serve.sampling import SamplingParams
+    text = tiny_gguf("moe", tmp_path / "moe.f32.gguf")
+    ref = Engine(text, n_threads=2, pin=False)
+    mm = write_mmproj(tmp_path / "mmproj.gguf", **dict(SMALL, out_hidden=ref.model.hparams.n_embd))
+    png = tmp_path / "a.png"
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, (61, 97, 3), dtype=np.uint8)).save(png)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
+    res = layout.vram_footprint(ref.cpu_model.file, n_ctx=256, int8=True)
+    kw = dict(n_threads=2, n_ctx=256, pin=False, gpu=True, gpu_min_tokens=8, mmproj=mm)
+
+    def answer(eng):
+        ids = eng.tokenizer.encode_prompt(*eng.chat_text(msgs, enable_thinking=False))
+        return eng.session().generate(ids, max_tokens=8, params=SamplingParams(temperature=0.0),
+                                      images=eng.load_images([png])).tokens
+
+    want = answer(Engine(text, n_threads=2, n_ctx=256, pin=False, mmproj=mm))
+    eng = Engine(text, gpu_vram=res.total - 1, **kw)
+    try:
+        assert eng.placement.stream and eng.placement.reserved == 0 and eng.vision_gpu is None
+        assert eng.vision_where.startswith("the CPU (on the GPU it needs"), eng.vision_where
+        assert answer(eng) == want
+    finally:
+        eng.gpu.close()
+    # the tower's footprint cut to this image's 308 patches (224x352); a budget that holds the split without pins
+    # beside it (the vision planner's rule) but not the resident model
+    small = tower_footprint(eng.vision.hparams, 320)
+    monkeypatch.setattr(plan_vision, "tower_footprint", lambda hp, n=None: small)
+    hp = ref.cpu_model.file.hparams
+    split = layout.vram_footprint(ref.cpu_model.file, stream_experts=True, n_ctx=256, chunk=256, int8=True,
+                                  link_experts=hp.n_expert_used)
+    assert split.total + small.total < res.total
+    eng = Engine(text, gpu_vram=split.total + small.total, **kw)
+    try:
+        assert eng.placement.stream and eng.placement.reserved == small.total, eng.placement.why
+        assert eng.vision_gpu is not None and eng.vision_where.startswith("the GPU (it needs"), eng.vision_where
+        assert "kept for the vision tower" in eng.placement.why
+        assert answer(eng) == want
+        assert gpu.mem_stats()["used"] <= gpu.mem_stats()["budget"]
+    finally:
+        eng.vision_gpu.close()
+        eng.gpu.close()

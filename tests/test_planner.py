@@ -195,6 +195,7 @@ def test_plan_command(tmp_path):
     r = run("--preset", "qwen3.6-35b-a3b", "--vram", "6GiB", "--no-gpu", "--prompt", "512", "--gen", "32")
     assert r.returncode == 0, r.stderr
     assert "chosen: cpu" in r.stdout and "no usable GPU" in r.stdout
+    assert "serve --parallel B" in r.stdout and "B=8" in r.stdout       # the batched decode's prediction
     assert (tmp_path / probe.MACHINE_FILE).exists()                     # measured once, cached
     bad = run("--preset", "qwen3.6-35b-a3b", "--vram", "lots")
     assert bad.returncode == 2 and "unit" in bad.stderr
@@ -238,13 +239,14 @@ def test_info_shows_the_cached_probe(tmp_path):
     assert "threads=2,gpu=0: CPU 90.0 GB/s read" in info()
 
 
-MALFORMED_CACHES = ["not json {", "[1, 2]", '"text"', '{"v3,threads=2,gpu=0": 5}',
-                    '{"v3,threads=2,gpu=0": {"cpu_threads": 2}}',                                   # a key missing
-                    '{"v3,threads=2,gpu=0": {"cpu_threads": "2", "cpu_read_gbps": 9.0}}',            # a wrong type
-                    '{"v3,threads=2,gpu=0": {"cpu_threads": 2, "cpu_read_gbps": null}}',
-                    '{"v3,threads=2,gpu=0": {"cpu_threads": 2, "cpu_read_gbps": NaN}}',
-                    '{"v3,threads=2,gpu=0": {"cpu_threads": 2, "cpu_read_gbps": 9.0, "gpu_name": 3}}',
-                    '{"v3,threads=2,gpu=0": {"cpu_threads": true, "cpu_read_gbps": 9.0}}']
+KEY2 = f"v{probe.PROBE_VERSION},threads=2,gpu=0"     # measure(2, gpu=False)'s cache key
+MALFORMED_CACHES = ["not json {", "[1, 2]", '"text"', f'{{"{KEY2}": 5}}',
+                    f'{{"{KEY2}": {{"cpu_threads": 2}}}}',                                      # a key missing
+                    f'{{"{KEY2}": {{"cpu_threads": "2", "cpu_read_gbps": 9.0}}}}',               # a wrong type
+                    f'{{"{KEY2}": {{"cpu_threads": 2, "cpu_read_gbps": null}}}}',
+                    f'{{"{KEY2}": {{"cpu_threads": 2, "cpu_read_gbps": NaN}}}}',
+                    f'{{"{KEY2}": {{"cpu_threads": 2, "cpu_read_gbps": 9.0, "gpu_name": 3}}}}',
+                    f'{{"{KEY2}": {{"cpu_threads": true, "cpu_read_gbps": 9.0}}}}']
 
 
 def fake_probe(monkeypatch, gbps: float, other: float) -> list:
@@ -258,6 +260,7 @@ def fake_probe(monkeypatch, gbps: float, other: float) -> list:
         return gbps
     reading = cpu_load.CpuLoad([0, 1], {0: other}, 0.0, 2.0 * other, 0.1)
     monkeypatch.setattr(probe, "machine_bandwidth", bandwidth)
+    monkeypatch.setattr(probe, "cpu_f32_gflops", lambda n, **kw: 100.0)
     monkeypatch.setattr(cpu_load, "sample", lambda *a: reading)
     monkeypatch.setattr(cpu_load, "during", lambda fn: (fn(), reading))
     return calls
@@ -281,7 +284,7 @@ def test_malformed_machine_cache_is_absent(tmp_path, monkeypatch, text):
     calls = fake_probe(monkeypatch, 30.0, 0.0)
     m = probe.measure(2, gpu=False)
     assert calls == [2] and m.cpu_read_gbps == 30.0
-    assert probe.machine_from_json(probe.cached_machines()["v3,threads=2,gpu=0"]) == m
+    assert probe.machine_from_json(probe.cached_machines()[KEY2]) == m
 
 
 @pytest.mark.parametrize("text", MALFORMED_CACHES[:2] + MALFORMED_CACHES[4:6])
@@ -302,7 +305,7 @@ def test_probe_under_load_is_flagged_and_retaken(tmp_path, monkeypatch):
     m = probe.measure(2, gpu=False)
     assert m.under_load and m.load_cpus == 1.0 and m.measured_at > 0 and calls == [2]
     assert "UNDER LOAD" in m.probe_note() and "retaken" in m.probe_note()
-    assert probe.cached_machines()["v3,threads=2,gpu=0"]["under_load"] is True
+    assert probe.cached_machines()[KEY2]["under_load"] is True
     assert "UNDER LOAD" in "\n".join(probe.format_machines(probe.cached_machines()))
     assert probe.measure(2, gpu=False).cpu_read_gbps == 6.6 and calls == [2]     # still busy: kept, not retaken
     calls = fake_probe(monkeypatch, 35.0, 0.0)                 # idle now
@@ -317,9 +320,9 @@ def test_probe_without_a_load_record_is_retaken_when_idle(tmp_path, monkeypatch)
     """A probe cached before the load was recorded (the issue's 6.6 GB/s) is retaken on an idle machine."""
     import json
     monkeypatch.setenv("LE_CACHE_DIR", str(tmp_path))
-    (tmp_path / probe.MACHINE_FILE).write_text(json.dumps({"v3,threads=2,gpu=0": {"cpu_threads": 2,
+    (tmp_path / probe.MACHINE_FILE).write_text(json.dumps({KEY2: {"cpu_threads": 2,
                                                                                 "cpu_read_gbps": 6.6}}))
-    old = probe.machine_from_json(probe.cached_machines()["v3,threads=2,gpu=0"])
+    old = probe.machine_from_json(probe.cached_machines()[KEY2])
     assert old.cpu_read_gbps == 6.6 and "no record" in old.probe_note()
     calls = fake_probe(monkeypatch, 35.0, 0.0)
     assert probe.measure(2, gpu=False).cpu_read_gbps == 35.0 and calls == [2]

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client: pip install openai")
@@ -46,6 +47,7 @@ pytestmark = pytest.mark.cpu
 
 N_THREADS = 2
 N_CTX = 2048
+LOGPROB_ABS = 1e-4   # the server's row and the reference session's are the same bits; float64 log-softmax of both
 MODEL_ID = "tiny-moe"
 API_KEY = "sk-test-key"
 MAX_BODY = 256 << 10
@@ -294,10 +296,70 @@ def test_seed_reproducible(server, client):
     assert a == b and a != c
 
 
-def test_n_above_one_is_refused(client):
+def test_n_choices(server, client, ref):
+    """n = 3: three choices (index 0..2); seeded, each is what its own seed (seed + i) gives as a lone request; the
+    usage counts the prompt once and every choice's tokens; greedy, all three are the greedy answer. Streamed, the
+    chunks of the three interleave and each choice's text is the same as unstreamed."""
+    base = dict(model=MODEL_ID, messages=MESSAGES, max_tokens=8, extra_body=NO_THINK)
+    r = client.chat.completions.create(**base, n=3, temperature=1.0, seed=11)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    alone = [client.chat.completions.create(**base, temperature=1.0, seed=11 + i).choices[0].message.content
+             for i in range(3)]
+    assert [c.message.content for c in r.choices] == alone and len(set(alone)) > 1
+    assert r.usage.prompt_tokens == client.chat.completions.create(**base, temperature=0).usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(
+        client.chat.completions.create(**base, temperature=1.0, seed=11 + i).usage.completion_tokens for i in range(3))
+    texts = ["", "", ""]
+    for ch in client.chat.completions.create(**base, n=3, temperature=1.0, seed=11, stream=True):
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == alone
+    greedy = client.chat.completions.create(**base, n=2, temperature=0)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, n=2, max_tokens=2)
+        client.chat.completions.create(**base, n=17)
     assert e.value.param == "n"
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - (np.log(np.exp(x - x.max()).sum()) + x.max())
+
+
+def test_logprobs_are_the_models(server, client, ref):
+    """chat logprobs + top_logprobs and the completions API's logprobs: each token's log-probability is the
+    log-softmax of the model's own row at that step (the reference session's), the alternatives are that row's top
+    tokens, and the sampled token is among them when greedy."""
+    prompt = "The colour of the sky is"
+    r = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    s = ref.session()
+    row = s.prefill(ref.tokenizer.encode(prompt))
+    ids = []
+    for k in range(len(lp.tokens)):
+        want = _log_softmax(row)
+        t = int(np.argmax(row))
+        ids.append(t)
+        assert lp.tokens[k] == ref.tokenizer.decode([t])
+        assert abs(lp.token_logprobs[k] - want[t]) < LOGPROB_ABS
+        top = sorted(lp.top_logprobs[k].items(), key=lambda kv: -kv[1])
+        assert [v for _, v in top] == pytest.approx(sorted(want, reverse=True)[:3], abs=LOGPROB_ABS)
+        row = s.decode(t)
+    assert lp.text_offset == [sum(len(x) for x in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    assert "".join(lp.tokens) == r.choices[0].text
+    c = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body=NO_THINK)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens - (c.choices[0].finish_reason == "stop")
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.logprob <= 0 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+    plain = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    for bad, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=2, **bad)
+        assert e.value.param == param
 
 
 # ------------------------------------------------------------------------------------------------ tools and reasoning
@@ -447,8 +509,12 @@ def test_chat_output_split_is_cut_independent(thinking, tools, text, reasoning, 
     ({"presence_penalty": 9}, "presence_penalty"),
     ({"tools": "get_weather"}, "tools"),
     ({"tools": [{"type": "function", "function": {}}]}, "tools"),
-    ({"logprobs": True}, "logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wrong"}}}},
+     "response_format"),
+    ({"response_format": "json"}, "response_format"),
     ({"chat_template_kwargs": {"enable_thinking": "no"}}, "enable_thinking"),
 ])
 def test_wrong_types_and_values(server, body, param):
@@ -1042,7 +1108,7 @@ def test_sigterm_ends_streams_and_queued_requests_cleanly(model_path, tmp_path):
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-c", SERVE_MAIN, "serve", model_path, "--port", str(port),
-                             "--ctx", "2048", "--threads", "2", "--alias", "t", "--cache-ram", "0",
+                             "--ctx", "2048", "--threads", "2", "--alias", "t", "--cache-ram", "0", "--parallel", "1",
                              "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             encoding="utf-8", errors="replace")
     try:
@@ -1137,3 +1203,77 @@ def test_running_jobs_step_while_a_long_prompt_runs(server, client):
     assert r.usage.prompt_tokens == 1200
     steps = [st for n, st in seen if n == 1200]
     assert len(steps) >= 5 and all(b > a for a, b in zip(steps, steps[1:])), steps
+
+
+# ------------------------------------------------------------------------------------------------ response_format
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 150},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_json_schema_output_parses_and_fits(server, client, temperature):
+    """response_format json_schema: the random model's answer is a JSON document of the schema (llguidance's masks),
+    for greedy and sampled draws (thinking off: the random model never closes its reasoning; tests/test_grammar.py
+    covers the document starting after </think>)."""
+    for seed in (7, 8):
+        r = client.chat.completions.create(
+            model=MODEL_ID, max_tokens=120, temperature=temperature, seed=seed, messages=MESSAGES, extra_body=NO_THINK,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", text
+        doc = json.loads(text)
+        assert set(doc) == {"name", "age", "tags"} and isinstance(doc["name"], str) and len(doc["name"]) <= 10
+        assert type(doc["age"]) is int and 0 <= doc["age"] <= 150
+        assert isinstance(doc["tags"], list) and len(doc["tags"]) <= 3 and set(doc["tags"]) <= {"a", "b"}
+
+
+def test_json_object_and_unconstrained_differ(server, client):
+    """json_object gives an object where the same request without it gives the model's free text."""
+    base = dict(model=MODEL_ID, max_tokens=60, temperature=0, messages=MESSAGES, extra_body=NO_THINK)
+    free = client.chat.completions.create(**base).choices[0].message.content
+    r = client.chat.completions.create(**base, response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:   # cut by max_tokens inside the document: still a prefix of an object
+        assert text.startswith("{")
+    assert text != free
+
+
+def test_short_request_starts_inside_a_long_prompt(server, client):
+    """With a free slot, a short request that arrives while a long prompt runs starts between that prompt's chunks
+    and is answered before the long one (each chunk slowed to 0.25 s by the seam); with one slot it waits."""
+    server.wait_idle()
+    saved, started = server.worker.prefill, threading.Event()
+    floor = server.worker._seq
+
+    def slow(session, ids_, cancel=None, **kw):
+        def check():
+            if len(ids_) > 1000:
+                started.set()
+                time.sleep(0.25)
+            return cancel()
+        return saved(session, ids_, check, **kw)
+    server.worker.prefill = slow
+    done = {}
+    try:
+        long_ids = random.Random(4).choices(range(1000, 5000), k=1500)   # 6 chunks of PREFILL_BATCH
+
+        def long_one():
+            client.completions.create(model=MODEL_ID, prompt=long_ids, max_tokens=1, temperature=0)
+            done["long"] = time.monotonic()
+        t = threading.Thread(target=long_one)
+        t.start()
+        assert started.wait(10)
+        client.completions.create(model=MODEL_ID, prompt="short", max_tokens=2, temperature=0)
+        done["short"] = time.monotonic()
+        t.join(60)
+    finally:
+        server.worker.prefill = saved
+    server.wait_idle()
+    ended = [seq for seq, *_ in server.worker.log if seq >= floor]     # in the order the jobs ended
+    assert sorted(ended) == [floor, floor + 1] and done.keys() == {"long", "short"}
+    assert ended == ([floor + 1, floor] if server.worker.parallel > 1 else [floor, floor + 1]), ended

@@ -88,6 +88,10 @@ def test_cli_run_and_info_with_an_image(tiny_vision_gguf, tmp_path):
     assert r.returncode == 2 and "--mmproj" in r.stderr
     r = subprocess.run(run + ["info", mmproj], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ViT: 2 blocks, hidden 64" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "for images up to 65,536 patches" in r.stdout and "plan MODEL --mmproj FILE" in r.stdout, r.stdout
+    r = subprocess.run(run + ["plan", text, "--mmproj", mmproj, "--no-gpu", "-t", "2"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "vision tower (with --gpu): on the CPU (no usable GPU)" in r.stdout, r.stderr[-2000:]
     chat = subprocess.run(run + ["chat", text, "--mmproj", mmproj, "-n", "2", "-t", "2", "--no-think"],
                           input=f"/image {tmp_path / 'missing.png'}\n/image {img}\nwhat is it?\n", capture_output=True,
                           text=True, timeout=300)

@@ -89,7 +89,9 @@ def _attention_ref(qkv, seg, n_head):
     return out.reshape(n, H)
 
 
-def test_attention_matches_numpy_per_segment_and_threads_agree():
+@pytest.mark.parametrize("forced_isa", _native.ISA_NAMES, indirect=True)
+def test_attention_matches_numpy_per_segment_and_threads_agree(forced_isa):
+    """Every tier's gemm_nn and exp_sub_sum under the attention (tests/test_f32_kernels.py tests them alone)."""
     rng = np.random.default_rng(2)
     qkv = (2 * rng.standard_normal((3 * 24, 3 * 2 * 32))).astype(np.float32)   # 3 frames of 24 patches
     one = _native.vision_attention(qkv, 24, 2, n_threads=1)
@@ -97,6 +99,17 @@ def test_attention_matches_numpy_per_segment_and_threads_agree():
     assert np.array_equal(one, _native.vision_attention(qkv, 24, 2, n_threads=2))
     # the segments are independent: one long segment gives other numbers
     assert np.max(np.abs(one - _native.vision_attention(qkv, 72, 2))) > 1e-3
+
+
+@pytest.mark.parametrize("forced_isa", _native.ISA_NAMES, indirect=True)
+@pytest.mark.parametrize("seg,n_head,hd", [(784, 2, 64), (100, 1, 72)])
+def test_attention_real_head_sizes(forced_isa, seg, n_head, hd):
+    """The real tower's head (64: gemm_nn's full tiles, 784 keys = a 448x448 image) and the tiny towers' 72 (column
+    tails), a segment that is no multiple of the 48-query tile."""
+    rng = np.random.default_rng([seg, hd])
+    qkv = rng.standard_normal((seg, 3 * n_head * hd)).astype(np.float32)
+    got = _native.vision_attention(qkv, seg, n_head, n_threads=2)
+    _close(got, _attention_ref(qkv, seg, n_head), "bidirectional attention", VISION_ATTN_REL)
 
 
 @pytest.mark.parametrize("grid", [(1, 4, 6), (1, 6, 10), (2, 8, 8), (1, 2, 2), (1, 16, 12)])

@@ -236,3 +236,26 @@ MTMD_VISION_REL = 3e-3
 # lanes' tree plus the masked tail). Measured on random N(0, 1) operands: <= 0.63 of (K u M). A SIMD tier against the
 # scalar reference: both within that bound of the exact sum, so within twice it of each other.
 GEMM_TILE_F32_EXTRA = 16
+
+# ---- llama.cpp's time to first token beside ours (tests/test_bench_vision.py) --------------------------------------
+# The last position's logits of an image question (the same prompt text and PNG, 448x448: both engines keep its 196
+# tokens), ours against llama.cpp's (LlamaChat: mtmd encode, llama_decode of the chunks), max |Δ| / max |logit| on the
+# dense tiny model with an F16 mmproj: the gap is mtmd's tower error (MTMD_VISION_REL: its f16 GELU table) carried
+# through the LM. Measured 8.6e-4 and 9.8e-4 (image seeds 0 and 3; the same with llama.cpp's KV cache in F32 as in
+# its default F16); another image on llama.cpp's side (seed 1 vs 0) gives 7.9e-2. 3e-3 keeps ~3x over the measured
+# and ~25x below a wrong image.
+MTMD_TTFT_LOGITS_REL = 3e-3
+
+# gemm_nn (le_simd.h; tests/test_f32_kernels.py), per element against f64 math: each C element is one FMA chain per
+# block of LE_GEMM_NN_KB = 128 k's, the block sums added in order (the reference: the same order, unfused), so a
+# product passes through at most min(K, 128) + K / 128 roundings (its own included where unfused), never more than
+# K + 2: |err| <= (K + GEMM_NN_F32_EXTRA) u sum_k |a_ik b_jk|. Measured on N(0, 1) operands: <= 0.40 of (K u M)
+# (K = 1: one rounding), <= 0.16 for K >= 7.
+GEMM_NN_F32_EXTRA = 2
+
+# exp_sub_sum (le_simd.h; tests/test_f32_kernels.py): each SIMD tier's y = exp(x scale - max scale) against the
+# reference's glibc expf on the same argument, in units in the last place (the f32 bit patterns' distance, which
+# counts subnormal steps as ulps too). The vector expf (cpu_simd/simd_x86.h: Cephes' polynomial, FMA range reduction)
+# measured max 1 ulp, mean 0.05, over 300k points of [-110, 0] and random rows at scales 1/8 and 1/sqrt(72); 2
+# leaves room for a libm whose expf is itself ~1 ulp off. Below -104 and at -inf both give exactly 0.
+EXP_SUB_SUM_ULP = 2

@@ -135,3 +135,17 @@ class Model:
         if out is not None:
             check_logits(out, state.pos - out.shape[0])
         return out
+
+    def forward_batch(self, states: list[_native.NativeState], token_lists, chunked: bool = True) -> np.ndarray:
+        """One pass advancing several sequences: states[s] (distinct) runs token_lists[s] (int[n_s], n_s >= 1) at
+        positions states[s].pos.. -> logits float32[n_seq, n_vocab], row s the last token's of sequence s. Each
+        weight row is read once for all of them (batched decode; a prefill chunk may ride along); row s and
+        states[s] afterwards equal forward(states[s], token_lists[s], chunked=chunked) bit for bit.
+        ValueError / ContextLengthError before anything runs (_native.forward_seqs); FormatError when a row is not
+        finite (check_logits; the states have advanced then)."""
+        out = _native.forward_seqs(self.native, states, token_lists, self.hparams.n_vocab, chunked)
+        if not np.isfinite(out).all():      # the first bad row, named by its sequence's position
+            for s, st in enumerate(states):
+                check_logits(out[s:s + 1], st.pos - 1)
+        return out
+

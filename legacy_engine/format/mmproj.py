@@ -88,6 +88,25 @@ class VisionHparams:
         """Values of one flattened patch (channel, time, y, x): 1536 for 3·2·16·16."""
         return IN_CHANNELS * self.temporal_patch * self.patch_size * self.patch_size
 
+    @property
+    def max_patches(self) -> int:
+        """Patches of the largest image the processor makes (format/image.smart_resize): at most max_pixels pixels
+        in whole merge blocks of (patch·merge)² pixels, merge² patches each (65,536 at 4096x4096)."""
+        block = (self.patch_size * self.merge) ** 2
+        return max(self.max_pixels // block, 1) * self.merge * self.merge
+
+
+def encode_flops(hp: VisionHparams, n_patches: int) -> int:
+    """2 × the multiply-adds of one encode of an image of n_patches patches (N), with H hidden, F ffn, D blocks,
+    M² = merge², O out: patch embedding 2·N·(3·T·P·P)·H; per block 2·N·H·3H (qkv) + 4·N²·H (QKᵀ and AV, full
+    attention over the image) + 2·N·H² (proj) + 4·N·H·F (fc1, fc2); merger 2·(N/M²)·(M²H)² + 2·(N/M²)·M²H·O."""
+    n, h, f = n_patches, hp.hidden, hp.ffn
+    patch = 2 * n * hp.patch_pixels * h
+    block = 2 * n * h * 3 * h + 4 * n * n * h + 2 * n * h * h + 4 * n * h * f
+    m = hp.merge ** 2
+    merger = 2 * (n // m) * (m * h) ** 2 + 2 * (n // m) * m * h * hp.out_hidden
+    return patch + hp.depth * block + merger
+
 
 def is_mmproj(meta: dict) -> bool:
     """True when GGUF metadata (GGUFFile.metadata) describes a multimodal projector rather than a text model."""

@@ -43,6 +43,8 @@ class Placement:
     activations; logit_rows: rows of logits a head pass computes; arena_bytes: the block arena of a pass of chunk
     tokens (a shorter pass takes less).
     budget: bytes the model may allocate (held by the driver layer while it lives), None: no budget.
+    reserved: bytes of that budget kept for what runs beside the model (the vision tower: plan/vision.py); the
+    model's footprint fits budget - reserved.
     min_gpu_tokens: the split runs passes of at least this many tokens on the GPU. why: the planner's reasons."""
     decode: str
     budget: int | None
@@ -62,6 +64,7 @@ class Placement:
     footprint: VramFootprint
     min_gpu_tokens: int = 1
     why: str = ""
+    reserved: int = 0
 
     @property
     def stream(self) -> bool:
@@ -112,12 +115,12 @@ def _check_settings(file, decode: str, chunk: int, link_experts: int, early_expe
 def place(file, *, budget: int | None = None, n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, int8: bool = True,
           stream: bool = False, pinned: dict | None = None, decode: str | None = None, link_experts: int = 0,
           early_experts: int = 0, decode_extras: dict | None = None, min_gpu_tokens: int = 1,
-          why: str = "") -> Placement:
+          why: str = "", reserved: int = 0) -> Placement:
     """The complete Placement of a GPU model of `file` from the planner's decisions: stream (the routed experts
     stay in host RAM; a dense file has none to stream: resident), pinned {layer: expert ids}, decode ("gpu" when
     resident; "cpu" (default) or "hybrid" when streamed), the hybrid decode's link, early and extra experts, passes
     of `chunk` tokens, states of up to n_ctx positions, the scratch for Q8_1 activations (int8). With a budget, the
-    footprint must fit it (PlanningError naming the parts)."""
+    footprint must fit it less `reserved` (bytes kept for the vision tower; PlanningError naming the parts)."""
     hp = file.hparams
     stream = bool(stream) and hp.n_expert > 0
     decode = decode or ("cpu" if stream else "gpu")
@@ -132,8 +135,12 @@ def place(file, *, budget: int | None = None, n_ctx: int = 4096, chunk: int = PR
     rows = head_rows(chunk, stream)
     fp = vram_footprint(file, stream_experts=stream, pinned=pins, n_ctx=n_ctx, chunk=chunk, int8=int8,
                         logit_rows=rows, link_experts=link_experts, early_experts=early_experts)
+    if not 0 <= int(reserved) <= (int(budget) if budget is not None else 0):
+        raise ValueError(f"reserved = {reserved}: 0 … the budget ({budget})")
     if budget is not None:
-        check_fits(fp, int(budget), f"{'streamed' if stream else 'resident'} GPU model")
+        what = f"{'streamed' if stream else 'resident'} GPU model" + (
+            f" beside {int(reserved) / 2**30:.2f} GiB kept for the vision tower" if reserved else "")
+        check_fits(fp, int(budget) - int(reserved), what)
     names = resident_names(file, stream)
     offsets, total = weight_layout(file, names)
     residency = dict.fromkeys(names, "resident")
@@ -149,4 +156,5 @@ def place(file, *, budget: int | None = None, n_ctx: int = 4096, chunk: int = PR
     frozen = lambda d: MappingProxyType(dict(d))     # noqa: E731
     return Placement(decode, None if budget is None else int(budget), int(n_ctx), chunk, bool(int8),
                      frozen(residency), frozen(offsets), total, frozen(pins), link_experts, early_experts,
-                     frozen(extras), frozen(at), rows, arena_bytes(hp, chunk, int8), fp, int(min_gpu_tokens), why)
+                     frozen(extras), frozen(at), rows, arena_bytes(hp, chunk, int8), fp, int(min_gpu_tokens), why,
+                     int(reserved))

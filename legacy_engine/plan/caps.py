@@ -173,9 +173,11 @@ def format_machine_report(rep: dict) -> list[str]:
         lines.append("  sampling: in VRAM on every tier (sample_cut: the candidates of top-k/top-p/min-p chosen on the "
                      "GPU, only they cross the link; a flat top-p row's cut bin; penalties or temperature alone: the "
                      "row is downloaded)")
-        lines.append("  images: the vision tower on the GPU beside a resident model (layernorm, gelu, rope_vision, "
-                     "attention_bidir, gemm_f32; every tier), on the CPU beside a split one; the LM's image rows and "
-                     "M-RoPE on the GPU")
+        lines.append("  images: the vision tower on the GPU (layernorm, gelu, rope_vision, attention_bidir, gemm_f32; "
+                     "every tier) where the planner finds its VRAM (f32 weights + the largest image's scratch) beside "
+                     "the model's placement, a split's pinned experts giving way, and predicts it faster than the CPU; "
+                     "else on the CPU (`legacy-engine plan MODEL --mmproj FILE` shows the decision, `run` says it); "
+                     "the LM's image rows and M-RoPE on the GPU")
     else:
         lines.append(f"GPU      none: {gpu['reason']}")
     return lines

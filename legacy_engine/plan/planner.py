@@ -436,28 +436,45 @@ STREAM_CHUNKS = (2048, 1024, 512, 256)   # pass lengths the planner tries for st
 DECODES = ("auto", "cpu", "hybrid")
 
 
+def vram_budget(vram: int | None = None) -> int:
+    """The VRAM budget of a GPU engine: `vram` bytes, or (None) what the device has free less VRAM_MARGIN."""
+    gpu.init()
+    return int(vram) if vram is not None else max(0, gpu.mem_stats()["free_bytes"] - VRAM_MARGIN)
+
+
+def gpu_int8(options: GpuOptions | None = None) -> bool:
+    """Whether a GPU model with `options` on this device plans scratch for Q8_1 activations (its int8 matmuls)."""
+    gpu.init()
+    return any((options or GpuOptions()).precision(gpu.device_arch()))
+
+
 def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, options: GpuOptions | None = None,
                   min_gpu_tokens: int | None = None, machine: Machine | None = None,
-                  counts: dict | None = None, decode: str = "auto") -> Placement:
+                  counts: dict | None = None, decode: str = "auto", reserve: int = 0) -> Placement:
     """Where a GPU run of `model` with `options` (GpuOptions: its int8 matmuls need scratch for Q8_1 activations)
     puts its weights under `vram` (default: free VRAM minus VRAM_MARGIN): resident when everything fits, else (MoE)
     dense weights resident + experts streamed with the budget left pinned, the GPU prefilling passes of
     >= min_gpu_tokens (default: the crossover predicted from `machine`, measured once and cached). decode (streamed
-    placements): 'cpu', 'hybrid', or 'auto' = the one predicted faster. PlanningError when nothing fits."""
+    placements): 'cpu', 'hybrid', or 'auto' = the one predicted faster. reserve: bytes of the budget kept for the
+    vision tower (plan/vision.py VisionPlacement.reserve): the model is planned in the rest, and its Placement holds
+    the whole budget with them `reserved`. PlanningError when nothing fits."""
     if decode not in DECODES:
         raise ValueError(f"decode = {decode!r}: one of {', '.join(DECODES)}")
-    gpu.init()
-    int8 = any((options or GpuOptions()).precision(gpu.device_arch()))
+    int8 = gpu_int8(options)
     file = model.file
-    budget = int(vram) if vram is not None else max(0, gpu.mem_stats()["free_bytes"] - VRAM_MARGIN)
+    held = vram_budget(vram)
+    if not 0 <= reserve <= held:
+        raise ValueError(f"reserve = {reserve}: 0 … the budget ({held})")
+    budget = held - reserve
+    kept = f" ({reserve / GiB:.2f} GiB more kept for the vision tower)" if reserve else ""
     fp = vram_footprint(file, n_ctx=n_ctx, int8=int8)
     if fp.total <= budget:
-        return place(file, budget=budget, n_ctx=n_ctx, int8=int8,
-                     why=f"resident: {fp.describe()} in a budget of {budget / GiB:.2f} GiB")
+        return place(file, budget=held, reserved=reserve, n_ctx=n_ctx, int8=int8,
+                     why=f"resident: {fp.describe()} in a budget of {budget / GiB:.2f} GiB{kept}")
     if not file.hparams.n_expert:
         raise PlanningError(f"the model needs {fp.total / GiB:.2f} GiB of VRAM ({fp.describe()}), the budget is "
-                            f"{budget / GiB:.2f} GiB, and a dense model has no experts to stream: run it on the CPU "
-                            "(without --gpu)")
+                            f"{budget / GiB:.2f} GiB{kept}, and a dense model has no experts to stream: run it on the "
+                            "CPU (without --gpu)")
     m = machine
     if m is None:
         m = measure(model.n_threads)
@@ -480,13 +497,13 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, options: Gp
     extras = st.decode_extras if decode == "hybrid" else {}
     if min_gpu_tokens is None:
         min_gpu_tokens = st.min_gpu_tokens
-    pl = place(file, budget=budget, n_ctx=n_ctx, chunk=chunk, int8=int8, stream=True, pinned=pins, decode=decode,
-               link_experts=link, decode_extras=extras, min_gpu_tokens=int(min_gpu_tokens))
+    pl = place(file, budget=held, reserved=reserve, n_ctx=n_ctx, chunk=chunk, int8=int8, stream=True, pinned=pins,
+               decode=decode, link_experts=link, decode_extras=extras, min_gpu_tokens=int(min_gpu_tokens))
     n_pin = sum(len(v) for v in pins.values())
     how = "the hottest by the saved routing counts" if counts else "spread evenly: no routing statistics yet"
     return dataclasses.replace(
         pl, why=f"streamed experts ({n_pin} pinned, {how}): {pl.footprint.describe()} in a budget of "
-                f"{budget / GiB:.2f} GiB; "
+                f"{budget / GiB:.2f} GiB{kept}; "
                 f"GPU prefill for passes of >= {min_gpu_tokens} tokens ({chunk} per pass); {dec_why}"
                 + (f", {link} experts per layer fetched over the link" if link else "")
                 + (f", {sum(map(len, extras.values()))} more kept in the staging for the decode" if extras else ""))
@@ -521,7 +538,7 @@ def repin(file, placement: Placement, counts: dict) -> Placement | None:
         return place(file, budget=placement.budget, n_ctx=placement.n_ctx, chunk=placement.chunk, int8=placement.int8,
                      stream=True, pinned=best, decode=placement.decode, link_experts=placement.link_experts,
                      early_experts=placement.early_experts, decode_extras=extras,
-                     min_gpu_tokens=placement.min_gpu_tokens, why=placement.why)
+                     min_gpu_tokens=placement.min_gpu_tokens, why=placement.why, reserved=placement.reserved)
     except PlanningError:             # the new layout's granules do not fit: keep the pins there are
         return None
 

@@ -1,6 +1,7 @@
 """The machine as the planner sees it: probes of this machine, measured once and cached per machine in
 $LE_CACHE_DIR/machine.json (`measure`): host read bandwidth at the decode thread count (`machine_bandwidth`:
-numpy reductions, no C code of ours involved), and the GPU's host→device bandwidth from page-locked memory, GEMM
+numpy reductions, no C code of ours involved), the CPU's f32 GEMM rate at that count (`cpu_f32_gflops`: the vision
+tower's matmul kernel), and the GPU's host→device bandwidth from page-locked memory, GEMM
 and GEMV throughput of its tier and launch cost (`_gpu_probes`). `Machine` holds them, measured or described
 (tests, --simulate-link); `format_machines` is `info`'s view of the cache.
 """
@@ -62,10 +63,41 @@ def machine_bandwidth(n_threads: int, size_mib: int = 1024, reps: int = 5) -> fl
     return max(read_bandwidth(n_threads, reps=reps, kernel=k, buf=buf) for k in READ_KERNELS)
 
 
+# ================================================================================================ CPU f32 GEMM rate
+
+# The probe's product per thread and call: a token block of the vision tower's matmuls (native/vision.c MM_TOK 64
+# tokens x 768) against 256 weight rows, in L2 like the tower's tiles (~25 MFLOP, ~0.3 ms on one AVX-512 core).
+F32_PROBE_SHAPE = (64, 256, 768)      # m (tokens), n (weight rows), k
+F32_PROBE_CALLS = 8                   # calls per thread and pass
+
+
+def cpu_f32_gflops(n_threads: int, reps: int = 3) -> float:
+    """Best GFLOP/s (1e9 flop/s) of the C core's f32 GEMM tile kernel (le_gemm_f32_k: the selected tier's
+    gemm_tile, the vision tower's matmuls) on n_threads Python threads at once (cffi releases the GIL), each on
+    its own operands."""
+    m, n, k = F32_PROBE_SHAPE
+    rng = np.random.default_rng(0)
+    ops = [(rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32))
+           for _ in range(n_threads)]
+
+    def work(ab):
+        for _ in range(F32_PROBE_CALLS):
+            _native.gemm_f32(*ab)
+    with ThreadPoolExecutor(n_threads) as ex:
+        list(ex.map(work, ops))                                   # warm-up: thread start, caches
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            list(ex.map(work, ops))
+            best = min(best, time.perf_counter() - t0)
+    return 2 * m * n * k * F32_PROBE_CALLS * n_threads / best / 1e9
+
+
 # ================================================================================================ the probe
 
 MACHINE_FILE = "machine.json"
-PROBE_VERSION = 3   # part of the cache key: 3 = the GEMM probe times the prefill's own GEMM (gemm_mma / gemm_dp4a)
+PROBE_VERSION = 4   # part of the cache key: 3 = the GEMM probe times the prefill's own GEMM (gemm_mma / gemm_dp4a);
+#                     4 = the CPU's f32 GEMM rate (cpu_f32_gflops) is probed too
 # A probe taken while other work ran on the CPUs reads low (issue 21: 6.6 GB/s host reads on a 2-core box with other
 # work on the cores, 35 GB/s idle, and `plan` predicted 5x too low until --remeasure). measure() records the other
 # work (cpu_load: CPUs' worth before and during the probe, and the load average) and flags the probe `under_load`
@@ -79,6 +111,7 @@ class Machine:
     """What the planner knows of a machine: measured (`measure`) or described (tests, --simulate-link)."""
     cpu_threads: int
     cpu_read_gbps: float                 # host read bandwidth at cpu_threads (GB/s)
+    cpu_f32_gflops: float = 0.0          # f32 GEMM tile kernel at cpu_threads (GFLOP/s; 0: not probed)
     gpu_name: str = ""                   # "" = no usable GPU
     gpu_tier: str = ""
     vram_free: int = 0                   # bytes free on the device when measured
@@ -240,9 +273,11 @@ def measure(n_threads: int | None = None, gpu: bool = True, cache: bool = True, 
     say(f"measuring this machine ({n_threads} threads{', GPU' if gpu else ''}) …")
     before = cpu_load.sample()
     bw, during = cpu_load.during(lambda: machine_bandwidth(n_threads, size_mib=512, reps=3))
+    f32 = cpu_f32_gflops(n_threads)
     loads = [x for x in (before, during) if x is not None]
     other = max((x.other for x in loads), default=-1.0)
-    m = {"cpu_threads": n_threads, "cpu_read_gbps": bw, "measured_at": time.time(), "load_cpus": round(other, 2),
+    m = {"cpu_threads": n_threads, "cpu_read_gbps": bw, "cpu_f32_gflops": f32, "measured_at": time.time(),
+         "load_cpus": round(other, 2),
          "load_avg": round(loads[-1].load_avg, 2) if loads else -1.0,
          "under_load": other >= cpu_load.BUSY_CPU}
     if m["under_load"]:
@@ -278,7 +313,8 @@ def format_machines(saved: dict) -> list[str]:
         return ["Planner  no machine probe cached yet (`legacy-engine plan` measures once, ~10 s)"]
     out = ["Planner  cached machine probes (`legacy-engine plan --remeasure` refreshes):"]
     for key, m in sorted(ms.items()):
-        line = f"  {key}: CPU {m.cpu_read_gbps:.1f} GB/s read"
+        line = f"  {key}: CPU {m.cpu_read_gbps:.1f} GB/s read" + (
+            f", f32 GEMM {m.cpu_f32_gflops:.0f} GFLOP/s" if m.cpu_f32_gflops else "")
         if m.gpu_name:
             line += (f"; GPU {m.gpu_name} ({m.gpu_tier}): link {m.link_gbps:.1f} GB/s, GEMM "
                      f"{m.gpu_gemm_tflops:.1f} TFLOP/s, GEMV {m.gpu_gemv_gbps:.0f} GB/s")

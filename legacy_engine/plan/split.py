@@ -31,6 +31,12 @@ class SplitModel:
         self.hybrid = bool(getattr(gpu_model, "cpu_experts", False))     # the placement's hybrid decode
         self.passes = {"gpu": 0, "cpu": 0, "hybrid": 0}
 
+    @property
+    def forward_batch(self):
+        """Model.forward_batch of the CPU engine where the states are CPU states (the stream placement: decode runs on
+        the CPU, B sequences in one pass); None with the hybrid decode (GPU states: one sequence per pass)."""
+        return None if self.hybrid else getattr(self.cpu, "forward_batch", None)
+
     def new_state(self, n_ctx: int):
         return self.gm.new_state(n_ctx) if self.hybrid else self.cpu.new_state(n_ctx)
 

@@ -23,7 +23,9 @@ from ..gpu.model import GpuModel
 from ..gpu.vision import GpuVisionTower
 from ..gpu.options import GpuOptions
 from ..plan import planner
+from ..plan.probe import measure
 from ..plan.split import SplitModel
+from ..plan.vision import VisionPlacement, cpu_vision_placement, vision_placement
 
 PREFILL_BATCH = 256  # tokens per forward call during prefill: bounds activation memory
 ENCODED_IMAGES = 16  # the tower's outputs kept by image digest (Engine._encode)
@@ -104,18 +106,30 @@ class Engine:
         on the CPU, the rest on the GPU) or 'auto' (the planner's faster));
         `self.cpu_model` stays the CPU engine of the same file.
         mmproj: the vision projector GGUF of this model (llama.cpp's mmproj file): images in prompts
-        (`prompt_images`), the tower on the CPU."""
+        (`prompt_images`); the tower on the CPU, or with gpu on the GPU where the planner puts it there
+        (plan/vision.py: `self.vision_placement`, within the same VRAM budget)."""
         t0 = time.perf_counter()
         self.cpu_model = self.model = Model(path, n_threads, mmap=mmap, numa=numa, pin=pin,
                                             check_tensors=check_tensors)
+        mm = None
+        if mmproj is not None:
+            mm = MmprojFile.open(mmproj)
+            check_compatible(mm.hparams, self.cpu_model.hparams, mm.path)
         self.gpu = None
         self.placement = None
+        self.vision_placement: VisionPlacement | None = None
         if gpu:
             opts = GpuOptions(tier=gpu_tier, int8=gpu_int8, graphs=gpu_graphs,
                               mma=None if gpu_mma is None or gpu_int8 is False else gpu_mma, progress=progress,
                               save_routing=functools.partial(planner.save_routing, self.cpu_model))
-            pl = self.placement = planner.gpu_placement(self.cpu_model, gpu_vram, n_ctx, opts,
-                                                        min_gpu_tokens=gpu_min_tokens, decode=gpu_decode)
+            budget, machine = planner.vram_budget(gpu_vram), None
+            if mm is not None:     # the tower's place first: beside a split model, its VRAM comes out of the pins
+                machine = measure(self.cpu_model.n_threads)
+                self.vision_placement = vision_placement(self.cpu_model.file, mm.hparams, machine, budget, n_ctx,
+                                                         planner.gpu_int8(opts))
+            pl = self.placement = planner.gpu_placement(
+                self.cpu_model, budget, n_ctx, opts, min_gpu_tokens=gpu_min_tokens, decode=gpu_decode,
+                machine=machine, reserve=self.vision_placement.reserve if self.vision_placement else 0)
             self.gpu = self.model = GpuModel(self.cpu_model, pl, opts)
             if pl.stream:
                 self.model = SplitModel(self.cpu_model, self.gpu, pl.min_gpu_tokens)
@@ -131,15 +145,16 @@ class Engine:
         self.vision = self.vision_gpu = None
         self.vision_where = ""
         self._encoded: dict[str, np.ndarray] = {}     # image digest -> merged embeddings, oldest first
-        if mmproj is not None:
-            mm = MmprojFile.open(mmproj)
-            check_compatible(mm.hparams, self.cpu_model.hparams, mm.path)
+        if mm is not None:
             self.vision = VisionTower(mm, self.cpu_model.n_threads)
             v = mm.hparams     # the processor the tower was trained with, sized by this file
             self.image_config = ImageConfig(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch,
                                             merge_size=v.merge, min_pixels=v.min_pixels, max_pixels=v.max_pixels,
                                             image_mean=v.image_mean, image_std=v.image_std)
-            self.vision_gpu, self.vision_where = self._gpu_tower()
+            if self.vision_placement is None:
+                self.vision_placement = cpu_vision_placement(v)
+            self.vision_gpu = self._gpu_tower()
+            self.vision_where = self.vision_placement.describe()
         self.load_s = time.perf_counter() - t0
 
     def session(self) -> "Session":
@@ -155,17 +170,12 @@ class Engine:
         self.placement = new
         return True
 
-    def _gpu_tower(self) -> tuple[GpuVisionTower | None, str]:
-        """(the tower on the GPU, where it runs and why): on the GPU beside a resident model; on the CPU without a
-        GPU, beside a split model (the budget is the experts'), or when its upload does not fit."""
-        if self.gpu is None:
-            return None, "the CPU"
-        if self.placement.stream:
-            return None, "the CPU (the model runs split: its VRAM budget goes to the experts)"
-        try:
-            return GpuVisionTower(self.vision, self.gpu.k), "the GPU"
-        except (EngineError, MemoryError) as e:
-            return None, f"the CPU (its upload to the GPU failed: {e})"
+    def _gpu_tower(self) -> GpuVisionTower | None:
+        """The planner's vision placement applied: the tower uploaded to the GPU where it chose the GPU (its VRAM
+        kept free by the model's placement: Placement.reserved), else None (the CPU tower encodes)."""
+        if self.vision_placement.where != "gpu":
+            return None
+        return GpuVisionTower(self.vision, self.gpu.k)
 
     def load_images(self, sources) -> list[ImageInput]:
         """Paths or bytes -> preprocessed images (format.image, the tower's patch and pixel limits)."""
@@ -193,6 +203,10 @@ class Engine:
         if not images:
             return None
         return PromptImages(tuple(spans), np.concatenate([self._encode(img) for img in images]))
+
+    def forget_images(self) -> None:
+        """Drops the tower's cached encodes: the next prompt's images are encoded again (a benchmark's repeats)."""
+        self._encoded.clear()
 
     def _encode(self, img: ImageInput) -> np.ndarray:
         # the tower's output by the image's pixel hash: a repeated image (a conversation's earlier turns, a cached
@@ -384,8 +398,9 @@ def batched_decode(engine: Engine) -> Callable[[list[Session], list[int], list],
     decoding it alone); otherwise one session after another (batched_decode_mode says which)."""
     fwd = getattr(engine.model, "forward_batch", None)
     if fwd is None:
-        return lambda sessions, tokens, samplers: [s.decode_next(t, smp)
-                                                   for s, t, smp in zip(sessions, tokens, samplers)]
+        return lambda sessions, tokens, samplers: [  # a constrained draw needs the whole row (needs_row)
+            smp.sample(s.decode(t), s.tokens) if getattr(smp, "needs_row", False) else s.decode_next(t, smp)
+            for s, t, smp in zip(sessions, tokens, samplers)]
 
     def decode(sessions: list[Session], tokens: list[int], samplers: list) -> list[int]:
         for s in sessions:

@@ -133,3 +133,36 @@ class Sampler:
         x = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
         ids, counts = self.penalty_counts(history)
         return self.native.probs(x, ids, counts)
+
+
+class LogprobSampler:
+    """A sampler that also reports, for every token it draws, the token's log-probability under the model's own
+    distribution (the log-softmax of the raw logits, before temperature, penalties, filters or a grammar's mask: what
+    the model believes, whatever the draw's settings) and the `top` most likely tokens with theirs. `entries` collects
+    (token, logprob, [(id, logprob), …]) until taken (take())."""
+
+    needs_row = True     # the whole row is needed for its log-softmax: a GPU's candidate sampling cannot give it
+
+    def __init__(self, inner, top: int):
+        self.inner, self.top = inner, top
+        self.entries: list[tuple[int, float, list[tuple[int, float]]]] = []
+
+    @property
+    def stopped(self) -> bool:
+        return getattr(self.inner, "stopped", False)
+
+    def sample(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+        t = self.inner.sample(logits, history)
+        x = np.asarray(logits, dtype=np.float64).reshape(-1)
+        lse = float(np.log(np.exp(x - x.max()).sum()) + x.max())
+        alts = []
+        if self.top:
+            ids = np.argpartition(-x, self.top - 1)[:self.top]
+            ids = ids[np.lexsort((ids, -x[ids]))]                 # by logit, lower id first on ties
+            alts = [(int(i), float(x[i] - lse)) for i in ids]
+        self.entries.append((int(t), float(x[t] - lse), alts))
+        return t
+
+    def take(self) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        out, self.entries = self.entries, []
+        return out

@@ -11,6 +11,12 @@ from ..core.errors import FormatError, TemplateRenderError
 from ..format.chat import TemplateRaised, render_chat
 from .images import ImageRequestError, request_images
 from .sampling import SamplingParams
+from .grammar import GrammarError, grammar_of
+
+
+MAX_CHOICES = 16             # n: each choice is a job of its own (a slot, a state)
+MAX_TOP_LOGPROBS = 20        # OpenAI's bound for chat's top_logprobs
+MAX_COMPLETION_LOGPROBS = 5  # and for the completions API's logprobs
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -109,15 +115,8 @@ def _sampling(body: dict, defaults: SamplingParams | None) -> SamplingParams:
 
 def _unsupported(body: dict, chat: bool) -> None:
     """Fields whose non-default values this server cannot honour: refused rather than ignored."""
-    if _field(body, "n", INTEGER, 1) != 1:
-        raise _bad("only n = 1 is supported: send one request per choice", "n", "unsupported_value")
-    if chat and _field(body, "logprobs", (bool,), False) or not chat and _field(body, "logprobs", INTEGER) is not None:
-        raise _bad("logprobs are not supported by this server", "logprobs", "unsupported_value")
     if _field(body, "logit_bias", (dict,), {}):
         raise _bad("logit_bias is not supported by this server", "logit_bias", "unsupported_value")
-    fmt = _field(body, "response_format", (dict,))
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise _bad("only response_format {'type': 'text'} is supported", "response_format", "unsupported_value")
     if not chat:
         if _field(body, "echo", (bool,), False):
             raise _bad("echo is not supported by this server", "echo", "unsupported_value")
@@ -159,6 +158,9 @@ class Plan:
     tools: list | None = None            # parse <tool_call> output against these
     images: list = field(default_factory=list)    # format.image.ImageInput, one per image span, in prompt order
     spans: list = field(default_factory=list)     # format.multimodal.ImageSpan of each, in ids (already widened)
+    grammar: str | None = None           # response_format's llguidance grammar (serve/grammar.py); None: free text
+    n: int = 1                           # choices: one job each (serve/choices.py)
+    logprobs: int | None = None          # None: off; else the alternatives reported per token
 
 
 def _options(body: dict, cfg: ServeConfig, chat: bool) -> dict:
@@ -166,9 +168,24 @@ def _options(body: dict, cfg: ServeConfig, chat: bool) -> dict:
     mt = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     stream = _field(body, "stream", (bool,), False)
     opts = _field(body, "stream_options", (dict,), {})
+    if chat:   # logprobs: bool, top_logprobs: alternatives per token (0..20)
+        top = _field(body, "top_logprobs", INTEGER, None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                     f"in [0, {MAX_TOP_LOGPROBS}]")
+        logprobs = (top or 0) if _field(body, "logprobs", (bool,), False) else None
+        if top is not None and logprobs is None:
+            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    else:      # logprobs: alternatives per token (0..5), as the legacy completions API
+        logprobs = _field(body, "logprobs", INTEGER, None, lambda v: 0 <= v <= MAX_COMPLETION_LOGPROBS,
+                          f"in [0, {MAX_COMPLETION_LOGPROBS}]")
+    try:
+        grammar = grammar_of(_field(body, "response_format", (dict,)))
+    except GrammarError as e:
+        raise _bad(str(e), "response_format") from None
     return dict(max_tokens=_field(body, mt, INTEGER, None, lambda v: v >= 1, ">= 1"),
                 params=_sampling(body, cfg.defaults), stop=_stop_strings(body), stream=stream,
-                include_usage=stream and _field(opts, "include_usage", (bool,), False))
+                include_usage=stream and _field(opts, "include_usage", (bool,), False), grammar=grammar,
+                n=_field(body, "n", INTEGER, 1, lambda v: 1 <= v <= MAX_CHOICES, f"in [1, {MAX_CHOICES}]"),
+                logprobs=logprobs)
 
 
 def _fit(ids: list[int], opts: dict, cfg: ServeConfig, n_ctx: int, param: str) -> dict:

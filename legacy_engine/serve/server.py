@@ -46,6 +46,7 @@ from .. import __version__
 from ..core.errors import UnavailableError
 from ..format.chat import TemplateRenderer
 from .chat_output import ChatOutput
+from .choices import chat_logprobs, choice_plans, completion_logprobs, merged
 from .metrics import render_metrics
 from .origin import check_origin
 from .schema import APIError, Plan, ServeConfig, parse_json, plan_chat, plan_completion
@@ -61,10 +62,12 @@ def _now() -> int:
     return int(time.time())
 
 
-def _usage(start: dict, done: dict) -> dict:
-    p, n = start["prompt_tokens"], done["completion_tokens"]
+def _usage(starts: list[dict], dones: list[dict]) -> dict:
+    """The request's usage: its prompt once (the cache counts of the first choice, which ran it), the tokens of every
+    choice."""
+    p, n = starts[0]["prompt_tokens"], sum(d["completion_tokens"] for d in dones)
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
-            "prompt_tokens_details": {"cached_tokens": start["cached_tokens"]}}
+            "prompt_tokens_details": {"cached_tokens": starts[0]["cached_tokens"]}}
 
 
 def _sse(obj) -> str:
@@ -93,19 +96,20 @@ async def _disconnected(request) -> None:
 
 
 class _CancelOnExit:
-    """ASGI wrapper of a streamed response: however it ends (done, client gone, server stopping), the job is
-    cancelled, so the worker moves on at its next token."""
+    """ASGI wrapper of a streamed response: however it ends (done, client gone, server stopping), its jobs are
+    cancelled, so the worker moves on at their next token."""
 
     status_code = 200
 
-    def __init__(self, response, job: Job):
-        self.response, self.job = response, job
+    def __init__(self, response, jobs: list[Job]):
+        self.response, self.jobs = response, jobs
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await self.response(scope, receive, send)
         finally:
-            self.job.cancel()
+            for job in self.jobs:
+                job.cancel()
 
 
 class _App:
@@ -188,43 +192,52 @@ class _App:
                                 f"{ctype or 'without a type'}", code="unsupported_media_type")
         return b"".join(chunks)
 
-    async def _start(self, plan: Plan, request) -> tuple[Job, dict]:
-        """Queues the plan; waits for its prefill (or its error, which becomes this request's answer)."""
-        job = Job(plan, asyncio.get_running_loop())
-        self.worker.submit(job)
+    async def _start(self, plan: Plan, request) -> tuple[list[Job], list[dict]]:
+        """Queues the request's choices (one job each); waits for their prefills (or the first error, which becomes
+        this request's answer, the other choices cancelled)."""
+        jobs = [Job(p, asyncio.get_running_loop()) for p in choice_plans(plan)]
+        starts = []
         try:
-            kind, payload = await _next_event(job, request)
+            for job in jobs:
+                self.worker.submit(job)
+            for job in jobs:
+                kind, payload = await _next_event(job, request)
+                if kind == "error":
+                    raise payload
+                starts.append(payload)
         except BaseException:
-            job.cancel()
+            for job in jobs:
+                job.cancel()
             raise
-        if kind == "error":
-            raise payload
-        return job, payload
+        return jobs, starts
 
-    async def _collect(self, job: Job, request) -> tuple[list[str], dict]:
-        """The job's text and its "done" event. A client that disconnects meanwhile cancels the job, which then
-        ends at its next token."""
-        pieces = []
+    async def _collect(self, jobs: list[Job], request) -> list[tuple[list[str], list, dict]]:
+        """Each choice's text pieces, logprob entries and "done" event. A client that disconnects meanwhile cancels
+        the jobs, which then end at their next token."""
+        out = [([], [], None) for _ in jobs]
         gone = asyncio.ensure_future(_disconnected(request))
-        gone.add_done_callback(lambda _: job.cancel())
+        gone.add_done_callback(lambda _: [job.cancel() for job in jobs])
         try:
-            while True:
-                kind, payload = await job.events.get()
+            async for i, kind, payload in merged(jobs):
                 if kind == "text":
-                    pieces.append(payload)
+                    out[i][0].append(payload)
+                elif kind == "logprobs":
+                    out[i][1].extend(payload)
                 elif kind == "done":
-                    return pieces, payload
+                    out[i] = (out[i][0], out[i][1], payload)
                 else:
                     raise payload
+            return out
         finally:
             gone.cancel()
-            job.cancel()  # a no-op once done
+            for job in jobs:
+                job.cancel()  # a no-op once done
 
-    def _stream(self, job: Job, chunks):
+    def _stream(self, jobs: list[Job], chunks):
         from starlette.responses import StreamingResponse
 
         return _CancelOnExit(StreamingResponse(chunks, media_type="text/event-stream",
-                                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}), job)
+                                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}), jobs)
 
     # ---- endpoints
 
@@ -260,97 +273,110 @@ class _App:
         from starlette.responses import JSONResponse
         raw = await self._body(request)
         plan = await asyncio.to_thread(lambda: plan_chat(parse_json(raw), self.engine, self.cfg, self.renderer.render))
-        rid, created = "chatcmpl-" + secrets.token_hex(12), _now()
-        job, start = await self._start(plan, request)
-        out = ChatOutput(plan.thinking, plan.tools)
+        rid, created, tok = "chatcmpl-" + secrets.token_hex(12), _now(), self.engine.tokenizer
+        jobs, starts = await self._start(plan, request)
+        outs = [ChatOutput(plan.thinking, plan.tools) for _ in jobs]
+        want_lp = plan.logprobs is not None
         if not plan.stream:
-            pieces, done = await self._collect(job, request)
-            out.push("".join(pieces))
-            _, calls = out.finish()
-            message = {"role": "assistant", "content": out.content or (None if calls else "")}
-            if out.reasoning:
-                message["reasoning_content"] = out.reasoning
-            if calls:
-                message["tool_calls"] = calls
+            choices, dones = [], []
+            for i, (pieces, entries, done) in enumerate(await self._collect(jobs, request)):
+                outs[i].push("".join(pieces))
+                _, calls = outs[i].finish()
+                message = {"role": "assistant", "content": outs[i].content or (None if calls else "")}
+                if outs[i].reasoning:
+                    message["reasoning_content"] = outs[i].reasoning
+                if calls:
+                    message["tool_calls"] = calls
+                choices.append({"index": i, "message": message,
+                                "logprobs": chat_logprobs(entries, tok) if want_lp else None,
+                                "finish_reason": "tool_calls" if calls else done["finish_reason"]})
+                dones.append(done)
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": created, "model": self.cfg.model_id,
-                "system_fingerprint": self.fingerprint,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": "tool_calls" if calls else done["finish_reason"]}],
-                "usage": _usage(start, done)})
+                "system_fingerprint": self.fingerprint, "choices": choices, "usage": _usage(starts, dones)})
 
-        def chunk(delta: dict, finish=None) -> str:
+        def chunk(i: int, delta: dict, finish=None, entries=None) -> str:
             obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.cfg.model_id,
                    "system_fingerprint": self.fingerprint,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                   "choices": [{"index": i, "delta": delta, "finish_reason": finish,
+                                "logprobs": chat_logprobs(entries, tok) if want_lp and entries else None}]}
             if plan.include_usage:
                 obj["usage"] = None
             return _sse(obj)
 
-        def deltas(parts) -> list[str]:
-            return [chunk({"reasoning_content" if kind == "reasoning" else "content": text}) for kind, text in parts]
-
         async def events():
-            yield chunk({"role": "assistant", "content": ""})
-            while True:
-                kind, payload = await job.events.get()
-                if kind == "text":
-                    for s in deltas(out.push(payload)):
-                        yield s
-                elif kind == "done":
-                    parts, calls = out.finish()
-                    for s in deltas(parts):
-                        yield s
-                    if calls:
-                        yield chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]})
-                    yield chunk({}, "tool_calls" if calls else payload["finish_reason"])
-                    if plan.include_usage:
-                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                    "model": self.cfg.model_id, "system_fingerprint": self.fingerprint,
-                                    "choices": [], "usage": _usage(start, payload)})
-                    yield "data: [DONE]\n\n"
-                    return
+            held = [[] for _ in jobs]       # logprob entries waiting for their text's chunk
+            dones = []
+            for i in range(len(jobs)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, kind, payload in merged(jobs):
+                if kind == "logprobs":
+                    held[i].extend(payload)
+                elif kind == "text" or kind == "done":
+                    parts, calls = (outs[i].push(payload), None) if kind == "text" else outs[i].finish()
+                    for part, text in parts:
+                        yield chunk(i, {"reasoning_content" if part == "reasoning" else "content": text},
+                                    entries=held[i])
+                        held[i] = []
+                    if kind == "done":
+                        if calls:
+                            yield chunk(i, {"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]})
+                        yield chunk(i, {}, "tool_calls" if calls else payload["finish_reason"], entries=held[i])
+                        dones.append(payload)
                 else:
                     yield _sse(payload.body())
                     yield "data: [DONE]\n\n"
                     return
-        return self._stream(job, events())
+            if plan.include_usage:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                            "model": self.cfg.model_id, "system_fingerprint": self.fingerprint,
+                            "choices": [], "usage": _usage(starts, dones)})
+            yield "data: [DONE]\n\n"
+        return self._stream(jobs, events())
 
     async def completions(self, request):
         from starlette.responses import JSONResponse
         raw = await self._body(request)
         plan = await asyncio.to_thread(lambda: plan_completion(parse_json(raw), self.engine, self.cfg))
-        rid, created = "cmpl-" + secrets.token_hex(12), _now()
-        job, start = await self._start(plan, request)
+        rid, created, tok = "cmpl-" + secrets.token_hex(12), _now(), self.engine.tokenizer
+        jobs, starts = await self._start(plan, request)
+        want_lp = plan.logprobs is not None
 
-        def obj(text: str, finish=None, usage=None) -> dict:
+        def choice(i: int, text: str, finish=None, entries=None, offset: int = 0) -> dict:
+            return {"text": text, "index": i, "finish_reason": finish,
+                    "logprobs": completion_logprobs(entries or [], tok, offset) if want_lp else None}
+
+        def obj(choices: list, usage=None) -> dict:
             o = {"id": rid, "object": "text_completion", "created": created, "model": self.cfg.model_id,
-                 "system_fingerprint": self.fingerprint,
-                 "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+                 "system_fingerprint": self.fingerprint, "choices": choices}
             if usage is not None or plan.include_usage:
                 o["usage"] = usage
             return o
 
         if not plan.stream:
-            pieces, done = await self._collect(job, request)
-            return JSONResponse(obj("".join(pieces), done["finish_reason"], _usage(start, done)))
+            res = await self._collect(jobs, request)
+            return JSONResponse(obj([choice(i, "".join(p), d["finish_reason"], e) for i, (p, e, d) in enumerate(res)],
+                                    _usage(starts, [d for _, _, d in res])))
 
         async def events():
-            while True:
-                kind, payload = await job.events.get()
-                if kind == "text":
-                    yield _sse(obj(payload))
+            held, sent, dones = [[] for _ in jobs], [0] * len(jobs), []
+            async for i, kind, payload in merged(jobs):
+                if kind == "logprobs":
+                    held[i].extend(payload)
+                elif kind == "text":
+                    yield _sse(obj([choice(i, payload, entries=held[i], offset=sent[i])]))
+                    held[i], sent[i] = [], sent[i] + len(payload)
                 elif kind == "done":
-                    yield _sse(obj("", payload["finish_reason"]))
-                    if plan.include_usage:
-                        yield _sse(dict(obj(""), choices=[], usage=_usage(start, payload)))
-                    yield "data: [DONE]\n\n"
-                    return
+                    yield _sse(obj([choice(i, "", payload["finish_reason"], held[i], sent[i])]))
+                    dones.append(payload)
                 else:
                     yield _sse(payload.body())
                     yield "data: [DONE]\n\n"
                     return
-        return self._stream(job, events())
+            if plan.include_usage:
+                yield _sse(dict(obj([]), usage=_usage(starts, dones)))
+            yield "data: [DONE]\n\n"
+        return self._stream(jobs, events())
 
 
 def create_app(worker: Worker, cfg: ServeConfig):

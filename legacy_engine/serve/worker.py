@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from ..core.errors import Cancelled, ContextLengthError
 from .generate import batched_decode
-from .sampling import Sampler
+from .grammar import ConstrainedSampler
+from .sampling import LogprobSampler, Sampler
 from .schema import APIError, Plan
 
 
@@ -83,9 +84,12 @@ class Slot:
         generation ends with it."""
         plan, self.token = self.job.plan, token
         self.n += 1
+        entries = self.sampler.take() if isinstance(self.sampler, LogprobSampler) else None
         if token in self.tok.eos_ids:
             self.finish = "stop"
             return
+        if entries:     # ahead of the token's text (the end-of-generation token has none, as its text)
+            self.job.send("logprobs", entries)
         self.pending += self.decoder.push(token)
         cut = min((self.pending.find(s) for s in plan.stop if s in self.pending), default=-1)
         if cut >= 0:
@@ -94,7 +98,9 @@ class Slot:
         if len(self.pending) > self.hold:
             self.job.send("text", self.pending[:len(self.pending) - self.hold])
             self.pending = self.pending[len(self.pending) - self.hold:]
-        if self.n >= plan.max_tokens:   # max_tokens fits the context: the plan checked it
+        if getattr(self.sampler, "stopped", False):     # response_format's document is complete
+            self.finish = "stop"
+        elif self.n >= plan.max_tokens:   # max_tokens fits the context: the plan checked it
             self.finish = "length"
 
 
@@ -127,7 +133,7 @@ class Worker:
         self.log: deque = deque(maxlen=4096)  # (seq, finish_reason, prompt_tokens, completion_tokens), in order ended
         self.admitted: deque = deque(maxlen=4096)     # job seqs in the order their prompts started
         self.slots: list[Slot] = []           # running generations, in order admitted
-        self.admitting: Job | None = None     # the job whose prompt runs now
+        self.admitting: list = []             # (job, session) of the prompts running now (a short one inside a long)
         self.batch_sizes: deque = deque(maxlen=256)   # sequences of each recent decode step
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -152,13 +158,13 @@ class Worker:
     @property
     def running(self) -> int:
         """Jobs admitted and not ended (prefilling or decoding)."""
-        return len(self.slots) + (self.admitting is not None)
+        return len(self.slots) + len(self.admitting)
 
     @property
     def current(self) -> Job | None:
         """A running job (the oldest), or None when idle."""
-        if self.admitting is not None:
-            return self.admitting
+        if self.admitting:
+            return self.admitting[0][0]
         return self.slots[0].job if self.slots else None
 
     def submit(self, job: Job) -> None:
@@ -192,7 +198,7 @@ class Worker:
 
     def _running_jobs(self) -> list[Job]:
         jobs = [s.job for s in self.slots]
-        return jobs + [self.admitting] if self.admitting is not None else jobs
+        return jobs + [job for job, _ in self.admitting]
 
     def _run(self) -> None:
         ended = False
@@ -205,22 +211,38 @@ class Worker:
                 if job is None:
                     ended = True
                 elif job:
-                    self._admit(job, self.sessions[self._free_session()])
+                    self._admit(job, self._free_session())
                     continue    # fill every free slot before the next step
             self._step()
 
-    def _free_session(self) -> int:
-        used = {id(s.session) for s in self.slots}
-        return next(i for i, s in enumerate(self.sessions) if id(s) not in used)
+    def _free_session(self):
+        """A session no slot and no running prompt holds, or None."""
+        used = {id(s.session) for s in self.slots} | {id(sess) for _, sess in self.admitting}
+        return next((s for s in self.sessions if id(s) not in used), None)
+
+    def _admit_waiting(self) -> None:
+        """Between a long prompt's chunks: the jobs waiting while a session is free start now (their prompts run to
+        the end inside this one's; FIFO still: they are taken in order), so a short request does not wait for a long
+        prompt to finish."""
+        while (session := self._free_session()) is not None:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:       # stop(): the sentinel goes back for _run
+                self._queue.put(None)
+                return
+            self._admit(job, session, nested=True)
 
     def _end(self, job: Job, finish: str, prompt: int, n: int, err: APIError | None = None) -> None:
         self.log.append((job.seq, finish, prompt, n))
         if err is not None:
             job.send("error", err)
 
-    def _admit(self, job: Job, session) -> None:
-        """Runs the job's prompt in `session` (the running jobs step between its chunks), samples its first token
-        and gives it a slot; a job cancelled before or during its prompt ends here."""
+    def _admit(self, job: Job, session, nested: bool = False) -> None:
+        """Runs the job's prompt in `session` (between its chunks the running jobs step and, unless nested in
+        another's, waiting jobs start), samples its first token and gives it a slot; a job cancelled before or during
+        its prompt ends here."""
         if self._stopping:
             job.cancel(_shutting_down())
         if job.cancelled:   # its client left while it waited, or the server is stopping
@@ -232,18 +254,26 @@ class Worker:
         self.admitted.append(job.seq)
         t = session.timings
         p0, ps0 = t.prefill_tokens, t.prefill_s
-        self.admitting = job
+        self.admitting.append((job, session))
         if self._stopping:   # stop() came between the two checks above
             job.cancel(_shutting_down())
 
         def between_chunks() -> bool:
             if self.slots:
                 self._step()
+            if not nested:
+                self._admit_waiting()
             return job.cancelled
         try:
             kw = {"images": self.engine.encode_images(plan.spans, plan.images)} if plan.images else {}
             logits = self.prefill(session, plan.ids, cancel=between_chunks, **kw)
-            slot = Slot(job, session, self.make_sampler(plan.params), self.engine.tokenizer)
+            sampler = self.make_sampler(plan.params)
+            if plan.grammar is not None:   # response_format: the document after the reasoning, if any
+                sampler = ConstrainedSampler(sampler, self.engine.tokenizer, self.engine.model.hparams.n_vocab,
+                                             plan.grammar, armed=not plan.thinking)
+            if plan.logprobs is not None:  # outermost: it reports the model's row, not the masked one
+                sampler = LogprobSampler(sampler, plan.logprobs)
+            slot = Slot(job, session, sampler, self.engine.tokenizer)
             slot.cached = max(0, len(plan.ids) - (t.prefill_tokens - p0))  # the cache counts only what it ran
             job.send("start", {"prompt_tokens": len(plan.ids), "cached_tokens": slot.cached})
             if job.cancelled:
@@ -259,7 +289,7 @@ class Worker:
             self._fail(job, e)
             return
         finally:
-            self.admitting = None
+            self.admitting.remove((job, session))
             c.prefill_tokens += t.prefill_tokens - p0
             c.prefill_s += t.prefill_s - ps0
         self.slots.append(slot)

@@ -8,6 +8,9 @@
     legacy-engine bench split MODEL.gguf --vram 6GiB [--prompt 512,2048] [--ballast] [--llama PATH]  (bench_split.py)
     legacy-engine bench shared MODEL.gguf [--threads 1,2] [--busy 1] [--tg 32] [--reps 5] [--json]  (bench_shared.py)
 
+bench_batch_decode (a function; benchmarks/bench_batch_decode.py prints it) — aggregate decode tok/s of B sequences
+advanced together by Model.forward_batch, against B = 1.
+
 bench decode — prefill and decode speed, ours per CPU tier next to llama.cpp, against the bandwidth roofline.
 
 One table; rows: legacy_engine with each ISA tier forced (_native.set_isa before the model loads, restored after;
@@ -446,6 +449,79 @@ def bench_decode(model_path: str, threads=(None,), pp: int = 64, tg: int = 32, r
         out["results"] += [add_roofline(r, fp, pp, bw) for r in rows]
     out["load_avg_after"] = os.getloadavg()[0]
     return out
+
+
+def bench_batch_decode(model_path: str, threads: int | None = None, batches=(1, 2, 4, 8, 16), tg: int = 16,
+                       prompt: int = 64, reps: int = 3, isa: str | None = None, seed: int = 0,
+                       load_opts: dict | None = None) -> dict:
+    """Aggregate decode speed of B sequences advanced together (Model.forward_batch: each weight row read once for
+    all B) for each B in batches; benchmarks/bench_batch_decode.py prints it. Per B: B states, each prefilled alone
+    with `prompt` seeded tokens of its own (so the sequences route to different experts, as real ones do), then tg
+    batched steps of one seeded token per sequence: tok/s = B * tg / time. The states go back to their prefilled
+    bytes before every run, outside the timing. The batch sizes take turns (one warm-up round, then reps rounds of
+    every B in order), so that other work on the machine slows them alike; tok/s from the median run, `best` from
+    the fastest. `alone_tok_s`: the same tg steps of one sequence through Model.forward (le_forward), in the same
+    rounds. profile_ms: the C core's phase milliseconds per batched step (le_model_profile) over one more run.
+    isa: a tier forced (set before the model loads, restored after), "f32" for integer kernels off, None: the tier
+    in effect."""
+    prev = _native.get_isa()
+    try:
+        if isa not in (None, "f32"):
+            _native.set_isa(isa)
+        model = Model(model_path, n_threads=threads or default_threads(), **(load_opts or {}))
+        if isa == "f32":
+            model.native.set_int8(False)
+        n_vocab, n_ctx = model.hparams.n_vocab, prompt + tg + 8
+        starts, steps = [], []
+        for s in range(max(batches)):                 # each sequence's prefilled state and decode tokens
+            st = model.new_state(n_ctx)
+            model.forward(st, seeded_tokens(prompt, n_vocab, seed + 1000 + s))
+            starts.append(st.save())
+            steps.append(seeded_tokens(tg, n_vocab, seed + 2000 + s))
+        out = dict(model=str(model_path), threads=model.n_threads, isa=isa or prev, prompt=prompt, tg=tg, reps=reps,
+                   kernels=file_kernels(model.file), load_avg_before=os.getloadavg()[0], rows=[])
+
+        def runner(B: int | None):
+            """One run of tg steps: B sequences batched, or (None) sequence 0 alone through Model.forward."""
+            states = [model.new_state(n_ctx) for _ in range(B or 1)]
+
+            def run() -> float:
+                for st, blob in zip(states, starts):
+                    st.restore(blob)
+                t0 = time.perf_counter()
+                for k in range(tg):
+                    if B is None:
+                        model.forward(states[0], [steps[0][k]])
+                    else:
+                        model.forward_batch(states, [[steps[s][k]] for s in range(B)])
+                return time.perf_counter() - t0
+            return run
+
+        runs = {B: runner(B) for B in [None, *batches]}
+        times: dict = {B: [] for B in runs}
+        for r in range(reps + 1):                     # round 0: the warm-up (the batch arena grows, pages fault in)
+            for B, run in runs.items():
+                t = run()
+                if r:
+                    times[B].append(t)
+        out["alone_tok_s"] = tg / statistics.median(times[None])
+        for B in batches:
+            model.native.set_profile(True)
+            runs[B]()
+            profile = {k: 1e3 * v / tg for k, v in model.native.profile().items() if v > 0}
+            model.native.set_profile(False)
+            ts = times[B]
+            out["rows"].append(dict(batch=B, tok_s=B * tg / statistics.median(ts), best_tok_s=B * tg / min(ts),
+                                    step_ms=1e3 * statistics.median(ts) / tg, runs_s=ts,
+                                    tok_s_range=(B * tg / max(ts), B * tg / min(ts)), profile_ms=profile))
+        base = out["rows"][0] if batches[0] == 1 else None
+        for r in out["rows"]:
+            r["ratio_to_b1"] = r["tok_s"] / base["tok_s"] if base else None
+            r["best_ratio_to_b1"] = r["best_tok_s"] / base["best_tok_s"] if base else None
+        out["load_avg_after"] = os.getloadavg()[0]
+        return out
+    finally:
+        _native.set_isa(prev)
 
 
 _OFF = {"temperature": None, "top_k": 0, "top_p": 1.0, "min_p": 0.0}   # print_decode names what is on

@@ -32,11 +32,13 @@ from ..cpu.threads import format_report, report
 from ..format.chat import TemplateRenderer, render_chat, render_prompt
 from ..format.gguf_file import GGUFFile
 from ..format.gguf_model import ModelFile, check_tensor_values
-from ..format.mmproj import MmprojFile, is_mmproj
+from ..format.mmproj import MmprojFile, encode_flops, is_mmproj
 from ..format.tokenizer import Tokenizer
 from ..gpu.commands import cli_build
+from ..gpu.vision import tower_footprint
 from ..plan import probe
 from ..plan.caps import format_machine_report, machine_report
+from ..plan.vision import VISION_REF_SIDE, predict_encode_s, ref_patches
 from ..serve import generate
 from ..serve.sampling import SamplingParams
 from .bench_cmd import main as bench_main
@@ -133,7 +135,20 @@ def mmproj_report(path: str) -> tuple[dict, list[str]]:
              f"  merger: {v.merge}x{v.merge} patches -> one LM token of {v.out_hidden} (the LM's n_embd must match)",
              f"  images resized to {v.min_pixels:,}…{v.max_pixels:,} pixels, sides multiples of {v.patch_size * v.merge}"
              f"; mean {list(v.image_mean)}, std {list(v.image_std)}",
-             "  the tower runs on the CPU (native/vision.c); use: run MODEL --mmproj FILE --image PATH"]
+             "  use: run MODEL --mmproj FILE --image PATH"]
+    fp, n_ref = tower_footprint(v), ref_patches(v)
+    data["gpu_vram"] = fp.parts
+    lines.append(f"  on a GPU: {fp.describe()} for images up to {v.max_patches:,} patches; an encode of a "
+                 f"{VISION_REF_SIDE}x{VISION_REF_SIDE} image ({n_ref:,} patches) is "
+                 f"{encode_flops(v, n_ref) / 1e12:.2f} TFLOP")
+    ms = [m for m in (probe.machine_from_json(d) for d in probe.cached_machines().values()) if m and m.has_gpu]
+    if ms:   # the latest cached probe's rates (plan/vision.py); where it runs depends on the model beside it
+        mach = max(ms, key=lambda x: x.measured_at)
+        pred = data["predicted_encode_s"] = predict_encode_s(v, mach, n_ref)
+        lines.append(f"  predicted on this machine (cached probe): {pred['gpu']:.2f} s on the {mach.gpu_name}, "
+                     f"{pred['cpu']:.2f} s on {mach.cpu_threads} CPU threads")
+    lines.append("  the tower runs on the CPU, or with --gpu where the planner puts it: "
+                 "`legacy-engine plan MODEL --mmproj FILE [--vram SIZE]` shows the decision")
     return data, lines
 
 

@@ -1,5 +1,6 @@
-"""`legacy-engine plan MODEL|--preset NAME`: measure this machine (cached) and print the predicted prefill/decode
-speed of every strategy (plan.planner) for a file or a make-model preset, and the one chosen."""
+"""`legacy-engine plan MODEL|--preset NAME [--mmproj FILE | --vision]`: measure this machine (cached) and print the
+predicted prefill/decode speed of every strategy (plan.planner) for a file or a make-model preset, and the one chosen;
+with a vision tower, where it runs beside the GPU model (plan/vision.py) and the VRAM it keeps from the model."""
 from __future__ import annotations
 
 import argparse
@@ -8,18 +9,24 @@ import json
 import sys
 
 from ..format.gguf_model import ModelFile
-from ..format.presets import DescribedFile
-from ..plan.planner import GiB, Strategy, load_routing, parse_size, plan
+from ..format.mmproj import MmprojFile, check_compatible
+from ..format.presets import DescribedFile, preset_vision_hparams
+from ..format.footprint import weight_footprint
+from ..plan.planner import CPU_DECODE_EFF, GiB, Strategy, load_routing, parse_size, plan
+from ..plan.slots import predict_batched_decode
 from ..plan.probe import Machine, measure
+from ..plan.vision import VisionPlacement, vision_placement
 
 
-def print_plan(name: str, m: Machine, strategies: list[Strategy], prompt: int, gen: int, vram: int | None) -> None:
+def print_plan(name: str, m: Machine, strategies: list[Strategy], prompt: int, gen: int, vram: int | None,
+               vision: VisionPlacement | None = None) -> None:
     link = f"{m.link_gbps:.2f} GB/s{' (simulated)' if m.simulated_link else ''}"
     gpu_line = (f"GPU {m.gpu_name} ({m.gpu_tier} tier): {m.vram_free / GiB:.1f} GiB free, link {link}, GEMM "
                 f"{m.gpu_gemm_tflops:.1f} TFLOP/s, GEMV {m.gpu_gemv_gbps:.0f} GB/s, {m.gpu_launch_us:.1f} µs/kernel"
                 if m.has_gpu else "GPU none")
+    kept = f" ({vision.reserve / GiB:.2f} GiB of it kept for the vision tower)" if vision and vision.reserve else ""
     print(f"{name}: prompt {prompt}, generate {gen}, VRAM budget "
-          f"{'all free' if vram is None else f'{vram / GiB:.2f} GiB'}")
+          f"{'all free' if vram is None else f'{vram / GiB:.2f} GiB'}{kept}")
     print(f"CPU {m.cpu_threads} threads, {m.cpu_read_gbps:.1f} GB/s read; {gpu_line}")
     print(m.probe_note())
     print(f"{'strategy':<10}{'fits':>5}{'prefill tok/s':>15}{'decode tok/s':>14}{'total s':>10}  placement / why")
@@ -40,6 +47,8 @@ def print_plan(name: str, m: Machine, strategies: list[Strategy], prompt: int, g
                      **{k: 1e3 * v for k, v in best.decode_parts.items() if k != "pinned_share"})))
     else:
         print()
+    if vision is not None:
+        print(f"vision tower (with --gpu): on {vision.describe()}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", help="plan for a make-model preset instead of a file (e.g. qwen3.6-35b-a3b)")
     ap.add_argument("--quant", default=None, help="with --preset: the quant mix (default: the preset's)")
     ap.add_argument("--vram", default=None, help="VRAM budget, e.g. 6GiB (default: what is free now)")
+    ap.add_argument("--mmproj", default=None, metavar="FILE",
+                    help="the model's vision projector: where its tower runs beside the GPU model, and its VRAM")
+    ap.add_argument("--vision", action="store_true",
+                    help="with --preset: the preset's vision tower (what make-model --mmproj-out writes)")
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens (2048)")
     ap.add_argument("--gen", type=int, default=256, help="generated tokens (256)")
     ap.add_argument("-t", "--threads", type=int, default=None, help="CPU decode threads (default: physical cores)")
@@ -65,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--prompt must be >= 1 and --gen >= 0")
     if args.simulate_link is not None and args.simulate_link <= 0:
         ap.error("--simulate-link must be > 0")
+    if args.vision and (not args.preset or args.mmproj):
+        ap.error("--vision goes with --preset (a file's tower: --mmproj FILE)")
     vram = parse_size(args.vram) if args.vram is not None else None
     if args.preset:
         f = DescribedFile(args.preset, args.quant)
@@ -77,12 +92,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.simulate_link is not None:
         m = dc.replace(m, link_gbps=args.simulate_link, simulated_link=True)
     counts = None if args.preset else load_routing(f)
-    ss = plan(f, m, vram, args.prompt, args.gen, counts=counts)
+    vp, budget = None, (m.vram_free if vram is None else vram)      # plan()'s budget
+    hp = (preset_vision_hparams(args.preset) if args.vision else
+          MmprojFile.open(args.mmproj).hparams if args.mmproj else None)
+    if hp is not None:
+        check_compatible(hp, f.hparams, args.mmproj or args.preset)
+        vp = vision_placement(f, hp, m, budget, n_ctx=max(args.prompt + args.gen, 1), int8=m.gpu_tier == "dp4a")
+    ss = plan(f, m, budget - vp.reserve if vp else vram, args.prompt, args.gen, counts=counts)
+    batched = predict_batched_decode(m, f.hparams, weight_footprint(f), context=args.prompt + args.gen // 2,
+                                     counts=counts, efficiency=CPU_DECODE_EFF)
     if args.json:
-        print(json.dumps({"machine": dc.asdict(m), "strategies": [dc.asdict(s) for s in ss]}, indent=1,
-                         default=float))
+        print(json.dumps({"machine": dc.asdict(m), "strategies": [dc.asdict(s) for s in ss],
+                          "vision": vp.as_dict() if vp else None, "cpu_batched_decode": batched},
+                         indent=1, default=float))
     else:
-        print_plan(name, m, ss, args.prompt, args.gen, vram)
+        print_plan(name, m, ss, args.prompt, args.gen, vram, vp)
+        print("serving (serve --parallel B), CPU decode of B streams at once, aggregate tok/s: " + ", ".join(
+            f"B={b} {v:.1f} ({v / batched[1]:.2f}x)" for b, v in batched.items()))
         print("pinned experts: " + ("the hottest by this file's saved routing counts" if counts else
                                     "spread evenly (no routing counts saved for this file yet)"))
     return 0

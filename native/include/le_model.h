@@ -4,7 +4,8 @@
  * their ggml types, plus hyperparameters. A state holds one sequence: the conv and SSM
  * state of every Gated DeltaNet layer, the KV cache of every attention layer, and the
  * position. le_forward runs n tokens from the state's position, updates the state, and
- * writes logits. States can be saved to / restored from a flat buffer at any position.
+ * writes logits; le_forward_seqs does so for several states in one pass (batched decode).
+ * States can be saved to / restored from a flat buffer at any position.
  * This header is fed to cffi's cdef: declarations only, no macros. */
 #ifndef LE_MODEL_H
 #define LE_MODEL_H
@@ -153,6 +154,19 @@ int le_forward(le_model *m, le_state *s, const int32_t *tokens, int n, float *lo
  * such a pass rope_delta = the largest of them + 1 - the sequence position after the pass. */
 int le_forward_embd(le_model *m, le_state *s, const int32_t *tokens, const float *embd, const int32_t *pos3, int n,
                     float *logits, int all_logits, int chunked);
+
+/* One pass that advances n_seq sequences (continuous batching: decode steps of some, a prefill chunk of another),
+ * reading each weight row once for all of them. Sequence s runs its n_tok[s] >= 1 tokens (the next n_tok[s] of
+ * tokens, the sequences' tokens concatenated; text only) in states[s] at its positions pos.. (rope: pos + i +
+ * its rope_delta), as le_forward(states[s], those tokens, chunked) would: its logits and its state after the pass
+ * are bit for bit the same (native/model.c says why). states: distinct states of m, each with room for its tokens.
+ * logits: [n_seq, n_vocab] f32, each sequence's last token's, or NULL. On any error (checked before anything runs)
+ * no state advances. Scratch: the model's own (le_model_batch_growths), grown for a pass with more tokens or
+ * longer contexts than any before. */
+int le_forward_seqs(le_model *m, le_state *const *states, int n_seq, const int32_t *tokens, const int32_t *n_tok,
+                    float *logits, int chunked);
+/* How many times le_forward_seqs' scratch was allocated. */
+int64_t le_model_batch_growths(const le_model *m);
 
 /* The routed experts of one token for experts chosen elsewhere (the hybrid decode: the GPU routes and
  * runs the pinned experts, the CPU the rest): out[E] = sum over j with ids[j] >= 0 of

@@ -70,6 +70,12 @@ int le_gdn_step(float *S, const float *q, const float *k, const float *v, float 
 int le_dot_f32_k(const float *a, const float *b, int64_t n, float *out);
 /* c [m, n] = a [m, k] b [n, k]^T (all row-major, contiguous) with the selected tier's gemm tile kernel. */
 int le_gemm_f32_k(const float *a, const float *b, int m, int n, int k, float *c);
+/* c [m, n] = a [m, k] b [k, n] (all row-major, contiguous) with the selected tier's gemm_nn kernel. */
+int le_gemm_nn_f32_k(const float *a, const float *b, int m, int n, int k, float *c);
+/* y [n] = exp(x scale - max(x) scale) with the selected tier's exp_sub_sum (scale > 0); *sum = sum of y. */
+int le_exp_sub_sum_f32_k(const float *x, float *y, int64_t n, float scale, double *sum);
+/* out [n] = gelu_tanh(x) (the vision MLP's activation) with the selected tier's kernel; in place allowed. */
+int le_gelu_tanh_f32_k(const float *x, int64_t n, float *out);
 
 /* IEEE half <-> float, round to nearest even (numpy's conversion). */
 float le_fp16_to_fp32(uint16_t h);

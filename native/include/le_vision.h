@@ -72,6 +72,13 @@ int le_vision_encode(le_vision *v, const float *patches, int64_t n_patches, int6
 int64_t le_vision_scratch_bytes(const le_vision *v);
 int64_t le_vision_scratch_growths(const le_vision *v);
 
+/* Phase timing of le_vision_encode (0 off, the default; 1 on; on resets the counters). le_vision_profile copies
+ * up to n accumulated seconds per phase, in the order patch_embed (conv matmul + position grid), layernorm,
+ * qkv (matmul), qkv_rope (bias + 2-D RoPE), attention, proj (matmul), fc1 (matmul), gelu (bias + GELU), fc2
+ * (matmul), residual (the two bias + residual adds), merger; returns the number of phases. */
+int le_vision_set_profile(le_vision *v, int on);
+int le_vision_profile(const le_vision *v, double *seconds, int n);
+
 /* ---- the tower's ops, for the differential tests (each the scalar reference the tower runs) ---------------- */
 /* out[r] = (x[r] - mean) / sqrt(var + eps) * w + b for rows r < rows of n (biased variance); w, b may be NULL. */
 void le_layernorm_ref(const float *x, const float *w, const float *b, int64_t rows, int n, float eps, float *out);

@@ -20,12 +20,12 @@ from .gpu_driver import (  # noqa: F401
     gpu_kernel_info, gpu_launch, gpu_launch_args, gpu_mem_stats, gpu_memset8, gpu_module_load, gpu_module_log,
     gpu_module_unload, gpu_replay, gpu_set_budget, gpu_shutdown, gpu_stream_create, gpu_stream_destroy,
     gpu_stream_query, gpu_stream_synchronize, gpu_stream_wait_event, gpu_synchronize, host_address)
-from .isa import (ISA_NAMES, dot_f32, f32_isa, gemm_f32, gdn_step, get_isa, isa_supported, kernel_isa,  # noqa: F401
-                  quantize_act, set_isa, vec_dot, vec_dot_rows)
+from .isa import (ISA_NAMES, dot_f32, exp_sub_sum_f32, f32_isa, gdn_step, gelu_tanh_f32, gemm_f32,  # noqa: F401
+                  gemm_nn_f32, get_isa, isa_supported, kernel_isa, quantize_act, set_isa, vec_dot, vec_dot_rows)
 from .memory import (MPOL_NAMES, NUMA_MODES, AnonMemory, mem_advise, mem_alloc, mem_page_nodes,  # noqa: F401
                      mem_policy, mem_prefault, mem_set_numa, numa_cpus_of_node, numa_nodes, numa_set_library,
                      numa_spread_cpus, numa_thread_policy, numa_thread_policy_set)
-from .model import PROFILE_PHASES, NativeModel, NativeState, fault_bits, forward  # noqa: F401
+from .model import PROFILE_PHASES, NativeModel, NativeState, fault_bits, forward, forward_seqs  # noqa: F401
 from .quants import dequantize_row, quantize_row, type_traits  # noqa: F401
 from .schema import (HPARAM_FIELDS, MAX_LAYERS, hparams_struct, layer_kinds, schema_arch_names,  # noqa: F401
                      schema_dims, schema_rows)

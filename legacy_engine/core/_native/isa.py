@@ -77,6 +77,37 @@ def gemm_f32(a, b) -> np.ndarray:
     return c
 
 
+def gemm_nn_f32(a, b) -> np.ndarray:
+    """The selected tier's f32 gemm_nn kernel: a [m, k] @ b [k, n] -> [m, n]."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    b = np.ascontiguousarray(b, dtype=np.float32)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"shapes {a.shape} and {b.shape}: expected [m, k] and [k, n]")
+    c = np.empty((a.shape[0], b.shape[1]), np.float32)
+    check(lib.le_gemm_nn_f32_k(ffi.from_buffer("float[]", a), ffi.from_buffer("float[]", b), a.shape[0], b.shape[1],
+                               a.shape[1], ffi.from_buffer("float[]", c)), "le_gemm_nn_f32_k")
+    return c
+
+
+def exp_sub_sum_f32(x, scale: float = 1.0) -> tuple[np.ndarray, float]:
+    """The selected tier's exp_sub_sum: (exp(x scale - max(x) scale), its sum) for float32 x [n]."""
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    y = np.empty_like(x)
+    s = ffi.new("double *")
+    check(lib.le_exp_sub_sum_f32_k(ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", y), x.size,
+                                   float(scale), s), "le_exp_sub_sum_f32_k")
+    return y, s[0]
+
+
+def gelu_tanh_f32(x) -> np.ndarray:
+    """The selected tier's gelu_tanh kernel (the vision MLP's activation) of float32 x."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    check(lib.le_gelu_tanh_f32_k(ffi.from_buffer("float[]", x), x.size, ffi.from_buffer("float[]", out)),
+          "le_gelu_tanh_f32_k")
+    return out
+
+
 def dot_f32(a, b) -> float:
     """The selected tier's f32 dot product."""
     a = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)

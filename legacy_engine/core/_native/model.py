@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import NativeError, UnavailableError
-from ._lib import c_int, check, ffi, lib, struct_to_dict
+from ..errors import ContextLengthError, NativeError, UnavailableError
+from ._lib import INT_MAX, c_int, check, ffi, lib, struct_to_dict
 from .schema import MAX_LAYERS, hparams_struct
 
 
@@ -79,6 +79,12 @@ class NativeModel:
     def scratch_growths(self) -> int:
         """Times moe_routed's scratch (the model's) was allocated: once per layer with a larger plan, at most."""
         return lib.le_model_scratch_growths(self.ptr)
+
+    @property
+    def batch_growths(self) -> int:
+        """Times forward_seqs' scratch (the model's) was allocated: a pass with more tokens or a longer context than
+        any before grows it, a batched decode step after the first of its size never does."""
+        return lib.le_model_batch_growths(self.ptr)
 
     def _chan(self, chan):
         if isinstance(chan, np.ndarray):
@@ -290,4 +296,47 @@ def forward(model: NativeModel, state: NativeState, tokens, n_vocab: int, all_lo
     check(lib.le_forward_embd(model.ptr, state.ptr, ffi.from_buffer("int32_t[]", toks), e, p, n, lp,
                               int(all_logits), int(chunked)),
           "le_forward")
+    return out
+
+
+def forward_seqs(model: NativeModel, states: list[NativeState], token_lists, n_vocab: int,
+                 chunked: bool = True) -> np.ndarray:
+    """One pass advancing several sequences (le_forward_seqs): states[s] runs token_lists[s] (int[n_s], n_s >= 1)
+    at its positions. -> logits float32[n_seq, n_vocab], each sequence's last token's; each row and each state after
+    the pass are bit for bit what forward(states[s], token_lists[s], chunked=chunked) gives. ValueError for an
+    empty batch, an empty sequence, a state twice or of another model, bad token ids; ContextLengthError when a
+    sequence does not fit its state's context. Nothing runs (no state advances) when any check fails."""
+    states = list(states)
+    token_lists = list(token_lists)
+    if not states:
+        raise ValueError("forward_seqs: no sequences")
+    if len(token_lists) != len(states):
+        raise ValueError(f"forward_seqs: {len(states)} states but {len(token_lists)} token lists")
+    seen: dict[int, int] = {}
+    rows = []
+    for s, (st, toks) in enumerate(zip(states, token_lists)):
+        if not isinstance(st, NativeState) or st.model is not model:
+            raise ValueError(f"sequence {s}: its state belongs to another model")
+        if id(st) in seen:
+            raise ValueError(f"sequences {seen[id(st)]} and {s} share one state (each needs its own)")
+        seen[id(st)] = s
+        raw = np.asarray(toks)
+        if raw.size == 0:
+            raise ValueError(f"sequence {s}: no tokens (each sequence runs at least one)")
+        if raw.dtype.kind not in "iu" or raw.min() < 0 or raw.max() >= n_vocab:
+            raise ValueError(f"sequence {s}: token ids must be integers in [0, {n_vocab}), got dtype {raw.dtype} "
+                             f"in [{raw.min()}, {raw.max()}]")
+        if raw.size > st.n_ctx - st.pos:
+            raise ContextLengthError(f"sequence {s}: {raw.size} tokens at position {st.pos} exceed its context of "
+                                     f"{st.n_ctx} tokens")
+        rows.append(np.ascontiguousarray(raw, dtype=np.int32).reshape(-1))
+    toks = np.concatenate(rows)
+    n_tok = np.array([r.size for r in rows], dtype=np.int32)
+    if toks.size > INT_MAX // 4:
+        raise ValueError(f"forward_seqs: {toks.size} tokens in one pass")
+    out = np.empty((len(states), n_vocab), dtype=np.float32)
+    ptrs = ffi.new("le_state *[]", [st.ptr for st in states])
+    check(lib.le_forward_seqs(model.ptr, ptrs, len(states), ffi.from_buffer("int32_t[]", toks),
+                              ffi.from_buffer("int32_t[]", n_tok), ffi.from_buffer("float[]", out), int(chunked)),
+          "le_forward_seqs")
     return out

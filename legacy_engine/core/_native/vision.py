@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import NativeError
 from ._lib import c_int, check, ffi, lib
 
 # le_vision_slot, by the roles of format/mmproj.py (GLOBAL_TENSORS / BLOCK_TENSORS)
@@ -13,6 +14,9 @@ VISION_FAULTS = {"merger_gelu_tanh": "LE_VFAULT_MERGER_GELU_TANH", "ffn_gelu_erf
                  "pos_nearest": "LE_VFAULT_POS_NEAREST", "rope_swap": "LE_VFAULT_ROPE_SWAP"}
 _HP_FIELDS = ("depth", "hidden", "n_head", "ffn", "patch_size", "temporal_patch", "in_channels", "merge",
               "pos_side", "out_hidden", "eps", "rope_theta", "faults")
+# le_vision_profile's phases, in the C core's order (le_vision.h)
+VISION_PROFILE_PHASES = ("patch_embed", "layernorm", "qkv", "qkv_rope", "attention", "proj", "fc1", "gelu", "fc2",
+                         "residual", "merger")
 
 
 def vision_slot(role: str) -> int:
@@ -79,6 +83,19 @@ class NativeVision:
         check(lib.le_vision_encode(self.ptr, ffi.from_buffer("float[]", patches), patches.shape[0], patches.shape[1],
                                    t, h, w, ffi.from_buffer("float[]", out), out.size), "le_vision_encode")
         return out
+
+    def set_profile(self, on: bool) -> None:
+        """On: le_vision_encode accumulates wall time per phase (reset by turning it on)."""
+        check(lib.le_vision_set_profile(self.ptr, int(on)), "le_vision_set_profile")
+
+    def profile(self) -> dict[str, float]:
+        """Seconds per phase since set_profile(True) (VISION_PROFILE_PHASES order)."""
+        out = ffi.new("double[]", len(VISION_PROFILE_PHASES))
+        n = lib.le_vision_profile(self.ptr, out, len(VISION_PROFILE_PHASES))
+        if n != len(VISION_PROFILE_PHASES):
+            raise NativeError(n, f"the C core reports {n} vision phases, this module knows "
+                                 f"{len(VISION_PROFILE_PHASES)}")
+        return {name: out[i] for i, name in enumerate(VISION_PROFILE_PHASES)}
 
     @property
     def scratch_bytes(self) -> int:
