@@ -8,7 +8,8 @@ llama-server on the same file (issue 24).
     legacy-engine bench serve --build-llama-server      (tools/llama_server.py: llama-server from source)
 
 The servers, each a child process started afresh for every --clients count (so no run inherits another's prefix
-cache), polled on /health until ready, sent one short warm-up request, loaded, then stopped (SIGTERM):
+cache; at each count ours, then llama-server's), polled on /health until ready, sent one short warm-up request,
+loaded, then stopped (SIGTERM):
   ours        python -m legacy_engine serve MODEL --port P --parallel N --threads T --ctx C --api-key K
   llama.cpp   llama-server -m MODEL --parallel N -t T -c C·N --port P --api-key K
               (llama-server splits -c between its slots: each gets C tokens, as each of ours does)
@@ -27,7 +28,8 @@ Per request: TTFT (send → the first chunk with text), the gaps between text ch
 chunk is one token for both servers, except where a token ends inside a UTF-8 character and its text waits for
 the next; chunks/token in the table shows how close), the end-to-end time, the tokens. Per run: output tok/s and
 requests/s over the run's wall time (the first send to the last answer), TTFT and ITL p50/p95/p99 (linear
-interpolation between order statistics), TPOT (a request's decode time per token after its first, the mean).
+interpolation between order statistics), TPOT (a request's decode time per token after its first, the mean). The
+JSON keeps every request's record and the 1-minute load average before and after each run (a busy machine shows).
 """
 from __future__ import annotations
 
@@ -474,21 +476,24 @@ def bench_serve(cfg: LoadConfig, log=print) -> dict:
                               shared=r.shared) for r in requests],
                runs=[], notes=[])
     with tempfile.TemporaryDirectory(prefix="le-bench-serve-") as logs:
-        for name, command in engines:
-            for clients in cfg.clients:
+        for clients in cfg.clients:                     # the engines side by side in time: a busy machine's
+            for name, command in engines:               # other work weighs on both alike
                 port = free_port()
                 cmd = command(port)
                 log(f"bench serve: {name}, {clients} client(s): starting {' '.join(redacted(cmd))}")
                 with ServerProcess(name, cmd, port, logs) as srv:
                     _warm_up(port, api_key, words)
                     log(f"bench serve: {name} ready in {srv.load_s:.1f} s; {len(requests)} requests ...")
+                    load_before = os.getloadavg()
                     records, wall = run_load(port, api_key, requests, clients)
+                    load_after = os.getloadavg()
                     banner = _our_banner(srv) if name == "ours" else None
                     code = srv.stop()
                 s = summarize(records, wall)
                 log(f"bench serve: {name}, {clients} client(s): {_f(s['output_tok_s'], '.2f')} tok/s, "
                     f"{s['errors']} error(s), exit {code}")
                 res["runs"].append(dict(engine=name, clients=clients, load_s=srv.load_s, server_exit=code,
+                                        loadavg_1m=(load_before[0], load_after[0]),
                                         command=redacted(cmd), banner=banner,
                                         summary=s, records=records))
     res["ratios"] = ratios(res["runs"])
