@@ -40,10 +40,11 @@ typedef struct {
     int chunked;
 } gdn_job;
 
-/* Floats of one thread's scratch for the chunked form: G [C], A [C, C], U [C, dv], W [C, dk], Vp [C, dv], tmp [dv] */
+/* Floats of one thread's scratch for the chunked form (gdn_chunked_head): G [C], E [C, C], Kt [dk, C], Kb [C, dk],
+ * Vb [C, dv], A [C, C], Ti [C, C], U [C, dv], W [C, dk], X [C, dv], Vp [C, dv], D [dk, dv] */
 static int64_t chunk_floats(const le_hparams *hp) {
     int64_t C = GDN_CHUNK, dk = hp->ssm_d_state, dv = hp->ssm_d_inner / hp->ssm_dt_rank;
-    return le_floats64(C + C * C + 2 * C * dv + C * dk + dv);
+    return le_floats64(C + 3 * C * C + 2 * dk * C + 2 * C * dk + 4 * C * dv + dk * dv);
 }
 
 static int k_head_of(const le_hparams *hp, int j) {
@@ -68,17 +69,25 @@ static void gdn_recurrent_head(const gdn_job *jb, float *S, int j, int r0, int n
     for (int t = r0; t < r0 + n; t++) gdn_step_token(jb, S, j, t, step);
 }
 
-/* The chunked form for rows [r0, r0 + n) of v-head j (one sequence's, state S; spec §2.3, chunk C = 64, chunks
- * counted from r0); scratch: the thread's chunk slice. */
+/* The chunked form for rows [r0, r0 + n) of v-head j (one sequence's, state S [dk, dv]; spec §2.3, chunk C = 64,
+ * chunks counted from r0); scratch: the thread's chunk slice. Per chunk of L rows, with G the cumulative log decay
+ * and E_ij = exp(G_i - G_j) (j <= i):
+ *   A = strictly lower (beta_i k_i.k_j E_ij);  Ti = (I + A)^-1 (forward substitution on [L, L])
+ *   U = Ti (beta V);  W = Ti (beta e^G K);  V' = U - W S
+ *   O = e^G (Q S) + (lower (q_i.k_j E_ij)) V'; S <- e^{G_L} S + (e^{G_L - G} K)^T V'
+ * transformers' torch_chunk_gated_delta_rule in that form. Every product of more than [L, L] work is a call of the
+ * f32 table's gemm_nn, so the form runs at the tier's GEMM speed (an element's sum order fixed by the shapes: the
+ * same bits on every call, so a snapshot at a chunk boundary equals a recompute). */
 static void gdn_chunked_head(const gdn_job *jb, float *S, int j, int r0, int n, float *scratch) {
     const le_hparams *hp = &jb->m->hp;
     int dk = hp->ssm_d_state, dv = hp->ssm_d_inner / hp->ssm_dt_rank, Hv = hp->ssm_dt_rank;
     int kh = k_head_of(hp, j);
-    int conv_dim = 2 * hp->ssm_n_group * dk + hp->ssm_d_inner;
-    int C = GDN_CHUNK;
-    float *G = scratch, *A = G + C, *U = A + C * C, *W = U + C * dv, *Vp = W + C * dk, *tmp = Vp + C * dv;
-
-    le_gdn_step_fn step = le_get_f32_kernels()->gdn_step;
+    int64_t ld = 2 * hp->ssm_n_group * dk + hp->ssm_d_inner; /* u's row stride */
+    const int C = GDN_CHUNK;
+    float *G = scratch, *E = G + C, *Kt = E + C * C, *Kb = Kt + dk * C, *Vb = Kb + C * dk, *A = Vb + C * dv;
+    float *Ti = A + C * C, *U = Ti + C * C, *W = U + C * dv, *X = W + C * dk, *Vp = X + C * dv, *D = Vp + C * dv;
+    const le_f32_kernels *kern = le_get_f32_kernels();
+    le_gdn_step_fn step = kern->gdn_step;
     for (int c0 = r0; c0 < r0 + n; c0 += C) { /* c0: the chunk's first row */
         int L = r0 + n - c0 < C ? r0 + n - c0 : C;
         if (L == 1) { /* a chunk of one token is the recurrent step: so a one-token call (decode) and
@@ -86,79 +95,63 @@ static void gdn_chunked_head(const gdn_job *jb, float *S, int j, int r0, int n, 
             gdn_step_token(jb, S, j, c0, step);
             continue;
         }
-#define Q_(i) (jb->u + (int64_t)(c0 + (i)) * conv_dim + kh * dk)
-#define K_(i) (jb->u + (int64_t)(c0 + (i)) * conv_dim + hp->ssm_n_group * dk + kh * dk)
-#define V_(i) (jb->u + (int64_t)(c0 + (i)) * conv_dim + 2 * hp->ssm_n_group * dk + j * dv)
-#define BETA(i) (jb->beta[(int64_t)(c0 + (i)) * Hv + j])
-        /* G_i = cumulative log decay inside the chunk */
+        const float *Q = jb->u + (int64_t)c0 * ld + kh * dk;                               /* rows [L, dk], stride ld */
+        const float *K = jb->u + (int64_t)c0 * ld + hp->ssm_n_group * dk + kh * dk;        /* [L, dk] */
+        const float *V = jb->u + (int64_t)c0 * ld + 2 * hp->ssm_n_group * dk + j * dv;     /* [L, dv] */
+        const float *beta = jb->beta + (int64_t)c0 * Hv + j, *g = jb->g + (int64_t)c0 * Hv + j; /* stride Hv */
         float acc = 0.0f;
         for (int i = 0; i < L; i++) {
-            acc += jb->g[(int64_t)(c0 + i) * Hv + j];
+            acc += g[(int64_t)i * Hv];
             G[i] = acc;
         }
-        /* A_ij = beta_i (k_i . k_j) exp(G_i - G_j), j < i */
+        for (int i = 0; i < L; i++) {
+            for (int jj = 0; jj <= i; jj++) E[i * C + jj] = expf(G[i] - G[jj]);
+            float b = beta[(int64_t)i * Hv], be = b * expf(G[i]);
+            for (int e = 0; e < dk; e++) {
+                Kt[e * C + i] = K[i * ld + e];
+                Kb[i * dk + e] = be * K[i * ld + e];
+            }
+            for (int c = 0; c < dv; c++) Vb[i * dv + c] = b * V[i * ld + c];
+        }
+        /* A = K K^T (lower part used), Ti = (I + strict lower(beta_i A_ij E_ij))^-1 */
+        kern->gemm_nn(K, ld, Kt, C, A, C, L, L, dk);
+        for (int i = 0; i < L; i++) {
+            float b = beta[(int64_t)i * Hv];
+            for (int jj = 0; jj < i; jj++) A[i * C + jj] *= b * E[i * C + jj];
+        }
+        for (int i = 0; i < L; i++) { /* row i of Ti: e_i - sum_{m<i} A_im Ti_m (Ti_m zero beyond column m) */
+            float *Tr = Ti + i * C;
+            for (int c = 0; c < L; c++) Tr[c] = c == i ? 1.0f : 0.0f;
+            for (int m2 = 0; m2 < i; m2++) {
+                float a = A[i * C + m2];
+                const float *Tm = Ti + m2 * C;
+                for (int c = 0; c <= m2; c++) Tr[c] -= a * Tm[c];
+            }
+        }
+        kern->gemm_nn(Ti, C, Vb, dv, U, dv, L, dv, L);  /* U [L, dv] */
+        kern->gemm_nn(Ti, C, Kb, dk, W, dk, L, dk, L);  /* W [L, dk] */
+        kern->gemm_nn(W, dk, S, dv, X, dv, L, dv, dk);  /* X = W S */
+        for (int64_t e = 0; e < (int64_t)L * dv; e++) Vp[e] = U[e] - X[e];
+        /* O */
+        kern->gemm_nn(Q, ld, S, dv, X, dv, L, dv, dk);  /* X = Q S */
+        kern->gemm_nn(Q, ld, Kt, C, A, C, L, L, dk);    /* A = Q K^T */
         for (int i = 0; i < L; i++)
-            for (int jj = 0; jj < i; jj++) {
-                A[i * C + jj] = BETA(i) * le_dot_f32(K_(i), K_(jj), dk) * expf(G[i] - G[jj]);
-            }
-        /* forward substitution of (I + A): U = T (beta V), W = T (beta e^G K) */
+            for (int jj = 0; jj < L; jj++) A[i * C + jj] = jj <= i ? A[i * C + jj] * E[i * C + jj] : 0.0f;
+        float *o0 = jb->o + (int64_t)c0 * hp->ssm_d_inner + j * dv;
+        kern->gemm_nn(A, C, Vp, dv, U, dv, L, dv, L);   /* U = P V' */
         for (int i = 0; i < L; i++) {
-            float b = BETA(i), eg = expf(G[i]);
-            const float *vi = V_(i), *ki = K_(i);
-            float *Ui = U + i * dv, *Wi = W + i * dk;
-            for (int c = 0; c < dv; c++) Ui[c] = b * vi[c];
-            for (int e = 0; e < dk; e++) Wi[e] = b * eg * ki[e];
-            for (int jj = 0; jj < i; jj++) {
-                float a = A[i * C + jj];
-                const float *Uj = U + jj * dv, *Wj = W + jj * dk;
-                for (int c = 0; c < dv; c++) Ui[c] -= a * Uj[c];
-                for (int e = 0; e < dk; e++) Wi[e] -= a * Wj[e];
-            }
-        }
-        /* V' = U - W S */
-        for (int i = 0; i < L; i++) {
-            float *Vi = Vp + i * dv;
-            memcpy(Vi, U + i * dv, (size_t)dv * sizeof(float));
-            const float *Wi = W + i * dk;
-            for (int e = 0; e < dk; e++) {
-                const float *Se = S + (int64_t)e * dv;
-                float we = Wi[e];
-                for (int c = 0; c < dv; c++) Vi[c] -= we * Se[c];
-            }
-        }
-        /* O_i = e^{G_i} (S^T q_i) + sum_{j<=i} (q_i . k_j) e^{G_i - G_j} V'_j */
-        for (int i = 0; i < L; i++) {
-            const float *qi = Q_(i);
-            float *o = jb->o + (int64_t)(c0 + i) * hp->ssm_d_inner + j * dv;
-            for (int c = 0; c < dv; c++) tmp[c] = 0.0f;
-            for (int e = 0; e < dk; e++) {
-                const float *Se = S + (int64_t)e * dv;
-                for (int c = 0; c < dv; c++) tmp[c] += Se[c] * qi[e];
-            }
             float eg = expf(G[i]);
-            for (int c = 0; c < dv; c++) o[c] = eg * tmp[c];
-            for (int jj = 0; jj <= i; jj++) {
-                float coef = le_dot_f32(qi, K_(jj), dk) * expf(G[i] - G[jj]);
-                const float *Vj = Vp + jj * dv;
-                for (int c = 0; c < dv; c++) o[c] += coef * Vj[c];
-            }
+            float *o = o0 + (int64_t)i * hp->ssm_d_inner;
+            for (int c = 0; c < dv; c++) o[c] = eg * X[i * dv + c] + U[i * dv + c];
         }
-        /* S <- e^{G_last} S + sum_j e^{G_last - G_j} k_j V'_j^T */
+        /* S <- e^{G_L} S + (e^{G_L - G_j} k_j)^T V' */
         float glast = G[L - 1], elast = expf(glast);
-        for (int64_t e = 0; e < (int64_t)dk * dv; e++) S[e] *= elast;
         for (int jj = 0; jj < L; jj++) {
-            const float *kj = K_(jj), *Vj = Vp + jj * dv;
             float f = expf(glast - G[jj]);
-            for (int e = 0; e < dk; e++) {
-                float ke = f * kj[e];
-                float *Se = S + (int64_t)e * dv;
-                for (int c = 0; c < dv; c++) Se[c] += ke * Vj[c];
-            }
+            for (int e = 0; e < dk; e++) Kt[e * C + jj] *= f;
         }
-#undef Q_
-#undef K_
-#undef V_
-#undef BETA
+        kern->gemm_nn(Kt, C, Vp, dv, D, dv, dk, dv, L); /* D [dk, dv] */
+        for (int64_t e = 0; e < (int64_t)dk * dv; e++) S[e] = elast * S[e] + D[e];
     }
 }
 
