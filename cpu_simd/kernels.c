@@ -34,6 +34,11 @@ const le_vec_dot_fn le_vec_dot_table[LE_ISA_COUNT][LE_TYPE_COUNT] = {
     [LE_ISA_AVX512VNNI] = LE_VEC_DOT_ROW(avx512vnni),
 };
 
+const le_vec_dot_n_fn le_vec_dot_n_table[LE_ISA_COUNT][LE_TYPE_COUNT] = {
+    [LE_ISA_AVX2] = {[LE_TYPE_Q4_K] = vec_dot_n_q4_K_q8_K_avx2},
+    [LE_ISA_AVX512VNNI] = {[LE_TYPE_Q4_K] = vec_dot_n_q4_K_q8_K_avx512vnni},
+};
+
 /* Activation quantisers: the refs (typed block pointers, hence the adapters) and AVX2
  * (cpu_simd/quantize_act_avx2.c, bit-exact); SSSE3 falls back to the ref, AVX-512 to AVX2. */
 static void q8_0_ref(const float *x, void *y, int64_t n) { quantize_row_q8_0_ref(x, (block_q8_0 *)y, n); }

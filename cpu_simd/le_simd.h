@@ -147,6 +147,14 @@ const le_f32_kernels *le_get_f32_kernels(void);
 
 /* [LE_ISA_*][ggml type id] */
 extern const le_vec_dot_fn le_vec_dot_table[LE_ISA_COUNT][LE_TYPE_COUNT];
+/* Several activation rows per weight row (le_dispatch.h le_vec_dot_n_fn): [LE_ISA_*][type], NULL: none at that tier
+ * (no fallback to another tier's: the bits must be those of the tier's le_vec_dot_table entry). The reference is
+ * the loop of the tier's one-row kernel. */
+extern const le_vec_dot_n_fn le_vec_dot_n_table[LE_ISA_COUNT][LE_TYPE_COUNT];
+#define LE_DECLARE_VEC_DOT_NS(isa)                                                                                 \
+    void vec_dot_n_q4_K_q8_K_##isa(int64_t n, float *s, int64_t ls, const void *x, const void *y, int64_t ly, int nt);
+LE_DECLARE_VEC_DOT_NS(avx2)
+LE_DECLARE_VEC_DOT_NS(avx512vnni)
 /* Activation quantisers per ISA for the vec_dot types (Q8_0, Q8_1, Q8_K); NULL: fall back. */
 extern const le_quantize_row_fn le_quantize_act_table[LE_ISA_COUNT][LE_TYPE_COUNT];
 

@@ -16,3 +16,6 @@
 #include "vec_dot_q4_K_x86.h"
 
 void vec_dot_q4_K_q8_K_avx512vnni(int64_t n, float *s, const void *x, const void *y) { vec_dot_q4_K_q8_K_x86(n, s, x, y); }
+void vec_dot_n_q4_K_q8_K_avx512vnni(int64_t n, float *s, int64_t ls, const void *x, const void *y, int64_t ly, int nt) {
+    vec_dot_n_q4_K_q8_K_x86(n, s, ls, x, y, ly, nt);
+}

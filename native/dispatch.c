@@ -163,6 +163,7 @@ int le_quantize_row(int type, const float *src, void *dst, int64_t n) {
  * has it); le_set_isa changes it (tests run every path that way). */
 
 static le_vec_dot_fn g_vec_dot[LE_TYPE_COUNT];
+static le_vec_dot_n_fn g_vec_dot_n[LE_TYPE_COUNT]; /* the tier of g_vec_dot_isa[t]'s, or NULL */
 static signed char g_vec_dot_isa[LE_TYPE_COUNT];
 static le_quantize_row_fn g_act[LE_TYPE_COUNT];
 static int g_isa = LE_ISA_REF;
@@ -197,6 +198,7 @@ static void select_isa(int isa) {
                 g_vec_dot_isa[t] = (signed char)i;
                 break;
             }
+        g_vec_dot_n[t] = g_vec_dot_isa[t] >= 0 ? le_vec_dot_n_table[(int)g_vec_dot_isa[t]][t] : NULL;
         for (int i = isa; i >= 0; i--)
             if (le_quantize_act_table[i][t]) {
                 g_act[t] = le_quantize_act_table[i][t];
@@ -250,6 +252,31 @@ int le_kernel_isa(int type) {
 le_vec_dot_fn le_get_vec_dot(int type) {
     pthread_once(&g_once, init_once);
     return type >= 0 && type < LE_TYPE_COUNT ? g_vec_dot[type] : NULL;
+}
+
+le_vec_dot_n_fn le_get_vec_dot_n(int type) {
+    pthread_once(&g_once, init_once);
+    return type >= 0 && type < LE_TYPE_COUNT ? g_vec_dot_n[type] : NULL;
+}
+
+int le_vec_dot_n(int type, int64_t n, const void *x, const void *y, int64_t ly, int nt, float *out) {
+    const le_type_traits_t *t;
+    int rc = check_row("le_vec_dot_n", type, x, y, n, &t);
+    if (rc != LE_OK) return rc;
+    if (out == NULL || nt < 0) return LE_FAIL(LE_ERR_INVALID_ARG, "le_vec_dot_n: out is NULL or nt < 0");
+    le_vec_dot_fn f = le_get_vec_dot(type);
+    if (f == NULL) return LE_FAIL(LE_ERR_UNSUPPORTED, "le_vec_dot_n: no integer dot product for %s", t->name);
+    le_vec_dot_n_fn fn = le_get_vec_dot_n(type);
+    if (fn) {
+        fn(n, out, 1, x, y, ly, nt);
+    } else {
+        for (int i = 0; i < nt; i++) f(n, out + i, x, (const uint8_t *)y + i * ly);
+    }
+    return LE_OK;
+}
+
+int le_has_vec_dot_n(int type) {
+    return le_get_vec_dot_n(type) != NULL;
 }
 
 le_quantize_row_fn le_get_act_quantizer(int act_type) {

@@ -21,6 +21,9 @@ typedef void (*le_quantize_row_fn)(const float *x, void *y, int64_t n);
 
 /* *s = dot(x: a weight row of n elements, y: the activations in the type's vec_dot_type). */
 typedef void (*le_vec_dot_fn)(int64_t n, float *s, const void *x, const void *y);
+/* s[t * ls] = dot(x, y + t * ly) for t < nt: one weight row against nt activation rows, each block of x unpacked
+ * once for all of them; every s[t * ls] bit-equal to the same tier's le_vec_dot_fn on (x, y + t * ly). */
+typedef void (*le_vec_dot_n_fn)(int64_t n, float *s, int64_t ls, const void *x, const void *y, int64_t ly, int nt);
 
 typedef struct {
     const char *name;                    /* ggml's spelling: "q4_K"; NULL marks an unsupported id */
@@ -38,6 +41,9 @@ const le_type_traits_t *le_get_type_traits(int type);
  * and the selected activation quantiser of an activation type (never NULL for Q8_0/Q8_1/Q8_K). */
 le_vec_dot_fn le_get_vec_dot(int type);
 le_quantize_row_fn le_get_act_quantizer(int act_type);
+/* The selected tier's several-row dot product of a weight type, from the tier that serves le_get_vec_dot(type);
+ * NULL where that tier has none (the caller loops le_get_vec_dot's kernel: the same bits). */
+le_vec_dot_n_fn le_get_vec_dot_n(int type);
 
 /* ---- scalar references (quants_ref.c) --------------------------------------- */
 

@@ -33,24 +33,44 @@ typedef struct {
     int n_threads;               /* le_matmul_batch_split: the pool's */
 } batch_job;
 
+/* Activation rows a weight row meets per pass (the token tile): 16 Q8_K rows of a 2048-wide input are 37 KiB, so
+ * a tile stays in L1 while the task's weight rows stream past it once per tile. */
+#define TOK_TILE 16
+
+/* s[t * ls] = dot(row x, activation row t) for t < nt: the several-row kernel where the tier has one, else the
+ * one-row kernel per row (the same bits). */
+static inline void dots(le_vec_dot_fn vd, le_vec_dot_n_fn vdn, int64_t n, float *s, int64_t ls, const uint8_t *x,
+                        const uint8_t *y, int64_t ly, int nt) {
+    if (vdn && nt > 1) {
+        vdn(n, s, ls, x, y, ly, nt);
+        return;
+    }
+    for (int t = 0; t < nt; t++) vd(n, s + t * ls, x, y + t * ly);
+}
+
 static void rows_int8(const le_mm *mm, le_vec_dot_fn vd, const uint8_t *xq, int64_t rb, int64_t r0, int64_t r1) {
     const le_weight *w = mm->w;
     const uint8_t *base = w->data + mm->expert * w->nb2;
+    le_vec_dot_n_fn vdn = le_get_vec_dot_n(w->type);
     if (mm->w_up) { /* SwiGLU pair: both rows share the input (same activation type, checked by the caller) */
         const uint8_t *base_up = mm->w_up->data + mm->expert * mm->w_up->nb2;
         le_vec_dot_fn vd_up = le_get_vec_dot(mm->w_up->type);
-        for (int64_t r = r0; r < r1; r++)
-            for (int64_t t = 0; t < mm->n_tok; t++) {
-                float g, u;
-                vd(w->ne0, &g, base + r * w->nb1, xq + t * rb);
-                vd_up(w->ne0, &u, base_up + r * mm->w_up->nb1, xq + t * rb);
-                mm->y[t * mm->ldy + r] = le_silu(g) * u;
+        le_vec_dot_n_fn vdn_up = le_get_vec_dot_n(mm->w_up->type);
+        float g[TOK_TILE], u[TOK_TILE];
+        for (int64_t t0 = 0; t0 < mm->n_tok; t0 += TOK_TILE) {
+            int nt = (int)(mm->n_tok - t0 < TOK_TILE ? mm->n_tok - t0 : TOK_TILE);
+            for (int64_t r = r0; r < r1; r++) {
+                dots(vd, vdn, w->ne0, g, 1, base + r * w->nb1, xq + t0 * rb, rb, nt);
+                dots(vd_up, vdn_up, w->ne0, u, 1, base_up + r * mm->w_up->nb1, xq + t0 * rb, rb, nt);
+                for (int t = 0; t < nt; t++) mm->y[(t0 + t) * mm->ldy + r] = le_silu(g[t]) * u[t];
             }
+        }
         return;
     }
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = base + r * w->nb1;
-        for (int64_t t = 0; t < mm->n_tok; t++) vd(w->ne0, &mm->y[t * mm->ldy + r], row, xq + t * rb);
+    for (int64_t t0 = 0; t0 < mm->n_tok; t0 += TOK_TILE) {
+        int nt = (int)(mm->n_tok - t0 < TOK_TILE ? mm->n_tok - t0 : TOK_TILE);
+        for (int64_t r = r0; r < r1; r++)
+            dots(vd, vdn, w->ne0, &mm->y[t0 * mm->ldy + r], mm->ldy, base + r * w->nb1, xq + t0 * rb, rb, nt);
     }
 }
 

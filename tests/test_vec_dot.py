@@ -232,6 +232,35 @@ def test_tier_extreme_values(qtype, isa, restore_isa):
         assert_close(_native.vec_dot(qtype, w, y, n), ref, M, nb, f"{name(qtype)}-{isa} fill {w[-1]:#x}")
 
 
+# Several-row kernels (le_vec_dot_n_table): the types each SIMD tier has one for, kept by hand beside
+# cpu_simd/kernels.c so a kernel that goes missing fails here rather than silently looping the one-row kernel.
+VEC_DOT_N_KERNELS = {(t, isa) for t in (T.Q4_K,) for isa in ("avx2", "avx512vnni")}
+N_CASES = [(t, isa) for t in TYPES for isa in ("ref",) + SIMD_ISAS]
+
+
+@pytest.mark.simd
+@pytest.mark.parametrize("qtype,isa", N_CASES, ids=[f"{name(t)}-{isa}" for t, isa in N_CASES])
+def test_vec_dot_n_equals_one_row_kernel(qtype, isa, restore_isa):
+    """Row t of the several-row product is the tier's one-row kernel on activation row t, bit for bit, at every
+    count of rows (the kernels go 4 rows a pass: 1..9 covers full passes and every remainder), and the tier has a
+    several-row kernel exactly where VEC_DOT_N_KERNELS says."""
+    if isa != "ref":
+        use_isa(isa, qtype)
+    else:
+        _native.set_isa("ref")
+    assert _native.has_vec_dot_n(qtype) == ((qtype, isa) in VEC_DOT_N_KERNELS)
+    rng = np.random.default_rng(2000 + int(qtype))
+    bs = traits(qtype)["block_size"]
+    for nb in (1, 3, 8):
+        n = nb * bs
+        w = random_weights(rng, qtype, nb)
+        ys = [quantized_acts(qtype, random_acts(rng, n)) for _ in range(9)]
+        for nt in range(0, 10):
+            got = _native.vec_dot_n(qtype, w, ys[:nt], n)
+            want = np.array([_native.vec_dot(qtype, w, y, n) for y in ys[:nt]], np.float32)
+            assert got.tobytes() == want.tobytes(), f"{name(qtype)}-{isa}, {nb} blocks, {nt} rows"
+
+
 @pytest.mark.simd
 @pytest.mark.parametrize("isa", SIMD_ISAS)
 def test_tier_gemv_rows(isa, restore_isa):

@@ -57,6 +57,10 @@ int le_get_isa(void);
 int le_kernel_isa(int type);
 /* *out = dot(x: n weights of `type`, y: n activations quantised to type's vec_dot_type). */
 int le_vec_dot(int type, int64_t n, const void *x, const void *y, float *out);
+/* out[t] = dot(x, y + t * ly) for t < nt (activation rows ly bytes apart) through the tier's several-row kernel
+ * where it has one (le_has_vec_dot_n), else the one-row kernel per row: the same bits either way. */
+int le_vec_dot_n(int type, int64_t n, const void *x, const void *y, int64_t ly, int nt, float *out);
+int le_has_vec_dot_n(int type);
 /* Quantises activations to an activation type (Q8_0/Q8_1/Q8_K) with the selected tier's kernel. */
 int le_quantize_act(int act_type, const float *src, void *dst, int64_t n);
 

@@ -134,6 +134,25 @@ def quantize_act(act_type: int, x: np.ndarray) -> bytes:
     return bytes(out)
 
 
+def vec_dot_n(qtype: int, x, ys: list, n: int) -> np.ndarray:
+    """x: n weights of `qtype`, ys: activation rows (each n values in its vec_dot_type, equal lengths) -> float32
+    [len(ys)]: the dot products through the selected tier's several-row kernel (has_vec_dot_n) or its one-row one."""
+    t = type_traits(qtype)
+    need_x, need_y = _row_bytes(t, int(n)), _row_bytes(type_traits(t["vec_dot_type"]), int(n))
+    if len(ffi.from_buffer(x)) < need_x or any(len(y) != need_y for y in ys):
+        raise ValueError(f"{n} elements need {need_x} weight bytes and activation rows of {need_y} bytes")
+    yb = b"".join(bytes(y) for y in ys) or b"\0"
+    out = np.zeros(max(len(ys), 1), np.float32)
+    check(lib.le_vec_dot_n(int(qtype), int(n), ffi.from_buffer(x), ffi.from_buffer(yb), need_y, len(ys),
+                           ffi.from_buffer("float[]", out)), "le_vec_dot_n")
+    return out[:len(ys)]
+
+
+def has_vec_dot_n(qtype: int) -> bool:
+    """Whether the selected tier has a several-row kernel of its own for `qtype` (else rows loop its one-row one)."""
+    return bool(lib.le_has_vec_dot_n(int(qtype)))
+
+
 def vec_dot(qtype: int, x, y, n: int) -> float:
     """x: n weights of `qtype` (bytes-like), y: n activations in its vec_dot_type -> the f32 dot product,
     by the selected tier's kernel."""
