@@ -35,8 +35,9 @@ const le_vec_dot_fn le_vec_dot_table[LE_ISA_COUNT][LE_TYPE_COUNT] = {
 };
 
 const le_vec_dot_n_fn le_vec_dot_n_table[LE_ISA_COUNT][LE_TYPE_COUNT] = {
-    [LE_ISA_AVX2] = {[LE_TYPE_Q4_K] = vec_dot_n_q4_K_q8_K_avx2},
-    [LE_ISA_AVX512VNNI] = {[LE_TYPE_Q4_K] = vec_dot_n_q4_K_q8_K_avx512vnni},
+    [LE_ISA_AVX2] = {[LE_TYPE_Q4_K] = vec_dot_n_q4_K_q8_K_avx2, [LE_TYPE_Q6_K] = vec_dot_n_q6_K_q8_K_avx2},
+    [LE_ISA_AVX512VNNI] = {[LE_TYPE_Q4_K] = vec_dot_n_q4_K_q8_K_avx512vnni,
+                           [LE_TYPE_Q6_K] = vec_dot_n_q6_K_q8_K_avx512vnni},
 };
 
 /* Activation quantisers: the refs (typed block pointers, hence the adapters) and AVX2

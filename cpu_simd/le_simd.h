@@ -152,7 +152,8 @@ extern const le_vec_dot_fn le_vec_dot_table[LE_ISA_COUNT][LE_TYPE_COUNT];
  * the loop of the tier's one-row kernel. */
 extern const le_vec_dot_n_fn le_vec_dot_n_table[LE_ISA_COUNT][LE_TYPE_COUNT];
 #define LE_DECLARE_VEC_DOT_NS(isa)                                                                                 \
-    void vec_dot_n_q4_K_q8_K_##isa(int64_t n, float *s, int64_t ls, const void *x, const void *y, int64_t ly, int nt);
+    void vec_dot_n_q4_K_q8_K_##isa(int64_t n, float *s, int64_t ls, const void *x, const void *y, int64_t ly, int nt); \
+    void vec_dot_n_q6_K_q8_K_##isa(int64_t n, float *s, int64_t ls, const void *x, const void *y, int64_t ly, int nt);
 LE_DECLARE_VEC_DOT_NS(avx2)
 LE_DECLARE_VEC_DOT_NS(avx512vnni)
 /* Activation quantisers per ISA for the vec_dot types (Q8_0, Q8_1, Q8_K); NULL: fall back. */

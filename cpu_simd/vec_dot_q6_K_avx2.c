@@ -72,3 +72,70 @@ void vec_dot_q6_K_q8_K_avx2(int64_t n, float *s, const void *vx, const void *vy)
     }
     *s = le_hsum_ps_256(acc);
 }
+
+/* Several activation rows (le_vec_dot_n_fn): NT rows a pass, each block's codes and scales unpacked once; row t's
+ * int32 sums and its one FMA per block are the kernel above's, so s[t] has its bits. */
+static inline __attribute__((always_inline)) void q6_K_rows(int64_t n, float *s, int64_t ls, const block_q6_K *x,
+                                                            const uint8_t *yb, int64_t ly, const int NT) {
+    const int64_t nb = n / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i m2 = _mm256_set1_epi8(0x03);
+    __m256 acc[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        le_prefetch_ahead(x + i, sizeof *x);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[i].scales));
+        __m256i sumi[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const block_q8_K *y = (const block_q8_K *)(yb + t * ly) + i;
+            const __m256i bsums = _mm256_loadu_si256((const __m256i *)y->bsums);
+            sumi[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsums), 5));
+        }
+        const __m256i sc_half[2] = {_mm256_permute2x128_si256(sc16, sc16, 0x00),
+                                    _mm256_permute2x128_si256(sc16, sc16, 0x11)};
+        const uint8_t *ql = x[i].ql, *qh = x[i].qh;
+#pragma GCC unroll 2
+        for (int h = 0; h < QK_K / 128; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+            const __m256i s0 = scale_pair(sc_half[h], 8 * h + 0), s1 = scale_pair(sc_half[h], 8 * h + 2);
+            const __m256i s2 = scale_pair(sc_half[h], 8 * h + 4), s3 = scale_pair(sc_half[h], 8 * h + 6);
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                const int8_t *a = ((const block_q8_K *)(yb + t * ly))[i].qs + 128 * h;
+                const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, _mm256_loadu_si256((const __m256i *)a)), s0);
+                const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, _mm256_loadu_si256((const __m256i *)(a + 32))), s1);
+                const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(q2, _mm256_loadu_si256((const __m256i *)(a + 64))), s2);
+                const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(q3, _mm256_loadu_si256((const __m256i *)(a + 96))), s3);
+                sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+            }
+        }
+        const float xd = _cvtsh_ss(x[i].d);
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const block_q8_K *y = (const block_q8_K *)(yb + t * ly) + i;
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y->d * xd), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) s[t * ls] = le_hsum_ps_256(acc[t]);
+}
+
+void vec_dot_n_q6_K_q8_K_avx2(int64_t n, float *s, int64_t ls, const void *vx, const void *vy, int64_t ly, int nt) {
+    const uint8_t *y = vy;
+    for (; nt >= 4; nt -= 4, s += 4 * ls, y += 4 * ly) q6_K_rows(n, s, ls, vx, y, ly, 4);
+    if (nt == 3) q6_K_rows(n, s, ls, vx, y, ly, 3);
+    else if (nt == 2) q6_K_rows(n, s, ls, vx, y, ly, 2);
+    else if (nt == 1) q6_K_rows(n, s, ls, vx, y, ly, 1);
+}
