@@ -263,3 +263,24 @@ def test_bench_serve_with_llama(tiny_model, tmp_path, capsys):
     _check_runs(res, ["ours", "llama.cpp"])
     assert [q["clients"] for q in res["ratios"]] == [2] and res["ratios"][0]["output_tok_s"] > 0
     assert "ours/llama.cpp at 2 client(s)" in text
+
+
+@pytest.mark.slow
+def test_bench_long_prompt_ours(tiny_model, tmp_path, capsys):
+    """--long-prompt: probes idle and during a long prefill, each answered; during-probes counted only while the
+    long request had no first token yet."""
+    out = tmp_path / "long.json"
+    assert bench_cmd.main(["serve", tiny_model, "--long-prompt", "400", "--probes", "3", "--parallel", "2",
+                           "--threads", "1", "--ctx", "512", "--json", str(out)]) == 0
+    res, text = json.loads(out.read_text()), capsys.readouterr().out
+    (run,) = res["runs"]
+    assert run["engine"] == "ours" and run["errors"] == 0 and run["long_error"] is None
+    assert len(run["records"]["idle"]) == 3 and len(run["records"]["busy"]) == 3
+    assert run["idle_ttft_ms"]["p50"] > 0 and run["long_ttft_s"] > 0
+    assert run["n_during"] == sum(1 for r in run["records"]["busy"] if r["sent_after_s"] < run["long_ttft_s"])
+    assert "p95 during / p50 idle" in text
+
+
+def test_bench_long_prompt_refuses_a_prompt_beyond_the_context(tiny_model, capsys):
+    assert bench_cmd.main(["serve", tiny_model, "--long-prompt", "4096", "--ctx", "512"]) == 2
+    assert "does not fit --ctx 512" in capsys.readouterr().err

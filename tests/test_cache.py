@@ -220,6 +220,23 @@ def decode_after(sess, out, n: int = 5) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_shorter_calls_change_no_bit(kind, engine, recompute):
+    """The server's prefill calls shrink to PREFILL_SHARED (64) tokens while others wait (step, varying call by
+    call): the logits, the decode after them and the snapshots a later prompt restores equal the default calls'."""
+    eng = engine(kind)
+    a = tokens(11, 333)
+    sizes = iter([64, 256, 64, 128] + [64] * 10)
+    got = eng.session().prefill(a, step=lambda: next(sizes))
+    assert np.array_equal(got, recompute(kind, a))
+    cache, sess = new_cache(eng), eng.session()
+    out = cache.prefill(sess, a, step=lambda: 64)
+    assert np.array_equal(out, recompute(kind, a))
+    b = a[:320] + tokens(12, 40)                            # restores a snapshot the 64-token calls took
+    run(cache, eng.session(), kind, b, recompute)
+    assert cache.last["reused"] >= 256
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_exact_repeat(kind, engine, recompute):
     """An exact repeat is served by the prompt's end entry: nothing runs, the logits and the session afterwards
     (decoding) equal a fresh prefill's bit for bit."""

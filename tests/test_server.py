@@ -182,9 +182,9 @@ def recording(worker: Worker):
     seen: list[list[int]] = []
     saved = worker.prefill
 
-    def prefill(session, ids, cancel=None):
+    def prefill(session, ids, cancel=None, **kw):
         seen.append(list(ids))
-        return saved(session, ids, cancel)
+        return saved(session, ids, cancel, **kw)
     worker.prefill = prefill
     try:
         yield seen
@@ -785,12 +785,12 @@ def test_disconnect_during_prefill_cancels_it(server, client, ref):
     asked = []
     saved = server.worker.prefill
 
-    def slow(session, ids_, cancel=None):
+    def slow(session, ids_, cancel=None, **kw):
         def check():
             asked.append(time.monotonic())
             time.sleep(0.3)
             return cancel()
-        return saved(session, ids_, check)
+        return saved(session, ids_, check, **kw)
     server.worker.prefill = slow
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)

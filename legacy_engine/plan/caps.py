@@ -51,7 +51,9 @@ def kernel_report() -> dict:
             continue
     return {"isa": _native.get_isa(), "f32_kernels": _native.f32_isa(),
             "vec_dot": {n: _native.kernel_isa(q) for n, q in names.items() if n not in ("f32", "f16", "bf16",
-                                                                                       "q8_1", "q8_K")}}
+                                                                                       "q8_1", "q8_K")},
+            # types whose weight blocks are unpacked once for several activation rows (prefill, batched decode)
+            "vec_dot_n": sorted(n for n, q in names.items() if _native.kernel_isa(q) and _native.has_vec_dot_n(q))}
 
 
 THP_DIR = "/sys/kernel/mm/transparent_hugepage"
@@ -130,7 +132,11 @@ def format_machine_report(rep: dict) -> list[str]:
     for name, tier in k["vec_dot"].items():
         by_tier.setdefault(tier or "none (dequantise + f32)", []).append(name)
     lines.append("  integer dot products (W4A8 ...): " + "; ".join(f"{t}: {' '.join(n)}" for t, n in by_tier.items()))
-    lines.append("  f32 kernels (GDN step, f32 dot, gemm_tile: the vision tower's matmuls and attention): "
+    several = k.get("vec_dot_n", [])
+    lines.append("  several tokens per weight block (prefill, batched decode): "
+                 + (" ".join(several) if several else "none at this tier")
+                 + ("; the other types run one token at a time" if several else ""))
+    lines.append("  f32 kernels (GDN step, f32 dot, gemm_nn: the chunked GDN prefill and the vision tower): "
                  f"{k['f32_kernels']}"
                  + (" (the scalar reference: this tier has none of its own)" if k["f32_kernels"] == "ref" else ""))
     if numa["available"]:

@@ -186,14 +186,15 @@ class PrefixCache(DiskTier):
 
     # ---- public -------------------------------------------------------------------------------------------
 
-    def prefill(self, session, ids, cancel=None, images=None) -> np.ndarray:
+    def prefill(self, session, ids, cancel=None, images=None, step=None) -> np.ndarray:
         """Runs the whole sequence `ids` in `session`, reusing the longest cached prefix, and returns the
         logits of its last token (float32[n_vocab]), equal bit for bit to a fresh session's prefill.
 
         The session's previous content is replaced: afterwards session.tokens == ids, session.pos == len(ids).
         Snapshots, KV pages and the end entry of ids are stored for later prompts; an exact repeat of a prompt
         whose end entry is held runs nothing (reused == len(ids)). cancel() is asked before each forward call
-        (at most PREFILL_BATCH tokens apart); True raises Cancelled: the session holds the part already run and
+        (at most PREFILL_BATCH tokens apart, or step() after it: Session.prefill); True raises Cancelled: the
+        session holds the part already run and
         the snapshots taken so far stay (each is complete). images: the prompt's images (generate.PromptImages):
         keyed by their pixels' digests; a restore inside or after one also restores the state's rope delta."""
         ids = [int(t) for t in ids]
@@ -238,7 +239,7 @@ class PrefixCache(DiskTier):
                 self._unpin(snap_key)
         session.tokens = ids[:p]
         t1 = time.perf_counter()
-        logits = self._run(session, ids, p, keys, pages, ekey, cancel, rows)
+        logits = self._run(session, ids, p, keys, pages, ekey, cancel, rows, step)
         t2 = time.perf_counter()
         with self._lock:
             self._stats["hits" if p else "misses"] += 1
@@ -375,17 +376,18 @@ class PrefixCache(DiskTier):
         return sorted(q for q in pts if q > p)
 
     def _run(self, session, ids: list[int], p: int, keys: list[bytes], pages: list[bytes], ekey: bytes,
-             cancel=None, rows: dict | None = None) -> np.ndarray:
+             cancel=None, rows: dict | None = None, step=None) -> np.ndarray:
         """Prefill ids[p:] in forward calls that split only at multiples of 64, storing snapshots, pages and the
         end entry (key ekey). rows: the image rows' forward arguments of the whole prompt (generate.image_rows)."""
         n, model, state = len(ids), session.engine.model, session.state
         capture = self._capture_points(p, n)
-        cuts = sorted(set(capture) | set(range((p // PREFILL_BATCH + 1) * PREFILL_BATCH, n, PREFILL_BATCH)) | {n})
         pages = list(pages)  # KV page j for j < len(pages)
         pos, logits, t_capture = p, None, 0.0
-        for q in cuts:
+        while pos < n:
             if cancel is not None and cancel():
                 raise Cancelled(f"prefill cancelled after {pos} of {n} tokens")
+            size = step() if step is not None else PREFILL_BATCH  # the calls split at capture points and multiples
+            q = min([c for c in capture if c > pos][:1] + [(pos // size + 1) * size, n])   # of size: of 64
             try:
                 kw = {k: v[pos:q] for k, v in rows.items()} if rows is not None else {"tokens": ids[pos:q]}
                 out = model.forward(state, kw.pop("tokens"), all_logits=False, chunked=True, want_logits=q == n, **kw)

@@ -28,6 +28,8 @@ from ..plan.split import SplitModel
 from ..plan.vision import VisionPlacement, cpu_vision_placement, vision_placement
 
 PREFILL_BATCH = 256  # tokens per forward call during prefill: bounds activation memory
+PREFILL_SHARED = 64  # per forward call while other requests wait or decode: they run between calls, so this bounds
+                     # their wait (a multiple of the GDN chunk and the cache's page: calls split where they may)
 ENCODED_IMAGES = 16  # the tower's outputs kept by image digest (Engine._encode)
 
 
@@ -278,10 +280,13 @@ class Session:
         return image_rows(ids, images, self.engine.cpu_model.hparams.n_embd, self.state.pos + self.state.rope_delta)
 
     def prefill(self, ids: list[int], all_logits: bool = False, chunked: bool = True,
-                cancel: Callable[[], bool] | None = None, images: PromptImages | None = None) -> np.ndarray:
+                cancel: Callable[[], bool] | None = None, images: PromptImages | None = None,
+                step: Callable[[], int] | None = None) -> np.ndarray:
         """Runs ids after what the session holds. Returns logits of the last token
         (float32[n_vocab]) or of every token ([n, n_vocab]) when all_logits. cancel() is asked before each
-        PREFILL_BATCH chunk; True raises Cancelled, the session then holds the chunks already run.
+        forward call; True raises Cancelled, the session then holds the chunks already run. step() (asked after
+        cancel) gives the next call's length, a multiple of 64 (default PREFILL_BATCH: the server asks
+        PREFILL_SHARED while other requests wait).
         images: the prompt's images (Engine.prompt_images: ids already widened)."""
         if not ids:
             raise ValueError("empty prompt: nothing to run")
@@ -292,16 +297,19 @@ class Session:
         t0 = time.perf_counter()
         outs = []
         rows = self.image_rows(ids, images) if images is not None else None
-        for i in range(0, len(ids), PREFILL_BATCH):
+        i = 0
+        while i < len(ids):
             if cancel is not None and cancel():
                 raise Cancelled(f"prefill cancelled after {i} of {len(ids)} tokens")
-            part = ids[i:i + PREFILL_BATCH]
-            last = i + PREFILL_BATCH >= len(ids)
-            chunk = {k: v[i:i + PREFILL_BATCH] for k, v in rows.items()} if rows else None
+            size = step() if step is not None else PREFILL_BATCH
+            part = ids[i:i + size]
+            last = i + size >= len(ids)
+            chunk = {k: v[i:i + size] for k, v in rows.items()} if rows else None
             out = self._forward(part, all_logits=all_logits, chunked=chunked, rows=chunk)
             if all_logits or last:
                 outs.append(out)
             self.tokens += part
+            i += size
         self.timings.prefill_tokens += len(ids)
         self.timings.prefill_s += time.perf_counter() - t0
         return np.concatenate(outs) if all_logits else outs[-1][0]

@@ -10,16 +10,17 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..core.errors import Cancelled, ContextLengthError
-from .generate import batched_decode
+from .generate import PREFILL_BATCH, PREFILL_SHARED, batched_decode
 from .grammar import ConstrainedSampler
 from .sampling import LogprobSampler, Sampler
 from .schema import APIError, Plan
 
 
-def fresh_prefill(session, ids, cancel=None, images=None):
-    """The default prefill seam: the whole prompt from an empty state (images: generate.PromptImages)."""
+def fresh_prefill(session, ids, cancel=None, images=None, step=None):
+    """The default prefill seam: the whole prompt from an empty state (images: generate.PromptImages; step:
+    Session.prefill's)."""
     session.reset()
-    return session.prefill(ids, cancel=cancel, images=images)
+    return session.prefill(ids, cancel=cancel, images=images, step=step)
 
 
 class Job:
@@ -234,6 +235,11 @@ class Worker:
                 return
             self._admit(job, session, nested=True)
 
+    def _prefill_step(self) -> int:
+        """A prompt's next forward call: PREFILL_SHARED tokens while other jobs decode or wait (they run between
+        calls: short calls bound their wait), else PREFILL_BATCH."""
+        return PREFILL_SHARED if self.slots or not self._queue.empty() else PREFILL_BATCH
+
     def _end(self, job: Job, finish: str, prompt: int, n: int, err: APIError | None = None) -> None:
         self.log.append((job.seq, finish, prompt, n))
         if err is not None:
@@ -266,7 +272,7 @@ class Worker:
             return job.cancelled
         try:
             kw = {"images": self.engine.encode_images(plan.spans, plan.images)} if plan.images else {}
-            logits = self.prefill(session, plan.ids, cancel=between_chunks, **kw)
+            logits = self.prefill(session, plan.ids, cancel=between_chunks, step=self._prefill_step, **kw)
             sampler = self.make_sampler(plan.params)
             if plan.grammar is not None:   # response_format: the document after the reasoning, if any
                 sampler = ConstrainedSampler(sampler, self.engine.tokenizer, self.engine.model.hparams.n_vocab,

@@ -30,6 +30,14 @@ the next; chunks/token in the table shows how close), the end-to-end time, the t
 requests/s over the run's wall time (the first send to the last answer), TTFT and ITL p50/p95/p99 (linear
 interpolation between order statistics), TPOT (a request's decode time per token after its first, the mean). The
 JSON keeps every request's record and the 1-minute load average before and after each run (a busy machine shows).
+
+`--long-prompt N` measures instead what a short request waits while a long prompt prefills (issue 24's TTFT
+target): per engine, one fresh server; K short requests (--probes, 32-token prompts, 4 tokens out) one after
+another on the idle server, then one request with an N-token prompt and, LONG_HEAD_START_S after it was sent, K
+other short requests one after another while it runs. Reported: the short requests' TTFT idle (p50, p95) and
+during the long prefill (p50, p95, counting only those sent before the long request's first token), the ratio
+p95 during / p50 idle, and the long request's own TTFT. The texts differ between the idle and the loaded probes
+(no prefix-cache hit between them).
 """
 from __future__ import annotations
 
@@ -161,13 +169,16 @@ class LoadConfig:
     def n_threads(self) -> int:
         return self.threads or os.cpu_count() or 1
 
-    def check(self) -> None:
+    def check(self, load: bool = True) -> None:
+        """ValueError naming the flag; load=False: only what --long-prompt uses (not the load's distributions)."""
         if not self.clients or min(self.clients) < 1:
             raise ValueError(f"--clients takes counts >= 1, got {self.clients}")
         for name, v in (("--requests", self.requests), ("--prefix-len", self.prefix_len), ("--ctx", self.ctx),
                         ("--parallel", self.slots), ("--threads", self.n_threads)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if not load:
+            return
         if not 0.0 <= self.shared_prefix <= 1.0:
             raise ValueError(f"--shared-prefix is a fraction of the requests in [0, 1], got {self.shared_prefix}")
         longest = (self.prefix_len if self.shared_prefix > 0 else 0) + self.prompt_len.hi + self.max_tokens.hi
@@ -500,6 +511,88 @@ def bench_serve(cfg: LoadConfig, log=print) -> dict:
     return res
 
 
+LONG_HEAD_START_S = 1.0   # the long request is admitted and prefilling before the probes start
+PROBE = dict(words=32, max_tokens=4)
+
+
+def bench_long_prompt(cfg: LoadConfig, long_len: int, probes: int, log=print) -> dict:
+    """Short requests' TTFT idle and while a long prompt prefills (the module docstring), per engine."""
+    cfg.check(load=False)
+    if long_len < 1 or probes < 1:
+        raise ValueError(f"--long-prompt and --probes must be >= 1, got {long_len} and {probes}")
+    if long_len + 8 > cfg.ctx:
+        raise ValueError(f"--long-prompt {long_len} does not fit --ctx {cfg.ctx}; raise --ctx")
+    binary = find_llama_server(cfg.llama or None) if cfg.llama is not None else None
+    words = one_token_words(Tokenizer.from_metadata(GGUFFile(cfg.model).metadata))
+    rng = random.Random(cfg.seed + 1)
+
+    def text(n: int) -> str:
+        return "".join(" " + rng.choice(words) for _ in range(n))
+
+    long_req = Request(-1, text(long_len), long_len, 4, False, cfg.seed)
+    idle_reqs = [Request(i, text(PROBE["words"]), PROBE["words"], PROBE["max_tokens"], False, i) for i in range(probes)]
+    busy_reqs = [Request(i, text(PROBE["words"]), PROBE["words"], PROBE["max_tokens"], False, i) for i in range(probes)]
+    api_key = secrets.token_hex(16)
+    engines = [("ours", lambda port: our_command(cfg, port, api_key))]
+    if binary:
+        engines.append(("llama.cpp", lambda port: llama_command(binary, cfg, port, api_key)))
+    res = dict(config=dict(model=cfg.model, long_prompt=long_len, probes=probes, probe=PROBE, parallel=cfg.slots,
+                           threads=cfg.n_threads, ctx=cfg.ctx, head_start_s=LONG_HEAD_START_S),
+               machine=dict(cpu=_cpu_name(), cores=os.cpu_count(), python=platform.python_version()),
+               versions=dict(legacy_engine=__version__, llama_server=_llama_version(binary) if binary else None),
+               runs=[])
+    with tempfile.TemporaryDirectory(prefix="le-bench-serve-") as logs:
+        for name, command in engines:
+            port = free_port()
+            cmd = command(port)
+            log(f"bench serve --long-prompt: {name}: starting {' '.join(redacted(cmd))}")
+            with ServerProcess(name, cmd, port, logs) as srv:
+                _warm_up(port, api_key, words)
+                idle = [run_request(port, r, api_key) for r in idle_reqs]
+                box: dict = {}
+                t0 = time.perf_counter()
+                th = threading.Thread(target=lambda: box.update(rec=run_request(port, long_req, api_key)), daemon=True)
+                th.start()
+                time.sleep(LONG_HEAD_START_S)
+                busy = []
+                for r in busy_reqs:
+                    rec = run_request(port, r, api_key)
+                    rec["sent_after_s"] = rec["t_send"] - t0
+                    busy.append(rec)
+                th.join()
+                code = srv.stop()
+            long_rec = box.get("rec", {})
+            long_ttft = long_rec.get("ttft_s")
+            during = [r["ttft_s"] for r in busy if not r["error"] and r["ttft_s"] is not None
+                      and (long_ttft is None or r["sent_after_s"] < long_ttft)]
+            idle_t = [r["ttft_s"] for r in idle if not r["error"] and r["ttft_s"] is not None]
+            run = dict(engine=name, command=redacted(cmd), server_exit=code, idle_ttft_ms=_pcts(idle_t),
+                       during_ttft_ms=_pcts(during), n_during=len(during), long_ttft_s=long_ttft,
+                       long_error=long_rec.get("error"), errors=sum(1 for r in idle + busy if r["error"]),
+                       records=dict(idle=idle, busy=busy, long=long_rec))
+            run["ratio_p95_during_p50_idle"] = _q(run["during_ttft_ms"]["p95"], run["idle_ttft_ms"]["p50"])
+            log(f"bench serve --long-prompt: {name}: idle TTFT p50 {_f(run['idle_ttft_ms']['p50'], '.0f')} ms, "
+                f"during p95 {_f(run['during_ttft_ms']['p95'], '.0f')} ms ({len(during)} probes), long TTFT "
+                f"{_f(long_ttft, '.1f')} s")
+            res["runs"].append(run)
+    return res
+
+
+def long_table(res: dict) -> str:
+    c = res["config"]
+    lines = [f"{os.path.basename(c['model'])}: short requests ({c['probe']['words']}-token prompts, "
+             f"{c['probe']['max_tokens']} tokens out) idle and while a {c['long_prompt']}-token prompt prefills; "
+             f"--parallel {c['parallel']}, {c['threads']} threads; {res['machine']['cpu']}, "
+             f"{res['machine']['cores']} cores",
+             "engine  idle TTFT p50 / p95 ms  during p50 / p95 ms (probes)  p95 during / p50 idle  long TTFT s"]
+    for r in res["runs"]:
+        i, d = r["idle_ttft_ms"], r["during_ttft_ms"]
+        lines.append(f"{r['engine']:<9} {_f(i['p50'], '.0f')} / {_f(i['p95'], '.0f')}  "
+                     f"{_f(d['p50'], '.0f')} / {_f(d['p95'], '.0f')} ({r['n_during']})  "
+                     f"x{_f(r['ratio_p95_during_p50_idle'], '.2f')}  {_f(r['long_ttft_s'], '.1f')}")
+    return "\n".join(lines)
+
+
 def _q(a, b):
     return a / b if a is not None and b else None
 
@@ -587,6 +680,11 @@ def add_parser(sub) -> None:
                    help="build llama-server from the llama-cpp-python sdist's llama.cpp into the package cache "
                         "(needs cmake and a C++ compiler; about 20 minutes on 2 cores), then run the bench if "
                         "MODEL is given (with --llama)")
+    p.add_argument("--long-prompt", type=int, default=None, metavar="N",
+                   help="instead of the load: short requests' TTFT idle and while an N-token prompt prefills "
+                        "(raise --ctx above N)")
+    p.add_argument("--probes", type=int, default=8, metavar="K",
+                   help="short requests per phase with --long-prompt (8)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="also write everything (config, every request's times, summaries, ratios) to FILE")
 
@@ -610,17 +708,23 @@ def main(args) -> int:
                          max_tokens=parse_dist(args.max_tokens, "--max-tokens"), shared_prefix=args.shared_prefix,
                          prefix_len=args.prefix_len, parallel=args.parallel, threads=args.threads, ctx=args.ctx,
                          seed=args.seed, llama=args.llama)
-        cfg.check()
+        cfg.check(load=args.long_prompt is None)
     except ValueError as e:
         print(f"legacy-engine bench serve: {e}", file=sys.stderr)
         return 2
     try:
-        res = bench_serve(cfg, log=log)
+        if args.long_prompt is not None:
+            res = bench_long_prompt(cfg, args.long_prompt, args.probes, log=log)
+        else:
+            res = bench_serve(cfg, log=log)
+    except ValueError as e:
+        print(f"legacy-engine bench serve: {e}", file=sys.stderr)
+        return 2
     except UnavailableError as e:
         print(f"legacy-engine bench serve: {e}", file=sys.stderr)
         return 1
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
-    print(table(res))
+    print(long_table(res) if args.long_prompt is not None else table(res))
     return 0
