@@ -35,6 +35,7 @@ const le_vec_dot_fn le_vec_dot_table[LE_ISA_COUNT][LE_TYPE_COUNT] = {
 };
 
 const le_vec_dot_n_fn le_vec_dot_n_table[LE_ISA_COUNT][LE_TYPE_COUNT] = {
+    [LE_ISA_SSSE3] = {[LE_TYPE_Q4_K] = vec_dot_n_q4_K_q8_K_ssse3},
     [LE_ISA_AVX2] = {[LE_TYPE_Q4_K] = vec_dot_n_q4_K_q8_K_avx2, [LE_TYPE_Q6_K] = vec_dot_n_q6_K_q8_K_avx2},
     [LE_ISA_AVX512VNNI] = {[LE_TYPE_Q4_K] = vec_dot_n_q4_K_q8_K_avx512vnni,
                            [LE_TYPE_Q6_K] = vec_dot_n_q6_K_q8_K_avx512vnni},
@@ -59,11 +60,13 @@ const le_quantize_row_fn le_quantize_act_table[LE_ISA_COUNT][LE_TYPE_COUNT] = {
     },
 };
 
-/* f32 kernels of the decode step: SSSE3 uses the reference (compiled for the baseline,
- * SSE2), the AVX-512 VNNI tier the AVX-512F kernels. */
+/* f32 kernels: SSSE3 the references (compiled for the baseline, SSE2) but gemm_nn on 128-bit vectors (the
+ * reference's bits), the AVX-512 VNNI tier the AVX-512F kernels. */
 const le_f32_kernels le_f32_table[LE_ISA_COUNT] = {
     [LE_ISA_REF] = {le_gdn_step_ref, le_dot_f32_ref, le_gemm_tile_f32_ref, le_gemm_nn_f32_ref,
                     le_exp_sub_sum_f32_ref, le_gelu_tanh_ref},
+    [LE_ISA_SSSE3] = {le_gdn_step_ref, le_dot_f32_ref, le_gemm_tile_f32_ref, le_gemm_nn_f32_ssse3,
+                      le_exp_sub_sum_f32_ref, le_gelu_tanh_ref},
     [LE_ISA_AVX2] = {le_gdn_step_avx2, le_dot_f32_avx2, le_gemm_tile_f32_avx2, le_gemm_nn_f32_avx2,
                      le_exp_sub_sum_f32_avx2, le_gelu_tanh_f32_avx2},
     [LE_ISA_AVX512VNNI] = {le_gdn_step_avx512, le_dot_f32_avx512, le_gemm_tile_f32_avx512, le_gemm_nn_f32_avx512,

@@ -136,6 +136,9 @@ LE_DECLARE_GEMM_TILE(avx512)
 LE_DECLARE_SOFTMAX_KERNELS(ref)
 LE_DECLARE_SOFTMAX_KERNELS(avx2)
 LE_DECLARE_SOFTMAX_KERNELS(avx512)
+/* the SSSE3 tier's own: gemm_nn (cpu_simd/f32_ssse3.c); its other f32 kernels are the references */
+void le_gemm_nn_f32_ssse3(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int M, int N,
+                          int K);
 /* the reference is le_gelu_tanh_ref (native/gelu.c, le_vision.h) */
 void le_gelu_tanh_f32_avx2(const float *x, int64_t n, float *out);
 void le_gelu_tanh_f32_avx512(const float *x, int64_t n, float *out);
@@ -154,6 +157,7 @@ extern const le_vec_dot_n_fn le_vec_dot_n_table[LE_ISA_COUNT][LE_TYPE_COUNT];
 #define LE_DECLARE_VEC_DOT_NS(isa)                                                                                 \
     void vec_dot_n_q4_K_q8_K_##isa(int64_t n, float *s, int64_t ls, const void *x, const void *y, int64_t ly, int nt); \
     void vec_dot_n_q6_K_q8_K_##isa(int64_t n, float *s, int64_t ls, const void *x, const void *y, int64_t ly, int nt);
+void vec_dot_n_q4_K_q8_K_ssse3(int64_t n, float *s, int64_t ls, const void *x, const void *y, int64_t ly, int nt);
 LE_DECLARE_VEC_DOT_NS(avx2)
 LE_DECLARE_VEC_DOT_NS(avx512vnni)
 /* Activation quantisers per ISA for the vec_dot types (Q8_0, Q8_1, Q8_K); NULL: fall back. */

@@ -234,7 +234,7 @@ def test_tier_extreme_values(qtype, isa, restore_isa):
 
 # Several-row kernels (le_vec_dot_n_table): the types each SIMD tier has one for, kept by hand beside
 # cpu_simd/kernels.c so a kernel that goes missing fails here rather than silently looping the one-row kernel.
-VEC_DOT_N_KERNELS = {(t, isa) for t in (T.Q4_K, T.Q6_K) for isa in ("avx2", "avx512vnni")}
+VEC_DOT_N_KERNELS = {(t, isa) for t in (T.Q4_K, T.Q6_K) for isa in ("avx2", "avx512vnni")} | {(T.Q4_K, "ssse3")}
 N_CASES = [(t, isa) for t in TYPES for isa in ("ref",) + SIMD_ISAS]
 
 
