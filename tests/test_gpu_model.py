@@ -466,6 +466,64 @@ def test_tiny_model_matches_reference_and_cpu(kind, variant, gpu_device, tiny_fi
     assert d_cpu <= tol.LOGIT_ABS_F32, f"vs the CPU engine: {d_cpu}"
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=VIDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_batch_equals_each_alone(kind, variant, gpu_device, tiny_file, cpu_model):
+    """Batched decode (GpuModel.forward_batch): 3 sequences of different lengths (GDN states and KV of their own)
+    step together for 6 steps; every row within the f32 bar of the CPU engine decoding that sequence alone, and the
+    states go on decoding alone afterwards as if batched never happened."""
+    tier, arch = variant
+    cpu = cpu_model(kind)
+    gm = gpu_model(cpu, kind, tier, arch)
+    V = cpu.hparams.n_vocab
+    seqs = [np.random.default_rng(n).integers(0, V, n + 6).tolist() for n in (9, 30, 65)]
+    states = [gm.new_state(N_CTX) for _ in seqs]
+    for st, ids in zip(states, seqs):
+        gm.forward(st, np.array(ids[:-6]))
+    got = [gm.forward_batch(states, np.array([ids[len(ids) - 6 + j] for ids in seqs])) for j in range(6)]
+    for s, ids in enumerate(seqs):
+        ref = cpu_logits(cpu, np.array(ids), len(ids) - 6)[len(ids) - 6:]
+        rows = np.stack([g[s] for g in got])
+        d = float(np.abs(rows.astype(np.float64) - ref).max())
+        assert d <= tol.LOGIT_ABS_F32, f"{gpu.variant_name(tier, arch)} sequence {s}: {d}"
+        assert states[s].pos == len(ids)
+    nxt = gm.forward(states[1], np.array([3]))            # alone again: the decode plan's step
+    ref2 = cpu_logits(cpu, np.array(seqs[1] + [3]), len(seqs[1]))[-1:]
+    assert np.abs(nxt - ref2).max() <= tol.LOGIT_ABS_F32
+    with pytest.raises(ValueError):
+        gm.forward_batch([states[0], states[0]], np.array([1, 2]))
+    assert states[0].pos == len(seqs[0])
+
+
+def test_server_decode_batches_on_the_gpu(gpu_device, tiny_file):
+    """The server's decode step (serve/generate.batched_decode) on the GPU-resident engine: one pass for every
+    running session, the greedy tokens each session gets alone (its rows within the f32 bar: the test above)."""
+    from legacy_engine.serve.generate import Engine, batched_decode, batched_decode_mode
+    from legacy_engine.serve.sampling import Sampler
+    eng = Engine(tiny_file("moe"), n_threads=2, pin=False, gpu=True, n_ctx=256)
+    assert batched_decode_mode(eng).startswith("batched")
+    V = eng.model.hparams.n_vocab
+    prompts = [np.random.default_rng(40 + n).integers(0, V, n).tolist() for n in (5, 21, 44)]
+    alone = []
+    for p in prompts:
+        s = eng.session()
+        t = int(np.argmax(s.prefill(p)))
+        toks = [t]
+        for _ in range(7):
+            t = int(np.argmax(s.decode(t)))
+            toks.append(t)
+        alone.append(toks)
+    sessions = [eng.session() for _ in prompts]
+    firsts = [int(np.argmax(s.prefill(p))) for s, p in zip(sessions, prompts)]
+    decode, got = batched_decode(eng), [[t] for t in firsts]
+    for _ in range(7):
+        nxt = decode(sessions, [g[-1] for g in got], [Sampler() for _ in sessions])
+        for g, t in zip(got, nxt):
+            g.append(int(t))
+    assert got == alone
+    assert [s.pos for s in sessions] == [len(p) + 7 for p in prompts]
+
+
 QUANT_TYPES = ("q8_0", "q4_0")     # what convert writes (gguf-py's quantisers); K-quants: per kernel in test_gpu.py
 QUANT_PREFILL, QUANT_DECODE = 32, 96
 

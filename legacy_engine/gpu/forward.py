@@ -170,6 +170,64 @@ class ForwardOps:
         k.gdn_gated_rmsnorm(o, z, L["ssm_norm"], o, n * Hv, dv, hp.rms_eps, yq=oq)
         self._mm(L["ssm_out"], o, y, n, oq)
 
+    def _row_q8(self, hq, s: int) -> int | None:
+        """Row s of a Q8_1 buffer of h's rows (None stays None)."""
+        return None if hq is None else hq + s * (self.hparams.n_embd // 32 * gpu.Q8_1_BYTES)
+
+    def _gdn_seqs(self, L: dict, h: int, hq, states: list, si_of, y: int) -> None:
+        """A decode step of B sequences (row s of h is states[s]'s token): the projections over the B rows, the
+        conv and the recurrence per sequence in its own state (the one-token launches _gdn runs), the norm and
+        the out projection over the B rows."""
+        hp, k, B = self.hparams, self.k, len(states)
+        self.scratch.arena_open("gdn")
+        Hk, Hv, dk = hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state
+        dv, di = hp.ssm_d_inner // Hv, hp.ssm_d_inner
+        conv_dim = 2 * Hk * dk + di
+        qkv = self.scratch.buf("qkv", 4 * B * conv_dim).ptr
+        u = self.scratch.buf("u", 4 * B * conv_dim).ptr
+        z = self.scratch.buf("z", 4 * B * di).ptr
+        o = self.scratch.buf("o", 4 * B * di).ptr
+        beta = self.scratch.buf("beta", 4 * B * Hv).ptr
+        g = self.scratch.buf("g", 4 * B * Hv).ptr
+        self._mm2(L["attn_qkv"], L["attn_gate"], h, qkv, z, B, hq)
+        self._mm2(L["ssm_beta"], L["ssm_alpha"], h, beta, g, B, hq)
+        for s, st in enumerate(states):
+            k.conv1d_silu(qkv + 4 * s * conv_dim, L["ssm_conv1d"], st.conv_ptr(si_of(st)), u + 4 * s * conv_dim, 1,
+                          conv_dim, hp.ssm_conv_kernel)
+        k.gdn_l2norm_qk(u, B, conv_dim, Hk, dk)
+        for s, st in enumerate(states):
+            k.gdn_recurrent(u + 4 * s * conv_dim, g + 4 * s * Hv, beta + 4 * s * Hv, st.ssm_ptr(si_of(st)),
+                            o + 4 * s * di, 1, Hk, Hv, dk, dv, tiled=not self._faults.get("gdn_grouped"),
+                            dt_bias=L["ssm_dt"], ssm_a=L["ssm_a"])
+        k.gdn_gated_rmsnorm(o, z, L["ssm_norm"], o, B * Hv, dv, hp.rms_eps)
+        self._mm(L["ssm_out"], o, y, B)
+
+    def _attention_seqs(self, L: dict, h: int, hq, states: list, si_of, y: int) -> None:
+        """A decode step of B sequences: q over the B rows; per sequence its k, v (into its cache row), the norm and
+        rope at its own position, and attention over its own keys; the output projection over the B rows."""
+        hp, k, B = self.hparams, self.k, len(states)
+        self.scratch.arena_open("attention")
+        hd, nh, nkv, E = hp.head_dim, hp.n_head, hp.n_head_kv, hp.n_embd
+        qw, kvw = nh * 2 * hd, nkv * hd
+        qg = self.scratch.buf("qg", 4 * B * qw).ptr
+        o = self.scratch.buf("ao", 4 * B * nh * hd).ptr
+        self._mm(L["attn_q"], h, qg, B, hq)
+        part = self.scratch.buf("attn_part", k.attn_partials_bytes(nh, hd, gpu.ATTN_MAX_SPLIT)).ptr
+        for s, st in enumerate(states):
+            si, pos = si_of(st), st.pos
+            kc, vc = st.k_ptr(si), st.v_ptr(si)
+            kn, vn = kc + 4 * pos * kvw, vc + 4 * pos * kvw
+            xs, xq = h + 4 * s * E, self._row_q8(hq, s)
+            self._mm(L["attn_k"], xs, kn, 1, xq)
+            self._mm(L["attn_v"], xs, vn, 1, xq)
+            cs = self.scratch.rope_cs(st.n_ctx).ptr + 4 * (pos + st.rope_delta) * hp.n_rot
+            q = qg + 4 * s * qw
+            k.qk_norm_rope(q, L["attn_q_norm"], cs, 1, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps)
+            k.qk_norm_rope(kn, L["attn_k_norm"], cs, 1, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps)
+            n_split, _ = k.attn_splits(pos + 1)
+            k.attention_decode(q, kc, vc, o + 4 * s * nh * hd, part, pos + 1, nh, nkv, hd, n_split=n_split)
+        self._mm(L["attn_output"], o, y, B)
+
     def _attention_planned(self, L: dict, h: int, hq, st: "GpuState", si: int, y: int) -> None:
         """One token whose position is the device int st.io[1] (its rope position st.io[2]): every argument
         independent of the position."""

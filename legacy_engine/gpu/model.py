@@ -245,6 +245,75 @@ class GpuModel(ForwardOps):
             return None
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
+    can_batch = property(lambda self: not (self.stream or self.cpu_experts),
+                         doc="forward_batch runs here (the resident model; not the split's streamed or hybrid forms)")
+
+    def forward_batch(self, states: list, tokens, chunked: bool = True) -> np.ndarray:
+        """One decode step of several sequences: states[s] (distinct GpuStates of this model) takes tokens[s] (an
+        id, or Model.forward_batch's one-id list; `chunked` is accepted for that interface) ->
+        logits float32[B, n_vocab], row s what states[s] would get from forward alone (within the quantised gate:
+        the projections run as B-row GEMMs). The GPU-resident model only (UnavailableError for the split's
+        streamed or hybrid forms); ValueError, every state unchanged, for bad input."""
+        if self.stream or self.cpu_experts:
+            raise UnavailableError("batched decode runs on the GPU-resident model; the split's streamed and "
+                                       "hybrid forms decode one sequence a pass")
+        try:
+            ids = np.array([int(np.asarray(t).reshape(-1)[0]) if np.asarray(t).size == 1 else -1 for t in tokens])
+        except (TypeError, ValueError):
+            raise ValueError("tokens: one id per state") from None
+        B, hp = len(states), self.hparams
+        if B == 0 or ids.shape != (B,) or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= hp.n_vocab:
+            raise ValueError(f"tokens: one id in [0, {hp.n_vocab}) per state ({B} states)")
+        if len({id(s) for s in states}) != B:
+            raise ValueError("a state appears twice in one batch")
+        for st in states:
+            if not isinstance(st, GpuState) or st.gm is not self:
+                raise ValueError("state belongs to another model (make it with this GpuModel's new_state)")
+            if st.pos + 1 > st.n_ctx or not 0 <= st.pos + st.rope_delta < st.n_ctx:
+                raise ValueError(f"a state at position {st.pos} (rope {st.pos + st.rope_delta}) has no room in its "
+                                 f"context of {st.n_ctx}")
+        if B == 1:
+            return self.forward(states[0], ids)
+        return self._forward_seqs(states, ids.astype(np.int32))
+
+    def _forward_seqs(self, states: list, ids: np.ndarray) -> np.ndarray:
+        hp, k, B, E = self.hparams, self.k, len(states), self.hparams.n_embd
+        self.scratch.tag = "p"
+        self.scratch.arena_reserve(B)
+        for st in states:                          # the rope table covers every state's position
+            self.scratch.rope_cs(st.n_ctx)
+        idb = self.scratch.buf("tokens", 4 * B)
+        idb.upload(ids)
+        x = self.scratch.buf("x", 4 * B * E).ptr
+        h = self.scratch.buf("h", 4 * B * E).ptr
+        y = self.scratch.buf("y", 4 * B * E).ptr
+        k.get_rows(self.embd.qtype, self.embd.ptr, idb.ptr, x, B, E)
+        hq = self._hq(B)
+        k.add_rmsnorm(x, None, self.layers[0]["attn_norm"], h, hq, E, B, hp.rms_eps)
+        for i, L in enumerate(self.layers):
+            si_of = lambda st, i=i: st.index[i]   # noqa: E731
+            if hp.recurrent[i]:
+                self._gdn_seqs(L, h, hq, states, si_of, y)
+            else:
+                self._attention_seqs(L, h, hq, states, si_of, y)
+            k.add_rmsnorm(x, y, L["post_attention_norm"], h, hq, E, B, hp.rms_eps)
+            self._ffn(L, h, hq, B, y)
+            if i + 1 < len(self.layers):
+                k.add_rmsnorm(x, y, self.layers[i + 1]["attn_norm"], h, hq, E, B, hp.rms_eps)
+            else:
+                k.add(x, y, x, B * E)
+        for st in states:
+            st._pos += 1
+        outs = []
+        for r0 in range(0, B, self.logit_rows):
+            n_out = min(self.logit_rows, B - r0)
+            k.rmsnorm(x + 4 * r0 * E, self.out_norm, h, E, n_out, hp.rms_eps)
+            logits = self.scratch.buf("logits", 4 * n_out * hp.n_vocab)
+            self._mm(self.head, h, logits.ptr, n_out)
+            outs.append(logits.download(dtype=np.float32, count=n_out * hp.n_vocab).reshape(n_out, hp.n_vocab))
+        self._flush_counts()
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
     def _check_pass(self, state, tokens, embd, positions):
         """-> (ids int32 [n], embd f32 [n, E] or None, positions int32 [n, 3] or None), checked as the C core checks
         them (le_forward_embd); a pass with embd always carries positions (text ones where none were given)."""

@@ -401,10 +401,11 @@ class Session:
 
 def batched_decode(engine: Engine) -> Callable[[list[Session], list[int], list], list[int]]:
     """decode(sessions, tokens, samplers) -> the next token of each session: every token run after what its session
-    holds, then its sampler's draw. One pass for all of them where the model has forward_batch (the CPU engine, and
+    holds, then its sampler's draw. One pass for all of them where the model has forward_batch (the CPU engine and
     the split engine's CPU decode: each weight row read once for all sequences, each sequence's logits the bits of
-    decoding it alone); otherwise one session after another (batched_decode_mode says which)."""
-    fwd = getattr(engine.model, "forward_batch", None)
+    decoding it alone; the GPU-resident model: within the quantised gate); otherwise one session after another
+    (batched_decode_mode says which)."""
+    fwd = getattr(engine.model, "forward_batch", None) if getattr(engine.model, "can_batch", True) else None
     if fwd is None:
         return lambda sessions, tokens, samplers: [  # a constrained draw needs the whole row (needs_row)
             smp.sample(s.decode(t), s.tokens) if getattr(smp, "needs_row", False) else s.decode_next(t, smp)
@@ -434,6 +435,6 @@ def batched_decode(engine: Engine) -> Callable[[list[Session], list[int], list],
 
 def batched_decode_mode(engine: Engine) -> str:
     """What batched_decode does with this engine, in words (info, /metrics, serve's banner)."""
-    if getattr(engine.model, "forward_batch", None) is not None:
+    if getattr(engine.model, "forward_batch", None) is not None and getattr(engine.model, "can_batch", True):
         return "batched: one pass for every running sequence"
     return "sequential: one pass per sequence (this engine has no batched pass yet)"

@@ -104,7 +104,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 
 
 def _slots(engine) -> SlotPlan:
-    return serve_slots(engine.model.hparams, engine.n_ctx, batched_decode_mode(engine).startswith("batched"))
+    batched, avail = batched_decode_mode(engine).startswith("batched"), None
+    if batched and getattr(engine, "gpu", None) is not None and engine.model is engine.gpu:   # states in VRAM
+        from .. import gpu
+        st = gpu.mem_stats()
+        avail = max(0, st["budget"] - st["used"]) if st["budget"] > 0 else st["free_bytes"]
+    return serve_slots(engine.model.hparams, engine.n_ctx, batched, available=avail)
 
 
 def build_server(args):
