@@ -33,7 +33,8 @@ PHASES = ("gdn_proj", "gdn_core", "gdn_out", "attn_proj", "attn_core", "attn_out
 def table(res: dict) -> str:
     lines = [f"{res['model']}: threads {res['threads']}, tier {res['isa']}, prompt {res['prompt']}, tg {res['tg']}, "
              f"median of {res['reps']}; kernels " + ", ".join(f"{k} {v}" for k, v in res["kernels"].items()),
-             f"load average {res['load_avg_before']:.2f} before, {res['load_avg_after']:.2f} after",
+             f"load average {res['load_avg_before']:.2f} before, {res['load_avg_after']:.2f} after"
+             + (f"; GPU: {res['gpu']}" if res.get("gpu") else ""),
              f"alone (Model.forward, one sequence): {res['alone_tok_s']:.2f} tok/s", "",
              f"{'B':>4}{'tok/s':>10}{'range':>18}{'ms/step':>10}{'ratio':>8}{'best':>10}{'ratio':>8}"]
     for r in res["rows"]:
@@ -58,12 +59,14 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3, help="timed runs after one warm-up (3)")
     p.add_argument("--isa", default=None, help="force a tier (ref, ssse3, avx2, avx512vnni) or f32 (integer kernels "
                                                 "off); default: the best this CPU runs")
+    p.add_argument("--gpu", default=None, metavar="TIER",
+                   help="the GPU-resident model instead (fermi, kepler, dp4a or auto): GpuModel.forward_batch")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     a = p.parse_args(argv)
     from legacy_engine.tools.bench import bench_batch_decode
     t0 = time.perf_counter()
     res = bench_batch_decode(a.model, a.threads, [int(b) for b in a.batches.split(",")], a.tg, a.prompt, a.reps,
-                             a.isa)
+                             a.isa, gpu_tier=a.gpu)
     res["wall_s"] = time.perf_counter() - t0
     print(json.dumps(res, indent=1) if a.json else table(res))
     return 0

@@ -247,6 +247,10 @@ class GpuModel(ForwardOps):
 
     can_batch = property(lambda self: not (self.stream or self.cpu_experts),
                          doc="forward_batch runs here (the resident model; not the split's streamed or hybrid forms)")
+    # The server does not batch on the GPU yet: the batched pass is launched op by op from Python (no launch plan or
+    # CUDA graph), so B sequences take longer than B graph-replayed steps below ~16 (H200, 0.8B Q8_0: 135 tok/s at
+    # B=2 against 611 alone; benchmarks/results/batch_decode_gpu_2026-11-28.md).
+    serve_batched = False
 
     def forward_batch(self, states: list, tokens, chunked: bool = True) -> np.ndarray:
         """One decode step of several sequences: states[s] (distinct GpuStates of this model) takes tokens[s] (an

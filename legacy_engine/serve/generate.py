@@ -399,13 +399,21 @@ class Session:
         return result[0]
 
 
-def batched_decode(engine: Engine) -> Callable[[list[Session], list[int], list], list[int]]:
+def _batches(model) -> bool:
+    """Whether the server's decode step runs one pass for every sequence on this model."""
+    return (getattr(model, "forward_batch", None) is not None and getattr(model, "can_batch", True)
+            and getattr(model, "serve_batched", True))
+
+
+def batched_decode(engine: Engine, force: bool = False) -> Callable[[list[Session], list[int], list], list[int]]:
     """decode(sessions, tokens, samplers) -> the next token of each session: every token run after what its session
     holds, then its sampler's draw. One pass for all of them where the model has forward_batch (the CPU engine and
     the split engine's CPU decode: each weight row read once for all sequences, each sequence's logits the bits of
     decoding it alone; the GPU-resident model: within the quantised gate); otherwise one session after another
-    (batched_decode_mode says which)."""
-    fwd = getattr(engine.model, "forward_batch", None) if getattr(engine.model, "can_batch", True) else None
+    (batched_decode_mode says which). force: the batched pass wherever the model has one (tests, benchmarks: the
+    GPU-resident model's is correct but not yet faster, GpuModel.serve_batched)."""
+    m = engine.model
+    fwd = m.forward_batch if _batches(m) or (force and getattr(m, "can_batch", False)) else None
     if fwd is None:
         return lambda sessions, tokens, samplers: [  # a constrained draw needs the whole row (needs_row)
             smp.sample(s.decode(t), s.tokens) if getattr(smp, "needs_row", False) else s.decode_next(t, smp)
@@ -435,6 +443,9 @@ def batched_decode(engine: Engine) -> Callable[[list[Session], list[int], list],
 
 def batched_decode_mode(engine: Engine) -> str:
     """What batched_decode does with this engine, in words (info, /metrics, serve's banner)."""
-    if getattr(engine.model, "forward_batch", None) is not None and getattr(engine.model, "can_batch", True):
+    if _batches(engine.model):
         return "batched: one pass for every running sequence"
+    if getattr(engine.model, "can_batch", False):
+        return ("sequential: one pass per sequence (the GPU's batched pass is not yet launched as a CUDA graph: "
+                "slower than one graph per sequence)")
     return "sequential: one pass per sequence (this engine has no batched pass yet)"

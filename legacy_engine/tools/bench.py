@@ -453,7 +453,7 @@ def bench_decode(model_path: str, threads=(None,), pp: int = 64, tg: int = 32, r
 
 def bench_batch_decode(model_path: str, threads: int | None = None, batches=(1, 2, 4, 8, 16), tg: int = 16,
                        prompt: int = 64, reps: int = 3, isa: str | None = None, seed: int = 0,
-                       load_opts: dict | None = None) -> dict:
+                       load_opts: dict | None = None, gpu_tier: str | None = None) -> dict:
     """Aggregate decode speed of B sequences advanced together (Model.forward_batch: each weight row read once for
     all B) for each B in batches; benchmarks/bench_batch_decode.py prints it. Per B: B states, each prefilled alone
     with `prompt` seeded tokens of its own (so the sequences route to different experts, as real ones do), then tg
@@ -463,7 +463,8 @@ def bench_batch_decode(model_path: str, threads: int | None = None, batches=(1, 
     the fastest. `alone_tok_s`: the same tg steps of one sequence through Model.forward (le_forward), in the same
     rounds. profile_ms: the C core's phase milliseconds per batched step (le_model_profile) over one more run.
     isa: a tier forced (set before the model loads, restored after), "f32" for integer kernels off, None: the tier
-    in effect."""
+    in effect. gpu_tier ('fermi' | 'kepler' | 'dp4a' | 'auto'): the GPU-resident model (GpuModel.forward_batch)
+    instead, its states prefilled afresh before each run (outside the timing), no phase profile."""
     prev = _native.get_isa()
     try:
         if isa not in (None, "f32"):
@@ -471,23 +472,33 @@ def bench_batch_decode(model_path: str, threads: int | None = None, batches=(1, 
         model = Model(model_path, n_threads=threads or default_threads(), **(load_opts or {}))
         if isa == "f32":
             model.native.set_int8(False)
-        n_vocab, n_ctx = model.hparams.n_vocab, prompt + tg + 8
+        cpu = model
+        if gpu_tier is not None:
+            from ..gpu.model import GpuModel, GpuOptions
+            model = GpuModel.resident(cpu, GpuOptions(tier=None if gpu_tier == "auto" else gpu_tier),
+                                      n_ctx=prompt + tg + 8)
+        n_vocab, n_ctx = cpu.hparams.n_vocab, prompt + tg + 8
         starts, steps = [], []
         for s in range(max(batches)):                 # each sequence's prefilled state and decode tokens
             st = model.new_state(n_ctx)
             model.forward(st, seeded_tokens(prompt, n_vocab, seed + 1000 + s))
-            starts.append(st.save())
+            starts.append(st.save() if gpu_tier is None else seeded_tokens(prompt, n_vocab, seed + 1000 + s))
             steps.append(seeded_tokens(tg, n_vocab, seed + 2000 + s))
-        out = dict(model=str(model_path), threads=model.n_threads, isa=isa or prev, prompt=prompt, tg=tg, reps=reps,
-                   kernels=file_kernels(model.file), load_avg_before=os.getloadavg()[0], rows=[])
+        out = dict(model=str(model_path), threads=cpu.n_threads, isa=isa or prev, prompt=prompt, tg=tg, reps=reps,
+                   kernels=file_kernels(cpu.file), load_avg_before=os.getloadavg()[0], rows=[],
+                   gpu=model.describe() if gpu_tier is not None else None)
 
         def runner(B: int | None):
             """One run of tg steps: B sequences batched, or (None) sequence 0 alone through Model.forward."""
             states = [model.new_state(n_ctx) for _ in range(B or 1)]
 
             def run() -> float:
-                for st, blob in zip(states, starts):
-                    st.restore(blob)
+                for i, blob in enumerate(starts[:len(states)]):
+                    if gpu_tier is None:
+                        states[i].restore(blob)
+                    else:                             # a fresh state, prefilled (GpuState has no restore of all)
+                        states[i] = model.new_state(n_ctx)
+                        model.forward(states[i], blob)
                 t0 = time.perf_counter()
                 for k in range(tg):
                     if B is None:
@@ -506,10 +517,12 @@ def bench_batch_decode(model_path: str, threads: int | None = None, batches=(1, 
                     times[B].append(t)
         out["alone_tok_s"] = tg / statistics.median(times[None])
         for B in batches:
-            model.native.set_profile(True)
-            runs[B]()
-            profile = {k: 1e3 * v / tg for k, v in model.native.profile().items() if v > 0}
-            model.native.set_profile(False)
+            profile = {}
+            if gpu_tier is None:
+                model.native.set_profile(True)
+                runs[B]()
+                profile = {k: 1e3 * v / tg for k, v in model.native.profile().items() if v > 0}
+                model.native.set_profile(False)
             ts = times[B]
             out["rows"].append(dict(batch=B, tok_s=B * tg / statistics.median(ts), best_tok_s=B * tg / min(ts),
                                     step_ms=1e3 * statistics.median(ts) / tg, runs_s=ts,
