@@ -29,6 +29,19 @@
  * prefetch never faults. SSE1: every tier. */
 #define LE_PREFETCH_BYTES 2048
 
+/* A several-row dot product (le_vec_dot_n_fn) from ROWS(n, s, ls, x, y, ly, NT), an always-inline body for NT rows
+ * at once (NT a constant the compiler unrolls): passes of 4 rows, then the remainder. */
+#define LE_ROWS_BY_4(ROWS, n, s, ls, vx, vy, ly, nt)                                          \
+    do {                                                                                     \
+        const uint8_t *y_ = (const uint8_t *)(vy);                                           \
+        float *s_ = (s);                                                                     \
+        int nt_ = (nt);                                                                      \
+        for (; nt_ >= 4; nt_ -= 4, s_ += 4 * (ls), y_ += 4 * (ly)) ROWS(n, s_, ls, vx, y_, ly, 4); \
+        if (nt_ == 3) ROWS(n, s_, ls, vx, y_, ly, 3);                                        \
+        else if (nt_ == 2) ROWS(n, s_, ls, vx, y_, ly, 2);                                   \
+        else if (nt_ == 1) ROWS(n, s_, ls, vx, y_, ly, 1);                                   \
+    } while (0)
+
 static inline void le_prefetch_ahead(const void *block, size_t stride) {
     const char *p = (const char *)block + LE_PREFETCH_BYTES;
     for (size_t l = 0; l < (stride + 63) / 64; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);

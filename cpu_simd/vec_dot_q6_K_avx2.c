@@ -23,12 +23,26 @@ static inline __m256i scale_pair(__m256i sc16x2, int g) {
     return _mm256_shuffle_epi8(sc16x2, ctrl);
 }
 
+/* The codes q (0..63) of elements l, l+32, l+64, l+96 (l = 0..31) of a 128-element half: ql 64 bytes, qh 32. */
+static inline __attribute__((always_inline)) void q6_K_codes(const uint8_t *ql, const uint8_t *qh, __m256i *q0,
+                                                             __m256i *q1, __m256i *q2, __m256i *q3) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
+    *q0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+    *q1 = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+    *q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+    *q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+}
+
 void vec_dot_q6_K_q8_K_avx2(int64_t n, float *s, const void *vx, const void *vy) {
     const block_q6_K *x = vx;
     const block_q8_K *y = vy;
     const int64_t nb = n / QK_K;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i m2 = _mm256_set1_epi8(0x03);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
@@ -45,19 +59,9 @@ void vec_dot_q6_K_q8_K_avx2(int64_t n, float *s, const void *vx, const void *vy)
         const int8_t *q8 = y[i].qs;
 #pragma GCC unroll 2
         for (int h = 0; h < QK_K / 128; h++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
             const int8_t *a = q8 + 128 * h;
-            /* q for elements l, l+32, l+64, l+96 of this half */
-            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
-            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
-            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
-            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+            __m256i q0, q1, q2, q3;
+            q6_K_codes(ql + 64 * h, qh + 32 * h, &q0, &q1, &q2, &q3);
             __m256i p0 = _mm256_maddubs_epi16(q0, _mm256_loadu_si256((const __m256i *)a));
             __m256i p1 = _mm256_maddubs_epi16(q1, _mm256_loadu_si256((const __m256i *)(a + 32)));
             __m256i p2 = _mm256_maddubs_epi16(q2, _mm256_loadu_si256((const __m256i *)(a + 64)));
@@ -78,8 +82,6 @@ void vec_dot_q6_K_q8_K_avx2(int64_t n, float *s, const void *vx, const void *vy)
 static inline __attribute__((always_inline)) void q6_K_rows(int64_t n, float *s, int64_t ls, const block_q6_K *x,
                                                             const uint8_t *yb, int64_t ly, const int NT) {
     const int64_t nb = n / QK_K;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i m2 = _mm256_set1_epi8(0x03);
     __m256 acc[4];
 #pragma GCC unroll 4
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
@@ -98,17 +100,8 @@ static inline __attribute__((always_inline)) void q6_K_rows(int64_t n, float *s,
         const uint8_t *ql = x[i].ql, *qh = x[i].qh;
 #pragma GCC unroll 2
         for (int h = 0; h < QK_K / 128; h++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
-            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
-            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
-            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+            __m256i q0, q1, q2, q3;
+            q6_K_codes(ql + 64 * h, qh + 32 * h, &q0, &q1, &q2, &q3);
             const __m256i s0 = scale_pair(sc_half[h], 8 * h + 0), s1 = scale_pair(sc_half[h], 8 * h + 2);
             const __m256i s2 = scale_pair(sc_half[h], 8 * h + 4), s3 = scale_pair(sc_half[h], 8 * h + 6);
 #pragma GCC unroll 4
@@ -133,9 +126,5 @@ static inline __attribute__((always_inline)) void q6_K_rows(int64_t n, float *s,
 }
 
 void vec_dot_n_q6_K_q8_K_avx2(int64_t n, float *s, int64_t ls, const void *vx, const void *vy, int64_t ly, int nt) {
-    const uint8_t *y = vy;
-    for (; nt >= 4; nt -= 4, s += 4 * ls, y += 4 * ly) q6_K_rows(n, s, ls, vx, y, ly, 4);
-    if (nt == 3) q6_K_rows(n, s, ls, vx, y, ly, 3);
-    else if (nt == 2) q6_K_rows(n, s, ls, vx, y, ly, 2);
-    else if (nt == 1) q6_K_rows(n, s, ls, vx, y, ly, 1);
+    LE_ROWS_BY_4(q6_K_rows, n, s, ls, vx, vy, ly, nt);
 }

@@ -102,9 +102,5 @@ static inline __attribute__((always_inline)) void q6_K_rows(int64_t n, float *s,
 
 void vec_dot_n_q6_K_q8_K_avx512vnni(int64_t n, float *s, int64_t ls, const void *vx, const void *vy, int64_t ly,
                                     int nt) {
-    const uint8_t *y = vy;
-    for (; nt >= 4; nt -= 4, s += 4 * ls, y += 4 * ly) q6_K_rows(n, s, ls, vx, y, ly, 4);
-    if (nt == 3) q6_K_rows(n, s, ls, vx, y, ly, 3);
-    else if (nt == 2) q6_K_rows(n, s, ls, vx, y, ly, 2);
-    else if (nt == 1) q6_K_rows(n, s, ls, vx, y, ly, 1);
+    LE_ROWS_BY_4(q6_K_rows, n, s, ls, vx, vy, ly, nt);
 }
