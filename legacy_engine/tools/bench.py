@@ -70,6 +70,8 @@ from ..cpu.threads import default_threads
 from ..format.fingerprint import model_fingerprint
 from ..format.footprint import Footprint, weight_footprint
 from ..format.gguf_model import ModelFile
+from ..gpu.model import GpuModel
+from ..gpu.options import GpuOptions
 from ..plan.probe import READ_KERNELS, machine_bandwidth, read_bandwidth  # noqa: F401 (benchmarks/ import them here)
 from ..serve.cache import PrefixCache, Sizes
 from ..serve.generate import Engine
@@ -472,12 +474,9 @@ def bench_batch_decode(model_path: str, threads: int | None = None, batches=(1, 
         model = Model(model_path, n_threads=threads or default_threads(), **(load_opts or {}))
         if isa == "f32":
             model.native.set_int8(False)
-        cpu = model
+        cpu, n_vocab, n_ctx = model, model.hparams.n_vocab, prompt + tg + 8
         if gpu_tier is not None:
-            from ..gpu.model import GpuModel, GpuOptions
-            model = GpuModel.resident(cpu, GpuOptions(tier=None if gpu_tier == "auto" else gpu_tier),
-                                      n_ctx=prompt + tg + 8)
-        n_vocab, n_ctx = cpu.hparams.n_vocab, prompt + tg + 8
+            model = GpuModel.resident(cpu, GpuOptions(tier=None if gpu_tier == "auto" else gpu_tier), n_ctx=n_ctx)
         starts, steps = [], []
         for s in range(max(batches)):                 # each sequence's prefilled state and decode tokens
             st = model.new_state(n_ctx)
@@ -517,12 +516,7 @@ def bench_batch_decode(model_path: str, threads: int | None = None, batches=(1, 
                     times[B].append(t)
         out["alone_tok_s"] = tg / statistics.median(times[None])
         for B in batches:
-            profile = {}
-            if gpu_tier is None:
-                model.native.set_profile(True)
-                runs[B]()
-                profile = {k: 1e3 * v / tg for k, v in model.native.profile().items() if v > 0}
-                model.native.set_profile(False)
+            profile = _step_profile(model, runs[B], tg) if gpu_tier is None else {}
             ts = times[B]
             out["rows"].append(dict(batch=B, tok_s=B * tg / statistics.median(ts), best_tok_s=B * tg / min(ts),
                                     step_ms=1e3 * statistics.median(ts) / tg, runs_s=ts,
@@ -535,6 +529,15 @@ def bench_batch_decode(model_path: str, threads: int | None = None, batches=(1, 
         return out
     finally:
         _native.set_isa(prev)
+
+
+def _step_profile(model, run, steps: int) -> dict:
+    """The C core's phase milliseconds per step (le_model_profile) over one more run."""
+    model.native.set_profile(True)
+    run()
+    profile = {k: 1e3 * v / steps for k, v in model.native.profile().items() if v > 0}
+    model.native.set_profile(False)
+    return profile
 
 
 _OFF = {"temperature": None, "top_k": 0, "top_p": 1.0, "min_p": 0.0}   # print_decode names what is on

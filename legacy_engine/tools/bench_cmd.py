@@ -1,13 +1,13 @@
 """`legacy-engine bench WHAT MODEL`: the command line of the benchmarks (bench.py's docstring says what each
 measures): decode and cache (bench.py), gpu (bench_gpu.py), split (bench_split.py), shared (bench_shared.py),
-vision (bench_vision.py), serve (bench_serve.py)."""
+vision (bench_vision.py), serve (bench_serve.py, bench_serve_long.py; its flags bench_serve_cmd.py)."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from . import bench, bench_gpu, bench_serve, bench_shared, bench_split, bench_vision
+from . import bench, bench_gpu, bench_serve_cmd, bench_shared, bench_split, bench_vision
 from .flags import load_flags
 
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     bench_split.add_parser(sub)
     bench_shared.add_parser(sub)
     bench_vision.add_parser(sub)
-    bench_serve.add_parser(sub)
+    bench_serve_cmd.add_parser(sub)
     args = top.parse_args(argv)
     if args.what == "gpu":
         return bench_gpu.main(args)
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     if args.what == "vision":
         return bench_vision.main(args)
     if args.what == "serve":
-        return bench_serve.main(args)
+        return bench_serve_cmd.main(args)
     if args.what == "split":
         return bench_split.main(args)
     if args.what == "decode":

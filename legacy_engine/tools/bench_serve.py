@@ -59,10 +59,10 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator
 
 from .. import __version__
-from ..core.errors import EngineError, UnavailableError
+from ..core.errors import EngineError
 from ..format.gguf_file import GGUFFile
 from ..format.tokenizer import Tokenizer
-from .llama_server import build_llama_server, find_llama_server
+from .llama_server import find_llama_server
 
 START_TIMEOUT_S = 900.0     # a server's load, until /health answers 200
 REQUEST_TIMEOUT_S = 900.0   # the longest wait for one read of a streamed answer
@@ -511,88 +511,6 @@ def bench_serve(cfg: LoadConfig, log=print) -> dict:
     return res
 
 
-LONG_HEAD_START_S = 1.0   # the long request is admitted and prefilling before the probes start
-PROBE = dict(words=32, max_tokens=4)
-
-
-def bench_long_prompt(cfg: LoadConfig, long_len: int, probes: int, log=print) -> dict:
-    """Short requests' TTFT idle and while a long prompt prefills (the module docstring), per engine."""
-    cfg.check(load=False)
-    if long_len < 1 or probes < 1:
-        raise ValueError(f"--long-prompt and --probes must be >= 1, got {long_len} and {probes}")
-    if long_len + 8 > cfg.ctx:
-        raise ValueError(f"--long-prompt {long_len} does not fit --ctx {cfg.ctx}; raise --ctx")
-    binary = find_llama_server(cfg.llama or None) if cfg.llama is not None else None
-    words = one_token_words(Tokenizer.from_metadata(GGUFFile(cfg.model).metadata))
-    rng = random.Random(cfg.seed + 1)
-
-    def text(n: int) -> str:
-        return "".join(" " + rng.choice(words) for _ in range(n))
-
-    long_req = Request(-1, text(long_len), long_len, 4, False, cfg.seed)
-    idle_reqs = [Request(i, text(PROBE["words"]), PROBE["words"], PROBE["max_tokens"], False, i) for i in range(probes)]
-    busy_reqs = [Request(i, text(PROBE["words"]), PROBE["words"], PROBE["max_tokens"], False, i) for i in range(probes)]
-    api_key = secrets.token_hex(16)
-    engines = [("ours", lambda port: our_command(cfg, port, api_key))]
-    if binary:
-        engines.append(("llama.cpp", lambda port: llama_command(binary, cfg, port, api_key)))
-    res = dict(config=dict(model=cfg.model, long_prompt=long_len, probes=probes, probe=PROBE, parallel=cfg.slots,
-                           threads=cfg.n_threads, ctx=cfg.ctx, head_start_s=LONG_HEAD_START_S),
-               machine=dict(cpu=_cpu_name(), cores=os.cpu_count(), python=platform.python_version()),
-               versions=dict(legacy_engine=__version__, llama_server=_llama_version(binary) if binary else None),
-               runs=[])
-    with tempfile.TemporaryDirectory(prefix="le-bench-serve-") as logs:
-        for name, command in engines:
-            port = free_port()
-            cmd = command(port)
-            log(f"bench serve --long-prompt: {name}: starting {' '.join(redacted(cmd))}")
-            with ServerProcess(name, cmd, port, logs) as srv:
-                _warm_up(port, api_key, words)
-                idle = [run_request(port, r, api_key) for r in idle_reqs]
-                box: dict = {}
-                t0 = time.perf_counter()
-                th = threading.Thread(target=lambda: box.update(rec=run_request(port, long_req, api_key)), daemon=True)
-                th.start()
-                time.sleep(LONG_HEAD_START_S)
-                busy = []
-                for r in busy_reqs:
-                    rec = run_request(port, r, api_key)
-                    rec["sent_after_s"] = rec["t_send"] - t0
-                    busy.append(rec)
-                th.join()
-                code = srv.stop()
-            long_rec = box.get("rec", {})
-            long_ttft = long_rec.get("ttft_s")
-            during = [r["ttft_s"] for r in busy if not r["error"] and r["ttft_s"] is not None
-                      and (long_ttft is None or r["sent_after_s"] < long_ttft)]
-            idle_t = [r["ttft_s"] for r in idle if not r["error"] and r["ttft_s"] is not None]
-            run = dict(engine=name, command=redacted(cmd), server_exit=code, idle_ttft_ms=_pcts(idle_t),
-                       during_ttft_ms=_pcts(during), n_during=len(during), long_ttft_s=long_ttft,
-                       long_error=long_rec.get("error"), errors=sum(1 for r in idle + busy if r["error"]),
-                       records=dict(idle=idle, busy=busy, long=long_rec))
-            run["ratio_p95_during_p50_idle"] = _q(run["during_ttft_ms"]["p95"], run["idle_ttft_ms"]["p50"])
-            log(f"bench serve --long-prompt: {name}: idle TTFT p50 {_f(run['idle_ttft_ms']['p50'], '.0f')} ms, "
-                f"during p95 {_f(run['during_ttft_ms']['p95'], '.0f')} ms ({len(during)} probes), long TTFT "
-                f"{_f(long_ttft, '.1f')} s")
-            res["runs"].append(run)
-    return res
-
-
-def long_table(res: dict) -> str:
-    c = res["config"]
-    lines = [f"{os.path.basename(c['model'])}: short requests ({c['probe']['words']}-token prompts, "
-             f"{c['probe']['max_tokens']} tokens out) idle and while a {c['long_prompt']}-token prompt prefills; "
-             f"--parallel {c['parallel']}, {c['threads']} threads; {res['machine']['cpu']}, "
-             f"{res['machine']['cores']} cores",
-             "engine  idle TTFT p50 / p95 ms  during p50 / p95 ms (probes)  p95 during / p50 idle  long TTFT s"]
-    for r in res["runs"]:
-        i, d = r["idle_ttft_ms"], r["during_ttft_ms"]
-        lines.append(f"{r['engine']:<9} {_f(i['p50'], '.0f')} / {_f(i['p95'], '.0f')}  "
-                     f"{_f(d['p50'], '.0f')} / {_f(d['p95'], '.0f')} ({r['n_during']})  "
-                     f"x{_f(r['ratio_p95_during_p50_idle'], '.2f')}  {_f(r['long_ttft_s'], '.1f')}")
-    return "\n".join(lines)
-
-
 def _q(a, b):
     return a / b if a is not None and b else None
 
@@ -647,84 +565,3 @@ def table(res: dict) -> str:
             lines.append(f"ours at {r['clients']} client(s): {r['banner']}")
             break
     return "\n".join(lines)
-
-
-# ---- the command -------------------------------------------------------------------------------------------------
-
-def add_parser(sub) -> None:
-    """Registers `bench serve` (tools/bench_cmd.py)."""
-    p = sub.add_parser("serve", help="concurrent streamed requests against our server, and llama-server's",
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("model", nargs="?", help="a Qwen3.5/3.6 GGUF file (optional with --build-llama-server)")
-    p.add_argument("--clients", default="1,8", metavar="C[,C...]",
-                   help="concurrent clients, closed loop; one run (a fresh server) per count (1,8)")
-    p.add_argument("--requests", type=int, default=24, metavar="R", help="requests per run (24)")
-    p.add_argument("--prompt-len", default="uniform:64-256", metavar="DIST",
-                   help="prompt tokens per request: fixed:N or uniform:A-B, seeded (uniform:64-256)")
-    p.add_argument("--max-tokens", default="fixed:64", metavar="DIST",
-                   help="max_tokens per request, fixed:N or uniform:A-B (fixed:64)")
-    p.add_argument("--shared-prefix", type=float, default=0.5, metavar="FRAC",
-                   help="fraction of the requests whose prompt starts with one common system prompt (0.5)")
-    p.add_argument("--prefix-len", type=int, default=256, metavar="N",
-                   help="tokens of that system prompt, before the request's own --prompt-len (256)")
-    p.add_argument("--parallel", "-np", type=int, default=None, metavar="N",
-                   help="server slots, both servers (the largest --clients)")
-    p.add_argument("--threads", "-t", type=int, default=None, metavar="T", help="CPU threads, both servers (all cores)")
-    p.add_argument("--ctx", "-c", type=int, default=4096, metavar="C",
-                   help="context per slot: ours --ctx C, llama-server -c C*N (4096)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and request seeds (0)")
-    p.add_argument("--llama", nargs="?", const="", default=None, metavar="PATH",
-                   help="also run llama.cpp's llama-server: PATH, else llama-server on PATH, else the one "
-                        "--build-llama-server built")
-    p.add_argument("--build-llama-server", action="store_true",
-                   help="build llama-server from the llama-cpp-python sdist's llama.cpp into the package cache "
-                        "(needs cmake and a C++ compiler; about 20 minutes on 2 cores), then run the bench if "
-                        "MODEL is given (with --llama)")
-    p.add_argument("--long-prompt", type=int, default=None, metavar="N",
-                   help="instead of the load: short requests' TTFT idle and while an N-token prompt prefills "
-                        "(raise --ctx above N)")
-    p.add_argument("--probes", type=int, default=8, metavar="K",
-                   help="short requests per phase with --long-prompt (8)")
-    p.add_argument("--json", metavar="FILE", default=None,
-                   help="also write everything (config, every request's times, summaries, ratios) to FILE")
-
-
-def main(args) -> int:
-    def log(s: str) -> None:
-        print(s, file=sys.stderr, flush=True)
-
-    if args.build_llama_server:
-        build_llama_server(log=log)
-        if args.model is None:
-            return 0
-        if args.llama is None:
-            args.llama = ""
-    if args.model is None:
-        print("legacy-engine bench serve: MODEL is required (unless --build-llama-server)", file=sys.stderr)
-        return 2
-    try:
-        cfg = LoadConfig(model=args.model, clients=tuple(int(c) for c in args.clients.split(",")),
-                         requests=args.requests, prompt_len=parse_dist(args.prompt_len, "--prompt-len"),
-                         max_tokens=parse_dist(args.max_tokens, "--max-tokens"), shared_prefix=args.shared_prefix,
-                         prefix_len=args.prefix_len, parallel=args.parallel, threads=args.threads, ctx=args.ctx,
-                         seed=args.seed, llama=args.llama)
-        cfg.check(load=args.long_prompt is None)
-    except ValueError as e:
-        print(f"legacy-engine bench serve: {e}", file=sys.stderr)
-        return 2
-    try:
-        if args.long_prompt is not None:
-            res = bench_long_prompt(cfg, args.long_prompt, args.probes, log=log)
-        else:
-            res = bench_serve(cfg, log=log)
-    except ValueError as e:
-        print(f"legacy-engine bench serve: {e}", file=sys.stderr)
-        return 2
-    except UnavailableError as e:
-        print(f"legacy-engine bench serve: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    print(long_table(res) if args.long_prompt is not None else table(res))
-    return 0

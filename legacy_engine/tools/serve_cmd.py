@@ -7,6 +7,7 @@ import os
 import re
 import sys
 
+from .. import gpu
 from ..core.errors import UnavailableError
 from ..plan.slots import DEFAULT_PARALLEL, SlotPlan, serve_slots
 from ..serve.cache import PrefixCache
@@ -106,7 +107,6 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 def _slots(engine) -> SlotPlan:
     batched, avail = batched_decode_mode(engine).startswith("batched"), None
     if batched and getattr(engine, "gpu", None) is not None and engine.model is engine.gpu:   # states in VRAM
-        from .. import gpu
         st = gpu.mem_stats()
         avail = max(0, st["budget"] - st["used"]) if st["budget"] > 0 else st["free_bytes"]
     return serve_slots(engine.model.hparams, engine.n_ctx, batched, available=avail)
