@@ -266,13 +266,17 @@ int le_vec_dot_n(int type, int64_t n, const void *x, const void *y, int64_t ly, 
     if (out == NULL || nt < 0) return LE_FAIL(LE_ERR_INVALID_ARG, "le_vec_dot_n: out is NULL or nt < 0");
     le_vec_dot_fn f = le_get_vec_dot(type);
     if (f == NULL) return LE_FAIL(LE_ERR_UNSUPPORTED, "le_vec_dot_n: no integer dot product for %s", t->name);
-    le_vec_dot_n_fn fn = le_get_vec_dot_n(type);
-    if (fn) {
-        fn(n, out, 1, x, y, ly, nt);
-    } else {
-        for (int i = 0; i < nt; i++) f(n, out + i, x, (const uint8_t *)y + i * ly);
-    }
+    le_vec_dot_rows(f, le_get_vec_dot_n(type), n, out, 1, x, y, ly, nt);
     return LE_OK;
+}
+
+void le_vec_dot_rows(le_vec_dot_fn vd, le_vec_dot_n_fn vdn, int64_t n, float *s, int64_t ls, const void *x,
+                     const void *y, int64_t ly, int nt) {
+    if (vdn && nt > 1) {
+        vdn(n, s, ls, x, y, ly, nt);
+        return;
+    }
+    for (int t = 0; t < nt; t++) vd(n, s + t * ls, x, (const uint8_t *)y + t * ly);
 }
 
 int le_has_vec_dot_n(int type) {

@@ -44,6 +44,9 @@ le_quantize_row_fn le_get_act_quantizer(int act_type);
 /* The selected tier's several-row dot product of a weight type, from the tier that serves le_get_vec_dot(type);
  * NULL where that tier has none (the caller loops le_get_vec_dot's kernel: the same bits). */
 le_vec_dot_n_fn le_get_vec_dot_n(int type);
+/* s[t * ls] = vd(x, y + t * ly) for t < nt: through vdn where given (and nt > 1), else vd row by row (same bits). */
+void le_vec_dot_rows(le_vec_dot_fn vd, le_vec_dot_n_fn vdn, int64_t n, float *s, int64_t ls, const void *x,
+                     const void *y, int64_t ly, int nt);
 
 /* ---- scalar references (quants_ref.c) --------------------------------------- */
 

@@ -37,17 +37,6 @@ typedef struct {
  * a tile stays in L1 while the task's weight rows stream past it once per tile. */
 #define TOK_TILE 16
 
-/* s[t * ls] = dot(row x, activation row t) for t < nt: the several-row kernel where the tier has one, else the
- * one-row kernel per row (the same bits). */
-static inline void dots(le_vec_dot_fn vd, le_vec_dot_n_fn vdn, int64_t n, float *s, int64_t ls, const uint8_t *x,
-                        const uint8_t *y, int64_t ly, int nt) {
-    if (vdn && nt > 1) {
-        vdn(n, s, ls, x, y, ly, nt);
-        return;
-    }
-    for (int t = 0; t < nt; t++) vd(n, s + t * ls, x, y + t * ly);
-}
-
 static void rows_int8(const le_mm *mm, le_vec_dot_fn vd, const uint8_t *xq, int64_t rb, int64_t r0, int64_t r1) {
     const le_weight *w = mm->w;
     const uint8_t *base = w->data + mm->expert * w->nb2;
@@ -60,8 +49,8 @@ static void rows_int8(const le_mm *mm, le_vec_dot_fn vd, const uint8_t *xq, int6
         for (int64_t t0 = 0; t0 < mm->n_tok; t0 += TOK_TILE) {
             int nt = (int)(mm->n_tok - t0 < TOK_TILE ? mm->n_tok - t0 : TOK_TILE);
             for (int64_t r = r0; r < r1; r++) {
-                dots(vd, vdn, w->ne0, g, 1, base + r * w->nb1, xq + t0 * rb, rb, nt);
-                dots(vd_up, vdn_up, w->ne0, u, 1, base_up + r * mm->w_up->nb1, xq + t0 * rb, rb, nt);
+                le_vec_dot_rows(vd, vdn, w->ne0, g, 1, base + r * w->nb1, xq + t0 * rb, rb, nt);
+                le_vec_dot_rows(vd_up, vdn_up, w->ne0, u, 1, base_up + r * mm->w_up->nb1, xq + t0 * rb, rb, nt);
                 for (int t = 0; t < nt; t++) mm->y[(t0 + t) * mm->ldy + r] = le_silu(g[t]) * u[t];
             }
         }
@@ -70,7 +59,7 @@ static void rows_int8(const le_mm *mm, le_vec_dot_fn vd, const uint8_t *xq, int6
     for (int64_t t0 = 0; t0 < mm->n_tok; t0 += TOK_TILE) {
         int nt = (int)(mm->n_tok - t0 < TOK_TILE ? mm->n_tok - t0 : TOK_TILE);
         for (int64_t r = r0; r < r1; r++)
-            dots(vd, vdn, w->ne0, &mm->y[t0 * mm->ldy + r], mm->ldy, base + r * w->nb1, xq + t0 * rb, rb, nt);
+            le_vec_dot_rows(vd, vdn, w->ne0, &mm->y[t0 * mm->ldy + r], mm->ldy, base + r * w->nb1, xq + t0 * rb, rb, nt);
     }
 }
 

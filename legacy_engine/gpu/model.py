@@ -258,7 +258,7 @@ class GpuModel(ForwardOps):
         logits float32[B, n_vocab], row s what states[s] would get from forward alone (within the quantised gate:
         the projections run as B-row GEMMs). The GPU-resident model only (UnavailableError for the split's
         streamed or hybrid forms); ValueError, every state unchanged, for bad input."""
-        if self.stream or self.cpu_experts:
+        if not self.can_batch:
             raise UnavailableError("batched decode runs on the GPU-resident model; the split's streamed and "
                                        "hybrid forms decode one sequence a pass")
         try:
