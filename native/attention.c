@@ -1,11 +1,14 @@
-/* attention.c — the gated full-attention mixer (spec §2.4), scalar reference.
+/* attention.c — the gated full-attention mixer (spec §2.4).
  *
  *   [q | gate] per head = W_q x   (rows interleaved per head: q_h (hd) then gate_h (hd))
  *   k = W_k x, v = W_v x;  q, k <- RMSNorm per head with q_norm / k_norm
  *   q, k <- RoPE (NeoX on the first n_rot dims, IMRoPE sections); written to the KV cache
  *   o_h = softmax(q_h K^T / sqrt(hd), causal) V   (query head h reads KV head h / (n_head/n_kv))
  *   out = W_o (o * sigmoid(gate))
- * Softmax in f32 with the running max subtracted; the KV cache is f32.
+ * Softmax in f32 with the row's max subtracted, its sum in double; the KV cache is f32. The core goes in tasks of
+ * (row, head) pairs sharing a KV head: scores and P V are products of the f32 table (gemm_tile, gemm_nn), so each
+ * key and value row is read once a task, not once a pair (a 4K-token prompt's attention was 60 % of its prefill);
+ * LE_ISA_REF's table makes it the scalar reference.
  * A pass may hold several sequences (le_seqs): q, k, v are projected for all their rows at once, each sequence's K
  * and V rows go to its own caches at its positions, and a row attends over its own sequence's keys.
  * Test: tests/test_model.py, tests/test_batch_decode.py. */
@@ -16,66 +19,103 @@
 #include "le_ops.h"
 #include "le_simd.h"
 
+/* (row, head) pairs a task's scores hold at most: each K and V row of the task's KV head is read once for all of
+ * them (a multiple of gemm_nn's 6-row register tile) */
+#define ATTN_TILE 48
+/* Floats of a thread's scores at most where the keys allow (4 MiB): a long context takes fewer pairs a task, not
+ * more memory (a pair's bits do not depend on which task holds it) */
+#define ATTN_SCORE_FLOATS (1 << 20)
+
 typedef struct {
     const le_model *m;
     const le_seqs *sq;
     int ai;           /* the layer's index among the attention layers: each state's caches of this layer */
     const float *qg;  /* [n, n_head * 2 * hd] */
     float *o;         /* [n, n_head * hd] */
-    float *scores;    /* [n_threads][score_floats]: each thread's softmax row, >= every sequence's pos + n */
-    int64_t score_floats;
+    float *scratch;   /* [n_threads][thread_floats]: a task's scores [M, ld], packed queries and outputs [M, hd] */
+    int64_t thread_floats, score_floats, ld; /* ld: the scores' row stride, >= the pass's most keys */
+    int hg, rows;     /* query heads of one KV head and rows of one sequence per task: M = hg * rows pairs */
+    int subs;         /* tasks across a KV head's group: n_head / n_head_kv / hg */
+    const int *tile0; /* [n_seq + 1]: each sequence's first row tile */
 } attn_job;
 
-/* Floats of one thread's scores for n_keys keys (the plan: n_ctx, not pos + n, so that a decode step's scratch does
- * not grow with its position). */
-static int64_t score_floats(int n_keys) { return le_floats64(n_keys); }
+/* The scores' row stride for n keys and the (row, head) pairs a task takes: as many as fit ATTN_SCORE_FLOATS, at
+ * least 1, at most ATTN_TILE */
+static int64_t score_ld(int n_keys) { return le_floats64(n_keys); }
+static int tile_pairs(int n_keys) {
+    int64_t m = ATTN_SCORE_FLOATS / score_ld(n_keys);
+    return m < 1 ? 1 : m > ATTN_TILE ? ATTN_TILE : (int)m;
+}
+/* A thread's scores for n keys: tile_pairs rows of score_ld, bounded by a form that grows with n (the plan's n_ctx
+ * then covers every pass) */
+static int64_t score_floats(int n_keys) {
+    int64_t ld = score_ld(n_keys), most = ATTN_SCORE_FLOATS > ld ? ATTN_SCORE_FLOATS : ld;
+    return ATTN_TILE * ld < most ? ATTN_TILE * ld : most;
+}
+static int64_t thread_floats(int n_keys, int hd) { return score_floats(n_keys) + 2 * le_floats64((int64_t)ATTN_TILE * hd); }
 
-/* The sequence holding row t: the last s with row0[s] <= t. */
-static int seq_of_row(const le_seqs *sq, int t) {
-    int lo = 0, hi = sq->n_seq - 1;
+/* The last s with v[s] <= t (v ascending). */
+static int last_at_most(const int *v, int n, int t) {
+    int lo = 0, hi = n - 1;
     while (lo < hi) {
         int mid = (lo + hi + 1) / 2;
-        if (sq->row0[mid] <= t) lo = mid;
+        if (v[mid] <= t) lo = mid;
         else hi = mid - 1;
     }
     return lo;
 }
 
-/* Items (row t, query head h): softmax over the keys of t's sequence at positions 0 .. its own, in its caches. */
-static void attn_rows(void *ctx, int64_t i0, int64_t i1, int thread) {
+/* One task: rows [r0, r0 + R) of sequence s, query heads h0 .. h0 + hg - 1 (all of KV head kvh): pairs i = r * hg +
+ * j packed as A [M, hd]; scores S [M, keys] = A K^T (gemm_tile, the cache's rows as they are), each pair's softmax
+ * numerators over its own causal keys (exp_sub_sum) and zeros beyond them, O [M, hd] = P V (gemm_nn; the zeros add
+ * nothing), then each output row divided by its sum and gated. Every pair's bits depend on its own keys alone
+ * (gemm_tile's and gemm_nn's contracts; padding zeros are exact), so how rows, heads and threads are cut, and whether
+ * a row came in a prefill chunk or a decode step, changes no bit. */
+static void attn_task(attn_job *jb, int s, int r0, int R, int kvh, int h0, int thread) {
+    const le_hparams *hp = &jb->m->hp;
+    const le_f32_kernels *kern = le_get_f32_kernels();
+    const le_state *st = jb->sq->st[s];
+    int hd = hp->head_dim, nh = hp->n_head, kvw = hp->n_head_kv * hd, hg = jb->hg, M = R * hg;
+    int64_t ld = jb->ld;
+    float *S = jb->scratch + (int64_t)thread * jb->thread_floats;
+    float *A = S + jb->score_floats, *O = A + le_floats64((int64_t)ATTN_TILE * hd);
+    const float *kc = st->k + jb->ai * st->kv_floats + kvh * hd, *vc = st->v + jb->ai * st->kv_floats + kvh * hd;
+    int first = st->pos + (r0 - jb->sq->row0[s]) + 1; /* keys of the task's first row (causal: positions 0..) */
+    int keys = first + R - 1;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < hg; j++)
+            memcpy(A + (int64_t)(r * hg + j) * hd, jb->qg + (size_t)(r0 + r) * nh * 2 * hd + (size_t)(h0 + j) * 2 * hd,
+                   sizeof(float) * (size_t)hd);
+    kern->gemm_tile(A, hd, kc, kvw, S, ld, M, keys, hd);
+    double sum[ATTN_TILE];
+    float scale = 1.0f / sqrtf((float)hd);
+    for (int i = 0; i < M; i++) {
+        int own = first + i / hg;
+        float *row = S + i * ld;
+        sum[i] = kern->exp_sub_sum(row, row, own, scale);
+        for (int p = own; p < keys; p++) row[p] = 0.0f;
+    }
+    kern->gemm_nn(S, ld, vc, kvw, O, hd, M, hd, keys);
+    for (int i = 0; i < M; i++) {
+        int t = r0 + i / hg, h = h0 + i % hg;
+        float inv = (float)(1.0 / sum[i]);
+        const float *gate = jb->qg + (size_t)t * nh * 2 * hd + (size_t)h * 2 * hd + hd;
+        float *o = jb->o + (size_t)t * nh * hd + (size_t)h * hd;
+        for (int e = 0; e < hd; e++) o[e] = O[i * hd + e] * inv * le_sigmoid(gate[e]);
+    }
+}
+
+/* items idx = (tile * n_head_kv + kvh) * subs + sub, tile counting every sequence's row tiles in order */
+static void attn_tasks(void *ctx, int64_t i0, int64_t i1, int thread) {
     attn_job *jb = ctx;
     const le_hparams *hp = &jb->m->hp;
-    int hd = hp->head_dim, nh = hp->n_head, kvw = hp->n_head_kv * hd, group = nh / hp->n_head_kv;
-    float scale = 1.0f / sqrtf((float)hd);
-    le_dot_f32_fn dot = le_get_f32_kernels()->dot;
-    float *sc = jb->scores + (int64_t)thread * jb->score_floats;
-    for (int64_t idx = i0; idx < i1; idx++) { /* idx = t * n_head + h */
-        int t = (int)(idx / nh), h = (int)(idx % nh), kvh = h / group;
-        int s = seq_of_row(jb->sq, t);
-        const le_state *st = jb->sq->st[s];
-        const float *kc = st->k + jb->ai * st->kv_floats, *vc = st->v + jb->ai * st->kv_floats;
-        const float *q = jb->qg + (size_t)t * nh * 2 * hd + (size_t)h * 2 * hd;
-        int n_keys = st->pos + (t - jb->sq->row0[s]) + 1; /* causal: keys at positions 0..pos+i */
-        float mx = -INFINITY;
-        for (int p = 0; p < n_keys; p++) {
-            sc[p] = dot(q, kc + (size_t)p * kvw + kvh * hd, hd) * scale;
-            if (sc[p] > mx) mx = sc[p];
-        }
-        double sum = 0.0;
-        for (int p = 0; p < n_keys; p++) {
-            sc[p] = expf(sc[p] - mx);
-            sum += sc[p];
-        }
-        float inv = (float)(1.0 / sum);
-        float *o = jb->o + (size_t)t * nh * hd + (size_t)h * hd;
-        for (int e = 0; e < hd; e++) o[e] = 0.0f;
-        for (int p = 0; p < n_keys; p++) {
-            const float *v = vc + (size_t)p * kvw + kvh * hd;
-            float wgt = sc[p] * inv;
-            for (int e = 0; e < hd; e++) o[e] += wgt * v[e];
-        }
-        const float *gate = q + hd;
-        for (int e = 0; e < hd; e++) o[e] *= le_sigmoid(gate[e]);
+    int nkv = hp->n_head_kv, group = hp->n_head / nkv;
+    for (int64_t idx = i0; idx < i1; idx++) {
+        int sub = (int)(idx % jb->subs), kvh = (int)(idx / jb->subs % nkv), tile = (int)(idx / jb->subs / nkv);
+        int s = last_at_most(jb->tile0, jb->sq->n_seq, tile);
+        int r0 = jb->sq->row0[s] + (tile - jb->tile0[s]) * jb->rows, end = jb->sq->row0[s + 1];
+        int R = r0 + jb->rows <= end ? jb->rows : end - r0;
+        attn_task(jb, s, r0, R, kvh, kvh * group + sub * jb->hg, thread);
     }
 }
 
@@ -94,7 +134,8 @@ size_t le_attention_plan(const le_model *m, const le_weight *w, int n, int n_ctx
                      {&w[LE_W_K], 0, x_id, n, E, NULL, kvw, NULL}, {&w[LE_W_V], 0, x_id, n, E, NULL, kvw, NULL}};
     le_mm out = {&w[LE_W_O], 0, x_id + 1, n, hp->n_head * hp->head_dim, NULL, E, NULL};
     size_t most = le_matmul_batch_plan(T, m->int8, proj, 3), outp = le_matmul_batch_plan(T, m->int8, &out, 1);
-    size_t scores = (size_t)T * (size_t)score_floats(n_ctx) * sizeof(float);
+    size_t scores = (size_t)T * (size_t)thread_floats(n_ctx, hp->head_dim) * sizeof(float) +
+                    le_align64(sizeof(int) * (size_t)(n + 1));
     if (outp > most) most = outp;
     if (scores > most) most = scores;
     return le_align64(own_floats(hp, n) * sizeof(float)) + most;
@@ -144,15 +185,29 @@ int le_attention_layer(const le_model *m, le_arena *ar, const le_weight *w, cons
         }
         if (st->pos + ns > most_keys) most_keys = st->pos + ns;
     }
-    /* each thread's scores for the longest sequence's keys (the plan holds n_ctx) */
+    /* the tasks' shape: a KV head's query heads together where the pairs allow, fewer where tasks would not cover
+     * the threads (one decode step); then rows of one sequence up to the pairs */
+    int T = le_pool_threads(m->pool), group = nh / nkv, pairs = tile_pairs(most_keys), hg = group, rows = 1, tiles = 0;
+    for (;; hg--) {
+        if (group % hg || hg > pairs) continue;
+        rows = pairs / hg;
+        tiles = 0;
+        for (int s = 0; s < sq->n_seq; s++) tiles += (sq->row0[s + 1] - sq->row0[s] + rows - 1) / rows;
+        if (hg == 1 || (int64_t)tiles * nkv * (group / hg) >= T) break;
+    }
     size_t core = ar->used;
-    attn_job jb = {m, sq, ai, qg, o, NULL, score_floats(most_keys)};
-    size_t bytes = (size_t)le_pool_threads(m->pool) * (size_t)jb.score_floats * sizeof(float);
-    if (!(jb.scores = le_arena_take(ar, bytes))) {
+    attn_job jb = {m, sq, ai, qg, o, NULL, thread_floats(most_keys, hd), score_floats(most_keys), score_ld(most_keys),
+                   hg, rows, group / hg, NULL};
+    int *tile0 = le_arena_take(ar, sizeof(int) * (size_t)(sq->n_seq + 1));
+    size_t bytes = (size_t)T * (size_t)jb.thread_floats * sizeof(float);
+    if (!tile0 || !(jb.scratch = le_arena_take(ar, bytes))) {
         rc = LE_FAIL(LE_ERR_NO_MEMORY, "attention scores of %d keys: beyond the plan", most_keys);
         goto done;
     }
-    le_parallel_for(m->pool, (int64_t)n * nh, 1, attn_rows, &jb);
+    tile0[0] = 0;
+    for (int s = 0; s < sq->n_seq; s++) tile0[s + 1] = tile0[s] + (sq->row0[s + 1] - sq->row0[s] + rows - 1) / rows;
+    jb.tile0 = tile0;
+    le_parallel_for(m->pool, (int64_t)tiles * nkv * jb.subs, 1, attn_tasks, &jb);
     ar->used = core;
     le_prof(m, &tp, LE_PROF_ATTN_CORE);
     rc = le_matmul(m->pool, ar, m->int8, &w[LE_W_O], 0, o, n, nh * hd, out, E);

@@ -74,6 +74,7 @@ typedef struct {
     const float *sgate;              /* [n] shared-expert gate */
     /* integer path: activations quantised (row bytes rb, rbs); f32 path: act rows (ff, ffs floats) */
     le_vec_dot_fn vd, vds;
+    le_vec_dot_n_fn vdn, vdns;       /* their several-row kernels, or NULL */
     const uint8_t *aq, *aqs;
     int64_t rb, rbs;
     const float *act, *acts;
@@ -82,6 +83,9 @@ typedef struct {
     int64_t row_floats;
     int n_threads;                   /* down_split: the pool's */
 } down_job;
+
+/* Tokens of one expert a down row is dotted with at a time (the several-row kernels take them 4 by 4) */
+#define DOWN_TILE 16
 
 /* Floats of one thread's dequantised down row (at most ne0 wide). */
 static int64_t down_row_floats(int64_t ne0) { return le_floats64(ne0); }
@@ -102,11 +106,13 @@ static void down_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
                 wd->tr->dequantize_row(row, buf, wd->ne0);
                 rf = buf;
             }
-            for (int i = j->start[e]; i < j->start[e] + j->count[e]; i++) {
-                float s;
-                if (j->vd) j->vd(wd->ne0, &s, row, j->aq + (int64_t)i * j->rb);
-                else s = dot(rf, j->act + (int64_t)i * wd->ne0, wd->ne0);
-                j->out[(size_t)j->tok_of[i] * j->E + r] += j->wrow[i] * s;
+            for (int i0 = j->start[e], end = i0 + j->count[e]; i0 < end; i0 += DOWN_TILE) {
+                int nt = end - i0 < DOWN_TILE ? end - i0 : DOWN_TILE;
+                float s[DOWN_TILE];
+                if (j->vd) le_vec_dot_rows(j->vd, j->vdn, wd->ne0, s, 1, row, j->aq + (int64_t)i0 * j->rb, j->rb, nt);
+                else
+                    for (int i = 0; i < nt; i++) s[i] = dot(rf, j->act + (int64_t)(i0 + i) * wd->ne0, wd->ne0);
+                for (int i = 0; i < nt; i++) j->out[(size_t)j->tok_of[i0 + i] * j->E + r] += j->wrow[i0 + i] * s[i];
             }
         }
     }
@@ -118,11 +124,13 @@ static void down_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
                 wds->tr->dequantize_row(row, buf, wds->ne0);
                 rf = buf;
             }
-            for (int t = 0; t < j->n; t++) {
-                float s;
-                if (j->vds) j->vds(wds->ne0, &s, row, j->aqs + (int64_t)t * j->rbs);
-                else s = dot(rf, j->acts + (int64_t)t * wds->ne0, wds->ne0);
-                j->out[(size_t)t * j->E + r] += j->sgate[t] * s;
+            for (int t0 = 0; t0 < j->n; t0 += DOWN_TILE) {
+                int nt = j->n - t0 < DOWN_TILE ? j->n - t0 : DOWN_TILE;
+                float s[DOWN_TILE];
+                if (j->vds) le_vec_dot_rows(j->vds, j->vdns, wds->ne0, s, 1, row, j->aqs + (int64_t)t0 * j->rbs, j->rbs, nt);
+                else
+                    for (int t = 0; t < nt; t++) s[t] = dot(rf, j->acts + (int64_t)(t0 + t) * wds->ne0, wds->ne0);
+                for (int t = 0; t < nt; t++) j->out[(size_t)(t0 + t) * j->E + r] += j->sgate[t0 + t] * s[t];
             }
         }
 }
@@ -240,16 +248,18 @@ static int routed(const le_model *m, le_arena *ar, const le_weight *w, const flo
 
     /* C: down + combine */
     down_job dj = {&w[LE_W_DOWN_EXPS], shared ? &w[LE_W_DOWN_SHEXP] : NULL, used, start, count, n_used, n, rows, E,
-                   tok_of, wrow, sgate, NULL, NULL, NULL, NULL, 0, 0, act, acts, out, NULL, 0, T};
+                   tok_of, wrow, sgate, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, act, acts, out, NULL, 0, T};
     /* the down inputs quantised for their integer kernels (none: the f32 path) */
     uint8_t *aq = NULL, *aqs = NULL;
     if (rows && (dj.vd = le_int_kernel(m->int8, dj.wd))) {
         dj.rb = le_act_row_bytes(dj.wd);
+        dj.vdn = le_get_vec_dot_n(dj.wd->type);
         if (!(aq = le_arena_take(ar, (size_t)(dj.rb * rows)))) goto short_plan;
         le_quantize_acts(dj.wd, act, rows, fe, aq);
     }
     if (shared && (dj.vds = le_int_kernel(m->int8, dj.wds))) {
         dj.rbs = le_act_row_bytes(dj.wds);
+        dj.vdns = le_get_vec_dot_n(dj.wds->type);
         if (!(aqs = le_arena_take(ar, (size_t)(dj.rbs * n)))) goto short_plan;
         le_quantize_acts(dj.wds, acts, n, fs, aqs);
     }

@@ -252,7 +252,7 @@ def test_cli_prints_a_template_error_as_one_line(tmp_path):
     with open(path, "wb") as f:   # the template swapped in place (same length: the layout stays)
         f.write(raw.replace(good, b"{{ 1 / 0 }}".ljust(len(good)), 1))
     r = subprocess.run([sys.executable, "-m", "legacy_engine", "run", path, "--chat", "-n", "2", "-t", "2"],
-                       input="hi\n", capture_output=True, text=True, timeout=300)
+                       input="hi\n", capture_output=True, encoding="utf-8", timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "legacy-engine: error: the chat template of bad.gguf failed: ZeroDivisionError: division by zero" in \
         r.stderr.splitlines()
@@ -270,7 +270,7 @@ def test_cli_stops_a_template_that_does_not_end(tmp_path):
     with open(path, "wb") as f:
         f.write(raw.replace(good, loop.ljust(len(good)), 1))
     r = subprocess.run([sys.executable, "-m", "legacy_engine", "run", path, "--chat", "-n", "2", "-t", "2"],
-                       input="hi\n", capture_output=True, text=True, timeout=120)
+                       input="hi\n", capture_output=True, encoding="utf-8", timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert any(line.startswith("legacy-engine: error: the chat template of loop.gguf") for line in
                r.stderr.splitlines()), r.stderr

@@ -35,7 +35,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="the server needs uvicorn: pip i
 from legacy_engine.format.fingerprint import model_fingerprint  # noqa: E402
 from legacy_engine.serve.cache import PrefixCache  # noqa: E402
 from legacy_engine.serve.chat_output import ChatOutput, parse_tool_calls  # noqa: E402
-from legacy_engine.serve.generate import Engine  # noqa: E402
+from legacy_engine.serve.generate import PREFILL_BATCH, PREFILL_CALL_S, PREFILL_SHARED, Engine  # noqa: E402
 from legacy_engine.serve.sampling import SamplingParams  # noqa: E402
 from legacy_engine.serve.schema import APIError, Plan, ServeConfig  # noqa: E402
 from legacy_engine.serve.server import create_app, uvicorn_config  # noqa: E402
@@ -632,6 +632,17 @@ def test_queue_limit(server):
         assert e.value.status == 503 and e.value.code == "queue_full"
     finally:
         loop.close()
+
+
+def test_prefill_calls_sized_by_the_measured_rate(server):
+    """A served prompt's forward calls take ~PREFILL_CALL_S at the rate the finished prompts measured: a multiple of
+    PREFILL_SHARED, between it and PREFILL_BATCH (PREFILL_SHARED before anything was measured)."""
+    w = Worker(server.worker.engine)
+    assert w._prefill_step() == PREFILL_SHARED
+    for tps, want in [(100.0, PREFILL_SHARED), (PREFILL_SHARED / PREFILL_CALL_S * 2.5, 2 * PREFILL_SHARED),
+                      (1e6, PREFILL_BATCH)]:
+        w.counters.prefill_tokens, w.counters.prefill_s = int(tps * 10), 10.0
+        assert w._prefill_step() == want, tps
 
 
 def test_worker_default_prefill_seam(ref):

@@ -81,20 +81,20 @@ def test_cli_run_and_info_with_an_image(tiny_vision_gguf, tmp_path):
     img = _png(tmp_path / "a.png", 64, 96, 4)
     run = [sys.executable, "-m", "legacy_engine.tools.cli"]
     r = subprocess.run(run + ["run", text, "--mmproj", mmproj, "--image", img, "-p", "describe", "-n", "3", "-t", "2"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, encoding="utf-8", timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "[length]" in r.stderr
-    r = subprocess.run(run + ["run", text, "--image", img, "-p", "x"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(run + ["run", text, "--image", img, "-p", "x"], capture_output=True, encoding="utf-8", timeout=120)
     assert r.returncode == 2 and "--mmproj" in r.stderr
-    r = subprocess.run(run + ["info", mmproj], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(run + ["info", mmproj], capture_output=True, encoding="utf-8", timeout=120)
     assert r.returncode == 0 and "ViT: 2 blocks, hidden 64" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     assert "for images up to 65,536 patches" in r.stdout and "plan MODEL --mmproj FILE" in r.stdout, r.stdout
-    r = subprocess.run(run + ["plan", text, "--mmproj", mmproj, "--no-gpu", "-t", "2"], capture_output=True, text=True,
+    r = subprocess.run(run + ["plan", text, "--mmproj", mmproj, "--no-gpu", "-t", "2"], capture_output=True, encoding="utf-8",
                        timeout=300)
     assert r.returncode == 0 and "vision tower (with --gpu): on the CPU (no usable GPU)" in r.stdout, r.stderr[-2000:]
     chat = subprocess.run(run + ["chat", text, "--mmproj", mmproj, "-n", "2", "-t", "2", "--no-think"],
                           input=f"/image {tmp_path / 'missing.png'}\n/image {img}\nwhat is it?\n", capture_output=True,
-                          text=True, timeout=300)
+                          encoding="utf-8", timeout=300)
     assert chat.returncode == 0, chat.stderr[-2000:]
     assert "missing.png" in chat.stderr and "(image a.png: 70 tokens, with the next message)" in chat.stderr
 

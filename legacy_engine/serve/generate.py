@@ -28,8 +28,10 @@ from ..plan.split import SplitModel
 from ..plan.vision import VisionPlacement, cpu_vision_placement, vision_placement
 
 PREFILL_BATCH = 256  # tokens per forward call during prefill: bounds activation memory
-PREFILL_SHARED = 64  # per forward call while other requests wait or decode: they run between calls, so this bounds
-                     # their wait (a multiple of the GDN chunk and the cache's page: calls split where they may)
+PREFILL_SHARED = 64  # the server's least forward call (a multiple of the GDN chunk and the cache's page: calls split
+                     # where they may); other requests run between calls, so a call's length bounds their wait
+PREFILL_CALL_S = 0.1  # the server's forward call at most this long where the measured prefill rate allows more than
+                      # PREFILL_SHARED tokens: about a short prompt's own time, so one arriving waits <= ~2x it
 ENCODED_IMAGES = 16  # the tower's outputs kept by image digest (Engine._encode)
 
 

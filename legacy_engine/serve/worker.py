@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..core.errors import Cancelled, ContextLengthError
-from .generate import PREFILL_BATCH, PREFILL_SHARED, batched_decode
+from .generate import PREFILL_BATCH, PREFILL_CALL_S, PREFILL_SHARED, batched_decode
 from .grammar import ConstrainedSampler
 from .sampling import LogprobSampler, Sampler
 from .schema import APIError, Plan
@@ -236,9 +236,13 @@ class Worker:
             self._admit(job, session, nested=True)
 
     def _prefill_step(self) -> int:
-        """A prompt's next forward call: PREFILL_SHARED tokens while other jobs decode or wait (they run between
-        calls: short calls bound their wait), else PREFILL_BATCH."""
-        return PREFILL_SHARED if self.slots or not self._queue.empty() else PREFILL_BATCH
+        """A prompt's next forward call: the multiple of PREFILL_SHARED tokens that the prompts served so far say
+        takes about PREFILL_CALL_S (PREFILL_SHARED at least, PREFILL_BATCH at most): a request may arrive any time
+        and waits for the call running then (it runs between calls), so calls are short even on an idle server."""
+        c = self.counters
+        rate = c.prefill_tokens / c.prefill_s if c.prefill_s > 0 else 0.0
+        fits = int(rate * PREFILL_CALL_S) // PREFILL_SHARED * PREFILL_SHARED
+        return max(PREFILL_SHARED, min(PREFILL_BATCH, fits))
 
     def _end(self, job: Job, finish: str, prompt: int, n: int, err: APIError | None = None) -> None:
         self.log.append((job.seq, finish, prompt, n))
