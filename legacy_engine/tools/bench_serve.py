@@ -34,7 +34,9 @@ JSON keeps every request's record and the 1-minute load average before and after
 `--long-prompt N` measures instead what a short request waits while a long prompt prefills (issue 24's TTFT
 target): per engine, one fresh server; K short requests (--probes, 32-token prompts, 4 tokens out) one after
 another on the idle server, then one request with an N-token prompt and, LONG_HEAD_START_S after it was sent, K
-other short requests one after another while it runs. Reported: the short requests' TTFT idle (p50, p95) and
+other short requests one after another while it runs, each after a seeded pause of 0 to PROBE_GAP_S (a request
+arrives at a moment of its own, not in step with the server: sent back to back, each would arrive just after the
+decode step that ended the one before, i.e. just as the long prompt's next forward call starts, its worst case). Reported: the short requests' TTFT idle (p50, p95) and
 during the long prefill (p50, p95, counting only those sent before the long request's first token), the ratio
 p95 during / p50 idle, and the long request's own TTFT. The texts differ between the idle and the loaded probes
 (no prefix-cache hit between them).

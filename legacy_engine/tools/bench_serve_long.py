@@ -19,6 +19,7 @@ from .llama_server import find_llama_server
 
 LONG_HEAD_START_S = 1.0   # the long request is admitted and prefilling before the probes start
 PROBE = dict(words=32, max_tokens=4)
+PROBE_GAP_S = 0.5         # each loaded probe waits uniform [0, this) first: longer than our forward calls (~0.2 s)
 
 
 def bench_long_prompt(cfg: LoadConfig, long_len: int, probes: int, log=print) -> dict:
@@ -38,12 +39,14 @@ def bench_long_prompt(cfg: LoadConfig, long_len: int, probes: int, log=print) ->
     long_req = Request(-1, text(long_len), long_len, 4, False, cfg.seed)
     idle_reqs = [Request(i, text(PROBE["words"]), PROBE["words"], PROBE["max_tokens"], False, i) for i in range(probes)]
     busy_reqs = [Request(i, text(PROBE["words"]), PROBE["words"], PROBE["max_tokens"], False, i) for i in range(probes)]
+    gaps = [rng.uniform(0.0, PROBE_GAP_S) for _ in range(probes)]    # the same pauses for every engine
     api_key = secrets.token_hex(16)
     engines = [("ours", lambda port: our_command(cfg, port, api_key))]
     if binary:
         engines.append(("llama.cpp", lambda port: llama_command(binary, cfg, port, api_key)))
     res = dict(config=dict(model=cfg.model, long_prompt=long_len, probes=probes, probe=PROBE, parallel=cfg.slots,
-                           threads=cfg.n_threads, ctx=cfg.ctx, head_start_s=LONG_HEAD_START_S),
+                           threads=cfg.n_threads, ctx=cfg.ctx, head_start_s=LONG_HEAD_START_S,
+                           probe_gaps_s=gaps),
                machine=dict(cpu=_cpu_name(), cores=os.cpu_count(), python=platform.python_version()),
                versions=dict(legacy_engine=__version__, llama_server=_llama_version(binary) if binary else None),
                runs=[])
@@ -61,7 +64,8 @@ def bench_long_prompt(cfg: LoadConfig, long_len: int, probes: int, log=print) ->
                 th.start()
                 time.sleep(LONG_HEAD_START_S)
                 busy = []
-                for r in busy_reqs:
+                for r, gap in zip(busy_reqs, gaps):
+                    time.sleep(gap)
                     rec = run_request(port, r, api_key)
                     rec["sent_after_s"] = rec["t_send"] - t0
                     busy.append(rec)
