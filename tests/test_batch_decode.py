@@ -215,6 +215,23 @@ def test_mixed_pass_equals_each_alone(model, chunked):
             assert batched[s].rope_delta == delta.get(s, 0)
 
 
+@pytest.mark.parametrize("name", ["moe-f32", "dense-q4_k_m"])
+def test_attention_cut_by_threads_changes_no_bit(models, name, tmp_path):
+    """The attention core's tasks (how many query heads of a KV head and rows of a sequence each takes) follow the
+    thread count; every (row, head) pair's bits do not: a prompt's logits at every position and the decode after
+    it are equal with 1 and 5 threads (the tiny files' 2 query heads share a KV head: one thread takes both in a
+    task, five take one each)."""
+    path = models(name).file.path
+    m1, m5 = Model(path, 1), Model(path, 5)
+    V = m1.hparams.n_vocab
+    prompt, steps = tokens(400, 40, V), tokens(401, 4, V)
+    a, b = m1.new_state(N_CTX), m5.new_state(N_CTX)
+    assert np.array_equal(m1.forward(a, prompt, all_logits=True), m5.forward(b, prompt, all_logits=True))
+    for t in steps:
+        assert np.array_equal(m1.forward(a, [t]), m5.forward(b, [t]))
+    assert a.save() == b.save()
+
+
 # ------------------------------------------------------------------------------------------------ 3. errors
 
 @pytest.fixture(scope="module")
