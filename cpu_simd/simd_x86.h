@@ -47,17 +47,22 @@ static inline void le_prefetch_ahead(const void *block, size_t stride) {
     for (size_t l = 0; l < (stride + 63) / 64; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
 }
 
-/* IEEE half -> float, exact for every input, without F16C (the SSSE3 tier): exponent and
- * mantissa move to their f32 places and one multiply by 2^112 rebiases the exponent (exact,
- * subnormal halves included); inf/NaN get the all-ones exponent back (payload kept, as
- * le_fp16_to_fp32 does) and the sign is or-ed in. No data-dependent branch on the sign:
- * block scales have random signs, and a branch there costs more than the dot product. */
+/* IEEE half -> float, exact for every input, without F16C (the SSSE3 tier): exponent and mantissa move to their
+ * f32 places and the exponent is rebiased by an integer add; a subnormal half (exponent 0) gets the exponent of
+ * 2^-14 and 2^-14 is subtracted (float arithmetic on normal numbers, so exact under the core's DAZ: a multiply of
+ * the raw bits, a denormal float, read as zero there, le_threads.h); inf/NaN get the all-ones exponent (payload kept,
+ * as le_fp16_to_fp32 does) and the sign is or-ed in. No data-dependent branch on the sign: block scales have
+ * random signs, and a branch there costs more than the dot product. */
 static inline float le_h2f(uint16_t h) {
-    uint32_t o = (uint32_t)(h & 0x7fffu) << 13;
+    const uint32_t em = (uint32_t)(h & 0x7fffu) << 13;
+    uint32_t o = em + (112u << 23);
     float f;
-    memcpy(&f, &o, 4);
-    f *= 0x1p+112f;
-    memcpy(&o, &f, 4);
+    if ((h & 0x7c00u) == 0) { /* zero or subnormal (rare) */
+        o = em + (113u << 23);
+        memcpy(&f, &o, 4);
+        f -= 0x1p-14f;
+        memcpy(&o, &f, 4);
+    }
     if ((h & 0x7c00u) == 0x7c00u) o |= 0x7f800000u;     /* inf / NaN (rare) */
     o |= (uint32_t)(h & 0x8000u) << 16;
     memcpy(&f, &o, 4);
@@ -66,10 +71,14 @@ static inline float le_h2f(uint16_t h) {
 
 /* le_h2f on 4 halves at once: h holds one half in the low 16 bits of each int32 lane. SSE2. */
 static inline __m128 le_h2f_x4(__m128i h) {
+    const __m128i ex = _mm_and_si128(h, _mm_set1_epi32(0x7c00));
     const __m128i em = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7fff)), 13);
-    const __m128 f = _mm_mul_ps(_mm_castsi128_ps(em), _mm_set1_ps(0x1p+112f));
-    const __m128i infnan = _mm_cmpeq_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7c00)), _mm_set1_epi32(0x7c00));
-    __m128i o = _mm_or_si128(_mm_castps_si128(f), _mm_and_si128(infnan, _mm_set1_epi32(0x7f800000)));
+    const __m128i normal = _mm_add_epi32(em, _mm_set1_epi32(112 << 23));
+    const __m128 sub = _mm_sub_ps(_mm_castsi128_ps(_mm_add_epi32(em, _mm_set1_epi32(113 << 23))), _mm_set1_ps(0x1p-14f));
+    const __m128i is_sub = _mm_cmpeq_epi32(ex, _mm_setzero_si128());
+    __m128i o = _mm_or_si128(_mm_and_si128(is_sub, _mm_castps_si128(sub)), _mm_andnot_si128(is_sub, normal));
+    const __m128i infnan = _mm_cmpeq_epi32(ex, _mm_set1_epi32(0x7c00));
+    o = _mm_or_si128(o, _mm_and_si128(infnan, _mm_set1_epi32(0x7f800000)));
     o = _mm_or_si128(o, _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16));
     return _mm_castsi128_ps(o);
 }

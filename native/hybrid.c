@@ -198,9 +198,23 @@ int le_hybrid_release(le_model *m, int32_t *chan, int32_t seq, const int32_t *la
     return LE_OK;
 }
 
+static int serve_layers(le_model *m, int32_t *chan, int32_t seq, const int32_t *layers, int n_layers,
+                        int64_t *counts, double timeout_s, int64_t prefetch_bytes, const le_hybrid_early *early,
+                        double *stats);
+
+/* serve_layers with denormals flushed on the calling thread too, as the CPU engine's forward (le_threads.h) */
 int le_hybrid_serve(le_model *m, int32_t *chan, int32_t seq, const int32_t *layers, int n_layers,
                     int64_t *counts, double timeout_s, int64_t prefetch_bytes, const le_hybrid_early *early,
                     double *stats) {
+    unsigned fp = le_fp_enter();
+    int rc = serve_layers(m, chan, seq, layers, n_layers, counts, timeout_s, prefetch_bytes, early, stats);
+    le_fp_leave(fp);
+    return rc;
+}
+
+static int serve_layers(le_model *m, int32_t *chan, int32_t seq, const int32_t *layers, int n_layers,
+                        int64_t *counts, double timeout_s, int64_t prefetch_bytes, const le_hybrid_early *early,
+                        double *stats) {
     int rc = check_layers(m, chan, layers, n_layers, "le_hybrid_serve");
     if (rc) return rc;
     if (!(timeout_s > 0)) return LE_FAIL(LE_ERR_INVALID_ARG, "le_hybrid_serve: timeout %g s", timeout_s);

@@ -15,6 +15,26 @@
 
 typedef void (*le_task_fn)(void *ctx, int64_t begin, int64_t end, int thread);
 
+/* The C core's work runs with denormal floats flushed to zero (MXCSR FTZ | DAZ): the pool's workers from their start,
+ * the calling thread inside le_parallel_for / le_parallel_each and the forward, hybrid and vision entry points, its
+ * mode put back after (numpy's, in the same thread, is not changed). why: the chunked GDN's decays e^(G_i - G_j)
+ * over 64 tokens reach 1e-38 and below, and each multiply by a denormal costs ~100 cycles: it was two thirds of the
+ * GDN's prefill time (benchmarks/results/denormals_2026-11-28.md). Values under 1.2e-38 change nothing a tolerance
+ * sees; every thread runs the same mode, so no bit depends on which thread ran a task. */
+#if defined(__SSE2__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#define LE_FP_FLUSH 0x8040u /* FTZ (bit 15) | DAZ (bit 6) */
+static inline unsigned le_fp_enter(void) {
+    unsigned old = _mm_getcsr();
+    _mm_setcsr(old | LE_FP_FLUSH);
+    return old;
+}
+static inline void le_fp_leave(unsigned old) { _mm_setcsr(old); }
+#else
+static inline unsigned le_fp_enter(void) { return 0; }
+static inline void le_fp_leave(unsigned old) { (void)old; }
+#endif
+
 typedef struct le_pool le_pool;
 
 int le_pool_create(int n_threads, le_pool **out);

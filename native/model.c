@@ -202,9 +202,9 @@ static int rope_positions(const le_seqs *sq, const int32_t *pos3, int32_t *out) 
  * tokens, run in states[s] (pos3, embd: one sequence only), in scratch ar reserved by le_forward_plan(n, its
  * largest n_ctx). Every op but the mixers is per row; the mixers run each sequence in its own state. logits: NULL,
  * or [n_out, n_vocab]: every row's (all_logits, one sequence) or each sequence's last row's. */
-static int forward_pass(le_model *m, le_arena *ar, le_state *const *states, int n_seq, const int32_t *n_tok, int n,
-                        const int32_t *tokens, const float *embd, const int32_t *pos3, float *logits, int all_logits,
-                        int chunked) {
+static int forward_layers(le_model *m, le_arena *ar, le_state *const *states, int n_seq, const int32_t *n_tok, int n,
+                          const int32_t *tokens, const float *embd, const int32_t *pos3, float *logits,
+                          int all_logits, int chunked) {
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd, rc;
     float *buf = le_arena_take(ar, 3 * (size_t)n * E * sizeof(float));
@@ -257,6 +257,16 @@ static int forward_pass(le_model *m, le_arena *ar, le_state *const *states, int 
     le_prof(m, &tp, LE_PROF_EMBED_NORM);
     rc = le_matmul(m->pool, ar, m->int8, head, 0, h, n_out, E, logits, hp->n_vocab);
     le_prof(m, &tp, LE_PROF_HEAD);
+    return rc;
+}
+
+/* forward_layers with denormals flushed on the calling thread too (le_threads.h), its mode put back after */
+static int forward_pass(le_model *m, le_arena *ar, le_state *const *states, int n_seq, const int32_t *n_tok, int n,
+                        const int32_t *tokens, const float *embd, const int32_t *pos3, float *logits, int all_logits,
+                        int chunked) {
+    unsigned fp = le_fp_enter();
+    int rc = forward_layers(m, ar, states, n_seq, n_tok, n, tokens, embd, pos3, logits, all_logits, chunked);
+    le_fp_leave(fp);
     return rc;
 }
 

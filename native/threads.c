@@ -222,6 +222,7 @@ static void *worker_main(void *arg) {
     free(wa);
     thread_stats *st = &p->st[index];
     unsigned seen = 0;
+    le_fp_enter(); /* for the thread's life (le_threads.h) */
     for (;;) {
         unsigned gen = wait_generation(p, index, seen, st);
         if (atomic_load(&p->stop)) return NULL;
@@ -381,20 +382,22 @@ static void run_job(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *c
 void le_parallel_for(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *ctx) {
     if (n <= 0) return;
     if (grain < 1) grain = 1;
-    if (!p || p->n_threads == 1 || n <= grain) {
-        fn(ctx, 0, n, 0);
-        return;
-    }
-    run_job(p, n, grain, fn, ctx, 0);
+    unsigned fp = le_fp_enter();
+    if (!p || p->n_threads == 1 || n <= grain) fn(ctx, 0, n, 0);
+    else run_job(p, n, grain, fn, ctx, 0);
+    le_fp_leave(fp);
 }
 
 void le_parallel_each(le_pool *p, le_task_fn fn, void *ctx) {
+    unsigned fp = le_fp_enter();
     if (!p || p->n_threads == 1) {
         fn(ctx, 0, 1, 0);
+        le_fp_leave(fp);
         return;
     }
     p->each_pub = now_ns();
     run_job(p, p->n_threads, 1, fn, ctx, 1);
+    le_fp_leave(fp);
     /* every index is done (run_job waited): how late the last one started, how far the slowest ran past the mean
      * end */
     long last_start = p->each_start[0], last_end = p->each_end[0];

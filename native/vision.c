@@ -488,8 +488,20 @@ static int check_image(const le_vision *v, const float *patches, int64_t n_patch
     return LE_OK;
 }
 
+static int encode(le_vision *v, const float *patches, int64_t n_patches, int64_t plen, int t, int h, int w,
+                  float *out, int64_t out_len);
+
+/* encode with denormals flushed on the calling thread too, as the forward (le_threads.h) */
 int le_vision_encode(le_vision *v, const float *patches, int64_t n_patches, int64_t plen, int t, int h, int w,
                      float *out, int64_t out_len) {
+    unsigned fp = le_fp_enter();
+    int rc = encode(v, patches, n_patches, plen, t, h, w, out, out_len);
+    le_fp_leave(fp);
+    return rc;
+}
+
+static int encode(le_vision *v, const float *patches, int64_t n_patches, int64_t plen, int t, int h, int w,
+                  float *out, int64_t out_len) {
     if (!v) return LE_FAIL(LE_ERR_INVALID_ARG, "NULL tower");
     int rc = check_image(v, patches, n_patches, plen, t, h, w, out, out_len);
     if (rc != LE_OK) return rc;
