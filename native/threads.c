@@ -379,6 +379,14 @@ int le_model_pool_hold(le_model *m, int thread, int hold) {
 
 static void run_job(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *ctx, int each);
 
+int le_fp_flushes(void) {
+#ifdef LE_FP_FLUSH
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 void le_parallel_for(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *ctx) {
     if (n <= 0) return;
     if (grain < 1) grain = 1;

@@ -369,3 +369,16 @@ def test_hybrid_poll_backs_off_to_sleeps(moe_path):
     assert stats[_native.lib.LE_HY_STAT_SLEEPS] > 0
     assert cpu < 0.5 * (done - t0), f"the poll spun: {cpu * 1e3:.0f} ms of CPU in {(done - t0) * 1e3:.0f} ms"
     assert done - ready_at[0] < 0.1, "answered long after READY"
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="FTZ/DAZ is the x86 builds' mode")
+def test_denormals_flushed_inside_the_core_and_kept_outside(moe_path):
+    """The core runs flushed (le_fp_flushes; `info` says so) and puts the caller's mode back: after a forward pass on
+    several threads, numpy on this thread still produces and reads denormals (gradual underflow)."""
+    assert _native.fp_flushes()
+    tiny = np.float32(1e-38) * np.float32(1e-3)          # 1e-41: a denormal where the mode is IEEE's
+    assert tiny != 0 and tiny * np.float32(1e3) != 0
+    m = Model(moe_path, 3)
+    m.forward(m.new_state(64), [1, 2, 3, 4, 5])
+    again = np.float32(1e-38) * np.float32(1e-3)
+    assert again == tiny and again * np.float32(1e3) != 0

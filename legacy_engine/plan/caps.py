@@ -49,7 +49,7 @@ def kernel_report() -> dict:
             names[_native.type_traits(qtype)["name"]] = qtype
         except UnavailableError:  # ids the engine does not handle
             continue
-    return {"isa": _native.get_isa(), "f32_kernels": _native.f32_isa(),
+    return {"isa": _native.get_isa(), "f32_kernels": _native.f32_isa(), "fp_flushes": _native.fp_flushes(),
             "vec_dot": {n: _native.kernel_isa(q) for n, q in names.items() if n not in ("f32", "f16", "bf16",
                                                                                        "q8_1", "q8_K")},
             # types whose weight blocks are unpacked once for several activation rows (prefill, batched decode)
@@ -139,6 +139,9 @@ def format_machine_report(rep: dict) -> list[str]:
     lines.append("  f32 kernels (GDN step, f32 dot, gemm_nn: the chunked GDN prefill and the vision tower): "
                  f"{k['f32_kernels']}"
                  + (" (the scalar reference: this tier has none of its own)" if k["f32_kernels"] == "ref" else ""))
+    lines.append("  denormal floats: " + ("flushed to zero in the C core's work (FTZ/DAZ; the chunked GDN's decays "
+                                          "would otherwise cost ~100 cycles a multiply)" if k.get("fp_flushes")
+                                          else "kept (IEEE gradual underflow; not an x86 build)"))
     if numa["available"]:
         cpus = "; ".join(f"node {n}: CPUs {_cpu_ranges(c)}" for n, c in numa.get("node_cpus", {}).items())
         lines.append(f"NUMA     {numa['nodes']} node(s) (libnuma)" + (f"; {cpus}" if cpus else ""))

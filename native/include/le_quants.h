@@ -69,6 +69,9 @@ int le_quantize_act(int act_type, const float *src, void *dst, int64_t n);
  * serving them. le_gdn_step: one head, one token; S [dk, dv] f32 updated in place:
  * S <- decay S; delta = beta (v - S^T k); S <- S + k delta^T; o = S^T q. */
 int le_f32_isa(void);
+/* 1 where the C core's work runs with denormal floats flushed to zero (MXCSR FTZ | DAZ, x86 builds; the caller's
+ * own mode is put back after each call), else 0. */
+int le_fp_flushes(void);
 int le_gdn_step(float *S, const float *q, const float *k, const float *v, float decay, float beta, int dk, int dv,
                 float *o);
 int le_dot_f32_k(const float *a, const float *b, int64_t n, float *out);

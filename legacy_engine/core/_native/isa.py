@@ -46,6 +46,11 @@ def kernel_isa(qtype: int) -> str | None:
     return ISA_NAMES[i] if i >= 0 else None
 
 
+def fp_flushes() -> bool:
+    """Whether the C core's work runs with denormals flushed to zero (FTZ/DAZ; x86 builds)."""
+    return bool(lib.le_fp_flushes())
+
+
 def f32_isa() -> str:
     """The tier serving the f32 kernels of the decode step (GDN step, f32 dot)."""
     return ISA_NAMES[lib.le_f32_isa()]
