@@ -1379,8 +1379,8 @@ def test_gdn_split_equals_whole(kernels):
 
 
 def attention_ref(qg, kc, vc, n, pos, n_head, n_kv, hd, scale):
-    """the gated attention core (native/attention.c) in f64 for tokens at pos … pos+n-1 -> (o [n, n_head*hd], bound [n, n_head*hd]) with the
-    bound of the comment at ATTN_EXTRA."""
+    """The gated attention core (native/attention.c) in f64 for tokens at pos … pos+n-1 -> (o [n, n_head*hd],
+    bound [n, n_head*hd]) with the bound of the comment at ATTN_EXTRA."""
     group = n_head // n_kv
     o = np.zeros((n, n_head, hd))
     bound = np.zeros((n, n_head, hd))
