@@ -74,7 +74,8 @@ static inline __m128 le_h2f_x4(__m128i h) {
     const __m128i ex = _mm_and_si128(h, _mm_set1_epi32(0x7c00));
     const __m128i em = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7fff)), 13);
     const __m128i normal = _mm_add_epi32(em, _mm_set1_epi32(112 << 23));
-    const __m128 sub = _mm_sub_ps(_mm_castsi128_ps(_mm_add_epi32(em, _mm_set1_epi32(113 << 23))), _mm_set1_ps(0x1p-14f));
+    const __m128i sub_bits = _mm_add_epi32(em, _mm_set1_epi32(113 << 23));
+    const __m128 sub = _mm_sub_ps(_mm_castsi128_ps(sub_bits), _mm_set1_ps(0x1p-14f));
     const __m128i is_sub = _mm_cmpeq_epi32(ex, _mm_setzero_si128());
     __m128i o = _mm_or_si128(_mm_and_si128(is_sub, _mm_castps_si128(sub)), _mm_andnot_si128(is_sub, normal));
     const __m128i infnan = _mm_cmpeq_epi32(ex, _mm_set1_epi32(0x7c00));

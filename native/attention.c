@@ -52,7 +52,9 @@ static int64_t score_floats(int n_keys) {
     int64_t ld = score_ld(n_keys), most = ATTN_SCORE_FLOATS > ld ? ATTN_SCORE_FLOATS : ld;
     return ATTN_TILE * ld < most ? ATTN_TILE * ld : most;
 }
-static int64_t thread_floats(int n_keys, int hd) { return score_floats(n_keys) + 2 * le_floats64((int64_t)ATTN_TILE * hd); }
+static int64_t thread_floats(int n_keys, int hd) {
+    return score_floats(n_keys) + 2 * le_floats64((int64_t)ATTN_TILE * hd);
+}
 
 /* The last s with v[s] <= t (v ascending). */
 static int last_at_most(const int *v, int n, int t) {
@@ -187,27 +189,24 @@ int le_attention_layer(const le_model *m, le_arena *ar, const le_weight *w, cons
     }
     /* the tasks' shape: a KV head's query heads together where the pairs allow, fewer where tasks would not cover
      * the threads (one decode step); then rows of one sequence up to the pairs */
-    int T = le_pool_threads(m->pool), group = nh / nkv, pairs = tile_pairs(most_keys), hg = group, rows = 1, tiles = 0;
-    for (;; hg--) {
-        if (group % hg || hg > pairs) continue;
-        rows = pairs / hg;
-        tiles = 0;
-        for (int s = 0; s < sq->n_seq; s++) tiles += (sq->row0[s + 1] - sq->row0[s] + rows - 1) / rows;
-        if (hg == 1 || (int64_t)tiles * nkv * (group / hg) >= T) break;
-    }
     size_t core = ar->used;
-    attn_job jb = {m, sq, ai, qg, o, NULL, thread_floats(most_keys, hd), score_floats(most_keys), score_ld(most_keys),
-                   hg, rows, group / hg, NULL};
-    int *tile0 = le_arena_take(ar, sizeof(int) * (size_t)(sq->n_seq + 1));
-    size_t bytes = (size_t)T * (size_t)jb.thread_floats * sizeof(float);
-    if (!tile0 || !(jb.scratch = le_arena_take(ar, bytes))) {
+    int T = le_pool_threads(m->pool), group = nh / nkv, pairs = tile_pairs(most_keys), hg = group, rows = 1;
+    int *tile0 = le_arena_take(ar, sizeof(int) * (size_t)(sq->n_seq + 1)); /* tile0[n_seq]: the tiles */
+    float *scratch = le_arena_take(ar, (size_t)T * (size_t)thread_floats(most_keys, hd) * sizeof(float));
+    if (!tile0 || !scratch) {
         rc = LE_FAIL(LE_ERR_NO_MEMORY, "attention scores of %d keys: beyond the plan", most_keys);
         goto done;
     }
-    tile0[0] = 0;
-    for (int s = 0; s < sq->n_seq; s++) tile0[s + 1] = tile0[s] + (sq->row0[s + 1] - sq->row0[s] + rows - 1) / rows;
-    jb.tile0 = tile0;
-    le_parallel_for(m->pool, (int64_t)tiles * nkv * jb.subs, 1, attn_tasks, &jb);
+    for (;; hg--) {
+        if (group % hg || hg > pairs) continue;
+        rows = pairs / hg;
+        tile0[0] = 0;
+        for (int s = 0; s < sq->n_seq; s++) tile0[s + 1] = tile0[s] + (sq->row0[s + 1] - sq->row0[s] + rows - 1) / rows;
+        if (hg == 1 || (int64_t)tile0[sq->n_seq] * nkv * (group / hg) >= T) break;
+    }
+    attn_job jb = {m, sq, ai, qg, o, scratch, thread_floats(most_keys, hd), score_floats(most_keys),
+                   score_ld(most_keys), hg, rows, group / hg, tile0};
+    le_parallel_for(m->pool, (int64_t)tile0[sq->n_seq] * nkv * jb.subs, 1, attn_tasks, &jb);
     ar->used = core;
     le_prof(m, &tp, LE_PROF_ATTN_CORE);
     rc = le_matmul(m->pool, ar, m->int8, &w[LE_W_O], 0, o, n, nh * hd, out, E);

@@ -59,7 +59,8 @@ static void rows_int8(const le_mm *mm, le_vec_dot_fn vd, const uint8_t *xq, int6
     for (int64_t t0 = 0; t0 < mm->n_tok; t0 += TOK_TILE) {
         int nt = (int)(mm->n_tok - t0 < TOK_TILE ? mm->n_tok - t0 : TOK_TILE);
         for (int64_t r = r0; r < r1; r++)
-            le_vec_dot_rows(vd, vdn, w->ne0, &mm->y[t0 * mm->ldy + r], mm->ldy, base + r * w->nb1, xq + t0 * rb, rb, nt);
+            le_vec_dot_rows(vd, vdn, w->ne0, &mm->y[t0 * mm->ldy + r], mm->ldy, base + r * w->nb1, xq + t0 * rb, rb,
+                            nt);
     }
 }
 

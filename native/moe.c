@@ -133,7 +133,8 @@ static void down_rows(void *ctx, int64_t r0, int64_t r1, int thread) {
             for (int t0 = 0; t0 < j->n; t0 += DOWN_TILE) {
                 int nt = j->n - t0 < DOWN_TILE ? j->n - t0 : DOWN_TILE;
                 float s[DOWN_TILE];
-                if (j->vds) le_vec_dot_rows(j->vds, j->vdns, wds->ne0, s, 1, row, j->aqs + (int64_t)t0 * j->rbs, j->rbs, nt);
+                if (j->vds)
+                    le_vec_dot_rows(j->vds, j->vdns, wds->ne0, s, 1, row, j->aqs + (int64_t)t0 * j->rbs, j->rbs, nt);
                 else
                     for (int t = 0; t < nt; t++) s[t] = dot(rf, j->acts + (int64_t)(t0 + t) * wds->ne0, wds->ne0);
                 for (int t = 0; t < nt; t++) j->out[(size_t)(t0 + t) * j->E + r] += j->sgate[t0 + t] * s[t];
@@ -199,8 +200,8 @@ static size_t routed_plan(const le_model *m, const le_weight *w, int n, int k, i
     if (wds && !cs_int && wds->ne0 > f32_ne0) f32_ne0 = wds->ne0;
     size_t d_q = (c_int ? (size_t)le_act_row_bytes(wd) * (size_t)nk + (size_t)LE_ARENA_ALIGN * (size_t)n_mm : 0) +
                  (cs_int ? (size_t)le_act_row_bytes(wds) * (size_t)n + LE_ARENA_ALIGN : 0);
-    size_t d = n > DOWN_BATCH_TOKENS ? 0 : le_align64(((size_t)nk + (wds ? (size_t)n : 0)) * (size_t)hp->n_embd *
-                                                       sizeof(float)) + le_matmul_scratch(T, (int)n_mm + 1, d_q, f32_ne0);
+    size_t d_rows = le_align64(((size_t)nk + (wds ? (size_t)n : 0)) * (size_t)hp->n_embd * sizeof(float));
+    size_t d = n > DOWN_BATCH_TOKENS ? 0 : d_rows + le_matmul_scratch(T, (int)n_mm + 1, d_q, f32_ne0);
     return routed_own(hp, n, nk) + max2(b, max2(c, d));
 }
 
