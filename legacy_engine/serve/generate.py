@@ -31,7 +31,8 @@ PREFILL_BATCH = 256  # tokens per forward call during prefill: bounds activation
 PREFILL_SHARED = 64  # the server's least forward call (a multiple of the GDN chunk and the cache's page: calls split
                      # where they may); other requests run between calls, so a call's length bounds their wait
 PREFILL_CALL_S = 0.1  # the server's forward call at most this long where the measured prefill rate allows more than
-                      # PREFILL_SHARED tokens: about a short prompt's own time, so one arriving waits <= ~2x it
+                      # PREFILL_SHARED tokens: about a short prompt's own time, the wait a request arriving meanwhile
+                      # adds to it
 ENCODED_IMAGES = 16  # the tower's outputs kept by image digest (Engine._encode)
 
 
