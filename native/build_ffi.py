@@ -40,6 +40,8 @@ def sources():
 
 ffibuilder = FFI()
 ffibuilder.cdef("\n".join(cdef_text(os.path.join(INCLUDE, h)) for h in API_HEADERS))
+# le_model_set_yield's hook, defined in Python (legacy_engine/core/_native/model.py: @ffi.def_extern)
+ffibuilder.cdef('extern "Python" void le_yield_to_python(void *ctx);')
 ffibuilder.set_source(
     "legacy_engine._core",
     "\n".join(f'#include "{h}"' for h in API_HEADERS),

@@ -71,6 +71,11 @@ struct le_model {
     double *prof;                  /* [LE_PROF_COUNT] seconds */
     le_arena scratch;              /* le_moe_routed's (the forward pass uses its state's) */
     le_arena batch;                /* le_forward_seqs': several states, so none of theirs */
+    volatile int32_t *yield_flag;  /* le_model_set_yield: a single-sequence pass calls yield_hook between layers */
+    void (*yield_hook)(void *ctx); /* when *yield_flag != 0; never inside the hook's own passes (in_yield) */
+    void *yield_ctx;
+    int in_yield;
+    int64_t yields;                /* hook calls so far */
 };
 
 /* Profiling marks: t holds the time of the previous mark; the span since goes to `phase`. */

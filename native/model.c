@@ -198,13 +198,39 @@ static int rope_positions(const le_seqs *sq, const int32_t *pos3, int32_t *out) 
     return LE_OK;
 }
 
+int le_model_set_yield(le_model *m, volatile int32_t *flag, void (*hook)(void *ctx), void *ctx) {
+    if (!m) return LE_FAIL(LE_ERR_INVALID_ARG, "NULL model");
+    if (flag && !hook) return LE_FAIL(LE_ERR_INVALID_ARG, "a yield flag without a hook");
+    if (m->in_yield) return LE_FAIL(LE_ERR_INVALID_ARG, "le_model_set_yield from inside the yield hook");
+    m->yield_flag = flag;
+    m->yield_hook = hook;
+    m->yield_ctx = ctx;
+    return LE_OK;
+}
+
+int64_t le_model_yields(const le_model *m) { return m ? m->yields : 0; }
+
+#define NO_YIELD (~0u) /* forward_layers' yield_fp: this pass does not yield (a batched one: its arena is the hook's) */
+
+/* Between two layers: the yield hook, when its flag is up, with the caller's float mode (the hook runs Python). */
+static void maybe_yield(le_model *m, unsigned yield_fp) {
+    if (yield_fp == NO_YIELD || !m->yield_flag || !*m->yield_flag || m->in_yield) return;
+    unsigned inside = le_fp_enter();
+    le_fp_leave(yield_fp);
+    m->in_yield = 1;
+    m->yields++;
+    m->yield_hook(m->yield_ctx);
+    m->in_yield = 0;
+    le_fp_leave(inside);
+}
+
 /* One pass of n rows over n_seq sequences (checked by the caller): sequence s's n_tok[s] tokens are the next rows of
  * tokens, run in states[s] (pos3, embd: one sequence only), in scratch ar reserved by le_forward_plan(n, its
  * largest n_ctx). Every op but the mixers is per row; the mixers run each sequence in its own state. logits: NULL,
  * or [n_out, n_vocab]: every row's (all_logits, one sequence) or each sequence's last row's. */
 static int forward_layers(le_model *m, le_arena *ar, le_state *const *states, int n_seq, const int32_t *n_tok, int n,
                           const int32_t *tokens, const float *embd, const int32_t *pos3, float *logits,
-                          int all_logits, int chunked) {
+                          int all_logits, int chunked, unsigned yield_fp) {
     const le_hparams *hp = &m->hp;
     int E = hp->n_embd, rc;
     float *buf = le_arena_take(ar, 3 * (size_t)n * E * sizeof(float));
@@ -237,6 +263,10 @@ static int forward_layers(le_model *m, le_arena *ar, le_state *const *states, in
         if ((rc = le_ffn_layer(m, ar, w, h, n, y))) break;
         tp = le_prof_start(m);
         for (size_t i = 0; i < (size_t)n * E; i++) x[i] += y[i];
+        if (l + 1 < hp->n_layer) {
+            maybe_yield(m, yield_fp);
+            tp = le_prof_start(m);
+        }
     }
     if (rc) return rc;
     for (int s = 0; s < sq->n_seq; s++) sq->st[s]->pos += row0[s + 1] - row0[s];
@@ -260,12 +290,14 @@ static int forward_layers(le_model *m, le_arena *ar, le_state *const *states, in
     return rc;
 }
 
-/* forward_layers with denormals flushed on the calling thread too (le_threads.h), its mode put back after */
+/* forward_layers with denormals flushed on the calling thread too (le_threads.h), its mode put back after;
+ * may_yield: a single-sequence pass in its state's scratch (le_model_set_yield) */
 static int forward_pass(le_model *m, le_arena *ar, le_state *const *states, int n_seq, const int32_t *n_tok, int n,
                         const int32_t *tokens, const float *embd, const int32_t *pos3, float *logits, int all_logits,
-                        int chunked) {
+                        int chunked, int may_yield) {
     unsigned fp = le_fp_enter();
-    int rc = forward_layers(m, ar, states, n_seq, n_tok, n, tokens, embd, pos3, logits, all_logits, chunked);
+    int rc = forward_layers(m, ar, states, n_seq, n_tok, n, tokens, embd, pos3, logits, all_logits, chunked,
+                            may_yield ? fp : NO_YIELD);
     le_fp_leave(fp);
     return rc;
 }
@@ -288,7 +320,7 @@ int le_forward_embd(le_model *m, le_state *s, const int32_t *tokens, const float
     if (rc) return rc;
     ar->used = 0;
     int32_t n_tok = n;
-    rc = forward_pass(m, ar, &s, 1, &n_tok, n, tokens, embd, pos3, logits, all_logits, chunked);
+    rc = forward_pass(m, ar, &s, 1, &n_tok, n, tokens, embd, pos3, logits, all_logits, chunked, 1);
     ar->used = 0;
     return rc;
 }
@@ -328,7 +360,7 @@ int le_forward_seqs(le_model *m, le_state *const *states, int n_seq, const int32
     int rc = le_arena_reserve(ar, le_forward_plan(m, n, n_ctx), "the batched forward pass");
     if (rc) return rc;
     ar->used = 0;
-    rc = forward_pass(m, ar, states, n_seq, n_tok, n, tokens, NULL, NULL, logits, 0, chunked);
+    rc = forward_pass(m, ar, states, n_seq, n_tok, n, tokens, NULL, NULL, logits, 0, chunked, 0);
     ar->used = 0;
     return rc;
 }

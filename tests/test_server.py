@@ -1288,3 +1288,47 @@ def test_short_request_starts_inside_a_long_prompt(server, client):
     ended = [seq for seq, *_ in server.worker.log if seq >= floor]     # in the order the jobs ended
     assert sorted(ended) == [floor, floor + 1] and done.keys() == {"long", "short"}
     assert ended == ([floor + 1, floor] if server.worker.parallel > 1 else [floor, floor + 1]), ended
+
+
+def test_short_request_starts_between_the_layers_of_a_long_call(ref):
+    """On the CPU engine a job submitted while a prompt's forward call runs starts between two layers of that call (the
+    engine's yield hook: Worker._between_layers), not after it: the long prompt here is one call, the short job is
+    submitted just before it, and the short prompt's prefill ends first. Each answer is the one it gets alone."""
+    import asyncio
+
+    long_ids = random.Random(5).choices(range(1000, 5000), k=300)
+    short_ids = ref.tokenizer.encode("short")
+    want = [ref.session().generate(ids, max_tokens=3) for ids in (long_ids, short_ids)]
+    ended = []
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        jobs = [Job(Plan(ids=ids, max_tokens=3, params=SamplingParams(), stop=[], stream=False, include_usage=False),
+                    loop) for ids in (long_ids, short_ids)]
+
+        def seam(session, ids, cancel=None, step=None, **kw):
+            def one_call() -> int:      # asked after cancel(), right before the call: the short job arrives now
+                w.submit(jobs[1])
+                return len(ids)
+            session.reset()
+            out = session.prefill(ids, cancel=cancel, step=one_call if ids == long_ids else step, **kw)
+            ended.append(len(ids))
+            return out
+        w = Worker(ref, prefill=seam, parallel=2)
+        w.start()
+        try:
+            w.submit(jobs[0])
+            texts = []
+            for job in jobs:
+                events = []
+                while not events or events[-1][0] not in ("done", "error"):
+                    events.append(await asyncio.wait_for(job.events.get(), TIMEOUT))
+                texts.append("".join(p for k, p in events if k == "text"))
+            return texts
+        finally:
+            w.close()
+    assert ref.model is ref.cpu_model    # the CPU engine: its calls yield
+    y0 = ref.cpu_model.native.yields
+    texts = asyncio.run(run())
+    assert ended == [len(short_ids), len(long_ids)] and ref.cpu_model.native.yields > y0
+    assert texts == [w.text for w in want]

@@ -136,6 +136,12 @@ class Model:
             check_logits(out, state.pos - out.shape[0])
         return out
 
+    def set_yield(self, hook):
+        """hook() runs between two layers of a forward() call once the returned object's wake() was called (from any
+        thread): a server starts a new request's prompt inside a long prompt's call (le_model_set_yield says what
+        the hook may run). None: off. An exception of the hook is raised by that forward() after its pass."""
+        return self.native.set_yield(hook)
+
     def forward_batch(self, states: list[_native.NativeState], token_lists, chunked: bool = True) -> np.ndarray:
         """One pass advancing several sequences: states[s] (distinct) runs token_lists[s] (int[n_s], n_s >= 1) at
         positions states[s].pos.. -> logits float32[n_seq, n_vocab], row s the last token's of sequence s. Each

@@ -14,10 +14,12 @@ handler checks Host and Origin (ORIGIN_POLICY) and the key, reads the body (boun
 then hands it to a thread: JSON parsing, validation, the chat template (rendered in a child process that is
 stopped when it runs too long: chat.TemplateRenderer) and tokenization (without the GIL) never run on the loop,
 so /health and every stream keep flowing. A bad request is answered 4xx; good ones enter one FIFO queue in the
-order their plans are ready. One worker thread owns the model and one Session: it takes jobs in order, prefills
-through a seam, `prefill(session, ids, cancel) -> logits of the last token` (a fresh prefill, or
+order their plans are ready. One worker thread owns the model and a Session per slot (--parallel): it takes jobs
+in order, prefills through a seam, `prefill(session, ids, cancel) -> logits of the last token` (a fresh prefill, or
 PrefixCache.prefill, which restores the longest prefix any earlier request left in the shared cache), samples,
-and sends text pieces back to the loop. A job whose client is gone is cancelled between prefill chunks or before
+decodes the running jobs together (one step, one token each) and sends text pieces back to the loop. A job that
+arrives while a prompt runs starts inside it (worker.py): between its forward calls, and on the CPU engine between
+two layers of the current call. A job whose client is gone is cancelled between prefill chunks or before
 its next token; a job still queued is skipped. On SIGTERM (or SIGINT) the running job ends with an error (a
 stream: an error event, then [DONE]) and queued ones get 503.
 

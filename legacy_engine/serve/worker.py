@@ -113,7 +113,9 @@ class Worker:
     all of them where it can). A new job's prompt is run by prefill(session, ids, cancel) -> float32[n_vocab], the
     seam through which prompts run: by default a fresh prefill, with `cache` the PrefixCache's (shared by every
     slot). Between the prompt's chunks (each cancel() call) the running jobs take one decode step, so a long prompt
-    does not stall them; cancel() raises Cancelled when that job was cancelled. make_sampler(params) -> an object
+    does not stall them, and waiting jobs start (their prompts run inside it); where the engine has a yield hook (the
+    CPU engine: Model.set_yield) a job submitted during a call starts between two of its layers (_between_layers).
+    cancel() raises Cancelled when that job was cancelled. make_sampler(params) -> an object
     with sample(logits, history) -> id: a seam for tests that need scripted output. max_queue bounds the jobs
     waiting (not counting the running ones)."""
 
@@ -140,6 +142,8 @@ class Worker:
         self._lock = threading.Lock()
         self._seq = 0
         self._stopping = False
+        self._yield = None          # the engine's yield hook (set while the thread runs, where the engine has one)
+        self._yield_ok = False      # the thread is inside a top-level prompt's forward call: the hook may admit
         self._thread = threading.Thread(target=self._run, name="legacy-engine-worker", daemon=True)
 
     # ---- the HTTP side's interface
@@ -177,6 +181,8 @@ class Worker:
                                "server_error", code="queue_full")
             job.seq, self._seq = self._seq, self._seq + 1
             self._queue.put(job)
+            if self._yield is not None:
+                self._yield.wake()
 
     def stop(self) -> None:
         """Refuses new jobs, cancels the running ones and every queued one: each gets a 503 shutting_down (a stream:
@@ -202,6 +208,16 @@ class Worker:
         return jobs + [job for job, _ in self.admitting]
 
     def _run(self) -> None:
+        set_yield = getattr(self.engine.model, "set_yield", None)   # the CPU engine's calls can yield between layers
+        self._yield = set_yield(self._between_layers) if set_yield is not None else None
+        try:
+            self._loop()
+        finally:
+            if set_yield is not None:
+                set_yield(None)
+            self._yield = None
+
+    def _loop(self) -> None:
         ended = False
         while not ended or self.slots:
             if not ended and len(self.slots) < self.parallel:
@@ -234,6 +250,19 @@ class Worker:
                 self._queue.put(None)
                 return
             self._admit(job, session, nested=True)
+
+    def _between_layers(self) -> None:
+        """The engine's yield hook, woken by submit(): between two layers of a top-level prompt's forward call, the
+        waiting jobs start (_admit_waiting), so a short request waits for one layer of a long prompt's call, not the
+        whole call. Anywhere else (a decode step, a nested prompt, between calls) it does nothing: the job waits for
+        the next call boundary or the loop."""
+        if not self._yield_ok:
+            return
+        self._yield_ok = False
+        try:
+            self._admit_waiting()
+        finally:
+            self._yield_ok = True
 
     def _prefill_step(self) -> int:
         """A prompt's next forward call: the multiple of PREFILL_SHARED tokens that the prompts served so far say
@@ -269,14 +298,18 @@ class Worker:
             job.cancel(_shutting_down())
 
         def between_chunks() -> bool:
+            self._yield_ok = False      # the decode steps' passes are not this prompt's
             if self.slots:
                 self._step()
             if not nested:
                 self._admit_waiting()
+                self._yield_ok = True
             return job.cancelled
         try:
             kw = {"images": self.engine.encode_images(plan.spans, plan.images)} if plan.images else {}
+            self._yield_ok = not nested
             logits = self.prefill(session, plan.ids, cancel=between_chunks, step=self._prefill_step, **kw)
+            self._yield_ok = False
             sampler = self.make_sampler(plan.params)
             if plan.grammar is not None:   # response_format: the document after the reasoning, if any
                 sampler = ConstrainedSampler(sampler, self.engine.tokenizer, self.engine.model.hparams.n_vocab,
@@ -299,6 +332,8 @@ class Worker:
             self._fail(job, e)
             return
         finally:
+            if not nested:
+                self._yield_ok = False
             self.admitting.remove((job, session))
             c.prefill_tokens += t.prefill_tokens - p0
             c.prefill_s += t.prefill_s - ps0

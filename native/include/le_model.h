@@ -168,6 +168,15 @@ int le_forward_seqs(le_model *m, le_state *const *states, int n_seq, const int32
 /* How many times le_forward_seqs' scratch was allocated. */
 int64_t le_model_batch_growths(const le_model *m);
 
+/* A single-sequence pass (le_forward, le_forward_embd) that finds *flag != 0 after a layer calls hook(ctx) there, on
+ * its own thread with the caller's float mode, then runs its next layer: a server's new request starts inside a long
+ * prompt's call instead of after it. The hook may run passes of other states and le_forward_seqs of states other than
+ * this one (their scratch is not this pass's); within the hook no pass calls it again. It must not touch the pausing
+ * pass's state, and it resets *flag itself. flag = NULL turns it off. The flag may be set from any thread. */
+int le_model_set_yield(le_model *m, volatile int32_t *flag, void (*hook)(void *ctx), void *ctx);
+/* Hook calls so far. */
+int64_t le_model_yields(const le_model *m);
+
 /* The routed experts of one token for experts chosen elsewhere (the hybrid decode: the GPU routes and
  * runs the pinned experts, the CPU the rest): out[E] = sum over j with ids[j] >= 0 of
  * wts[j] * down_e(SiLU(gate_e x) * up_e x), e = ids[j], on the model's threads with its int8 setting.

@@ -20,6 +20,31 @@ def fault_bits(faults: dict) -> int:
             | (lib.LE_FAULT_NO_TOPK_RENORM if faults.get("no_topk_renorm") else 0))
 
 
+class _Yield:
+    """What le_model_set_yield's context handle points at: the hook, its flag, the errors it raised."""
+
+    def __init__(self, hook):
+        self.hook = hook
+        self.flag = ffi.new("int32_t *")
+        self.errors: list[BaseException] = []
+
+    def wake(self) -> None:
+        """Any thread: the running single-sequence pass calls the hook after its current layer."""
+        self.flag[0] = 1
+
+
+@ffi.def_extern()
+def le_yield_to_python(ctx):
+    """The C core's yield hook (between two layers of a pass, on the pass's thread): a hook that raises has its
+    exception kept and raised by forward() once the pass is over (it cannot cross the C frames)."""
+    y = ffi.from_handle(ctx)
+    y.flag[0] = 0
+    try:
+        y.hook()
+    except BaseException as e:  # noqa: BLE001 - kept, raised after the pass
+        y.errors.append(e)
+
+
 # le_model_profile's phases, in the C core's order (native/le_ops.h LE_PROF_*)
 PROFILE_PHASES = ("embed_norm", "gdn_proj", "gdn_core", "gdn_out", "attn_proj", "attn_core", "attn_out",
                   "moe_router", "ffn_gate_up", "ffn_act", "ffn_down", "ffn_combine", "lm_head")
@@ -36,6 +61,7 @@ class NativeModel:
         check(lib.le_model_create(c, n_threads, p), "le_model_create")
         self.ptr = ffi.gc(p[0], lib.le_model_free)
         self.keep = []
+        self._yield = self._yield_handle = None
         self.n_layer = len(recurrent)
         self.n_embd = int(hp["n_embd"])
 
@@ -74,6 +100,25 @@ class NativeModel:
                                 ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("float[]", wts),
                                 ffi.from_buffer("float[]", out)), "le_moe_routed")
         return out
+
+    def set_yield(self, hook) -> _Yield | None:
+        """hook(): called between the layers of a single-sequence pass (forward()) once wake() was called on the
+        returned object, from any thread (le_model_set_yield: the hook may run passes of other states, never of the
+        pausing one). None turns it off."""
+        if hook is None:
+            check(lib.le_model_set_yield(self.ptr, ffi.NULL, ffi.NULL, ffi.NULL), "le_model_set_yield")
+            self._yield = self._yield_handle = None
+            return None
+        y = _Yield(hook)
+        handle = ffi.new_handle(y)
+        check(lib.le_model_set_yield(self.ptr, y.flag, lib.le_yield_to_python, handle), "le_model_set_yield")
+        self._yield, self._yield_handle = y, handle   # both alive as long as the C model points at them
+        return y
+
+    @property
+    def yields(self) -> int:
+        """Calls of the yield hook so far."""
+        return lib.le_model_yields(self.ptr)
 
     @property
     def scratch_growths(self) -> int:
@@ -197,6 +242,25 @@ class NativeState:
     def rope_delta(self, delta: int) -> None:
         check(lib.le_state_set_rope_delta(self.ptr, c_int(delta, "rope_delta")), "le_state_set_rope_delta")
 
+    def set_yield(self, hook) -> _Yield | None:
+        """hook(): called between the layers of a single-sequence pass (forward()) once wake() was called on the
+        returned object, from any thread (le_model_set_yield: the hook may run passes of other states, never of the
+        pausing one). None turns it off."""
+        if hook is None:
+            check(lib.le_model_set_yield(self.ptr, ffi.NULL, ffi.NULL, ffi.NULL), "le_model_set_yield")
+            self._yield = self._yield_handle = None
+            return None
+        y = _Yield(hook)
+        handle = ffi.new_handle(y)
+        check(lib.le_model_set_yield(self.ptr, y.flag, lib.le_yield_to_python, handle), "le_model_set_yield")
+        self._yield, self._yield_handle = y, handle   # both alive as long as the C model points at them
+        return y
+
+    @property
+    def yields(self) -> int:
+        """Calls of the yield hook so far."""
+        return lib.le_model_yields(self.ptr)
+
     @property
     def scratch_growths(self) -> int:
         """Times the forward pass's scratch (the state's) was allocated: a longer pass than before grows it, a
@@ -296,6 +360,8 @@ def forward(model: NativeModel, state: NativeState, tokens, n_vocab: int, all_lo
     check(lib.le_forward_embd(model.ptr, state.ptr, ffi.from_buffer("int32_t[]", toks), e, p, n, lp,
                               int(all_logits), int(chunked)),
           "le_forward")
+    if model._yield is not None and model._yield.errors:   # the pass completed; its yield hook did not
+        raise model._yield.errors.pop(0)
     return out
 
 
