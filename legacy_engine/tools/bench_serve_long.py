@@ -20,6 +20,8 @@ from .llama_server import find_llama_server
 LONG_HEAD_START_S = 1.0   # the long request is admitted and prefilling before the probes start
 PROBE = dict(words=32, max_tokens=4)
 PROBE_GAP_S = 0.5         # each loaded probe waits uniform [0, this) first: longer than our forward calls (~0.2 s)
+WARM_PROBES = 4           # probe-sized requests run and dropped before the idle ones: a server's first requests run
+                          # slower (measured 822, 497, 367, 325, 304 ms in a row on the 2-core box), idle is its steady state
 
 
 def bench_long_prompt(cfg: LoadConfig, long_len: int, probes: int, log=print) -> dict:
@@ -39,6 +41,8 @@ def bench_long_prompt(cfg: LoadConfig, long_len: int, probes: int, log=print) ->
     long_req = Request(-1, text(long_len), long_len, 4, False, cfg.seed)
     idle_reqs = [Request(i, text(PROBE["words"]), PROBE["words"], PROBE["max_tokens"], False, i) for i in range(probes)]
     busy_reqs = [Request(i, text(PROBE["words"]), PROBE["words"], PROBE["max_tokens"], False, i) for i in range(probes)]
+    warm_reqs = [Request(-2 - i, text(PROBE["words"]), PROBE["words"], PROBE["max_tokens"], False, i)
+                 for i in range(WARM_PROBES)]
     gaps = [rng.uniform(0.0, PROBE_GAP_S) for _ in range(probes)]    # the same pauses for every engine
     api_key = secrets.token_hex(16)
     engines = [("ours", lambda port: our_command(cfg, port, api_key))]
@@ -57,6 +61,7 @@ def bench_long_prompt(cfg: LoadConfig, long_len: int, probes: int, log=print) ->
             log(f"bench serve --long-prompt: {name}: starting {' '.join(redacted(cmd))}")
             with ServerProcess(name, cmd, port, logs) as srv:
                 _warm_up(port, api_key, words)
+                warm = [run_request(port, r, api_key) for r in warm_reqs]
                 idle = [run_request(port, r, api_key) for r in idle_reqs]
                 box: dict = {}
                 t0 = time.perf_counter()
@@ -79,7 +84,7 @@ def bench_long_prompt(cfg: LoadConfig, long_len: int, probes: int, log=print) ->
             run = dict(engine=name, command=redacted(cmd), server_exit=code, idle_ttft_ms=_pcts(idle_t),
                        during_ttft_ms=_pcts(during), n_during=len(during), long_ttft_s=long_ttft,
                        long_error=long_rec.get("error"), errors=sum(1 for r in idle + busy if r["error"]),
-                       records=dict(idle=idle, busy=busy, long=long_rec))
+                       records=dict(warm=warm, idle=idle, busy=busy, long=long_rec))
             run["ratio_p95_during_p50_idle"] = _q(run["during_ttft_ms"]["p95"], run["idle_ttft_ms"]["p50"])
             log(f"bench serve --long-prompt: {name}: idle TTFT p50 {_f(run['idle_ttft_ms']['p50'], '.0f')} ms, "
                 f"during p95 {_f(run['during_ttft_ms']['p95'], '.0f')} ms ({len(during)} probes), long TTFT "
