@@ -4,7 +4,8 @@ decode step, op for op as native/model.c:
   x = token_embd[tokens]                         get_rows
   per layer:  h = RMSNorm(x) * attn_norm         rmsnorm
               GDN:  qkv, z, beta, alpha = W h    matmuls; conv1d_silu; gdn_l2norm_qk; gdn_gates;
-                                                 gdn_recurrent (state in VRAM); gdn_gated_rmsnorm; W_out
+                                                 gdn_chunked (several tokens; gdn_recurrent for one, or
+                                                 chunked=False); gdn_gated_rmsnorm; W_out
               attention: q|gate, k, v = W h      matmuls (k, v straight into the KV cache rows);
                                                  qk_norm_rope; attention_decode / _prefill; W_o
               x += y;  h = RMSNorm(x) * post_norm
@@ -33,6 +34,7 @@ import numpy as np
 from .. import gpu
 from ..core import _native
 from .hybrid import HYBRID_WAIT_CYCLES, LOOKAHEAD_PRED
+from .layout import gdn_chunk_work
 from .residency import _W
 from .state import GpuState
 
@@ -143,7 +145,8 @@ class ForwardOps:
         self.k.quantize_q8_1(x, xq, n_el)
         return xq
 
-    def _gdn(self, L: dict, h: int, hq, n: int, st: "GpuState", si: int, y: int) -> None:
+    def _gdn(self, L: dict, h: int, hq, n: int, st: "GpuState", si: int, y: int, chunked: bool = True) -> None:
+        """chunked: a pass of several tokens runs the chunked form (cuda8/gdn_chunked.cu), else token by token."""
         hp, k = self.hparams, self.k
         self.scratch.arena_open("gdn")
         Hk, Hv, dk = hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state
@@ -159,10 +162,15 @@ class ForwardOps:
         self._mm2(L["ssm_beta"], L["ssm_alpha"], h, beta, g, n, hq)
         k.conv1d_silu(qkv, L["ssm_conv1d"], st.conv_ptr(si), u, n, conv_dim, hp.ssm_conv_kernel)
         k.gdn_l2norm_qk(u, n, conv_dim, Hk, dk)
+        tiled = not self._faults.get("gdn_grouped")
         if n > 1:          # a long recurrence: the gates in a launch of their own (on its serial path they cost more)
             k.gdn_gates(beta, g, L["ssm_dt"], L["ssm_a"], n, Hv)
-        k.gdn_recurrent(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, tiled=not self._faults.get("gdn_grouped"),
-                        dt_bias=L["ssm_dt"] if n == 1 else None, ssm_a=L["ssm_a"] if n == 1 else None)
+        if n > 1 and chunked:
+            work = tuple(self.scratch.buf(name, nbytes).ptr for name, nbytes in gdn_chunk_work(hp, n).items())
+            k.gdn_chunked(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, work, tiled=tiled)
+        else:
+            k.gdn_recurrent(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, tiled=tiled,
+                            dt_bias=L["ssm_dt"] if n == 1 else None, ssm_a=L["ssm_a"] if n == 1 else None)
         # a decode step's norm also writes o's Q8_1 where the out projection runs int8 (no quantize launch of its
         # own; in a 2048-token pass the fused form took 5 ms more than quantize_q8_1's launch, H200)
         oq = self.scratch.buf("oq", hp.ssm_d_inner // 32 * gpu.Q8_1_BYTES).ptr if n == 1 and self._int8_for(L["ssm_out"], n) \

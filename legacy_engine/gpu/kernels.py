@@ -9,7 +9,7 @@ import numpy as np
 
 from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_MAX_HD, ATTN_MAX_SPLIT, ATTN_MIN_KEYS_PER_SPLIT,
                      ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_THREADS, ATTN_WARPS, CONV_MAX_K, CONV_THREADS,
-                     CONV_TOKENS, EW_THREADS, GDN_COLS, GDN_EW_THREADS, GDN_MAX_DK, GDN_NORM_THREADS, GDN_THREADS,
+                     CONV_TOKENS, EW_THREADS, GDNC_C, GDNC_COLS, GDNC_MAX_DK, GDNC_THREADS, GDN_COLS, GDN_EW_THREADS, GDN_MAX_DK, GDN_NORM_THREADS, GDN_THREADS,
                      GEMM_TT, GET_ROWS_THREADS, HYBRID_FETCH_BLOCKS, HYBRID_PRED_E, HYBRID_THREADS, HY_EARLY_MAX,
                      HY_PRED_MAX, MAX_GRID, MAX_PAIRS, MOE_COMBINE_THREADS, MOE_MAX_K, MOE_SORT_MAX_E,
                      MOE_SORT_MAX_TILE, MOE_SORT_THREADS, MOE_THREADS, MOE_WSUM_MIN, Q8_1_BYTES, Q8_THREADS,
@@ -167,6 +167,33 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
             [("ptr", _ptr(u)), ("ptr", _ptr(g)), ("ptr", _ptr(beta)), ("ptr", _ptr(S)), ("ptr", _ptr(o)),
              ("i32", n), ("i32", conv_dim), ("i32", Hk), ("i32", Hv), ("i32", dk), ("i32", dv),
              ("i32", int(bool(tiled))), ("ptr", _ptr(dt_bias)), ("ptr", _ptr(ssm_a))], stream=stream)
+
+    def gdn_chunked(self, u, g, beta, S, o, n: int, Hk: int, Hv: int, dk: int, dv: int, work: tuple,
+                    tiled: bool = True, stream: Stream | None = None) -> None:
+        """gdn_recurrent's rule over n tokens in chunks of GDNC_C (cuda8/gdn_chunked.cu; chunks counted from the first
+        token), g and beta already gated. work: (W [n, Hv, dk], U [n, Hv, dv], P [chunks, Hv, C, C], G [n, Hv]) f32
+        buffers (gdn_chunk_work_bytes)."""
+        if not 0 < dk <= GDNC_MAX_DK:
+            raise ValueError(f"gdn_chunked: dk = {dk} outside 1…{GDNC_MAX_DK}")
+        if Hk <= 0 or Hv % Hk or dv <= 0 or n <= 0:
+            raise ValueError(f"gdn_chunked: Hv = {Hv} is not a multiple of Hk = {Hk} (or dv = {dv}, n = {n})")
+        conv_dim = 2 * Hk * dk + Hv * dv
+        W, U, P, G = work
+        for buf, nbytes, what in ((u, 4 * n * conv_dim, "u"), (g, 4 * n * Hv, "g"), (beta, 4 * n * Hv, "beta"),
+                                  (S, 4 * Hv * dk * dv, "S"), (o, 4 * n * Hv * dv, "o"), (W, 4 * n * Hv * dk, "W"),
+                                  (U, 4 * n * Hv * dv, "U"), (P, 4 * -(-n // GDNC_C) * Hv * GDNC_C ** 2, "P"),
+                                  (G, 4 * n * Hv, "G")):
+            _need(buf, nbytes, f"gdn_chunked {what}")
+        mod, shape = self.modules["gdn_chunked"], [("i32", n), ("i32", conv_dim), ("i32", Hk), ("i32", Hv),
+                                                    ("i32", dk), ("i32", dv), ("i32", int(bool(tiled)))]
+        mod.kernel("gdn_chunk_prep_f32").launch(
+            (-(-n // GDNC_C), Hv, 1), (GDNC_THREADS, 1, 1),
+            [("ptr", _ptr(u)), ("ptr", _ptr(g)), ("ptr", _ptr(beta)), ("ptr", _ptr(W)), ("ptr", _ptr(U)),
+             ("ptr", _ptr(P)), ("ptr", _ptr(G))] + shape, stream=stream)
+        mod.kernel("gdn_chunk_scan_f32").launch(
+            (Hv, -(-dv // GDNC_COLS), 1), (GDNC_THREADS, 1, 1),
+            [("ptr", _ptr(u)), ("ptr", _ptr(W)), ("ptr", _ptr(U)), ("ptr", _ptr(P)), ("ptr", _ptr(G)),
+             ("ptr", _ptr(S)), ("ptr", _ptr(o))] + shape, stream=stream)
 
     def gdn_gated_rmsnorm(self, o, z, w, y, nrows: int, dv: int, eps: float, yq=None,
                           stream: Stream | None = None) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..core.errors import PlanningError
 from ..format.schema import weights
-from .launch import ATTN_MAX_SPLIT, F32, GPU_TYPES, Q8_1_BYTES
+from .launch import ATTN_MAX_SPLIT, F32, GDNC_C, GPU_TYPES, Q8_1_BYTES
 
 
 GiB = 2**30
@@ -135,6 +135,14 @@ def head_rows(chunk: int, stream: bool) -> int:
 ARENA_ALIGN = 256        # each buffer of the prefill's block arena starts at a multiple of it (scratch.Scratch)
 
 
+def gdn_chunk_work(hp, n: int) -> dict:
+    """The chunked GDN's buffers for n tokens (Kernels.gdn_chunked's work, in that order): W [n, Hv, dk], U [n, Hv, dv],
+    P [chunks, Hv, C, C], G [n, Hv], f32."""
+    Hv, C = hp.ssm_dt_rank, GDNC_C
+    return {"cw": 4 * n * Hv * hp.ssm_d_state, "cu": 4 * n * hp.ssm_d_inner, "cp": 4 * -(-n // C) * Hv * C * C,
+            "cg": 4 * n * Hv}
+
+
 def block_scratch(hp, n: int, int8: bool) -> dict:
     """The scratch buffers of each block of a layer in a pass of n tokens, {block: {buf name: bytes}} (the forward
     ops' names; "ed" and "xg" are one buffer: the pairs' rows, unsorted or sorted). A block reads h and writes y, so
@@ -148,6 +156,8 @@ def block_scratch(hp, n: int, int8: bool) -> dict:
                          "o": 4 * n * hp.ssm_d_inner, "beta": 4 * n * hp.ssm_dt_rank, "g": 4 * n * hp.ssm_dt_rank}
         if int8 and n == 1:      # o's Q8_1 (a decode step's gated norm writes it for the out projection)
             blocks["gdn"]["oq"] = hp.ssm_d_inner // 32 * Q8_1_BYTES
+        if n > 1:                # the chunked form's W, U, P and G (cuda8/gdn_chunked.cu)
+            blocks["gdn"] |= gdn_chunk_work(hp, n)
     if not all(hp.recurrent):
         hd, nh = hp.head_dim, hp.n_head
         blocks["attention"] = {"qg": 4 * n * nh * 2 * hd, "ao": 4 * n * nh * hd}
@@ -171,6 +181,7 @@ def block_scratch(hp, n: int, int8: bool) -> dict:
 
 
 ARENA_NAMES = {"qkv": "gdn", "u": "gdn", "z": "gdn", "o": "gdn", "beta": "gdn", "g": "gdn", "oq": "gdn",
+               "cw": "gdn", "cu": "gdn", "cp": "gdn", "cg": "gdn",
                "qg": "attention", "ao": "attention", "router": "moe", "ids": "moe", "wts": "moe", "eg": "moe",
                "eu": "moe", "xg": "moe", "ed": "moe", "pair_meta": "moe", "xq_tok": "moe", "xq_down": "moe",
                "sg": "moe", "su": "moe", "sh": "moe", "shg": "moe", "ffg": "ffn", "ffu": "ffn"}

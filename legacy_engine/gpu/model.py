@@ -21,7 +21,7 @@ attention), so the next steps only upload 8 bytes, replay, and download the logi
 graphs (and the tier is not fermi) the plan is captured once as a graph: a token is then one cuGraphLaunch.
 Between requests the planner may re-choose the pinned experts from the routing counted since (plan.planner.repin,
 through the serve layer): `apply` takes the new Placement.
-Not here yet: chunked GDN prefill (the recurrence runs token by token)."""
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -219,7 +219,8 @@ class GpuModel(ForwardOps):
                 want_logits: bool = True, embd: np.ndarray | None = None,
                 positions: np.ndarray | None = None) -> np.ndarray | None:
         """tokens: int[n] at positions state.pos.. -> logits float32[n or 1, n_vocab] (as Model.forward;
-        `chunked` is accepted for the interface: the GPU runs the GDN recurrence token by token).
+        chunked: passes of several tokens run the GDN in its chunked form (cuda8/gdn_chunked.cu, chunks of 64 counted
+        from each pass's first token, as the CPU's), False token by token (gdn_recurrent)).
         embd, positions (images): rows [n, n_embd] for the tokens marked -1, M-RoPE positions [n, 3]."""
         ids, embd, positions = self._check_pass(state, tokens, embd, positions)
         if ids.size == 1 and self.plan and positions is None and embd is None:
@@ -238,7 +239,7 @@ class GpuModel(ForwardOps):
                     outs.append(out)
                 continue
             out = self._forward_chunk(state, part, all_logits if want_logits else False,
-                                      want_logits and (all_logits or last), rows=rows)
+                                      want_logits and (all_logits or last), rows=rows, chunked=chunked)
             if out is not None:
                 outs.append(out)
         if not want_logits:
@@ -421,7 +422,7 @@ class GpuModel(ForwardOps):
         return out if want else None
 
     def _forward_chunk(self, st: "GpuState", ids: np.ndarray | None, all_logits: bool, want: bool,
-                       planned: bool = False, rows: tuple | None = None) -> np.ndarray | None:
+                       planned: bool = False, rows: tuple | None = None, chunked: bool = True) -> np.ndarray | None:
         """ids [n] from the host; planned: one token whose id and position are already in st.io (the decode
         plan's form: no argument depends on them); rows: (embd [n, E] or None, positions [n, 3]) of an image
         pass."""
@@ -456,7 +457,7 @@ class GpuModel(ForwardOps):
         for i, L in enumerate(self.layers):
             si = st.index[i]
             if hp.recurrent[i]:
-                self._gdn(L, h, hq, n, st, si, y)
+                self._gdn(L, h, hq, n, st, si, y, chunked)
                 self._mark("gdn")
             elif planned:
                 self._attention_planned(L, h, hq, st, si, y)
