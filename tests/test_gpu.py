@@ -133,6 +133,7 @@ def _entries(ptx: bytes) -> set[bytes]:
 ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1"},
            "conv1d": {"conv1d_silu_f32", "conv1d_state_f32"},
            "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
+           "gdn_chunked": {"gdn_chunk_prep_f32", "gdn_chunk_scan_f32"},
            "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32", "attn_kv_store_f32"},
            "moe_route": {"moe_route_f32"}, "moe_sort": {"moe_sort"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
            "elementwise": {"swiglu_f32", "add_f32", "add_scaled_f32"}, "rope": {"qk_norm_rope_f32"},

@@ -34,6 +34,7 @@ import numpy as np
 from .. import gpu
 from ..core import _native
 from .hybrid import HYBRID_WAIT_CYCLES, LOOKAHEAD_PRED
+from .kernels import GDN_CHUNKED_TIERS
 from .layout import gdn_chunk_work
 from .residency import _W
 from .state import GpuState
@@ -146,7 +147,8 @@ class ForwardOps:
         return xq
 
     def _gdn(self, L: dict, h: int, hq, n: int, st: "GpuState", si: int, y: int, chunked: bool = True) -> None:
-        """chunked: a pass of several tokens runs the chunked form (cuda8/gdn_chunked.cu), else token by token."""
+        """chunked: a pass of several tokens runs the chunked form (cuda8/gdn_chunked.cu) on the tiers where it is the
+        faster (GDN_CHUNKED_TIERS), else token by token."""
         hp, k = self.hparams, self.k
         self.scratch.arena_open("gdn")
         Hk, Hv, dk = hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state
@@ -165,7 +167,7 @@ class ForwardOps:
         tiled = not self._faults.get("gdn_grouped")
         if n > 1:          # a long recurrence: the gates in a launch of their own (on its serial path they cost more)
             k.gdn_gates(beta, g, L["ssm_dt"], L["ssm_a"], n, Hv)
-        if n > 1 and chunked:
+        if n > 1 and chunked and k.tier in GDN_CHUNKED_TIERS:
             work = tuple(self.scratch.buf(name, nbytes).ptr for name, nbytes in gdn_chunk_work(hp, n).items())
             k.gdn_chunked(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, work, tiled=tiled)
         else:

@@ -22,6 +22,12 @@ from .toolchain import SOURCES, check_variant, get_ptx, has_mma, variant_name
 from .vision_kernels import VisionLaunchers
 
 
+# The tiers whose passes of several tokens run the GDN in its chunked form (gdn_chunked): where it measured at least as
+# fast as the recurrence (H200, 35B-A3B layer, 2048 tokens: 1.16 vs 1.25 ms). Fermi keeps the recurrence: its 63
+# registers force the chunked scan's loops rolled (1.82 vs 1.38 ms). benchmarks/results/gdn_chunked_2026-11-29.md.
+GDN_CHUNKED_TIERS = frozenset({"kepler", "dp4a"})
+
+
 class Kernels(MatmulLaunchers, VisionLaunchers):
     """The cuda8 kernels of one variant (tier, arch) on the open device.
 

@@ -32,6 +32,7 @@ from ..core.errors import PlanningError, UnavailableError
 from ..cpu.model import DEFAULT_CTX, check_logits
 from .forward import ForwardOps
 from .hybrid import LOOKAHEAD_PRED, HybridChannel, HybridLayout
+from .kernels import GDN_CHUNKED_TIERS
 from .layout import f32_routers
 from .options import GpuOptions, default_tier
 from .placement import PREFILL_CHUNK, Placement, place
@@ -220,7 +221,8 @@ class GpuModel(ForwardOps):
                 positions: np.ndarray | None = None) -> np.ndarray | None:
         """tokens: int[n] at positions state.pos.. -> logits float32[n or 1, n_vocab] (as Model.forward;
         chunked: passes of several tokens run the GDN in its chunked form (cuda8/gdn_chunked.cu, chunks of 64 counted
-        from each pass's first token, as the CPU's), False token by token (gdn_recurrent)).
+        from each pass's first token, as the CPU's) on the tiers where it is the faster (GDN_CHUNKED_TIERS; describe()
+        says), False token by token (gdn_recurrent)).
         embd, positions (images): rows [n, n_embd] for the tokens marked -1, M-RoPE positions [n, 3]."""
         ids, embd, positions = self._check_pass(state, tokens, embd, positions)
         if ids.size == 1 and self.plan and positions is None and embd is None:
@@ -569,8 +571,9 @@ class GpuModel(ForwardOps):
         embd = ("; token embedding read from host memory over the link ("
                 + ("the page-locked map" if self.res.host is not None else "a page-locked copy") + ")"
                 if self.embd_where == "host" else "")
+        gdn = "chunked" if self.k.tier in GDN_CHUNKED_TIERS else "token by token (the chunked form is slower here)"
         return (f"GPU {self.device['name']} ({self.k.name} kernels, {kind(self.int8)} decode GEMVs, "
-                f"{gemm} prefill GEMMs), weights {self.vram_bytes / 2**30:.2f} GiB in "
+                f"{gemm} prefill GEMMs, GDN prefill {gdn}), weights {self.vram_bytes / 2**30:.2f} GiB in "
                 f"VRAM{budget}{streamed}{embd}; decode CUDA graphs {self.graphs_why}{conv}")
 
 
