@@ -142,6 +142,11 @@ class Model:
         the hook may run). None: off. An exception of the hook is raised by that forward() after its pass."""
         return self.native.set_yield(hook)
 
+    def clear_yield(self, y) -> None:
+        """Turns the hook off if `y` (what set_yield returned) is still the one set (another may have replaced it)."""
+        if self.native._yield is y:
+            self.native.set_yield(None)
+
     def forward_batch(self, states: list[_native.NativeState], token_lists, chunked: bool = True) -> np.ndarray:
         """One pass advancing several sequences: states[s] (distinct) runs token_lists[s] (int[n_s], n_s >= 1) at
         positions states[s].pos.. -> logits float32[n_seq, n_vocab], row s the last token's of sequence s. Each

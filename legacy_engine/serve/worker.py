@@ -208,13 +208,14 @@ class Worker:
         return jobs + [job for job, _ in self.admitting]
 
     def _run(self) -> None:
-        set_yield = getattr(self.engine.model, "set_yield", None)   # the CPU engine's calls can yield between layers
-        self._yield = set_yield(self._between_layers) if set_yield is not None else None
+        model = self.engine.model
+        can_yield = hasattr(model, "set_yield")      # the CPU engine's calls can yield between layers
+        self._yield = model.set_yield(self._between_layers) if can_yield else None
         try:
             self._loop()
         finally:
-            if set_yield is not None:
-                set_yield(None)
+            if can_yield:
+                model.clear_yield(self._yield)
             self._yield = None
 
     def _loop(self) -> None:
