@@ -43,6 +43,14 @@
 #define GDNC_ROLLED _Pragma("unroll 1")
 #endif
 
+/* acc[0..3] += a * v (inlined: acc stays in registers) */
+__device__ __forceinline__ void gdnc_axpy4(float *acc, float a, float4 v) {
+    acc[0] += a * v.x;
+    acc[1] += a * v.y;
+    acc[2] += a * v.z;
+    acc[3] += a * v.w;
+}
+
 __device__ __forceinline__ int gdnc_k_head(int j, int Hk, int Hv, int tiled) { return tiled ? j % Hk : j / (Hv / Hk); }
 
 /* One (chunk, head): the chunk's rows t0 .. t0 + L - 1. */
@@ -204,14 +212,8 @@ extern "C" __global__ void gdn_chunk_scan_f32(const float *LE_RESTRICT u, const 
             for (int d = 0; d < dn; d++) {
                 const float w = tw[row][d], q = tq[row][d];
                 const float4 sv = *reinterpret_cast<const float4 *>(&Ss[d0 + d][c8]);
-                ws[0] += w * sv.x;
-                ws[1] += w * sv.y;
-                ws[2] += w * sv.z;
-                ws[3] += w * sv.w;
-                qs[0] += q * sv.x;
-                qs[1] += q * sv.y;
-                qs[2] += q * sv.z;
-                qs[3] += q * sv.w;
+                gdnc_axpy4(ws, w, sv);
+                gdnc_axpy4(qs, q, sv);
             }
         }
         /* V' = U - W S */
@@ -235,11 +237,7 @@ extern "C" __global__ void gdn_chunk_scan_f32(const float *LE_RESTRICT u, const 
             GDNC_ROLLED
             for (int m = 0; m <= row; m++) {
                 const float pm = Ps[row][m];
-                const float4 v = *reinterpret_cast<const float4 *>(&Vp[m][c8]);
-                acc[0] += pm * v.x;
-                acc[1] += pm * v.y;
-                acc[2] += pm * v.z;
-                acc[3] += pm * v.w;
+                gdnc_axpy4(acc, pm, *reinterpret_cast<const float4 *>(&Vp[m][c8]));
             }
 #pragma unroll
             for (int b = 0; b < GDNC_OC; b++) {
@@ -263,16 +261,8 @@ extern "C" __global__ void gdn_chunk_scan_f32(const float *LE_RESTRICT u, const 
             GDNC_ROLLED
             for (int m = 0; m < mn; m++) {
                 const float kd = Kh[m][si];
-                const float4 v0 = *reinterpret_cast<const float4 *>(&Vp[m0 + m][s16]);
-                const float4 v1 = *reinterpret_cast<const float4 *>(&Vp[m0 + m][s16 + 4]);
-                acc[0] += kd * v0.x;
-                acc[1] += kd * v0.y;
-                acc[2] += kd * v0.z;
-                acc[3] += kd * v0.w;
-                acc[4] += kd * v1.x;
-                acc[5] += kd * v1.y;
-                acc[6] += kd * v1.z;
-                acc[7] += kd * v1.w;
+                gdnc_axpy4(acc, kd, *reinterpret_cast<const float4 *>(&Vp[m0 + m][s16]));
+                gdnc_axpy4(acc + 4, kd, *reinterpret_cast<const float4 *>(&Vp[m0 + m][s16 + 4]));
             }
         }
         if (si < dk) {

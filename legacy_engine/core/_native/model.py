@@ -242,25 +242,6 @@ class NativeState:
     def rope_delta(self, delta: int) -> None:
         check(lib.le_state_set_rope_delta(self.ptr, c_int(delta, "rope_delta")), "le_state_set_rope_delta")
 
-    def set_yield(self, hook) -> _Yield | None:
-        """hook(): called between the layers of a single-sequence pass (forward()) once wake() was called on the
-        returned object, from any thread (le_model_set_yield: the hook may run passes of other states, never of the
-        pausing one). None turns it off."""
-        if hook is None:
-            check(lib.le_model_set_yield(self.ptr, ffi.NULL, ffi.NULL, ffi.NULL), "le_model_set_yield")
-            self._yield = self._yield_handle = None
-            return None
-        y = _Yield(hook)
-        handle = ffi.new_handle(y)
-        check(lib.le_model_set_yield(self.ptr, y.flag, lib.le_yield_to_python, handle), "le_model_set_yield")
-        self._yield, self._yield_handle = y, handle   # both alive as long as the C model points at them
-        return y
-
-    @property
-    def yields(self) -> int:
-        """Calls of the yield hook so far."""
-        return lib.le_model_yields(self.ptr)
-
     @property
     def scratch_growths(self) -> int:
         """Times the forward pass's scratch (the state's) was allocated: a longer pass than before grows it, a
