@@ -42,6 +42,16 @@
         else if (nt_ == 1) ROWS(n, s_, ls, vx, y_, ly, 1);                                   \
     } while (0)
 
+/* LE_ROWS_BY_4 with passes of 8 rows first (a body whose 8 rows' accumulators fit AVX-512VL's 32 vector registers). */
+#define LE_ROWS_BY_8(ROWS, n, s, ls, vx, vy, ly, nt)                                          \
+    do {                                                                                     \
+        const uint8_t *y8_ = (const uint8_t *)(vy);                                          \
+        float *s8_ = (s);                                                                    \
+        int nt8_ = (nt);                                                                     \
+        for (; nt8_ >= 8; nt8_ -= 8, s8_ += 8 * (ls), y8_ += 8 * (ly)) ROWS(n, s8_, ls, vx, y8_, ly, 8); \
+        LE_ROWS_BY_4(ROWS, n, s8_, ls, vx, y8_, ly, nt8_);                                  \
+    } while (0)
+
 static inline void le_prefetch_ahead(const void *block, size_t stride) {
     const char *p = (const char *)block + LE_PREFETCH_BYTES;
     for (size_t l = 0; l < (stride + 63) / 64; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);

@@ -70,16 +70,22 @@ static inline void vec_dot_q4_K_q8_K_x86(int64_t n, float *s, const void *vx, co
     *s = le_hsum_ps_256(acc) - _mm_cvtss_f32(acc_m);
 }
 
-/* Several activation rows (le_vec_dot_n_fn): NT rows a pass, each block's nibbles and scales unpacked once for all
- * of them; row t's arithmetic is vec_dot_q4_K_q8_K_x86's step for step (its two int32 sums, one FMA per block into
- * its acc and acc_m, the same final sums), so every s[t] is that kernel's bits. */
+/* Several activation rows (le_vec_dot_n_fn): NT rows a pass (8 where AVX-512VL gives 32 vector registers, else 4),
+ * each block's nibbles and scales unpacked once for all of them; row t's arithmetic is vec_dot_q4_K_q8_K_x86's step
+ * for step (its int32 sum of the block, one FMA per block into its acc and acc_m, the same final sums), so every s[t]
+ * is that kernel's bits: one int32 accumulator holds what its s_lo + s_hi hold (int32 sums are exact, any order). */
+#if defined(__AVX512VL__)
+#define Q4_K_NT 8
+#else
+#define Q4_K_NT 4
+#endif
 static inline __attribute__((always_inline)) void q4_K_rows(int64_t n, float *s, int64_t ls, const block_q4_K *x,
                                                             const uint8_t *yb, int64_t ly, const int NT) {
     const int64_t nb = n / QK_K;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m256 acc[4];
-    __m128 acc_m[4];
-    #pragma GCC unroll 4
+    __m256 acc[Q4_K_NT];
+    __m128 acc_m[Q4_K_NT];
+    #pragma GCC unroll 8
     for (int t = 0; t < NT; t++) {
         acc[t] = _mm256_setzero_ps();
         acc_m[t] = _mm_setzero_ps();
@@ -91,33 +97,33 @@ static inline __attribute__((always_inline)) void q4_K_rows(int64_t n, float *s,
         const __m128i mins = _mm256_extracti128_si256(sm, 1);
         const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
         const uint8_t *q4 = x[i].qs;
-        __m256i s_lo[4], s_hi[4];
-        #pragma GCC unroll 4
-        for (int t = 0; t < NT; t++) s_lo[t] = s_hi[t] = _mm256_setzero_si256();
+        __m256i si[Q4_K_NT];
+        #pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) si[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int c = 0; c < QK_K / 64; c++) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(q4 + 32 * c));
             const __m256i lo = _mm256_and_si256(bits, m4);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
             const __m256i sc_lo = scale_of(scales, 2 * c), sc_hi = scale_of(scales, 2 * c + 1);
-            #pragma GCC unroll 4
+            #pragma GCC unroll 8
             for (int t = 0; t < NT; t++) {
                 const int8_t *q8 = ((const block_q8_K *)(yb + t * ly))[i].qs;
-                s_lo[t] = le_madd_acc_256(s_lo[t], _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c))), sc_lo);
-                s_hi[t] = le_madd_acc_256(s_hi[t], _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c + 32))), sc_hi);
+                si[t] = le_madd_acc_256(si[t], _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c))), sc_lo);
+                si[t] = le_madd_acc_256(si[t], _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c + 32))), sc_hi);
             }
         }
-        #pragma GCC unroll 4
+        #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
             const block_q8_K *y = (const block_q8_K *)(yb + t * ly) + i;
             const float d = y->d * xd, dmin = y->d * xdmin;
             const __m256i bsums = _mm256_loadu_si256((const __m256i *)y->bsums);
             const __m128i gsums = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
             acc_m[t] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, gsums)), acc_m[t]);
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(s_lo[t], s_hi[t])), acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(si[t]), acc[t]);
         }
     }
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int t = 0; t < NT; t++) {
         __m128 m = _mm_add_ps(acc_m[t], _mm_movehl_ps(acc_m[t], acc_m[t]));
         m = _mm_add_ss(m, _mm_movehdup_ps(m));
@@ -127,7 +133,11 @@ static inline __attribute__((always_inline)) void q4_K_rows(int64_t n, float *s,
 
 static inline void vec_dot_n_q4_K_q8_K_x86(int64_t n, float *s, int64_t ls, const void *vx, const void *vy,
                                            int64_t ly, int nt) {
+#if Q4_K_NT == 8
+    LE_ROWS_BY_8(q4_K_rows, n, s, ls, vx, vy, ly, nt);
+#else
     LE_ROWS_BY_4(q4_K_rows, n, s, ls, vx, vy, ly, nt);
+#endif
 }
 
 #endif

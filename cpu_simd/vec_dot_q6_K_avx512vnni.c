@@ -53,21 +53,22 @@ void vec_dot_q6_K_q8_K_avx512vnni(int64_t n, float *s, const void *vx, const voi
     *s = _mm512_reduce_add_ps(acc);
 }
 
-/* Several activation rows (le_vec_dot_n_fn): NT rows a pass, each block's codes and scales unpacked once; row t's
- * int32 sums and its one FMA per block are the kernel above's, so s[t] has its bits. */
+/* Several activation rows (le_vec_dot_n_fn): NT rows a pass (8, then 4: their accumulators fit the 32 zmm registers),
+ * each block's codes and scales unpacked once; row t's int32 sums and its one FMA per block are the kernel above's, so
+ * s[t] has its bits. */
 static inline __attribute__((always_inline)) void q6_K_rows(int64_t n, float *s, int64_t ls, const block_q6_K *x,
                                                             const uint8_t *yb, int64_t ly, const int NT) {
     const int64_t nb = n / QK_K;
     const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03), m30 = _mm512_set1_epi8(0x30);
-    __m512 acc[4];
-#pragma GCC unroll 4
+    __m512 acc[8];
+#pragma GCC unroll 8
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         le_prefetch_ahead(x + i, sizeof *x);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
         const __m512i sc16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(sc8));
-        __m512i sumi[4];
-#pragma GCC unroll 4
+        __m512i sumi[8];
+#pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
             const block_q8_K *y = (const block_q8_K *)(yb + t * ly) + i;
             const __m256i off = _mm256_madd_epi16(_mm512_castsi512_si256(sc16), _mm256_loadu_si256((const __m256i *)y->bsums));
@@ -82,7 +83,7 @@ static inline __attribute__((always_inline)) void q6_K_rows(int64_t n, float *s,
             const __m512i qa = _mm512_or_si512(_mm512_and_si512(lz, m4), _mm512_slli_epi16(_mm512_and_si512(hz, m2), 4));
             const __m512i qb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lz, 4), m4), _mm512_and_si512(hz, m30));
             const __m512i sca = le_group_scales_epi16(sc16, 8 * h, 8), scb = le_group_scales_epi16(sc16, 8 * h + 4, 8);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int t = 0; t < NT; t++) {
                 const int8_t *q8 = ((const block_q8_K *)(yb + t * ly))[i].qs + 128 * h;
                 sumi[t] = _mm512_dpwssd_epi32(sumi[t], _mm512_maddubs_epi16(qa, _mm512_loadu_si512(q8)), sca);
@@ -90,17 +91,17 @@ static inline __attribute__((always_inline)) void q6_K_rows(int64_t n, float *s,
             }
         }
         const float xd = _cvtsh_ss(x[i].d);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
             const block_q8_K *y = (const block_q8_K *)(yb + t * ly) + i;
             acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(y->d * xd), _mm512_cvtepi32_ps(sumi[t]), acc[t]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int t = 0; t < NT; t++) s[t * ls] = _mm512_reduce_add_ps(acc[t]);
 }
 
 void vec_dot_n_q6_K_q8_K_avx512vnni(int64_t n, float *s, int64_t ls, const void *vx, const void *vy, int64_t ly,
                                     int nt) {
-    LE_ROWS_BY_4(q6_K_rows, n, s, ls, vx, vy, ly, nt);
+    LE_ROWS_BY_8(q6_K_rows, n, s, ls, vx, vy, ly, nt);
 }

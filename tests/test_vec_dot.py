@@ -242,7 +242,8 @@ N_CASES = [(t, isa) for t in TYPES for isa in ("ref",) + SIMD_ISAS]
 @pytest.mark.parametrize("qtype,isa", N_CASES, ids=[f"{name(t)}-{isa}" for t, isa in N_CASES])
 def test_vec_dot_n_equals_one_row_kernel(qtype, isa, restore_isa):
     """Row t of the several-row product is the tier's one-row kernel on activation row t, bit for bit, at every
-    count of rows (the kernels go 4 rows a pass: 1..9 covers full passes and every remainder), and the tier has a
+    count of rows (the kernels go 4 rows a pass, Q4_K on AVX-512VL 8 then 4: 0..17 covers two full passes of 8 and
+    every remainder), and the tier has a
     several-row kernel exactly where VEC_DOT_N_KERNELS says."""
     if isa != "ref":
         use_isa(isa, qtype)
@@ -254,8 +255,8 @@ def test_vec_dot_n_equals_one_row_kernel(qtype, isa, restore_isa):
     for nb in (1, 3, 8):
         n = nb * bs
         w = random_weights(rng, qtype, nb)
-        ys = [quantized_acts(qtype, random_acts(rng, n)) for _ in range(9)]
-        for nt in range(0, 10):
+        ys = [quantized_acts(qtype, random_acts(rng, n)) for _ in range(17)]
+        for nt in range(0, 18):
             got = _native.vec_dot_n(qtype, w, ys[:nt], n)
             want = np.array([_native.vec_dot(qtype, w, y, n) for y in ys[:nt]], np.float32)
             assert got.tobytes() == want.tobytes(), f"{name(qtype)}-{isa}, {nb} blocks, {nt} rows"

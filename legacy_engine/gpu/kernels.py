@@ -178,7 +178,7 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
                     tiled: bool = True, stream: Stream | None = None) -> None:
         """gdn_recurrent's rule over n tokens in chunks of GDNC_C (cuda8/gdn_chunked.cu; chunks counted from the first
         token), g and beta already gated. work: (W [n, Hv, dk], U [n, Hv, dv], P [chunks, Hv, C, C], G [n, Hv]) f32
-        buffers (gdn_chunk_work_bytes)."""
+        buffers (layout.gdn_chunk_work)."""
         if not 0 < dk <= GDNC_MAX_DK:
             raise ValueError(f"gdn_chunked: dk = {dk} outside 1…{GDNC_MAX_DK}")
         if Hk <= 0 or Hv % Hk or dv <= 0 or n <= 0:
