@@ -1332,3 +1332,45 @@ def test_short_request_starts_between_the_layers_of_a_long_call(ref):
     texts = asyncio.run(run())
     assert ended == [len(short_ids), len(long_ids)] and ref.cpu_model.native.yields > y0
     assert texts == [w.text for w in want]
+
+
+def test_prefill_rate_counts_each_prompt_once(ref):
+    """A prompt admitted inside another's forward call (the yield hook) runs inside that prompt's prefill clock: the
+    worker's prefill seconds (the rate that sizes the calls, /metrics) count it once, for its own prompt. The inner
+    prompt's prefill is slowed by SLOW_S here: counted twice, the total would pass 2 x SLOW_S."""
+    import asyncio
+
+    slow_s = 0.4
+    long_ids = random.Random(6).choices(range(1000, 5000), k=200)
+    short_ids = ref.tokenizer.encode("short")
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        jobs = [Job(Plan(ids=ids, max_tokens=1, params=SamplingParams(), stop=[], stream=False, include_usage=False),
+                    loop) for ids in (long_ids, short_ids)]
+
+        def seam(session, ids, cancel=None, step=None, **kw):
+            def one_call() -> int:
+                if ids == long_ids:
+                    w.submit(jobs[1])       # admitted between the layers of the call that follows
+                else:
+                    time.sleep(slow_s)      # inside the short prompt's prefill clock
+                return len(ids)
+            session.reset()
+            return session.prefill(ids, cancel=cancel, step=one_call, **kw)
+        w = Worker(ref, prefill=seam, parallel=2)
+        w.start()
+        try:
+            w.submit(jobs[0])
+            for job in jobs:
+                while (await asyncio.wait_for(job.events.get(), TIMEOUT))[0] not in ("done", "error"):
+                    pass
+            return w.counters.prefill_s
+        finally:
+            w.close()
+    t0 = time.perf_counter()
+    for ids in (long_ids, short_ids):      # the two prompts' own forward time, alone
+        ref.session().prefill(ids)
+    alone = time.perf_counter() - t0
+    counted = asyncio.run(run())
+    assert slow_s <= counted < 2 * slow_s and counted < slow_s + alone + 0.25, (counted, alone)

@@ -29,10 +29,10 @@ from ..plan.vision import VisionPlacement, cpu_vision_placement, vision_placemen
 
 PREFILL_BATCH = 256  # tokens per forward call during prefill: bounds activation memory
 PREFILL_SHARED = 64  # the server's least forward call (a multiple of the GDN chunk and the cache's page: calls split
-                     # where they may); other requests run between calls, so a call's length bounds their wait
+                     # where they may); the running requests step between calls, so a call's length bounds their wait
 PREFILL_CALL_S = 0.1  # the server's forward call at most this long where the measured prefill rate allows more than
-                      # PREFILL_SHARED tokens: about a short prompt's own time, the wait a request arriving meanwhile
-                      # adds to it
+                      # PREFILL_SHARED tokens: the running requests' wait for their next token (a new request starts
+                      # between two layers of the call on the CPU engine, between calls elsewhere)
 ENCODED_IMAGES = 16  # the tower's outputs kept by image digest (Engine._encode)
 
 

@@ -144,6 +144,7 @@ class Worker:
         self._stopping = False
         self._yield = None          # the engine's yield hook (set while the thread runs, where the engine has one)
         self._yield_ok = False      # the thread is inside a top-level prompt's forward call: the hook may admit
+        self._hook_s = 0.0          # seconds spent in the hook's admissions (inside other prompts' forward calls)
         self._thread = threading.Thread(target=self._run, name="legacy-engine-worker", daemon=True)
 
     # ---- the HTTP side's interface
@@ -260,15 +261,18 @@ class Worker:
         if not self._yield_ok:
             return
         self._yield_ok = False
+        t0 = time.perf_counter()
         try:
             self._admit_waiting()
         finally:
+            self._hook_s += time.perf_counter() - t0
             self._yield_ok = True
 
     def _prefill_step(self) -> int:
         """A prompt's next forward call: the multiple of PREFILL_SHARED tokens that the prompts served so far say
-        takes about PREFILL_CALL_S (PREFILL_SHARED at least, PREFILL_BATCH at most): a request may arrive any time
-        and waits for the call running then (it runs between calls), so calls are short even on an idle server."""
+        takes about PREFILL_CALL_S (PREFILL_SHARED at least, PREFILL_BATCH at most): the running jobs step between
+        calls, and a request that arrives starts at the next call (between two layers where the engine yields), so
+        calls are short even on an idle server. The rate counts each prompt's own calls (_admit)."""
         c = self.counters
         rate = c.prefill_tokens / c.prefill_s if c.prefill_s > 0 else 0.0
         fits = int(rate * PREFILL_CALL_S) // PREFILL_SHARED * PREFILL_SHARED
@@ -293,18 +297,21 @@ class Worker:
         plan, c = job.plan, self.counters
         self.admitted.append(job.seq)
         t = session.timings
-        p0, ps0 = t.prefill_tokens, t.prefill_s
+        p0, ps0, h0 = t.prefill_tokens, t.prefill_s, self._hook_s
+        inner = [0.0]       # seconds of other work inside this prompt's prefill (steps, prompts admitted inside it)
         self.admitting.append((job, session))
         if self._stopping:   # stop() came between the two checks above
             job.cancel(_shutting_down())
 
         def between_chunks() -> bool:
             self._yield_ok = False      # the decode steps' passes are not this prompt's
+            t0 = time.perf_counter()
             if self.slots:
                 self._step()
             if not nested:
                 self._admit_waiting()
                 self._yield_ok = True
+            inner[0] += time.perf_counter() - t0
             return job.cancelled
         try:
             kw = {"images": self.engine.encode_images(plan.spans, plan.images)} if plan.images else {}
@@ -337,7 +344,8 @@ class Worker:
                 self._yield_ok = False
             self.admitting.remove((job, session))
             c.prefill_tokens += t.prefill_tokens - p0
-            c.prefill_s += t.prefill_s - ps0
+            # its own forward calls only: the prefill's clock also ran through the work done inside it
+            c.prefill_s += max(0.0, t.prefill_s - ps0 - inner[0] - (self._hook_s - h0))
         self.slots.append(slot)
         if slot.finish is not None:
             self._retire(slot)
