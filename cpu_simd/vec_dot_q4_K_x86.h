@@ -108,9 +108,11 @@ static inline __attribute__((always_inline)) void q4_K_rows(int64_t n, float *s,
             const __m256i sc_lo = scale_of(scales, 2 * c), sc_hi = scale_of(scales, 2 * c + 1);
             #pragma GCC unroll 8
             for (int t = 0; t < NT; t++) {
-                const int8_t *q8 = ((const block_q8_K *)(yb + t * ly))[i].qs;
-                si[t] = le_madd_acc_256(si[t], _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c))), sc_lo);
-                si[t] = le_madd_acc_256(si[t], _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c + 32))), sc_hi);
+                const int8_t *q8 = ((const block_q8_K *)(yb + t * ly))[i].qs + 64 * c;
+                const __m256i a_lo = _mm256_loadu_si256((const __m256i *)q8);
+                const __m256i a_hi = _mm256_loadu_si256((const __m256i *)(q8 + 32));
+                si[t] = le_madd_acc_256(si[t], _mm256_maddubs_epi16(lo, a_lo), sc_lo);
+                si[t] = le_madd_acc_256(si[t], _mm256_maddubs_epi16(hi, a_hi), sc_hi);
             }
         }
         #pragma GCC unroll 8
