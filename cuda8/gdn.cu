@@ -33,7 +33,8 @@
  * are loaded into registers while token t computes, so no global load sits on the serial path.
  * Only the summation order, FMA contraction and expf differ from the reference
  * (tests/test_gpu.py GDN_STEP_EXTRA has the bound).
- * Chunked prefill (gdn.c gdn_chunked_head) is not here yet: prefill runs this recurrence token by token.
+ * The chunked form of the same rule, for prefill, is gdn_chunked.cu (the tiers where it is the faster: gpu/kernels.py
+ * GDN_CHUNKED_TIERS); passes of several tokens on the others run this recurrence token by token.
  * Tiers: all (the recurrence exchanges through shared memory only; the norms reduce as compat.cuh does per tier).
  * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k gdn
  */

@@ -19,7 +19,7 @@
  * dk <= GDNC_MAX_DK; tiles of GDNC_TILE dims through shared memory (<= 34 KB a block: Fermi's and Kepler's 48 KB).
  * Sums run in a fixed order per element whatever the launch: a call's bits depend only on its inputs and its chunk
  * boundaries (a snapshot at a chunk boundary equals a recompute). Bound against the f64 rule: tests/test_gpu.py
- * (GDN_CHUNK_EXTRA). Tiers: all (shared memory and barriers only).
+ * (GDN_CHUNK_FACTOR). Tiers: all (shared memory and barriers only).
  * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k gdn_chunk
  */
 #include "compat.cuh"

@@ -9,7 +9,8 @@ import numpy as np
 
 from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_MAX_HD, ATTN_MAX_SPLIT, ATTN_MIN_KEYS_PER_SPLIT,
                      ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_THREADS, ATTN_WARPS, CONV_MAX_K, CONV_THREADS,
-                     CONV_TOKENS, EW_THREADS, GDNC_C, GDNC_COLS, GDNC_MAX_DK, GDNC_THREADS, GDN_COLS, GDN_EW_THREADS, GDN_MAX_DK, GDN_NORM_THREADS, GDN_THREADS,
+                     CONV_TOKENS, EW_THREADS, GDNC_C, GDNC_COLS, GDNC_MAX_DK, GDNC_THREADS, GDN_COLS,
+                     GDN_EW_THREADS, GDN_MAX_DK, GDN_NORM_THREADS, GDN_THREADS,
                      GEMM_TT, GET_ROWS_THREADS, HYBRID_FETCH_BLOCKS, HYBRID_PRED_E, HYBRID_THREADS, HY_EARLY_MAX,
                      HY_PRED_MAX, MAX_GRID, MAX_PAIRS, MOE_COMBINE_THREADS, MOE_MAX_K, MOE_SORT_MAX_E,
                      MOE_SORT_MAX_TILE, MOE_SORT_THREADS, MOE_THREADS, MOE_WSUM_MIN, Q8_1_BYTES, Q8_THREADS,
@@ -23,8 +24,8 @@ from .vision_kernels import VisionLaunchers
 
 
 # The tiers whose passes of several tokens run the GDN in its chunked form (gdn_chunked): where it measured at least as
-# fast as the recurrence (H200, 35B-A3B layer, 2048 tokens: 1.16 vs 1.25 ms). Fermi keeps the recurrence: its 63
-# registers force the chunked scan's loops rolled (1.82 vs 1.38 ms). benchmarks/results/gdn_chunked_2026-11-29.md.
+# fast as the recurrence (H200, 35B-A3B layer, 2048 tokens: 1.145 vs 1.247 ms). Fermi keeps the recurrence: its 63
+# registers force the chunked scan's loops rolled (1.797 vs 1.379 ms). benchmarks/results/gdn_chunked_2026-11-29.md.
 GDN_CHUNKED_TIERS = frozenset({"kepler", "dp4a"})
 
 

@@ -317,7 +317,6 @@ class Worker:
             kw = {"images": self.engine.encode_images(plan.spans, plan.images)} if plan.images else {}
             self._yield_ok = not nested
             logits = self.prefill(session, plan.ids, cancel=between_chunks, step=self._prefill_step, **kw)
-            self._yield_ok = False
             sampler = self.make_sampler(plan.params)
             if plan.grammar is not None:   # response_format: the document after the reasoning, if any
                 sampler = ConstrainedSampler(sampler, self.engine.tokenizer, self.engine.model.hparams.n_vocab,

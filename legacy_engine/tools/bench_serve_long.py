@@ -20,8 +20,8 @@ from .llama_server import find_llama_server
 LONG_HEAD_START_S = 1.0   # the long request is admitted and prefilling before the probes start
 PROBE = dict(words=32, max_tokens=4)
 PROBE_GAP_S = 0.5         # each loaded probe waits uniform [0, this) first: longer than our forward calls (~0.2 s)
-WARM_PROBES = 4           # probe-sized requests run and dropped before the idle ones: a server's first requests run
-                          # slower (measured 822, 497, 367, 325, 304 ms in a row on the 2-core box), idle is its steady state
+WARM_PROBES = 4           # probe-sized requests run and dropped before the idle ones: a server's first requests
+                          # run slower (822, 497, 367, 325, 304 ms in a row on the 2-core box); idle is the steady state
 
 
 def bench_long_prompt(cfg: LoadConfig, long_len: int, probes: int, log=print) -> dict:
