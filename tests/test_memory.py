@@ -384,7 +384,8 @@ def test_info_reports_numa_and_thp():
 
 def test_info_names_each_gpus_prefill_gemm():
     """The GPU lines of `info` (a described report: this machine has no GPU): the int8 tensor cores from sm_75 (T4),
-    none on sm_70 (a CMP 100-210 runs DP4A), the matmul kernels per tier and the flags that change them."""
+    none on sm_70 (a CMP 100-210 runs DP4A), the matmul kernels per tier and the flags that change them, the GDN
+    prefill's form per tier."""
     from legacy_engine.plan import caps
     rep = caps.machine_report()
     rep["gpu"] = {"available": True, "driver_version": 12080, "device_count": 2, "cuda_graphs": True,
@@ -399,3 +400,5 @@ def test_info_names_each_gpus_prefill_gemm():
     assert "tier dp4a" in cmp_ and "tensor cores" not in cmp_
     mm = next(ln for ln in lines if "matmuls:" in ln)
     assert "gemm_mma" in mm and "--gpu-no-mma" in mm and "gemm_dp4a" in mm and "--gpu-f32" in mm
+    gdn = next(ln for ln in lines if "GDN prefill:" in ln)    # the form each tier runs (gpu/kernels.py's table)
+    assert "the chunked form (gdn_chunked) on the dp4a and kepler tiers" in gdn and "gdn_recurrent" in gdn

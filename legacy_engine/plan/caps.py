@@ -12,6 +12,7 @@ import os
 from ..core import _native
 from ..core.errors import UnavailableError
 from ..gpu import MMA_ARCH
+from ..gpu.kernels import GDN_CHUNKED_TIERS
 from ..gpu.options import default_tier
 
 # The CPU tiers of the capability table, best first, with the features each needs.
@@ -176,6 +177,9 @@ def format_machine_report(rep: dict) -> list[str]:
                      f"activations, on tensor cores from sm_{MMA_ARCH} (gemm_mma; --gpu-no-mma: gemm_dp4a), with DP4A "
                      "below (gemm_dp4a); --gpu-f32 for f32; fermi/kepler tiers f32 (gemv_f32, gemm_f32); MoE prefill "
                      "orders its routing on the GPU (moe_sort) when the host needs no ids")
+        chunked = " and ".join(sorted(GDN_CHUNKED_TIERS))
+        lines.append(f"  GDN prefill: the chunked form (gdn_chunked) on the {chunked} tiers, token by token "
+                     "(gdn_recurrent) elsewhere, where the chunked one measured slower")
         lines.append("  --vram SIZE budgets VRAM; a model over it runs split (`legacy-engine plan` shows the choice): "
                      "streamed prefill, hybrid decode through a page-locked channel the GPU and CPU both poll (needs "
                      "unified addressing: a 64-bit driver), the planner's link experts fetched over PCIe")
