@@ -143,7 +143,8 @@ ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"qua
                           "sample_draw_blocks_f32", "sample_draw_pick_f32"},
            # the vision tower's (tests/test_gpu_vision.py)
            "layernorm": {"layernorm_f32"}, "gelu": {"gelu_tanh_f32", "gelu_erf_f32", "bias_add_f32", "bias_residual_f32"},
-           "rope_vision": {"rope_vision_f32"}, "attention_bidir": {"attn_bidir_f32"}}
+           "rope_vision": {"rope_vision_f32"}, "attention_bidir": {"attn_bidir_f32"},
+           "peak": {"peak_fma_f32", "peak_dp4a_s8", "peak_mma_s8"}}
 
 
 def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
@@ -152,6 +153,8 @@ def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
     suffixes = [tname(t) for t in TYPES]
     if name == "gemm_mma" and not gpu.has_mma(tier, arch):
         return {b"le_tier_probe"}
+    if name == "peak" and not gpu.has_mma(tier, arch):
+        return {e.encode() for e in ENTRIES[name] - {"peak_mma_s8"}} | {b"le_tier_probe"}
     if name in ("gemv_f32", "gemv_dp4a"):
         if name == "gemv_f32":
             suffixes.append("f32")
@@ -1660,6 +1663,26 @@ def test_argmax(kernels):
     with gpu.Buffer.from_array(y) as by, gpu.Buffer(4) as bo, gpu.Buffer(8) as bp:
         kernels.argmax(by, bp, bo, 5)
         assert bo.download(dtype=np.int32)[0] == np.argmax(y)
+
+
+@variant_params()
+def test_peak_kernels(kernels):
+    """cuda8/peak.cu: each chain's exact sum (so the loop ran every step: bench gpu's peak divides its counted
+    operations by the time), the operations it reports, and no mma kernel where the variant has none."""
+    blocks, iters, T, C = 3, 100, gpu.PEAK_THREADS, gpu.PEAK_CHAINS
+    want = {"gemm_f32": (np.float32, C * iters + C * (C - 1) // 2, 2 * C),
+            "gemm_dp4a": (np.int32, 4 * C * iters + C * (C - 1) // 2, 8 * C),
+            "gemm_mma": (np.int32, 16 * 4 * gpu.PEAK_MMA_CHAINS * iters, 4096 // 32 * gpu.PEAK_MMA_CHAINS)}
+    with gpu.Buffer(4 * blocks * T) as out:
+        for gemm, (dt, total, per_iter) in want.items():
+            if gemm == "gemm_mma" and not kernels.has_mma:
+                with pytest.raises(gpu.UnavailableError, match="no int8 mma"):
+                    kernels.peak(gemm, out, blocks, iters)
+                continue
+            assert kernels.peak(gemm, out, blocks, iters) == per_iter * iters * blocks * T
+            np.testing.assert_array_equal(out.download(dtype=dt), np.full(blocks * T, total, dtype=dt))
+        with pytest.raises(ValueError, match="blocks"):
+            kernels.peak("gemm_f32", out, 0, iters)
 
 
 def _sample_head(out: "gpu.Buffer", cap: int):

@@ -1217,3 +1217,36 @@ def test_image_rows_and_mrope_match_cpu(variant, gpu_device, tiny_file, cpu_mode
     d = float(np.abs(out["gpu"].astype(np.float64) - out["cpu"]).max())
     print(f"\nimage rows {gpu.variant_name(tier, arch)}: max|Δ| vs the CPU engine {d:.2e}")
     assert d <= tol.LOGIT_ABS_F32, d
+
+
+GDN_GEMMS = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out")
+ATTN_GEMMS = ("attn_q", "attn_k", "attn_v", "attn_output")
+
+
+@pytest.mark.parametrize("tier", ["kepler", "dp4a"])
+def test_profile_counts_each_prefill_gemm(tier, gpu_device, quant_file):
+    """GpuModel.profile on a Q8_0 pass of 40 tokens: the GEMMs of the GDN and attention phases count 2 operations per
+    weight per token of exactly the matrices those layers multiply (bench gpu's TFLOP/s and % of peak rest on it),
+    with the kernel the tier runs; each phase's GEMM time fits in the phase's."""
+    cpu = Model(quant_file("dense", "q8_0"), n_threads=2, pin=False)
+    gm = resident(cpu, tier=tier, arch=NATIVE_ARCH)
+    n = 40
+    try:
+        gm.profile(True)
+        gm.forward(gm.new_state(64), sequence(n, cpu.hparams.n_vocab))
+        phases, gemms = gm.profile_report(), gm.profile_gemms()
+        gm.profile(False)
+    finally:
+        gm.close()
+    int8 = ("gemm_mma" if gm.k.has_mma else "gemm_dp4a") if tier == "dp4a" else "gemm_f32"
+    want: dict = {}
+    for i, L in enumerate(gm.layers):
+        ph, slots = ("gdn", GDN_GEMMS) if cpu.hparams.recurrent[i] else ("attention", ATTN_GEMMS)
+        for s in slots:
+            key = (ph, "gemm_f32" if L[s].qtype == gpu.F32 else int8)
+            want[key] = want.get(key, 0) + 2 * n * L[s].nrows * L[s].ncols
+    assert {p for p, _ in want} == {"gdn", "attention"} and any(m == int8 for _, m in want)
+    assert {key: gemms[key][1] for key in gemms if key[0] in ("gdn", "attention")} == want
+    for ph in ("gdn", "attention"):
+        assert 0 < sum(v[0] for (p, _), v in gemms.items() if p == ph) <= phases[ph]
+    assert set(p for p, _ in gemms) <= set(phases) and {"gdn", "attention", "ffn rest"} <= set(phases)

@@ -72,9 +72,13 @@ class ForwardOps:
 
     def profile(self, on: bool = True) -> None:
         """Times the GPU's work per phase of passes with more than one token (events between phases; adds a
-        little host work per layer): read with profile_report(). Decode plans are not profiled."""
+        little host work per layer): read with profile_report(); and each prefill GEMM (events around it): read
+        with profile_gemms(). Decode plans are not profiled."""
         self._prof = {} if on else None
         self._prof_marks: list = []
+        self._prof_gemms: dict = {}
+        self._gemm_marks: list = []
+        self.k.gemm_log = [] if on else None
 
     def _mark(self, phase: str) -> None:
         """Ends `phase` (the GPU work launched since the previous mark) when profiling."""
@@ -83,6 +87,8 @@ class ForwardOps:
         e = gpu.Event()
         e.record()
         self._prof_marks.append((phase, e))
+        self._gemm_marks.extend((phase, g) for g in self.k.gemm_log)
+        self.k.gemm_log.clear()
 
     def profile_report(self) -> dict:
         """{phase: GPU seconds} summed since profile() (the first mark of each pass starts its clock)."""
@@ -95,6 +101,19 @@ class ForwardOps:
             prev = e
         self._prof_marks = marks[-1:] if marks else []
         return dict(self._prof)
+
+    def profile_gemms(self) -> dict:
+        """{(phase, GEMM kernel module): [GPU seconds, operations (2 per weight per token), launches]} of the
+        prefill GEMMs since profile(); each GEMM counts in the phase its pass marked next."""
+        if self._prof is None:
+            return {}
+        for phase, (mod, ops, e0, e1) in self._gemm_marks:
+            acc = self._prof_gemms.setdefault((phase, mod), [0.0, 0, 0])
+            acc[0] += e0.elapsed_ms(e1) / 1e3
+            acc[1] += ops
+            acc[2] += 1
+        self._gemm_marks = []
+        return {k: list(v) for k, v in self._prof_gemms.items()}
 
     def _mm(self, w: _W, x: int, y: int, n: int, xq: int | None = None) -> None:
         """y[n, w.nrows] = x[n, w.ncols] W^T. xq: x already quantised to Q8_1 (n rows; from add_rmsnorm, _hq)."""

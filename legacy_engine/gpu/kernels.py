@@ -7,13 +7,15 @@ import math
 
 import numpy as np
 
+from ..core.errors import UnavailableError
 from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_MAX_HD, ATTN_MAX_SPLIT, ATTN_MIN_KEYS_PER_SPLIT,
                      ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_THREADS, ATTN_WARPS, CONV_MAX_K, CONV_THREADS,
                      CONV_TOKENS, EW_THREADS, GDNC_C, GDNC_COLS, GDNC_MAX_DK, GDNC_THREADS, GDN_COLS,
                      GDN_EW_THREADS, GDN_MAX_DK, GDN_NORM_THREADS, GDN_THREADS,
                      GEMM_TT, GET_ROWS_THREADS, HYBRID_FETCH_BLOCKS, HYBRID_PRED_E, HYBRID_THREADS, HY_EARLY_MAX,
                      HY_PRED_MAX, MAX_GRID, MAX_PAIRS, MOE_COMBINE_THREADS, MOE_MAX_K, MOE_SORT_MAX_E,
-                     MOE_SORT_MAX_TILE, MOE_SORT_THREADS, MOE_THREADS, MOE_WSUM_MIN, Q8_1_BYTES, Q8_THREADS,
+                     MOE_SORT_MAX_TILE, MOE_SORT_THREADS, MOE_THREADS, MOE_WSUM_MIN, PEAK_CHAINS, PEAK_MMA_CHAINS,
+                     PEAK_THREADS, Q8_1_BYTES, Q8_THREADS,
                      RMSNORM_THREADS, ROPE_MAX_HD, ROPE_THREADS, SAMPLE_BINS, SAMPLE_BINS_PER_NAT, SAMPLE_DRAW_AT,
                      SAMPLE_DRAW_BLOCK, SAMPLE_HEAD, SAMPLE_MAX_PARTS, SAMPLE_THREADS, SAMPLE_WORK_BYTES, _need,
                      _ptr)
@@ -97,6 +99,26 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         self.modules["quantize_q8_1"].kernel("quantize_q8_1").launch(
             (self._grid(-(-n // Q8_THREADS)), 1, 1), (Q8_THREADS, 1, 1),
             [("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", n)], stream=stream)
+
+    # The products of the prefill GEMMs (their module) -> the peak kernel of the same instruction and the operations
+    # one thread's iteration of it counts (cuda8/peak.cu: 2 per multiply-add; a warp's m16n8k16 is 4096).
+    PEAK_OF = {"gemm_f32": ("peak_fma_f32", 2 * PEAK_CHAINS), "gemm_dp4a": ("peak_dp4a_s8", 8 * PEAK_CHAINS),
+               "gemm_mma": ("peak_mma_s8", 4096 // 32 * PEAK_MMA_CHAINS)}
+
+    def peak(self, gemm: str, out, blocks: int, iters: int, stream: Stream | None = None) -> int:
+        """Runs the peak kernel of `gemm`'s instruction (PEAK_OF) on `blocks` blocks of PEAK_THREADS, `iters` steps
+        each; out: [blocks * PEAK_THREADS] f32 / int32 (each thread's sums: c + iters for the FMA chains, 4 * iters
+        + c for dp4a's, 16 * iters per accumulator for mma's). -> the operations it ran."""
+        kernel, per_iter = self.PEAK_OF[gemm]
+        if gemm == "gemm_mma" and not self.has_mma:
+            raise UnavailableError(f"peak: the {self.name} kernels have no int8 mma")
+        if not 0 < blocks <= MAX_GRID or iters <= 0:
+            raise ValueError(f"peak: blocks = {blocks} (1…{MAX_GRID}), iters = {iters}")
+        _need(out, 4 * blocks * PEAK_THREADS, "peak out")
+        a, b = (("f32", 1.0), ("f32", 1.0)) if gemm == "gemm_f32" else (("i32", 0x01010101), ("i32", 0x01010101))
+        self.modules["peak"].kernel(kernel).launch((blocks, 1, 1), (PEAK_THREADS, 1, 1),
+                                                   [("ptr", _ptr(out)), ("i32", iters), a, b], stream=stream)
+        return per_iter * iters * blocks * PEAK_THREADS
 
     # ---- the layer ops after the matmuls (cuda8/conv1d.cu, gdn.cu, attention.cu, moe_route.cu, argmax.cu,
     # elementwise.cu); every tensor f32 unless said, shapes as in each file's header.

@@ -60,6 +60,7 @@ SAMPLE_DRAW_AT = 48     # the head's draw fields (inv_t, cut_x, cut_id, pad2, u)
 SAMPLE_WORK_BYTES = 4 * SAMPLE_MAX_PARTS + 8 * SAMPLE_BINS + 4 * SAMPLE_BINS   # partials, bin masses, bin counts
 EW_THREADS, ROPE_THREADS, ROPE_MAX_HD = _D["EW_THREADS"], _D["ROPE_THREADS"], _D["ROPE_MAX_HD"]
 GET_ROWS_THREADS, MOE_COMBINE_THREADS = _D["GET_ROWS_THREADS"], _D["MOE_COMBINE_THREADS"]
+PEAK_THREADS, PEAK_CHAINS, PEAK_MMA_CHAINS = _D["PEAK_THREADS"], _D["PEAK_CHAINS"], _D["PEAK_MMA_CHAINS"]
 
 
 def _aligned16(b, what: str) -> None:

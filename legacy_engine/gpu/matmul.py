@@ -8,13 +8,28 @@ import numpy as np
 from ..core.errors import UnavailableError
 from .launch import (F32, GEMM_MMA_TT, GEMM_ROWS, GEMM_THREADS, GEMM_TT, GEMV_ROWS, GEMV_THREADS, GPU_TYPES,
                      MAX_GRID, MAX_PAIRS, Q8_1_BYTES, _aligned16, _need, _ptr)
-from .runtime import Stream
+from .runtime import Event, Stream
 from .toolchain import MMA_ARCH
 
 
 class MatmulLaunchers:
     """The matmuls of Kernels: each checks its weights (_weights), activations and outputs, then launches on
-    `stream` (default stream when None) without waiting. Needs the host class's modules, name, has_mma and _grid."""
+    `stream` (default stream when None) without waiting. Needs the host class's modules, name, has_mma and _grid.
+    gemm_log: None, or a list each prefill GEMM appends (kernel module, operations, start and end events) to:
+    the profile of GpuModel.profile (2 operations per weight per token, the peak kernels' count)."""
+
+    gemm_log: list | None = None
+
+    def _gemm_timed(self, mod: str, ops: int, stream, launch) -> None:
+        """launch(), between two events on `stream` into gemm_log when it is a list."""
+        if self.gemm_log is None:
+            launch()
+            return
+        e0, e1 = Event(), Event()
+        e0.record(stream)
+        launch()
+        e1.record(stream)
+        self.gemm_log.append((mod, ops, e0, e1))
 
     def _weights(self, qtype: int, W, nrows: int, ncols: int, what: str) -> str:
         if qtype == F32:
@@ -143,10 +158,11 @@ class MatmulLaunchers:
         if not 0 < ntok <= tt * MAX_GRID:
             raise ValueError(f"{mod}: ntok = {ntok} outside 1…{tt * MAX_GRID}")
         _need(Y, 4 * nrows * ntok, f"{mod} Y")
-        self.modules[mod].kernel(f"{mod}_{suffix}").launch(
+        kern = self.modules[mod].kernel(f"{mod}_{suffix}")
+        self._gemm_timed(mod, 2 * nrows * ncols * ntok, stream, lambda: kern.launch(
             (self._grid(-(-nrows // GEMM_ROWS)), -(-ntok // tt), 1), (GEMM_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
-            stream=stream)
+            stream=stream))
 
     @staticmethod
     def group_tile(int8: bool, mma: bool) -> int:
@@ -190,7 +206,8 @@ class MatmulLaunchers:
             _aligned16(X, f"{what} X")
         _need(Y, 4 * nrows * n_pairs, f"{what} Y")
         _need(tiles, 12 * n_tiles, f"{what} tiles")
-        self.modules[mod].kernel(f"{mod}_{suffix}_ids").launch(
+        kern = self.modules[mod].kernel(f"{mod}_{suffix}_ids")
+        self._gemm_timed(mod, 2 * nrows * ncols * n_pairs, stream, lambda: kern.launch(
             (self._grid(-(-nrows // GEMM_ROWS)), n_tiles, 1), (GEMM_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols),
-             ("ptr", _ptr(tiles)), ("i64", int(expert_bytes))], stream=stream)
+             ("ptr", _ptr(tiles)), ("i64", int(expert_bytes))], stream=stream))

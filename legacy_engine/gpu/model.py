@@ -35,7 +35,7 @@ from .hybrid import LOOKAHEAD_PRED, HybridChannel, HybridLayout
 from .kernels import GDN_CHUNKED_TIERS
 from .layout import f32_routers
 from .options import GpuOptions, default_tier
-from .placement import PREFILL_CHUNK, Placement, place
+from .placement import Placement, place, resident_chunk
 from .residency import Residency
 from .sample import DeviceSampler
 from .scratch import Scratch, rope_rows, rope_table
@@ -59,14 +59,15 @@ class GpuModel(ForwardOps):
         self._start(options)
 
     @classmethod
-    def resident(cls, model, options: GpuOptions | None = None, n_ctx: int = 4096, chunk: int = PREFILL_CHUNK,
+    def resident(cls, model, options: GpuOptions | None = None, n_ctx: int = 4096, chunk: int | None = None,
                  vram: int | None = None) -> "GpuModel":
-        """Everything of `model` in VRAM: passes of up to `chunk` tokens, states of up to n_ctx positions (the
-        scratch for Q8_1 activations where the options run int8 matmuls on this device), under `vram` bytes when
-        given."""
+        """Everything of `model` in VRAM: passes of up to `chunk` tokens (None: placement.resident_chunk, the
+        longest that fits), states of up to n_ctx positions (the scratch for Q8_1 activations where the options run
+        int8 matmuls on this device), under `vram` bytes when given."""
         options = options or GpuOptions()
         gpu.init()
         int8 = any(options.precision(gpu.device_arch()))
+        chunk = resident_chunk(model.file, vram, n_ctx, int8) if chunk is None else chunk
         return cls(model, place(model.file, budget=vram, n_ctx=n_ctx, chunk=chunk, int8=int8), options)
 
     # ------------------------------------------------------------------ construction, in steps

@@ -18,6 +18,10 @@ from .layout import (VramFootprint, arena_bytes, check_fits, expert_tensors, ext
 
 PREFILL_CHUNK = 512      # tokens per pass by default: bounds the scratch
 MAX_CHUNK = 4096         # the most a GpuModel may be asked for (n*k MoE pairs <= MAX_PAIRS is checked too)
+# A resident model's passes, longest first: the longest whose scratch fits the budget (resident_chunk). Longer passes
+# give the GEMMs' grids more token tiles: 0.8B Q8_0 on an H200, pp2048 29.8k tok/s in passes of 2048 against 19.4k
+# in passes of 512 (benchmarks/results/resident_prefill_2026-11-29.md).
+RESIDENT_CHUNKS = (2048, 1024, 512)
 DECODE_MODES = ("gpu", "cpu", "hybrid")
 RESIDENCIES = ("resident", "streamed", "host")
 
@@ -110,6 +114,17 @@ def _check_settings(file, decode: str, chunk: int, link_experts: int, early_expe
         if set(es) & set(pinned.get(i, ())):
             raise ValueError(f"decode_extras: layer {i} experts {list(es[:4])}… outside {hp.n_layer} layers x "
                              f"{hp.n_expert}, or pinned")
+
+
+def resident_chunk(file, budget: int | None = None, n_ctx: int = 4096, int8: bool = True) -> int:
+    """The pass length of a resident model of `file`: the longest of RESIDENT_CHUNKS whose footprint (n_ctx
+    positions, int8 scratch) fits `budget` bytes (None: no budget); the shortest when none does (place then says
+    what does not fit)."""
+    for chunk in RESIDENT_CHUNKS:
+        fp = vram_footprint(file, n_ctx=n_ctx, chunk=chunk, int8=int8, logit_rows=head_rows(chunk, False))
+        if budget is None or fp.total <= budget:
+            return chunk
+    return RESIDENT_CHUNKS[-1]
 
 
 def place(file, *, budget: int | None = None, n_ctx: int = 4096, chunk: int = PREFILL_CHUNK, int8: bool = True,

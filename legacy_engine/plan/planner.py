@@ -52,7 +52,7 @@ from ..format.footprint import weight_footprint
 from ..gpu.layout import (ALLOC_GRANULE, GiB, MiB, VramFootprint, WEIGHT_ALIGN, align_up, expected_distinct,
                           expert_bytes, layer_expert_bytes, staging_pool_bytes, state_bytes, vram_footprint)
 from ..gpu.options import GpuOptions
-from ..gpu.placement import Placement, place
+from ..gpu.placement import Placement, place, resident_chunk
 from .probe import Machine, measure
 
 
@@ -341,9 +341,10 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
         return _rank(out, gen)
     budget = m.vram_free if vram is None else vram
     int8 = m.gpu_tier == "dp4a"
-    fp_res = vram_footprint(file, n_ctx=n_ctx, chunk=chunk, int8=int8)
+    res_chunk = resident_chunk(file, budget, n_ctx, int8)
+    fp_res = vram_footprint(file, n_ctx=n_ctx, chunk=res_chunk, int8=int8)
     if fp_res.total <= budget:
-        pre, parts = _gpu_prefill(m, file, fpd, prompt, chunk, False, {})
+        pre, parts = _gpu_prefill(m, file, fpd, prompt, res_chunk, False, {})
         n_launch = GPU_DECODE_LAUNCHES_PER_LAYER * hp.n_layer
         dec = fpd.decode_bytes / (m.gpu_gemv_gbps * 1e9) + n_launch * m.gpu_launch_us * 1e-6
         out.append(Strategy("resident", True, f"everything in VRAM: {fp_res.describe()}", fp_res.total, pre, dec,
@@ -467,10 +468,12 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, options: Gp
         raise ValueError(f"reserve = {reserve}: 0 … the budget ({held})")
     budget = held - reserve
     kept = f" ({reserve / GiB:.2f} GiB more kept for the vision tower)" if reserve else ""
-    fp = vram_footprint(file, n_ctx=n_ctx, int8=int8)
+    chunk = resident_chunk(file, budget, n_ctx, int8)
+    fp = vram_footprint(file, n_ctx=n_ctx, chunk=chunk, int8=int8)
     if fp.total <= budget:
-        return place(file, budget=held, reserved=reserve, n_ctx=n_ctx, int8=int8,
-                     why=f"resident: {fp.describe()} in a budget of {budget / GiB:.2f} GiB{kept}")
+        return place(file, budget=held, reserved=reserve, n_ctx=n_ctx, chunk=chunk, int8=int8,
+                     why=f"resident, passes of {chunk} tokens: {fp.describe()} in a budget of {budget / GiB:.2f} "
+                         f"GiB{kept}")
     if not file.hparams.n_expert:
         raise PlanningError(f"the model needs {fp.total / GiB:.2f} GiB of VRAM ({fp.describe()}), the budget is "
                             f"{budget / GiB:.2f} GiB{kept}, and a dense model has no experts to stream: run it on the "

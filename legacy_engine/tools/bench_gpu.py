@@ -14,6 +14,10 @@ GEMVs below it; llama.cpp = a llama-bench binary built with CUDA (`-ngl 99`, all
   bytes/tok weights read per decoded token (footprint.weight_footprint: experts at top-k/n_expert of their bytes)
   % HBM     tg tok/s * bytes/tok / the device-to-device copy bandwidth measured here (read + write counted)
 Each measurement: one untimed warm-up, then --reps runs; the median counts.
+--profile: one more pass of the longest pp per row, timed per phase on the GPU (embed, gdn, attention, ffn rest,
+head: the phases GpuModel.profile marks) and per prefill GEMM kernel: its TFLOP/s (2 operations per weight per
+token) and % of the tier's peak, the peak being the same instruction's rate measured on this card (cuda8/peak.cu:
+FMA for gemm_f32, dp4a for gemm_dp4a, mma.sync for gemm_mma).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import functools
 import json
 import statistics
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -33,12 +38,63 @@ from ..core.errors import UnavailableError
 from ..cpu.model import Model
 from ..format.footprint import weight_footprint
 from ..format.gguf_model import ModelFile
+from ..gpu.launch import PEAK_THREADS
 from ..gpu.model import GpuModel
 from ..gpu.options import GpuOptions
 from ..plan.planner import save_routing
 from ..serve.sampling import Sampler, SamplingParams
 
 WARM_PREFILL = 16
+PEAK_ITERS = 4096          # steps per thread of a peak kernel: ~1 ms on an H200, launch cost negligible
+PEAK_BLOCKS_PER_SM = 8     # 2048 threads: every SM full whatever its resident-thread limit
+
+
+def instruction_peak(k, gemm: str, reps: int = 3) -> float:
+    """Operations/s of `gemm`'s instruction on this card (Kernels.peak: cuda8/peak.cu), best of `reps` after one
+    warm-up."""
+    blocks = PEAK_BLOCKS_PER_SM * _native.gpu_info()["devices"][_native.gpu_current_device()]["multiprocessors"]
+    best = float("inf")
+    with gpu.Buffer(4 * blocks * PEAK_THREADS, "peak out") as out:
+        e0, e1 = gpu.Event(), gpu.Event()
+        for rep in range(reps + 1):
+            e0.record()
+            ops = k.peak(gemm, out, blocks, PEAK_ITERS)
+            e1.record()
+            if rep:
+                best = min(best, e0.elapsed_ms(e1) / 1e3)
+            else:
+                e1.synchronize()
+    return ops / best
+
+
+def gemm_table(k, gemms: dict, passes: int = 1) -> list[dict]:
+    """GpuModel.profile_gemms' {(phase, kernel): [s, ops, launches]} summed over `passes` passes -> per pass rows
+    {"phase", "kernel", "s", "tflops", "peak_tflops", "pct_peak", "launches"}, the peak being the kernel's
+    instruction measured on this card (instruction_peak of the variant's kernels k)."""
+    peaks = {mod: instruction_peak(k, mod) for mod in {m for _, m in gemms}}
+    return [{"phase": ph, "kernel": mod, "s": s / passes, "tflops": ops / s / 1e12, "peak_tflops": peaks[mod] / 1e12,
+             "pct_peak": 100 * ops / s / peaks[mod], "launches": n // passes}
+            for (ph, mod), (s, ops, n) in sorted(gemms.items(), key=lambda kv: -kv[1][0])]
+
+
+def print_gemms(rows: list[dict], indent: str = "  ") -> None:
+    for g in rows:
+        print(f"{indent}{g['phase']:<26} {g['kernel']:<10} {1e3 * g['s']:8.2f} ms  {g['launches']:4d} launches "
+              f"{g['tflops']:7.1f} TFLOP/s = {g['pct_peak']:5.1f} % of the {g['peak_tflops']:.0f} TFLOP/s peak")
+
+
+def profile_pass(gm, st, ids) -> dict:
+    """One pass of `ids` from an empty state with GpuModel.profile on -> {"phases": {phase: s}, "gemms": [{"phase",
+    "kernel", "s", "tflops", "peak_tflops", "pct_peak", "launches"}], "total_s"}."""
+    st.reset()
+    gm.profile(True)
+    try:
+        gm.forward(st, ids)
+        phases, gemms = gm.profile_report(), gm.profile_gemms()
+    finally:
+        gm.profile(False)
+    rows = gemm_table(gm.k, gemms)
+    return {"phases": phases, "gemms": rows, "total_s": sum(phases.values())}
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
@@ -65,7 +121,7 @@ def _median_time(fn, reps: int) -> float:
 
 
 def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: int,
-               graphs: bool | None = None, sample=None) -> dict:
+               graphs: bool | None = None, sample=None, profile: bool = False) -> dict:
     tier, arch = variant
     gm = GpuModel.resident(model, GpuOptions(tier=tier, arch=arch, graphs=graphs,
                                              save_routing=functools.partial(save_routing, model)))
@@ -80,6 +136,8 @@ def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: 
             st.reset()
             gm.forward(st, ids[:pp])
         row["pp"][pp] = pp / _median_time(prefill, reps)
+    if profile and pps:
+        row["profile"] = {"pp": max(pps), **profile_pass(gm, st, ids[:max(pps)])}
 
     def decode():
         st.reset()
@@ -142,7 +200,7 @@ def bench_llama(binary: str, path: str, pps, tg: int, reps: int, flags=("-ngl", 
 
 
 def bench_gpu(path: str, pps=(512, 2048), tg: int = 64, reps: int = 3, variants=None, llama: str | None = None,
-              log=None, sample=None) -> dict:
+              log=None, sample=None, profile: bool = False) -> dict:
     log = log or (lambda s: None)
     dev = gpu.init()
     arch = gpu.device_arch()
@@ -159,7 +217,7 @@ def bench_gpu(path: str, pps=(512, 2048), tg: int = 64, reps: int = 3, variants=
     for v, graphs in runs:
         log(f"legacy_engine {gpu.variant_name(*v)}{' no graphs' if graphs is False else ''} …")
         try:
-            res["rows"].append(bench_ours(model, v, pps, tg, reps, n_ctx, graphs, sample))
+            res["rows"].append(bench_ours(model, v, pps, tg, reps, n_ctx, graphs, sample, profile and graphs is None))
         except Exception as e:      # a variant that cannot be built or run here: its row says why
             res["rows"].append({"engine": f"legacy_engine {gpu.variant_name(*v)}", "error": str(e)[:300]})
     if llama:
@@ -205,6 +263,19 @@ def print_gpu(res: dict) -> None:
                   f"window {ds['window']}, from the downloaded row {ds['row']}")
 
 
+def print_profiles(res: dict) -> None:
+    """Each profiled row's pass: GPU ms per phase, then each GEMM kernel's share, TFLOP/s and % of the tier's peak."""
+    for r in res["rows"]:
+        pr = r.get("profile")
+        if not pr:
+            continue
+        tot = pr["total_s"]
+        print(f"\n{r['engine']}: one pp{pr['pp']} pass, {1e3 * tot:.2f} ms of GPU work: " + ", ".join(
+            f"{ph} {1e3 * s:.2f} ms ({100 * s / tot:.0f} %)" for ph, s in sorted(pr["phases"].items(),
+                                                                               key=lambda kv: -kv[1])))
+        print_gemms(pr["gemms"])
+
+
 def main(args) -> int:
     pps = [int(p) for p in str(args.pp).split(",") if p]
     variants = None
@@ -214,11 +285,13 @@ def main(args) -> int:
             tier, _, sm = v.partition("-sm")
             variants.append((tier, int(sm)))
     res = bench_gpu(args.model, pps, args.tg, args.reps, variants, args.llama,
-                    log=lambda s: print(s, flush=True, file=__import__("sys").stderr), sample=parse_sample(args.sample))
+                    log=lambda s: print(s, flush=True, file=sys.stderr), sample=parse_sample(args.sample),
+                    profile=args.profile)
     if args.json:
         print(json.dumps(res, indent=1, default=float))
     else:
         print_gpu(res)
+        print_profiles(res)
     return 0
 
 
@@ -234,4 +307,7 @@ def add_parser(sub) -> None:
     gp.add_argument("--sample", default=SAMPLE_DEFAULT, metavar="KEY=V,...|off",
                     help="also decode as generation does, greedy and sampled with these settings (bench decode's "
                          f"--sample); off: skip ({SAMPLE_DEFAULT})")
+    gp.add_argument("--profile", action="store_true",
+                    help="also time one pass of the longest --pp per phase and per GEMM kernel, with the GEMMs' "
+                         "TFLOP/s and % of the tier's peak measured on this card")
     gp.add_argument("--json", action="store_true", help="print JSON instead of the table")

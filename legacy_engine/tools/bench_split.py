@@ -32,7 +32,7 @@ from .. import gpu
 from ..plan import planner, probe
 from ..plan.split import SplitModel
 from .bench import _times, seeded_tokens
-from .bench_gpu import bench_llama as run_llama
+from .bench_gpu import bench_llama as run_llama, gemm_table, print_gemms
 from ..core.errors import UnavailableError
 from ..cpu.model import Model
 from ..gpu.model import GpuModel
@@ -226,6 +226,7 @@ def _gpu_row(model, name: str, st0, m, vram, n_ctx, counts, simulate_link, mma, 
         n_runs = (reps + 1) * len(prompts) + max(1, reps) * sum(d + 1 >= min(prompts) for d in tg_depths) \
             + bool(gen and tg_depths and tg_depths[0] + 1 >= min(prompts))      # the decode's warm-up
         row["gpu_phases_per_prefill_s"] = {k: v / n_runs for k, v in gm.profile_report().items()}
+        row["gpu_gemms_per_prefill"] = gemm_table(gm.k, gm.profile_gemms(), n_runs)
         if base == "hybrid" and gm.hybrid_stats["steps"]:
             row["hybrid_per_token"] = _hybrid_per_token(gm)
         if base in ("stream", "hybrid"):
@@ -365,6 +366,10 @@ def print_split(res: dict) -> None:
             ph = r["gpu_phases_per_prefill_s"]
             print(f"{'':<28}GPU time per prefill (mean over prompts): " +
                   ", ".join(f"{k} {v:.3f} s" for k, v in sorted(ph.items(), key=lambda kv: -kv[1])))
+        if r.get("gpu_gemms_per_prefill"):
+            print(f"{'':<28}its GEMMs per prefill (TFLOP/s: 2 per weight per token; peak: the instruction's, "
+                  "measured here):")
+            print_gemms(r["gpu_gemms_per_prefill"], indent=" " * 30)
 
 
 def plot(res: dict, out: str) -> None:
