@@ -26,6 +26,9 @@
  *     n query tokens at positions pos … pos+n-1 (their keys already in the cache), token t sees keys 0 … pos+t
  *     launch: block ATTN_PREFILL_THREADS (256) x 1 x 1, grid n_head x min(ceil(n / ATTN_QTILE), 65535) x 1
  *     (query tiles grid-strided)
+ *   attn_prefill_tiled_f32(same arguments)       the prefill as register-tiled products (kepler and dp4a tiers)
+ *     launch: block ATTN_T_THREADS (128) x 1 x 1, grid n_head x min(ceil(n / ATTN_T_Q), 65535) x 1; hd a multiple
+ *     of ATTN_T_D (32)
  *   hd: a multiple of 32, <= ATTN_MAX_HD (256, Qwen3.5's head size).
  *
  * Decode: each warp takes every ATTN_WARPS-th key of the split, ATTN_UNROLL keys a step (their K
@@ -42,6 +45,13 @@
  * Masked (future) keys get ATTN_NEG_BIG, not -inf: e^(NEG_BIG - m) is 0 and m - m never makes a NaN.
  * The reference sums the softmax denominator in f64 and normalises first; here the order of
  * sums and roundings differs (bound: tests/test_gpu.py ATTN_EXTRA).
+ * Tiled prefill (LE_HAS_MANY_REGS): a block takes ATTN_T_Q (32) queries of one head and walks the keys in tiles of
+ * ATTN_T_K (32). Scores: thread (tq, tk) = (t / 8, t % 8) computes queries 2tq, 2tq+1 x keys 4tk … 4tk+3 over
+ * the tile's queries (every dim, in shared memory) and chunks of ATTN_T_D (32) dims of K staged in shared memory,
+ * each chunk fetched into registers while the one before is computed (6 shared loads per 8 FMAs; the
+ * one-query-per-warp kernel makes 2 per FMA); the scores go through shared memory, where warp w updates rows 8w … 8w+7's online softmax
+ * (m, l, and alpha, the old sum's factor); then P V: the thread keeps its 2 queries x (tk + 8i, i < 4) dims of
+ * every 32-dim chunk of V in 64 registers (V rows read conflict-free, P broadcast).
  * Not here yet: one block per kv head for GQA (K and V are read once per query head; the other
  * heads of the group hit L2), and fp16 / quantised KV caches.
  * Tiers: all (fermi: warp sums and maxima in shared memory, plain loads).
@@ -63,6 +73,10 @@
 #define ATTN_QTILE 8             /* prefill: queries per block (= its warps) */
 #define ATTN_KTILE 32 /* prefill: keys per tile, one per lane */
 #define ATTN_NEG_BIG (-1e30f)
+#define ATTN_T_THREADS 128 /* tiled prefill: 4 warps */
+#define ATTN_T_Q 32        /* tiled prefill: queries per block, 2 per thread row group */
+#define ATTN_T_K 32        /* tiled prefill: keys per tile, 4 per thread */
+#define ATTN_T_D 32        /* tiled prefill: dims per staged chunk of k and v */
 #define ATTN_MIN_KEYS_PER_SPLIT 32 /* decode: the fewest keys a split takes (pos_dev: in the kernels; else the launcher's) */
 
 __device__ __forceinline__ float attn_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -285,6 +299,157 @@ extern "C" __global__ void attn_prefill_f32(const float *LE_RESTRICT qg, const f
         }
     }
 }
+
+#if LE_HAS_MANY_REGS
+#define ATTN_T_PER (ATTN_T_K * ATTN_T_D / ATTN_T_THREADS) /* floats of a staged chunk per thread */
+
+/* chunk ci (< 2 ndc) of the key tile at k0 into registers: K's dims (ci % ndc) * ATTN_T_D … for ci < ndc, then V's;
+ * rows >= n_keys as 0. Loaded a chunk ahead of its use: the loads are in flight while the block computes. */
+__device__ __forceinline__ void attn_t_fetch(const float *LE_RESTRICT kb, const float *LE_RESTRICT vb, size_t stride,
+                                             int k0, int n_keys, int ci, int ndc, float *pf) {
+    const float *base = ci < ndc ? kb : vb;
+    const int d0 = (ci < ndc ? ci : ci - ndc) * ATTN_T_D;
+#pragma unroll
+    for (int j = 0; j < ATTN_T_PER; j++) {
+        const int i = threadIdx.x + j * ATTN_T_THREADS, r = i / ATTN_T_D, d = i % ATTN_T_D;
+        pf[j] = k0 + r < n_keys ? le_ldg(base + (size_t)(k0 + r) * stride + d0 + d) : 0.0f;
+    }
+}
+
+/* the chunk after ci of the tile at k0 (the next tile's first when ci is its last; none after the last tile) */
+__device__ __forceinline__ void attn_t_next(const float *LE_RESTRICT kb, const float *LE_RESTRICT vb, size_t stride,
+                                            int k0, int n_keys, int ci, int ndc, float *pf) {
+    if (ci + 1 < 2 * ndc)
+        attn_t_fetch(kb, vb, stride, k0, n_keys, ci + 1, ndc, pf);
+    else if (k0 + ATTN_T_K < n_keys)
+        attn_t_fetch(kb, vb, stride, k0 + ATTN_T_K, n_keys, 0, ndc, pf);
+}
+
+/* the fetched chunk into shared memory (rows ATTN_T_D + 1 apart: the score loop's rows hit different banks) */
+__device__ __forceinline__ void attn_t_store(const float *pf, float (*tile)[ATTN_T_D + 1]) {
+    __syncthreads(); /* the previous chunk is consumed */
+#pragma unroll
+    for (int j = 0; j < ATTN_T_PER; j++) {
+        const int i = threadIdx.x + j * ATTN_T_THREADS;
+        tile[i / ATTN_T_D][i % ATTN_T_D] = pf[j];
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void attn_prefill_tiled_f32(const float *LE_RESTRICT qg, const float *LE_RESTRICT kc,
+                                                  const float *LE_RESTRICT vc, float *LE_RESTRICT o, int n, int pos,
+                                                  int n_head, int n_kv, int hd, float scale) {
+    __shared__ float qs[ATTN_T_Q][ATTN_MAX_HD + 1]; /* the tile's queries, every dim */
+    __shared__ float ks[ATTN_T_K][ATTN_T_D + 1];    /* a K chunk, or a V chunk */
+    __shared__ float ps[ATTN_T_Q][ATTN_T_K + 1];
+    __shared__ float m_s[ATTN_T_Q], l_s[ATTN_T_Q], a_s[ATTN_T_Q];
+    LE_SCRATCH(scratch, ATTN_T_THREADS);
+    const int t = threadIdx.x, tq = t / 8, tk = t % 8, lane = t % LE_WARP, w = t / LE_WARP;
+    const int h = blockIdx.x, kvh = h / (n_head / n_kv), ndc = hd / ATTN_T_D;
+    const size_t kvw = (size_t)n_kv * hd, qw = (size_t)n_head * 2 * hd;
+    const float *kb = kc + (size_t)kvh * hd, *vb = vc + (size_t)kvh * hd;
+    for (int q0 = blockIdx.y * ATTN_T_Q; q0 < n; q0 += gridDim.y * ATTN_T_Q) {
+        const int n_keys = pos + (q0 + ATTN_T_Q < n ? q0 + ATTN_T_Q : n); /* keys of the tile's last query */
+        float acc[ATTN_MAX_HD / ATTN_T_D][2][ATTN_T_D / 8], pf[ATTN_T_PER];
+#pragma unroll
+        for (int c = 0; c < ATTN_MAX_HD / ATTN_T_D; c++)
+#pragma unroll
+            for (int i = 0; i < ATTN_T_D / 8; i++) acc[c][0][i] = acc[c][1][i] = 0.0f;
+        attn_t_fetch(kb, vb, kvw, 0, n_keys, 0, ndc, pf);
+        __syncthreads(); /* the previous tile is done with qs, m_s, l_s */
+        for (int i = t; i < ATTN_T_Q * hd; i += ATTN_T_THREADS) {
+            const int r = i / hd, tok = q0 + r < n ? q0 + r : n - 1; /* rows past n repeat the last (not written) */
+            qs[r][i % hd] = le_ldg(qg + (size_t)tok * qw + (size_t)h * 2 * hd + i % hd);
+        }
+        if (t < ATTN_T_Q) {
+            m_s[t] = ATTN_NEG_BIG;
+            l_s[t] = 0.0f;
+        }
+        for (int k0 = 0; k0 < n_keys; k0 += ATTN_T_K) {
+            float sc[2][4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) sc[0][j] = sc[1][j] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < ATTN_MAX_HD / ATTN_T_D; c++) {
+                if (c >= ndc) break;
+                attn_t_store(pf, ks);
+                attn_t_next(kb, vb, kvw, k0, n_keys, c, ndc, pf);
+#pragma unroll 4
+                for (int d = 0; d < ATTN_T_D; d++) {
+                    const float a0 = qs[2 * tq][c * ATTN_T_D + d], a1 = qs[2 * tq + 1][c * ATTN_T_D + d];
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const float b = ks[4 * tk + j][d];
+                        sc[0][j] += a0 * b;
+                        sc[1][j] += a1 * b;
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const int key = k0 + 4 * tk + j, last = pos + min(q0 + 2 * tq + r, n - 1);
+                    ps[2 * tq + r][4 * tk + j] = key <= last ? sc[r][j] * scale : ATTN_NEG_BIG;
+                }
+            __syncthreads();
+            /* warp w: the online softmax of rows 8w … 8w+7, lane = key */
+            for (int r = 8 * w; r < 8 * w + 8; r++) {
+                const float s = ps[r][lane], m_old = m_s[r];
+                const float mn = fmaxf(m_old, le_warp_max(s, scratch));
+                const float ex = s > 0.5f * ATTN_NEG_BIG ? expf(s - mn) : 0.0f;
+                const float sum = le_warp_sum(ex, scratch);
+                ps[r][lane] = ex;
+                if (lane == 0) {
+                    const float alpha = expf(m_old - mn);
+                    a_s[r] = alpha;
+                    l_s[r] = l_s[r] * alpha + sum;
+                    m_s[r] = mn;
+                }
+            }
+            __syncthreads();
+            const float al0 = a_s[2 * tq], al1 = a_s[2 * tq + 1];
+#pragma unroll
+            for (int c = 0; c < ATTN_MAX_HD / ATTN_T_D; c++) {
+                if (c >= ndc) break;
+                attn_t_store(pf, ks);
+                attn_t_next(kb, vb, kvw, k0, n_keys, ndc + c, ndc, pf);
+#pragma unroll
+                for (int i = 0; i < ATTN_T_D / 8; i++) {
+                    acc[c][0][i] *= al0;
+                    acc[c][1][i] *= al1;
+                }
+#pragma unroll 2
+                for (int kk = 0; kk < ATTN_T_K; kk++) {
+                    const float p0 = ps[2 * tq][kk], p1 = ps[2 * tq + 1][kk];
+#pragma unroll
+                    for (int i = 0; i < ATTN_T_D / 8; i++) {
+                        const float v = ks[kk][tk + 8 * i];
+                        acc[c][0][i] += p0 * v;
+                        acc[c][1][i] += p1 * v;
+                    }
+                }
+            }
+        }
+        __syncthreads(); /* l_s final */
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int tok = q0 + 2 * tq + r;
+            if (tok >= n) continue;
+            const float inv = 1.0f / l_s[2 * tq + r];
+            const float *gate = qg + (size_t)tok * qw + (size_t)h * 2 * hd + hd;
+            float *ot = o + ((size_t)tok * n_head + h) * hd;
+#pragma unroll
+            for (int c = 0; c < ATTN_MAX_HD / ATTN_T_D; c++)
+#pragma unroll
+                for (int i = 0; i < ATTN_T_D / 8; i++) {
+                    const int e = c * ATTN_T_D + tk + 8 * i;
+                    if (c < ndc) ot[e] = acc[c][r][i] * inv * attn_sigmoid(le_ldg(gate + e));
+                }
+        }
+    }
+}
+#endif
 
 extern "C" __global__ void attn_kv_store_f32(const float *LE_RESTRICT k, const float *LE_RESTRICT v, float *kc, float *vc,
                                              const int *LE_RESTRICT pos_dev, int kvw) {

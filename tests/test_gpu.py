@@ -134,7 +134,8 @@ ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"qua
            "conv1d": {"conv1d_silu_f32", "conv1d_state_f32"},
            "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
            "gdn_chunked": {"gdn_chunk_prep_f32", "gdn_chunk_scan_f32"},
-           "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32", "attn_kv_store_f32"},
+           "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32", "attn_kv_store_f32",
+                         "attn_prefill_tiled_f32"},
            "moe_route": {"moe_route_f32"}, "moe_sort": {"moe_sort"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
            "elementwise": {"swiglu_f32", "add_f32", "add_scaled_f32"}, "rope": {"qk_norm_rope_f32"},
            "moe_combine": {"moe_combine_f32"}, "hybrid_sync": {"hybrid_publish_f32", "hybrid_wait_f32", "hybrid_fetch_u8",
@@ -153,6 +154,8 @@ def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
     suffixes = [tname(t) for t in TYPES]
     if name == "gemm_mma" and not gpu.has_mma(tier, arch):
         return {b"le_tier_probe"}
+    if name == "attention" and tier == "fermi":
+        return {e.encode() for e in ENTRIES[name] - {"attn_prefill_tiled_f32"}} | {b"le_tier_probe"}
     if name == "peak" and not gpu.has_mma(tier, arch):
         return {e.encode() for e in ENTRIES[name] - {"peak_mma_s8"}} | {b"le_tier_probe"}
     if name in ("gemv_f32", "gemv_dp4a"):
@@ -1571,7 +1574,7 @@ def test_position_from_device(kernels):
 def test_attention_prefill(kernels, n_head, n_kv, hd):
     rng = np.random.default_rng(16 + hd)
     scale = np.float32(1) / np.sqrt(np.float32(hd))
-    for n, pos in ((45, 20), (1, 0), (8, 0), (70, 3)):
+    for n, pos in ((45, 20), (1, 0), (8, 0), (70, 3), (130, 33)):
         qg = (rng.standard_normal((n, n_head * 2 * hd)) * 3).astype(np.float32)
         kc = rng.standard_normal((pos + n, n_kv * hd)).astype(np.float32)
         vc = rng.standard_normal((pos + n, n_kv * hd)).astype(np.float32)

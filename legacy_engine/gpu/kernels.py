@@ -9,7 +9,8 @@ import numpy as np
 
 from ..core.errors import UnavailableError
 from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_MAX_HD, ATTN_MAX_SPLIT, ATTN_MIN_KEYS_PER_SPLIT,
-                     ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_THREADS, ATTN_WARPS, CONV_MAX_K, CONV_THREADS,
+                     ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_T_D, ATTN_T_Q, ATTN_T_THREADS, ATTN_THREADS, ATTN_WARPS,
+                     CONV_MAX_K, CONV_THREADS,
                      CONV_TOKENS, EW_THREADS, GDNC_C, GDNC_COLS, GDNC_MAX_DK, GDNC_THREADS, GDN_COLS,
                      GDN_EW_THREADS, GDN_MAX_DK, GDN_NORM_THREADS, GDN_THREADS,
                      GEMM_TT, GET_ROWS_THREADS, HYBRID_FETCH_BLOCKS, HYBRID_PRED_E, HYBRID_THREADS, HY_EARLY_MAX,
@@ -29,6 +30,9 @@ from .vision_kernels import VisionLaunchers
 # fast as the recurrence (H200, 35B-A3B layer, 2048 tokens: 1.145 vs 1.247 ms). Fermi keeps the recurrence: its 63
 # registers force the chunked scan's loops rolled (1.797 vs 1.379 ms). benchmarks/results/gdn_chunked_2026-11-29.md.
 GDN_CHUNKED_TIERS = frozenset({"kepler", "dp4a"})
+# The tiers whose attention prefill runs attn_prefill_tiled_f32 (register tiles: 64 accumulators a thread, more than
+# Fermi's 63 registers hold; there the one-query-per-warp attn_prefill_f32). Head sizes a multiple of ATTN_T_D.
+ATTN_TILED_TIERS = frozenset({"kepler", "dp4a"})
 
 
 class Kernels(MatmulLaunchers, VisionLaunchers):
@@ -308,10 +312,14 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         _need(kc, 4 * (pos + n) * n_kv * hd, "attention_prefill kc")
         _need(vc, 4 * (pos + n) * n_kv * hd, "attention_prefill vc")
         _need(o, 4 * n * n_head * hd, "attention_prefill o")
+        args = [("ptr", _ptr(qg)), ("ptr", _ptr(kc)), ("ptr", _ptr(vc)), ("ptr", _ptr(o)), ("i32", n), ("i32", pos),
+                ("i32", n_head), ("i32", n_kv), ("i32", hd), ("f32", scale)]
+        if self.tier in ATTN_TILED_TIERS and hd % ATTN_T_D == 0:
+            self.modules["attention"].kernel("attn_prefill_tiled_f32").launch(
+                (n_head, self._grid(-(-n // ATTN_T_Q)), 1), (ATTN_T_THREADS, 1, 1), args, stream=stream)
+            return
         self.modules["attention"].kernel("attn_prefill_f32").launch(
-            (n_head, self._grid(-(-n // ATTN_QTILE)), 1), (ATTN_PREFILL_THREADS, 1, 1),
-            [("ptr", _ptr(qg)), ("ptr", _ptr(kc)), ("ptr", _ptr(vc)), ("ptr", _ptr(o)), ("i32", n), ("i32", pos),
-             ("i32", n_head), ("i32", n_kv), ("i32", hd), ("f32", scale)], stream=stream)
+            (n_head, self._grid(-(-n // ATTN_QTILE)), 1), (ATTN_PREFILL_THREADS, 1, 1), args, stream=stream)
 
     def moe_route(self, logits, ids, weights, n_tok: int, n_expert: int, k: int, wsum_min: float = MOE_WSUM_MIN,
                   stream: Stream | None = None) -> None:
