@@ -180,6 +180,21 @@ def test_every_source_is_known():
     assert set(gpu.SOURCES) - {"gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "gemm_mma", "get_rows"} == set(ENTRIES)
 
 
+@pytest.mark.cpu
+def test_every_device_test_is_gpu_marked():
+    """A test of the GPU test files that takes a device fixture carries the gpu marker (or its module does): the tier
+    table selects `-m gpu`, and an unmarked test would never run there."""
+    import ast
+    for name in ("test_gpu.py", "test_gpu_model.py", "test_gpu_vision.py"):
+        tree = ast.parse(open(os.path.join(os.path.dirname(__file__), name), encoding="utf-8").read())
+        if any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+               and "gpu" in ast.unparse(n.value) for n in tree.body):
+            continue
+        for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")):
+            if {"kernels", "gpu_device"} & {a.arg for a in fn.args.args}:
+                assert any("mark.gpu" in ast.unparse(d) for d in fn.decorator_list), f"{name}::{fn.name}"
+
+
 # launch constants of gpu.py that must equal the #defines of a cuda8 source
 LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
                     "gdn": ("GDN_THREADS", "GDN_COLS", "GDN_MAX_DK", "GDN_NORM_THREADS", "GDN_EW_THREADS"),
@@ -1668,6 +1683,7 @@ def test_argmax(kernels):
         assert bo.download(dtype=np.int32)[0] == np.argmax(y)
 
 
+@pytest.mark.gpu
 @variant_params()
 def test_peak_kernels(kernels):
     """cuda8/peak.cu: each chain's exact sum (so the loop ran every step: bench gpu's peak divides its counted
