@@ -84,6 +84,7 @@ void quantize_row_q8_K_avx2(const float *x, void *y, int64_t n);
  *   blocks' MLP activation. Reference le_gelu_tanh_ref (libm tanhf); the SIMD tiers the same function as
  *   x / (1 + exp(-2u)) with the vector expf (cpu_simd/gelu_tanh_x86.h). */
 #define LE_GDN_MAX_DV 1024
+#define LE_GDN_MAX_CONV_K 8 /* GDN conv taps (Qwen3.5: 4; cuda8/conv1d.cu's CONV_MAX_K): a stack tile in gdn.c */
 #define LE_GEMM_NN_KB 128 /* why: a B panel of 128 k x 64 columns (32 KiB: value rows, packed weights) stays in L1 */
 typedef void (*le_gdn_step_fn)(float *S, const float *q, const float *k, const float *v, float decay, float beta,
                                int dk, int dv, float *o);

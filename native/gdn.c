@@ -69,6 +69,12 @@ static void gdn_recurrent_head(const gdn_job *jb, float *S, int j, int r0, int n
     for (int t = r0; t < r0 + n; t++) gdn_step_token(jb, S, j, t, step);
 }
 
+/* y[c] -= a x[c] for the GDN_CHUNK columns of a row of Ti: past row m's own columns Ti_m is zero and y - a * 0 is y,
+ * so every column is taken: a constant count of rows that do not overlap (restrict) is a vector loop at -O2 */
+static inline void sub_scaled_row(float *restrict y, const float *restrict x, float a) {
+    for (int c = 0; c < GDN_CHUNK; c++) y[c] -= a * x[c];
+}
+
 /* The chunked form for rows [r0, r0 + n) of v-head j (one sequence's, state S [dk, dv]; spec §2.3, chunk C = 64,
  * chunks counted from r0); scratch: the thread's chunk slice. Per chunk of L rows, with G the cumulative log decay
  * and E_ij = exp(G_i - G_j) (j <= i):
@@ -121,11 +127,11 @@ static void gdn_chunked_head(const gdn_job *jb, float *S, int j, int r0, int n, 
         }
         for (int i = 0; i < L; i++) { /* row i of Ti: e_i - sum_{m<i} A_im Ti_m (Ti_m zero beyond column m) */
             float *Tr = Ti + i * C;
-            for (int c = 0; c < L; c++) Tr[c] = c == i ? 1.0f : 0.0f;
+            for (int c = 0; c < C; c++) Tr[c] = c == i ? 1.0f : 0.0f;
             for (int m2 = 0; m2 < i; m2++) {
                 float a = A[i * C + m2];
                 const float *Tm = Ti + m2 * C;
-                for (int c = 0; c <= m2; c++) Tr[c] -= a * Tm[c];
+                sub_scaled_row(Tr, Tm, a);
             }
         }
         kern->gemm_nn(Ti, C, Vb, dv, U, dv, L, dv, L);  /* U [L, dv] */
@@ -201,6 +207,8 @@ static const float *xin_row(const float *conv, const float *qkv, int K, int conv
     return i < K - 1 ? conv + (size_t)i * conv_dim : qkv + (size_t)(r0 + i - (K - 1)) * conv_dim;
 }
 
+#define PREP_BLOCK 64 /* channels of a conv block (gdn_prep) */
+
 static void gdn_prep(void *ctx, int64_t i0, int64_t i1, int thread) {
     prep_job *jb = ctx;
     const le_hparams *hp = &jb->m->hp;
@@ -214,14 +222,27 @@ static void gdn_prep(void *ctx, int64_t i0, int64_t i1, int thread) {
         int r0 = jb->sq->row0[s], n = jb->sq->row0[s + 1] - r0;
         int v_head = gi >= 2 * Hk ? gi - 2 * Hk : -1;
         int c0 = v_head < 0 ? gi * dk : 2 * Hk * dk + v_head * dv, width = v_head < 0 ? dk : dv;
+        /* the conv in blocks of PREP_BLOCK channels, taps outer: each sum adds its taps in order from 0 (the bits of
+         * a plain loop) and the channel loop is a vector loop over contiguous rows; the block's taps transposed once */
+        for (int cb = c0; cb < c0 + width; cb += PREP_BLOCK) {
+            int nb = c0 + width - cb < PREP_BLOCK ? c0 + width - cb : PREP_BLOCK;
+            float wt[LE_GDN_MAX_CONV_K][PREP_BLOCK];
+            for (int k = 0; k < K; k++)
+                for (int c = 0; c < nb; c++) wt[k][c] = jb->cw[(cb + c) * K + k];
+            for (int t = r0; t < r0 + n; t++) {
+                float acc[PREP_BLOCK] = {0}, *ut = jb->u + (size_t)t * conv_dim + cb;
+                for (int k = 0; k < K; k++) {
+                    const float *x = xin_row(conv, jb->qkv, K, conv_dim, r0, t - r0 + k) + cb;
+                    if (nb == PREP_BLOCK) /* a constant count: -O2's cheap vectoriser takes it */
+                        for (int c = 0; c < PREP_BLOCK; c++) acc[c] += wt[k][c] * x[c];
+                    else
+                        for (int c = 0; c < nb; c++) acc[c] += wt[k][c] * x[c];
+                }
+                for (int c = 0; c < nb; c++) ut[c] = le_silu(acc[c]);
+            }
+        }
         for (int t = r0; t < r0 + n; t++) {
             float *ut = jb->u + (size_t)t * conv_dim;
-            for (int c = c0; c < c0 + width; c++) {
-                float sum = 0.0f;
-                for (int k = 0; k < K; k++)
-                    sum += jb->cw[c * K + k] * xin_row(conv, jb->qkv, K, conv_dim, r0, t - r0 + k)[c];
-                ut[c] = le_silu(sum);
-            }
             if (v_head < 0) {
                 le_l2norm(ut + c0, dk, L2NORM_EPS);
                 if (gi < Hk)

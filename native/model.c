@@ -37,6 +37,8 @@ int le_model_create(const le_hparams *hp, int n_threads, le_model **out) {
         hp->ssm_d_inner != hp->ssm_dt_rank * hp->ssm_d_state || hp->n_expert_used > hp->n_expert ||
         (hp->n_expert == 0 && hp->n_ff < 1) || (hp->n_expert > 0 && (hp->n_expert_used < 1 || hp->n_ff_exp < 1)))
         return LE_FAIL(LE_ERR_INVALID_ARG, "inconsistent hyperparameters");
+    if (hp->ssm_conv_kernel > LE_GDN_MAX_CONV_K)
+        return LE_FAIL(LE_ERR_UNSUPPORTED, "GDN conv kernel of %d taps > %d", hp->ssm_conv_kernel, LE_GDN_MAX_CONV_K);
     le_model *m = calloc(1, sizeof *m);
     if (!m) return LE_FAIL(LE_ERR_NO_MEMORY, "model");
     m->hp = *hp;

@@ -652,6 +652,16 @@ def test_qwen3next_is_unavailable(tmp_path):
         Engine(path, n_threads=N_THREADS)
 
 
+def test_conv_kernel_beyond_the_engine_is_refused(tmp_path):
+    """A GDN conv of more taps than the engine's (LE_GDN_MAX_CONV_K, CONV_MAX_K on the GPU) is refused when the model
+    loads, with what it has and the most there can be."""
+    from gguf_writer import small_hparams, write_gguf
+
+    path = write_gguf(tmp_path / "conv9.gguf", small_hparams("qwen35", ssm_conv_kernel=9))
+    with pytest.raises(NativeError, match="conv kernel of 9 taps > 8"):
+        Model(path, N_THREADS)
+
+
 def test_unknown_fault_rejected(tiny_file):
     with pytest.raises(ValueError, match="unknown faults"):
         Model(tiny_file("moe"), N_THREADS, _faults={"rope_sideways": True})
