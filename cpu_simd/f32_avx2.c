@@ -147,3 +147,7 @@ static inline double hsum_pd_256(__m256d v) {
 #define ES_DIV(a, b) _mm256_div_ps(a, b)
 #define GE_NAME le_gelu_tanh_f32_avx2
 #include "gelu_tanh_x86.h"
+
+/* ---- silu: the body is silu_x86.h (the exp_sub_sum operations above). */
+#define SI_NAME le_silu_f32_avx2
+#include "silu_x86.h"

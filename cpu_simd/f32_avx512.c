@@ -140,3 +140,7 @@ static inline __m128 reduce4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
 #define ES_DIV(a, b) _mm512_div_ps(a, b)
 #define GE_NAME le_gelu_tanh_f32_avx512
 #include "gelu_tanh_x86.h"
+
+/* ---- silu: the body is silu_x86.h (the exp_sub_sum operations above). */
+#define SI_NAME le_silu_f32_avx512
+#include "silu_x86.h"

@@ -64,11 +64,12 @@ const le_quantize_row_fn le_quantize_act_table[LE_ISA_COUNT][LE_TYPE_COUNT] = {
  * reference's bits), the AVX-512 VNNI tier the AVX-512F kernels. */
 const le_f32_kernels le_f32_table[LE_ISA_COUNT] = {
     [LE_ISA_REF] = {le_gdn_step_ref, le_dot_f32_ref, le_gemm_tile_f32_ref, le_gemm_nn_f32_ref,
-                    le_exp_sub_sum_f32_ref, le_gelu_tanh_ref},
+                    le_exp_sub_sum_f32_ref, le_gelu_tanh_ref, le_silu_f32_ref},
     [LE_ISA_SSSE3] = {le_gdn_step_ref, le_dot_f32_ref, le_gemm_tile_f32_ref, le_gemm_nn_f32_ssse3,
-                      le_exp_sub_sum_f32_ref, le_gelu_tanh_ref},
+                      le_exp_sub_sum_f32_ref, le_gelu_tanh_ref, le_silu_f32_ref},
     [LE_ISA_AVX2] = {le_gdn_step_avx2, le_dot_f32_avx2, le_gemm_tile_f32_avx2, le_gemm_nn_f32_avx2,
-                     le_exp_sub_sum_f32_avx2, le_gelu_tanh_f32_avx2},
+                     le_exp_sub_sum_f32_avx2, le_gelu_tanh_f32_avx2, le_silu_f32_avx2},
     [LE_ISA_AVX512VNNI] = {le_gdn_step_avx512, le_dot_f32_avx512, le_gemm_tile_f32_avx512, le_gemm_nn_f32_avx512,
-                           le_exp_sub_sum_f32_avx512, le_gelu_tanh_f32_avx512},
+                           le_exp_sub_sum_f32_avx512, le_gelu_tanh_f32_avx512,
+                           le_silu_f32_avx512},
 };

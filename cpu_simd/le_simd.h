@@ -82,7 +82,10 @@ void quantize_row_q8_K_avx2(const float *x, void *y, int64_t n);
  *   SIMD tiers a vector expf (simd_x86.h) within tests/tolerances.py's EXP_SUB_SUM_ULP of it.
  * gelu_tanh: out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) for n floats (in place allowed): the vision
  *   blocks' MLP activation. Reference le_gelu_tanh_ref (libm tanhf); the SIMD tiers the same function as
- *   x / (1 + exp(-2u)) with the vector expf (cpu_simd/gelu_tanh_x86.h). */
+ *   x / (1 + exp(-2u)) with the vector expf (cpu_simd/gelu_tanh_x86.h).
+ * silu: out = x / (1 + exp(-x)) for n floats (in place allowed): the SwiGLU gate and the GDN's activations.
+ *   Reference le_silu_f32_ref (libm expf); the SIMD tiers the vector expf, the tail padded through the same code
+ *   (cpu_simd/silu_x86.h): an element's bits do not depend on its neighbours. */
 #define LE_GDN_MAX_DV 1024
 #define LE_GDN_MAX_CONV_K 8 /* GDN conv taps (Qwen3.5: 4; cuda8/conv1d.cu's CONV_MAX_K): a stack tile in gdn.c */
 #define LE_GEMM_NN_KB 128 /* why: a B panel of 128 k x 64 columns (32 KiB: value rows, packed weights) stays in L1 */
@@ -95,6 +98,7 @@ typedef void (*le_gemm_nn_f32_fn)(const float *A, int64_t lda, const float *B, i
                                   int M, int N, int K);
 typedef double (*le_exp_sub_sum_f32_fn)(const float *x, float *y, int64_t n, float scale);
 typedef void (*le_gelu_tanh_f32_fn)(const float *x, int64_t n, float *out);
+typedef void (*le_silu_f32_fn)(const float *x, int64_t n, float *out);
 typedef struct {
     le_gdn_step_fn gdn_step;
     le_dot_f32_fn dot;
@@ -102,6 +106,7 @@ typedef struct {
     le_gemm_nn_f32_fn gemm_nn;
     le_exp_sub_sum_f32_fn exp_sub_sum;
     le_gelu_tanh_f32_fn gelu_tanh;
+    le_silu_f32_fn silu;
 } le_f32_kernels;
 
 /* 8 independent partial sums in a fixed order (gcc vectorises it without -ffast-math). */
@@ -143,6 +148,9 @@ void le_gemm_nn_f32_ssse3(const float *A, int64_t lda, const float *B, int64_t l
 /* the reference is le_gelu_tanh_ref (native/gelu.c, le_vision.h) */
 void le_gelu_tanh_f32_avx2(const float *x, int64_t n, float *out);
 void le_gelu_tanh_f32_avx512(const float *x, int64_t n, float *out);
+void le_silu_f32_ref(const float *x, int64_t n, float *out);
+void le_silu_f32_avx2(const float *x, int64_t n, float *out);
+void le_silu_f32_avx512(const float *x, int64_t n, float *out);
 
 /* [LE_ISA_*]; NULL members fall back to the next lower tier */
 extern const le_f32_kernels le_f32_table[LE_ISA_COUNT];

@@ -358,3 +358,9 @@ int le_gelu_tanh_f32_k(const float *x, int64_t n, float *out) {
     le_get_f32_kernels()->gelu_tanh(x, n, out);
     return LE_OK;
 }
+
+int le_silu_f32_k(const float *x, int64_t n, float *out) {
+    if (!x || !out || n < 0) return LE_FAIL(LE_ERR_INVALID_ARG, "le_silu_f32_k: bad argument");
+    le_get_f32_kernels()->silu(x, n, out);
+    return LE_OK;
+}

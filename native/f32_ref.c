@@ -9,6 +9,7 @@
  *   blocks' sums added in order (the SIMD tiers' order; they fuse each multiply-add).
  * exp_sub_sum: the softmax's numerators of a scaled row with libm's expf and their sum in double (the vision
  *   attention's softmax as it was before the vector exp).
+ * silu: x / (1 + expf(-x)) with libm's expf, element by element.
  * Test: tests/test_f32_kernels.py. */
 #include <math.h>
 
@@ -69,4 +70,8 @@ double le_exp_sub_sum_f32_ref(const float *x, float *y, int64_t n, float scale) 
         sum += y[j];
     }
     return sum;
+}
+
+void le_silu_f32_ref(const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] / (1.0f + expf(-x[i]));
 }

@@ -167,6 +167,7 @@ static void gdn_heads(void *ctx, int64_t i0, int64_t i1, int thread) {
     gdn_job *jb = ctx;
     const le_hparams *hp = &jb->m->hp;
     int Hv = hp->ssm_dt_rank, dv = hp->ssm_d_inner / Hv, dk = hp->ssm_d_state;
+    le_silu_f32_fn silu = le_get_f32_kernels()->silu;
     for (int64_t item = i0; item < i1; item++) {
         int s = (int)(item / Hv), j = (int)(item % Hv);
         const le_state *st = jb->sq->st[s];
@@ -178,10 +179,11 @@ static void gdn_heads(void *ctx, int64_t i0, int64_t i1, int thread) {
             gdn_recurrent_head(jb, S, j, r0, n);
         }
         for (int t = r0; t < r0 + n; t++) {
-            float *oh = jb->o + (size_t)t * hp->ssm_d_inner + j * dv;
+            float *oh = jb->o + (size_t)t * hp->ssm_d_inner + j * dv, gate[LE_GDN_MAX_DV];
             const float *zh = jb->z + (size_t)t * hp->ssm_d_inner + j * dv;
             le_rmsnorm(oh, jb->norm_w, dv, hp->rms_eps, oh);
-            for (int c = 0; c < dv; c++) oh[c] *= le_silu(zh[c]);
+            silu(zh, dv, gate);
+            for (int c = 0; c < dv; c++) oh[c] *= gate[c];
         }
     }
 }
@@ -215,6 +217,7 @@ static void gdn_prep(void *ctx, int64_t i0, int64_t i1, int thread) {
     int Hk = hp->ssm_n_group, Hv = hp->ssm_dt_rank, dk = hp->ssm_d_state, dv = hp->ssm_d_inner / Hv;
     int K = hp->ssm_conv_kernel, conv_dim = 2 * Hk * dk + hp->ssm_d_inner, n_groups = 2 * Hk + Hv;
     float qscale = 1.0f / sqrtf((float)dk);
+    le_silu_f32_fn silu = le_get_f32_kernels()->silu;
     for (int64_t item = i0; item < i1; item++) {
         int s = (int)(item / n_groups), gi = (int)(item % n_groups);
         const le_state *st = jb->sq->st[s];
@@ -238,7 +241,7 @@ static void gdn_prep(void *ctx, int64_t i0, int64_t i1, int thread) {
                     else
                         for (int c = 0; c < nb; c++) acc[c] += wt[k][c] * x[c];
                 }
-                for (int c = 0; c < nb; c++) ut[c] = le_silu(acc[c]);
+                silu(acc, nb, ut);
             }
         }
         for (int t = r0; t < r0 + n; t++) {

@@ -162,7 +162,6 @@ static inline float le_dot_f32(const float *a, const float *b, int64_t n) { retu
 void le_rmsnorm(const float *x, const float *w, int n, float eps, float *out);
 /* x <- x / sqrt(sum(x^2) + eps)  (transformers' l2norm, eps 1e-6) */
 void le_l2norm(float *x, int n, float eps);
-static inline float le_silu(float x) { return x / (1.0f + __builtin_expf(-x)); }
 static inline float le_sigmoid(float x) { return 1.0f / (1.0f + __builtin_expf(-x)); }
 static inline float le_softplus(float x) { return x > 20.0f ? x : __builtin_log1pf(__builtin_expf(x)); }
 

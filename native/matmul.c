@@ -36,6 +36,7 @@ typedef struct {
 /* Activation rows a weight row meets per pass (the token tile): 16 Q8_K rows of a 2048-wide input are 37 KiB, so
  * a tile stays in L1 while the task's weight rows stream past it once per tile. */
 #define TOK_TILE 16
+#define SWIGLU_ROWS 16 /* weight rows whose gates go through one silu call (a SwiGLU pair's rows_int8) */
 
 static void rows_int8(const le_mm *mm, le_vec_dot_fn vd, const uint8_t *xq, int64_t rb, int64_t r0, int64_t r1) {
     const le_weight *w = mm->w;
@@ -45,13 +46,20 @@ static void rows_int8(const le_mm *mm, le_vec_dot_fn vd, const uint8_t *xq, int6
         const uint8_t *base_up = mm->w_up->data + mm->expert * mm->w_up->nb2;
         le_vec_dot_fn vd_up = le_get_vec_dot(mm->w_up->type);
         le_vec_dot_n_fn vdn_up = le_get_vec_dot_n(mm->w_up->type);
-        float g[TOK_TILE], u[TOK_TILE];
+        float g[SWIGLU_ROWS * TOK_TILE], u[SWIGLU_ROWS * TOK_TILE];
+        le_silu_f32_fn silu = le_get_f32_kernels()->silu;
         for (int64_t t0 = 0; t0 < mm->n_tok; t0 += TOK_TILE) {
             int nt = (int)(mm->n_tok - t0 < TOK_TILE ? mm->n_tok - t0 : TOK_TILE);
-            for (int64_t r = r0; r < r1; r++) {
-                le_vec_dot_rows(vd, vdn, w->ne0, g, 1, base + r * w->nb1, xq + t0 * rb, rb, nt);
-                le_vec_dot_rows(vd_up, vdn_up, w->ne0, u, 1, base_up + r * mm->w_up->nb1, xq + t0 * rb, rb, nt);
-                for (int t = 0; t < nt; t++) mm->y[(t0 + t) * mm->ldy + r] = le_silu(g[t]) * u[t];
+            for (int64_t rs = r0; rs < r1; rs += SWIGLU_ROWS) {
+                int nr = (int)(r1 - rs < SWIGLU_ROWS ? r1 - rs : SWIGLU_ROWS);
+                for (int i = 0; i < nr; i++) {
+                    le_vec_dot_rows(vd, vdn, w->ne0, g + i * nt, 1, base + (rs + i) * w->nb1, xq + t0 * rb, rb, nt);
+                    le_vec_dot_rows(vd_up, vdn_up, w->ne0, u + i * nt, 1, base_up + (rs + i) * mm->w_up->nb1,
+                                    xq + t0 * rb, rb, nt);
+                }
+                silu(g, (int64_t)nr * nt, g); /* one call for the rows' gates: whole vectors even at one token */
+                for (int i = 0; i < nr; i++)
+                    for (int t = 0; t < nt; t++) mm->y[(t0 + t) * mm->ldy + rs + i] = g[i * nt + t] * u[i * nt + t];
             }
         }
         return;
@@ -82,7 +90,8 @@ static void rows_f32(const le_mm *mm, int64_t r0, int64_t r1, float *buf) {
         for (int64_t t = 0; t < mm->n_tok; t++) {
             const float *x = mm->x + t * mm->ldx;
             float g = dot(wr, x, ne0);
-            mm->y[t * mm->ldy + r] = ur ? le_silu(g) * dot(ur, x, ne0) : g;
+            if (ur) le_get_f32_kernels()->silu(&g, 1, &g); /* the kernel's bits, as the int8 rows' */
+            mm->y[t * mm->ldy + r] = ur ? g * dot(ur, x, ne0) : g;
         }
     }
 }

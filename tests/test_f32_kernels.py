@@ -283,6 +283,31 @@ def test_exp_sub_sum_rejects_bad_input():
         _native.exp_sub_sum_f32(np.zeros(4, np.float32), 0.0)
 
 
+# ---- silu: the SwiGLU gate and the GDN's activations ------------------------------------------------------------
+
+@tiers
+def test_silu_within_ulps_of_ref_and_position_free(forced_isa):
+    """Each tier's silu against the reference (libm expf) within SILU_ULP ulps of its value, and f64 within the same;
+    an element's bits do not depend on its neighbours (a slice, a one-element call, a different length): a token's
+    gates are the same in a batch of any size."""
+    x = np.concatenate([np.linspace(-120, 120, 240001), [0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 1e30, -1e30]])
+    x = x.astype(np.float32)
+    got = _native.silu_f32(x)
+    ref = _at_ref(_native.silu_f32, x)
+    x64 = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        exact = (x64 / (1 + np.exp(-x64))).astype(np.float32)
+    u_ref = _ulps(got, ref)
+    assert u_ref.max() <= tol.SILU_ULP, f"{forced_isa}: {u_ref.max()} ulps from the reference at x = {x[u_ref.argmax()]}"
+    finite = x >= -88.5                   # beyond, exp(-x) overflows f32: this form (and the reference) gives -0
+    u_exact = _ulps(got[finite], exact[finite])
+    assert u_exact.max() <= tol.SILU_ULP, f"{forced_isa}: {u_exact.max()} ulps from f64 at x = {x[finite][u_exact.argmax()]}"
+    assert np.all(got[x < -89] == 0)
+    assert got[x == -1e30][0] == 0 and got[x == 1e30][0] == 1e30
+    for a, b in ((5, 42), (7, 8), (100, 117), (3, 3 + 16 * 5 + 9)):
+        assert np.array_equal(_native.silu_f32(x[a:b]), got[a:b])
+
+
 # ---- gelu_tanh: the vision MLP's activation -----------------------------------------------------------------------
 @tiers
 def test_gelu_tanh_matches_f64_and_ref(forced_isa):

@@ -83,6 +83,8 @@ int le_gemm_nn_f32_k(const float *a, const float *b, int m, int n, int k, float 
 int le_exp_sub_sum_f32_k(const float *x, float *y, int64_t n, float scale, double *sum);
 /* out [n] = gelu_tanh(x) (the vision MLP's activation) with the selected tier's kernel; in place allowed. */
 int le_gelu_tanh_f32_k(const float *x, int64_t n, float *out);
+/* out [n] = silu(x) = x / (1 + exp(-x)) with the selected tier's kernel; in place allowed. */
+int le_silu_f32_k(const float *x, int64_t n, float *out);
 
 /* IEEE half <-> float, round to nearest even (numpy's conversion). */
 float le_fp16_to_fp32(uint16_t h);

@@ -22,7 +22,7 @@ from .gpu_driver import (  # noqa: F401
     gpu_stream_query, gpu_stream_synchronize, gpu_stream_wait_event, gpu_synchronize, host_address)
 from .isa import (ISA_NAMES, dot_f32, exp_sub_sum_f32, f32_isa, fp_flushes, gdn_step, gelu_tanh_f32,  # noqa: F401
                   gemm_f32, gemm_nn_f32, get_isa, has_vec_dot_n, isa_supported, kernel_isa, quantize_act, set_isa,
-                  vec_dot, vec_dot_n, vec_dot_rows)
+                  silu_f32, vec_dot, vec_dot_n, vec_dot_rows)
 from .memory import (MPOL_NAMES, NUMA_MODES, AnonMemory, mem_advise, mem_alloc, mem_page_nodes,  # noqa: F401
                      mem_policy, mem_prefault, mem_set_numa, numa_cpus_of_node, numa_nodes, numa_set_library,
                      numa_spread_cpus, numa_thread_policy, numa_thread_policy_set)

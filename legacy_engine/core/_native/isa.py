@@ -104,6 +104,14 @@ def exp_sub_sum_f32(x, scale: float = 1.0) -> tuple[np.ndarray, float]:
     return y, s[0]
 
 
+def silu_f32(x) -> np.ndarray:
+    """The selected tier's silu kernel, x / (1 + exp(-x)), of float32 x."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    check(lib.le_silu_f32_k(ffi.from_buffer("float[]", x), x.size, ffi.from_buffer("float[]", out)), "le_silu_f32_k")
+    return out
+
+
 def gelu_tanh_f32(x) -> np.ndarray:
     """The selected tier's gelu_tanh kernel (the vision MLP's activation) of float32 x."""
     x = np.ascontiguousarray(x, dtype=np.float32)
