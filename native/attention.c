@@ -143,6 +143,31 @@ size_t le_attention_plan(const le_model *m, const le_weight *w, int n, int n_ctx
     return le_align64(own_floats(hp, n) * sizeof(float)) + most;
 }
 
+/* Rows [t0, t1): each q and k head RMSNormed, then rotated (q heads at stride 2 hd: the gate half is skipped). Rows
+ * are independent, so the split changes no bit; a pass of QK_PAR_ROWS rows or more runs them as one job. */
+#define QK_PAR_ROWS 32
+#define QK_GRAIN 8
+typedef struct {
+    const le_hparams *hp;
+    const float *qn, *kn_w;
+    float *qg, *kn;
+    const int32_t *rope_pos;
+} qk_job;
+
+static void qk_rows(void *ctx, int64_t t0, int64_t t1, int thread) {
+    const qk_job *j = ctx;
+    const le_hparams *hp = j->hp;
+    int hd = hp->head_dim, nh = hp->n_head, nkv = hp->n_head_kv;
+    for (int64_t t = t0; t < t1; t++) {
+        float *qt = j->qg + (size_t)t * nh * 2 * hd, *kt = j->kn + (size_t)t * nkv * hd;
+        for (int h = 0; h < nh; h++) le_rmsnorm(qt + h * 2 * hd, j->qn, hd, hp->rms_eps, qt + h * 2 * hd);
+        for (int h = 0; h < nkv; h++) le_rmsnorm(kt + h * hd, j->kn_w, hd, hp->rms_eps, kt + h * hd);
+        const int32_t *p = j->rope_pos + 3 * t;
+        le_rope_neox(qt, nh, 2 * hd, hp->n_rot, hp->rope_sections, hp->rope_theta, p, hp->faults);
+        le_rope_neox(kt, nkv, hd, hp->n_rot, hp->rope_sections, hp->rope_theta, p, hp->faults);
+    }
+}
+
 int le_attention_layer(const le_model *m, le_arena *ar, const le_weight *w, const float *x, const le_seqs *sq,
                        int ai, const int32_t *rope_pos, float *out) {
     const le_hparams *hp = &m->hp;
@@ -166,16 +191,11 @@ int le_attention_layer(const le_model *m, le_arena *ar, const le_weight *w, cons
                      {&w[LE_W_V], 0, x, n, E, vn, kvw, NULL}};
     if ((rc = le_matmul_batch(m->pool, ar, m->int8, proj, 3))) goto done;
     le_prof(m, &tp, LE_PROF_ATTN_PROJ);
-    const float *qn = (const float *)w[LE_W_Q_NORM].data, *knw = (const float *)w[LE_W_K_NORM].data;
-    for (int t = 0; t < n; t++) {
-        float *qt = qg + (size_t)t * qw, *kt = kn + (size_t)t * kvw;
-        for (int h = 0; h < nh; h++) le_rmsnorm(qt + h * 2 * hd, qn, hd, hp->rms_eps, qt + h * 2 * hd);
-        for (int h = 0; h < nkv; h++) le_rmsnorm(kt + h * hd, knw, hd, hp->rms_eps, kt + h * hd);
-        /* rotate q heads (stride 2*hd: the gate half is skipped) and k heads */
-        const int32_t *p = rope_pos + 3 * t;
-        le_rope_neox(qt, nh, 2 * hd, hp->n_rot, hp->rope_sections, hp->rope_theta, p, hp->faults);
-        le_rope_neox(kt, nkv, hd, hp->n_rot, hp->rope_sections, hp->rope_theta, p, hp->faults);
-    }
+    qk_job qj = {hp, (const float *)w[LE_W_Q_NORM].data, (const float *)w[LE_W_K_NORM].data, qg, kn, rope_pos};
+    if (n < QK_PAR_ROWS)
+        qk_rows(&qj, 0, n, 0);
+    else
+        le_parallel_for(m->pool, n, QK_GRAIN, qk_rows, &qj);
     int most_keys = 0; /* the longest sequence's keys: pos + n */
     for (int s = 0; s < sq->n_seq; s++) {
         const le_state *st = sq->st[s];

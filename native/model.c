@@ -226,6 +226,37 @@ static void maybe_yield(le_model *m, unsigned yield_fp) {
     le_fp_leave(inside);
 }
 
+/* Rows [t0, t1) of a pass: x += y (y NULL: no add), then h = RMSNorm(x) * w (h NULL: none). Rows are independent, so
+ * the split changes no bit; a pass of NORM_PAR_ROWS rows or more runs them as one job (on the calling thread alone
+ * they were 7 % of a 0.8B pass at 16 threads). */
+#define NORM_PAR_ROWS 32
+#define NORM_GRAIN 8
+typedef struct {
+    float *x;
+    const float *y, *w;
+    float *h;
+    int E;
+    float eps;
+} norm_job;
+
+static void norm_rows(void *ctx, int64_t t0, int64_t t1, int thread) {
+    const norm_job *j = ctx;
+    for (int64_t t = t0; t < t1; t++) {
+        float *xt = j->x + t * j->E;
+        if (j->y)
+            for (int i = 0; i < j->E; i++) xt[i] += j->y[t * j->E + i];
+        if (j->h) le_rmsnorm(xt, j->w, j->E, j->eps, j->h + t * j->E);
+    }
+}
+
+static void add_norm(const le_model *m, float *x, const float *y, const le_weight *w, float *h, int n) {
+    norm_job j = {x, y, w ? (const float *)w->data : NULL, h, m->hp.n_embd, m->hp.rms_eps};
+    if (n < NORM_PAR_ROWS)
+        norm_rows(&j, 0, n, 0);
+    else
+        le_parallel_for(m->pool, n, NORM_GRAIN, norm_rows, &j);
+}
+
 /* One pass of n rows over n_seq sequences (checked by the caller): sequence s's n_tok[s] tokens are the next rows of
  * tokens, run in states[s] (pos3, embd: one sequence only), in scratch ar reserved by le_forward_plan(n, its
  * largest n_ctx). Every op but the mixers is per row; the mixers run each sequence in its own state. logits: NULL,
@@ -249,8 +280,7 @@ static int forward_layers(le_model *m, le_arena *ar, le_state *const *states, in
 
     for (int l = 0; l < hp->n_layer && !rc; l++) {
         const le_weight *w = m->layer[l];
-        for (int t = 0; t < n; t++)
-            le_rmsnorm(x + (size_t)t * E, (const float *)w[LE_W_ATTN_NORM].data, E, hp->rms_eps, h + (size_t)t * E);
+        add_norm(m, x, NULL, &w[LE_W_ATTN_NORM], h, n);
         le_prof(m, &tp, LE_PROF_EMBED_NORM);
         if (hp->recurrent[l])
             rc = le_gdn_layer(m, ar, w, h, sq, m->state_index[l], chunked, y);
@@ -258,13 +288,11 @@ static int forward_layers(le_model *m, le_arena *ar, le_state *const *states, in
             rc = le_attention_layer(m, ar, w, h, sq, m->state_index[l], rope_pos, y);
         if (rc) break;
         tp = le_prof_start(m);
-        for (size_t i = 0; i < (size_t)n * E; i++) x[i] += y[i];
-        for (int t = 0; t < n; t++)
-            le_rmsnorm(x + (size_t)t * E, (const float *)w[LE_W_POST_NORM].data, E, hp->rms_eps, h + (size_t)t * E);
+        add_norm(m, x, y, &w[LE_W_POST_NORM], h, n);
         le_prof(m, &tp, LE_PROF_EMBED_NORM);
         if ((rc = le_ffn_layer(m, ar, w, h, n, y))) break;
         tp = le_prof_start(m);
-        for (size_t i = 0; i < (size_t)n * E; i++) x[i] += y[i];
+        add_norm(m, x, y, NULL, NULL, n);
         if (l + 1 < hp->n_layer) {
             maybe_yield(m, yield_fp);
             tp = le_prof_start(m);

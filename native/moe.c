@@ -381,29 +381,25 @@ static size_t moe_plan(const le_model *m, const le_weight *w, int n) {
                 routed_plan(m, w, n, hp->n_expert_used, hp->n_ff_shexp > 0));
 }
 
-static int moe(const le_model *m, le_arena *ar, const le_weight *w, const float *x, int n, float *out) {
-    const le_hparams *hp = &m->hp;
-    int E = hp->n_embd, ne = hp->n_expert, k = hp->n_expert_used, shared = hp->n_ff_shexp > 0;
-    int nk = 0, rc = slots(n, k, &nk);
-    if (rc) return rc;
-    size_t mark = ar->used;
-    float *buf = le_arena_take(ar, moe_floats(hp, n, nk) * sizeof(float));
-    int *sel = le_arena_take(ar, (size_t)nk * sizeof(int));
-    if (!buf || !sel) {
-        rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe scratch for %d tokens: beyond the plan", n);
-        goto done;
-    }
-    float *logits = buf, *wsel = logits + (size_t)n * ne, *sgate = wsel + nk, *acts = sgate + n;
-    double tp = le_prof_start(m);
+/* Rows [t0, t1) of the routing: softmax of the router's logits (in place), top-k (ties to the lower index),
+ * renormalised weights. Rows are independent, so the split changes no bit; a pass of ROUTE_PAR_ROWS rows or more
+ * runs them as one job. */
+#define ROUTE_PAR_ROWS 32
+#define ROUTE_GRAIN 8
+typedef struct {
+    const le_hparams *hp;
+    float *logits;
+    int *sel;
+    float *wsel;
+} route_job;
 
-    /* A: router logits and the shared expert's gate/up pair */
-    le_mm mm[2];
-    int n_mm = job_a(w, hp, x, n, logits, acts, mm);
-    if ((rc = le_matmul_batch(m->pool, ar, m->int8, mm, n_mm))) goto done;
-    le_prof(m, &tp, LE_PROF_MOE_ROUTER);
-
-    /* routing: softmax, top-k (ties to the lower index), renormalise */
-    for (int t = 0; t < n; t++) {
+static void route_rows(void *ctx, int64_t t0, int64_t t1, int thread) {
+    const route_job *j = ctx;
+    const le_hparams *hp = j->hp;
+    int ne = hp->n_expert, k = hp->n_expert_used;
+    float *logits = j->logits, *wsel = j->wsel;
+    int *sel = j->sel;
+    for (int64_t t = t0; t < t1; t++) {
         float *l = logits + (size_t)t * ne;
         float mx = -INFINITY;
         for (int e = 0; e < ne; e++) mx = l[e] > mx ? l[e] : mx;
@@ -435,6 +431,35 @@ static int moe(const le_model *m, le_arena *ar, const le_weight *w, const float 
         if (hp->faults & LE_FAULT_NO_TOPK_RENORM) wsum = 1.0f;
         for (int s = 0; s < k; s++) wsel[t * k + s] /= wsum;
     }
+}
+
+static int moe(const le_model *m, le_arena *ar, const le_weight *w, const float *x, int n, float *out) {
+    const le_hparams *hp = &m->hp;
+    int E = hp->n_embd, ne = hp->n_expert, k = hp->n_expert_used, shared = hp->n_ff_shexp > 0;
+    int nk = 0, rc = slots(n, k, &nk);
+    if (rc) return rc;
+    size_t mark = ar->used;
+    float *buf = le_arena_take(ar, moe_floats(hp, n, nk) * sizeof(float));
+    int *sel = le_arena_take(ar, (size_t)nk * sizeof(int));
+    if (!buf || !sel) {
+        rc = LE_FAIL(LE_ERR_NO_MEMORY, "moe scratch for %d tokens: beyond the plan", n);
+        goto done;
+    }
+    float *logits = buf, *wsel = logits + (size_t)n * ne, *sgate = wsel + nk, *acts = sgate + n;
+    double tp = le_prof_start(m);
+
+    /* A: router logits and the shared expert's gate/up pair */
+    le_mm mm[2];
+    int n_mm = job_a(w, hp, x, n, logits, acts, mm);
+    if ((rc = le_matmul_batch(m->pool, ar, m->int8, mm, n_mm))) goto done;
+    le_prof(m, &tp, LE_PROF_MOE_ROUTER);
+
+    /* routing: softmax, top-k (ties to the lower index), renormalise */
+    route_job rj = {hp, logits, sel, wsel};
+    if (n < ROUTE_PAR_ROWS)
+        route_rows(&rj, 0, n, 0);
+    else
+        le_parallel_for(m->pool, n, ROUTE_GRAIN, route_rows, &rj);
     if (shared) {
         const float *sg = (const float *)w[LE_W_GATE_INP_SHEXP].data; /* [E] */
         for (int t = 0; t < n; t++) sgate[t] = le_sigmoid(le_dot_f32(sg, x + (size_t)t * E, E));
