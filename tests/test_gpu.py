@@ -195,6 +195,24 @@ def test_every_device_test_is_gpu_marked():
                 assert any("mark.gpu" in ast.unparse(d) for d in fn.decorator_list), f"{name}::{fn.name}"
 
 
+@pytest.mark.cpu
+def test_bench_gpu_prints_the_profile(capsys):
+    """bench gpu --profile's print: each phase's ms and share of the pass, each GEMM's TFLOP/s and % of its peak; a row
+    without a profile, or whose pass had no phases (one token), prints nothing of it."""
+    from legacy_engine.tools.bench_gpu import print_profiles
+    gemm = {"phase": "gdn", "kernel": "gemm_mma", "s": 0.0135, "tflops": 57.3, "peak_tflops": 938.0,
+            "pct_peak": 6.1, "launches": 90}
+    rows = [{"engine": "legacy_engine dp4a-sm90", "profile": {"pp": 2048, "phases": {"gdn": 0.03, "attention": 0.01},
+                                                              "gemms": [gemm], "total_s": 0.04}},
+            {"engine": "one token", "profile": {"pp": 1, "phases": {}, "gemms": [], "total_s": 0.0}},
+            {"engine": "no profile"}]
+    print_profiles({"rows": rows})
+    out = capsys.readouterr().out
+    assert "one pp2048 pass, 40.00 ms of GPU work: gdn 30.00 ms (75 %), attention 10.00 ms (25 %)" in out
+    assert "gemm_mma" in out and "57.3 TFLOP/s =   6.1 % of the 938 TFLOP/s peak" in out
+    assert "one token" not in out and "no profile" not in out
+
+
 # launch constants of gpu.py that must equal the #defines of a cuda8 source
 LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
                     "gdn": ("GDN_THREADS", "GDN_COLS", "GDN_MAX_DK", "GDN_NORM_THREADS", "GDN_EW_THREADS"),

@@ -136,7 +136,7 @@ def bench_ours(model, variant: tuple[str, int], pps, tg: int, reps: int, n_ctx: 
             st.reset()
             gm.forward(st, ids[:pp])
         row["pp"][pp] = pp / _median_time(prefill, reps)
-    if profile and pps:
+    if profile and max(pps, default=0) > 1:         # one token is a decode step: no phases to mark
         row["profile"] = {"pp": max(pps), **profile_pass(gm, st, ids[:max(pps)])}
 
     def decode():
@@ -267,7 +267,7 @@ def print_profiles(res: dict) -> None:
     """Each profiled row's pass: GPU ms per phase, then each GEMM kernel's share, TFLOP/s and % of the tier's peak."""
     for r in res["rows"]:
         pr = r.get("profile")
-        if not pr:
+        if not pr or not pr["total_s"] > 0:
             continue
         tot = pr["total_s"]
         print(f"\n{r['engine']}: one pp{pr['pp']} pass, {1e3 * tot:.2f} ms of GPU work: " + ", ".join(
