@@ -5,6 +5,9 @@ a writer we did not write.
 """
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import numpy as np
 from gguf import GGUFWriter
 
@@ -85,3 +88,31 @@ def write_gguf(path, hp: Hparams, *, drop=(), reshape=None, extra_tensors=None, 
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+SMALL_VOCAB = 512    # small_quantized files: a small head keeps the reference tier quick
+
+
+def small_quantized(preset: str, quant: str, path: Path, layers: int = 4, seed: int = 0) -> Path:
+    """A make-model file of `preset` cut to `layers` layers ([L,L,L,F]) with a vocabulary of SMALL_VOCAB: the
+    tensor plan and random blocks are make-model's (llama.cpp's type rules), written with gguf-py's GGUFWriter."""
+    from gguf import GGML_QUANT_SIZES
+    from legacy_engine.format.presets import plan_tensors, preset_hparams
+    from legacy_engine.tools.make_model import tensor_chunks
+
+    hp = dataclasses.replace(preset_hparams(preset, layers), n_vocab=SMALL_VOCAB)
+    specs, _ = plan_tensors(hp, quant)
+    w = GGUFWriter(str(path), hp.arch)
+    for k, v in hparam_metadata(hp).items():
+        add_key(w, k, v)
+    for s in specs:
+        data = np.concatenate(list(tensor_chunks(s, hp, seed, tame=True))).view(np.uint8)
+        block, size = GGML_QUANT_SIZES[s.qtype]
+        shape = tuple(reversed(s.ne))
+        raw = shape[:-1] + (shape[-1] // block * size,)
+        w.add_tensor(s.name, data.reshape(raw), raw_shape=raw, raw_dtype=s.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

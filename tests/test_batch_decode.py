@@ -27,13 +27,11 @@ Tests:
 """
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from fixtures.make_reference import tiny_gguf
+from gguf_writer import small_quantized
 from legacy_engine.core import _native
 from legacy_engine.core.errors import ContextLengthError, NativeError
 from legacy_engine.cpu.model import Model
@@ -48,36 +46,9 @@ N_STEPS = 3
 # prompt lengths of the 16 sequences: all different; before, at and across the 64-token GDN chunk boundaries
 PROMPTS = (1, 2, 3, 5, 8, 13, 21, 34, 55, 63, 64, 65, 70, 100, 128, 130)
 CHUNK = 64                                  # the GDN chunk (native/gdn.c GDN_CHUNK)
-SMALL_VOCAB = 512                           # the random quantised files: a small head keeps the ref tier quick
 
 FILES = ("moe-f32", "dense-f32", "moe-q4_k_m", "dense-q4_k_m", "moe-q8_0")
 PATHS = [(f, "f32") for f in FILES] + [(f, "int8") for f in FILES if not f.endswith("f32")]
-
-
-def small_quantized(preset: str, quant: str, path: Path, layers: int = 4, seed: int = 0) -> Path:
-    """A make-model file of `preset` cut to `layers` layers ([L,L,L,F]) with a vocabulary of SMALL_VOCAB: the
-    tensor plan and random blocks are make-model's (llama.cpp's type rules), written with gguf-py's GGUFWriter."""
-    from gguf import GGML_QUANT_SIZES, GGUFWriter
-    from gguf_writer import add_key, hparam_metadata
-    from legacy_engine.format.presets import plan_tensors, preset_hparams
-    from legacy_engine.tools.make_model import tensor_chunks
-
-    hp = dataclasses.replace(preset_hparams(preset, layers), n_vocab=SMALL_VOCAB)
-    specs, _ = plan_tensors(hp, quant)
-    w = GGUFWriter(str(path), hp.arch)
-    for k, v in hparam_metadata(hp).items():
-        add_key(w, k, v)
-    for s in specs:
-        data = np.concatenate(list(tensor_chunks(s, hp, seed, tame=True))).view(np.uint8)
-        block, size = GGML_QUANT_SIZES[s.qtype]
-        shape = tuple(reversed(s.ne))
-        raw = shape[:-1] + (shape[-1] // block * size,)
-        w.add_tensor(s.name, data.reshape(raw), raw_shape=raw, raw_dtype=s.qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")

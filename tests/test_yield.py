@@ -18,7 +18,7 @@ import pytest
 
 from fixtures.make_reference import tiny_gguf
 from legacy_engine.cpu.model import Model
-from test_batch_decode import small_quantized
+from gguf_writer import small_quantized
 
 pytestmark = pytest.mark.cpu
 
