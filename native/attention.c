@@ -143,10 +143,8 @@ size_t le_attention_plan(const le_model *m, const le_weight *w, int n, int n_ctx
     return le_align64(own_floats(hp, n) * sizeof(float)) + most;
 }
 
-/* Rows [t0, t1): each q and k head RMSNormed, then rotated (q heads at stride 2 hd: the gate half is skipped). Rows
- * are independent, so the split changes no bit; a pass of QK_PAR_ROWS rows or more runs them as one job. */
-#define QK_PAR_ROWS 32
-#define QK_GRAIN 8
+/* Rows [t0, t1): each q and k head RMSNormed, then rotated (q heads at stride 2 hd: the gate half is skipped); a job
+ * over the rows (le_parallel_rows). */
 typedef struct {
     const le_hparams *hp;
     const float *qn, *kn_w;
@@ -192,10 +190,7 @@ int le_attention_layer(const le_model *m, le_arena *ar, const le_weight *w, cons
     if ((rc = le_matmul_batch(m->pool, ar, m->int8, proj, 3))) goto done;
     le_prof(m, &tp, LE_PROF_ATTN_PROJ);
     qk_job qj = {hp, (const float *)w[LE_W_Q_NORM].data, (const float *)w[LE_W_K_NORM].data, qg, kn, rope_pos};
-    if (n < QK_PAR_ROWS)
-        qk_rows(&qj, 0, n, 0);
-    else
-        le_parallel_for(m->pool, n, QK_GRAIN, qk_rows, &qj);
+    le_parallel_rows(m->pool, n, qk_rows, &qj);
     int most_keys = 0; /* the longest sequence's keys: pos + n */
     for (int s = 0; s < sq->n_seq; s++) {
         const le_state *st = sq->st[s];

@@ -51,6 +51,12 @@ long le_pool_spin_ns(const le_pool *p);
 int le_pool_hold(le_pool *p, int thread, int hold);
 void le_pool_get_stats(const le_pool *p, le_pool_stats *out);
 void le_parallel_for(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *ctx);
+/* The per-row work of a pass of n rows (norms, rope, routing: rows independent, so the split changes no bit):
+ * le_parallel_for in chunks of LE_ROWS_GRAIN rows from LE_ROWS_PAR_MIN rows, on the calling thread below (a decode
+ * step's few rows cost less than a job). */
+#define LE_ROWS_PAR_MIN 32
+#define LE_ROWS_GRAIN 8
+void le_parallel_rows(le_pool *p, int64_t n, le_task_fn fn, void *ctx);
 /* fn(ctx, t, t + 1, thread) runs once for every t = 0..n_threads-1, on thread t (the caller is 0), or, where
  * thread t is late, on another one (`thread` names whose scratch to use): a static split,
  * where a thread must later find in its own caches what it read before (the hybrid decode's lookahead: each thread

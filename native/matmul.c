@@ -84,13 +84,14 @@ static const float *row_f32(const le_weight *w, int64_t expert, int64_t r, float
 static void rows_f32(const le_mm *mm, int64_t r0, int64_t r1, float *buf) {
     int64_t ne0 = mm->w->ne0;
     le_dot_f32_fn dot = le_get_f32_kernels()->dot;
+    le_silu_f32_fn silu = le_get_f32_kernels()->silu;
     for (int64_t r = r0; r < r1; r++) {
         const float *wr = row_f32(mm->w, mm->expert, r, buf);
         const float *ur = mm->w_up ? row_f32(mm->w_up, mm->expert, r, buf + ne0) : NULL;
         for (int64_t t = 0; t < mm->n_tok; t++) {
             const float *x = mm->x + t * mm->ldx;
             float g = dot(wr, x, ne0);
-            if (ur) le_get_f32_kernels()->silu(&g, 1, &g); /* the kernel's bits, as the int8 rows' */
+            if (ur) silu(&g, 1, &g); /* the kernel's bits, as the int8 rows' */
             mm->y[t * mm->ldy + r] = ur ? g * dot(ur, x, ne0) : g;
         }
     }

@@ -226,11 +226,8 @@ static void maybe_yield(le_model *m, unsigned yield_fp) {
     le_fp_leave(inside);
 }
 
-/* Rows [t0, t1) of a pass: x += y (y NULL: no add), then h = RMSNorm(x) * w (h NULL: none). Rows are independent, so
- * the split changes no bit; a pass of NORM_PAR_ROWS rows or more runs them as one job (on the calling thread alone
- * they were 7 % of a 0.8B pass at 16 threads). */
-#define NORM_PAR_ROWS 32
-#define NORM_GRAIN 8
+/* Rows [t0, t1) of a pass: x += y (y NULL: no add), then h = RMSNorm(x) * w (h NULL: none); a job over the rows
+ * (le_parallel_rows: on the calling thread alone they were 7 % of a 0.8B pass at 16 threads). */
 typedef struct {
     float *x;
     const float *y, *w;
@@ -251,10 +248,7 @@ static void norm_rows(void *ctx, int64_t t0, int64_t t1, int thread) {
 
 static void add_norm(const le_model *m, float *x, const float *y, const le_weight *w, float *h, int n) {
     norm_job j = {x, y, w ? (const float *)w->data : NULL, h, m->hp.n_embd, m->hp.rms_eps};
-    if (n < NORM_PAR_ROWS)
-        norm_rows(&j, 0, n, 0);
-    else
-        le_parallel_for(m->pool, n, NORM_GRAIN, norm_rows, &j);
+    le_parallel_rows(m->pool, n, norm_rows, &j);
 }
 
 /* One pass of n rows over n_seq sequences (checked by the caller): sequence s's n_tok[s] tokens are the next rows of

@@ -382,10 +382,7 @@ static size_t moe_plan(const le_model *m, const le_weight *w, int n) {
 }
 
 /* Rows [t0, t1) of the routing: softmax of the router's logits (in place), top-k (ties to the lower index),
- * renormalised weights. Rows are independent, so the split changes no bit; a pass of ROUTE_PAR_ROWS rows or more
- * runs them as one job. */
-#define ROUTE_PAR_ROWS 32
-#define ROUTE_GRAIN 8
+ * renormalised weights; a job over the rows (le_parallel_rows). */
 typedef struct {
     const le_hparams *hp;
     float *logits;
@@ -456,10 +453,7 @@ static int moe(const le_model *m, le_arena *ar, const le_weight *w, const float 
 
     /* routing: softmax, top-k (ties to the lower index), renormalise */
     route_job rj = {hp, logits, sel, wsel};
-    if (n < ROUTE_PAR_ROWS)
-        route_rows(&rj, 0, n, 0);
-    else
-        le_parallel_for(m->pool, n, ROUTE_GRAIN, route_rows, &rj);
+    le_parallel_rows(m->pool, n, route_rows, &rj);
     if (shared) {
         const float *sg = (const float *)w[LE_W_GATE_INP_SHEXP].data; /* [E] */
         for (int t = 0; t < n; t++) sgate[t] = le_sigmoid(le_dot_f32(sg, x + (size_t)t * E, E));

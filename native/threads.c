@@ -396,6 +396,10 @@ void le_parallel_for(le_pool *p, int64_t n, int64_t grain, le_task_fn fn, void *
     le_fp_leave(fp);
 }
 
+void le_parallel_rows(le_pool *p, int64_t n, le_task_fn fn, void *ctx) {
+    le_parallel_for(p, n, n < LE_ROWS_PAR_MIN ? n : LE_ROWS_GRAIN, fn, ctx); /* grain n: inline, one chunk */
+}
+
 void le_parallel_each(le_pool *p, le_task_fn fn, void *ctx) {
     unsigned fp = le_fp_enter();
     if (!p || p->n_threads == 1) {
