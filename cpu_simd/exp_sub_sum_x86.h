@@ -47,4 +47,19 @@ double ES_NAME(const float *x, float *y, int64_t n, float scale) {
     return ES_DHSUM(d0) + ES_DHSUM(d1);
 }
 
+/* An element-wise kernel NAME(x, n, out) (in place allowed) of VECFN (ES_VEC -> ES_VEC): whole vectors, then the tail
+ * (< ES_LANES) padded with 0 through the same VECFN, so an element's value does not depend on where it sits or how
+ * many are computed with it (gelu_tanh_x86.h, silu_x86.h). */
+#define ES_MAP_KERNEL(NAME, VECFN)                                                                                  \
+    void NAME(const float *x, int64_t n, float *out) {                                                              \
+        int64_t i = 0;                                                                                              \
+        for (; i + ES_LANES <= n; i += ES_LANES) ES_STORE(out + i, VECFN(ES_LOAD(x + i)));                          \
+        if (i < n) {                                                                                                \
+            float buf[ES_LANES];                                                                                    \
+            for (int k = 0; k < ES_LANES; k++) buf[k] = i + k < n ? x[i + k] : 0.0f;                                \
+            ES_STORE(buf, VECFN(ES_LOAD(buf)));                                                                     \
+            for (int k = 0; i + k < n; k++) out[i + k] = buf[k];                                                    \
+        }                                                                                                           \
+    }
+
 #endif

@@ -15,16 +15,7 @@ static inline ES_VEC si_vec(ES_VEC x) {
     return ES_DIV(x, ES_ADD(ES_SET1(1.0f), ES_EXP(ES_MUL(ES_SET1(-1.0f), x))));
 }
 
-/* x, out: [n] (in place allowed) */
-void SI_NAME(const float *x, int64_t n, float *out) {
-    int64_t i = 0;
-    for (; i + ES_LANES <= n; i += ES_LANES) ES_STORE(out + i, si_vec(ES_LOAD(x + i)));
-    if (i < n) {
-        float buf[ES_LANES];
-        for (int k = 0; k < ES_LANES; k++) buf[k] = i + k < n ? x[i + k] : 0.0f;
-        ES_STORE(buf, si_vec(ES_LOAD(buf)));
-        for (int k = 0; i + k < n; k++) out[i + k] = buf[k];
-    }
-}
+/* x, out: [n] (in place allowed): exp_sub_sum_x86.h's element-wise driver */
+ES_MAP_KERNEL(SI_NAME, si_vec)
 
 #endif
