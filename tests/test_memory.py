@@ -385,7 +385,7 @@ def test_info_reports_numa_and_thp():
 def test_info_names_each_gpus_prefill_gemm():
     """The GPU lines of `info` (a described report: this machine has no GPU): the int8 tensor cores from sm_75 (T4),
     none on sm_70 (a CMP 100-210 runs DP4A), the matmul kernels per tier and the flags that change them, the GDN
-    prefill's form per tier."""
+    and attention prefill's forms per tier, the resident pass lengths."""
     from legacy_engine.plan import caps
     rep = caps.machine_report()
     rep["gpu"] = {"available": True, "driver_version": 12080, "device_count": 2, "cuda_graphs": True,
@@ -402,3 +402,5 @@ def test_info_names_each_gpus_prefill_gemm():
     assert "gemm_mma" in mm and "--gpu-no-mma" in mm and "gemm_dp4a" in mm and "--gpu-f32" in mm
     gdn = next(ln for ln in lines if "GDN prefill:" in ln)    # the form each tier runs (gpu/kernels.py's table)
     assert "the chunked form (gdn_chunked) on the dp4a and kepler tiers" in gdn and "gdn_recurrent" in gdn
+    att = next(ln for ln in lines if "attention prefill:" in ln)     # ATTN_TILED_TIERS, RESIDENT_CHUNKS
+    assert "attn_prefill_tiled_f32) on the dp4a and kepler tiers" in att and "2048/1024/512 tokens" in att

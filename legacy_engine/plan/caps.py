@@ -12,7 +12,8 @@ import os
 from ..core import _native
 from ..core.errors import UnavailableError
 from ..gpu import MMA_ARCH
-from ..gpu.kernels import GDN_CHUNKED_TIERS
+from ..gpu.kernels import ATTN_TILED_TIERS, GDN_CHUNKED_TIERS
+from ..gpu.placement import RESIDENT_CHUNKS
 from ..gpu.options import default_tier
 
 # The CPU tiers of the capability table, best first, with the features each needs.
@@ -114,6 +115,45 @@ def _cpu_ranges(cpus: list[int]) -> str:
     return ",".join(out) or "none"
 
 
+def gpu_lines(gpu: dict) -> list[str]:
+    """format_machine_report's lines of a usable GPU: its devices and what each tier runs."""
+    lines = []
+    v = gpu["driver_version"]
+    lines.append(f"GPU      CUDA driver {v // 1000}.{v % 1000 // 10}, {gpu['device_count']} device(s)")
+    for i, d in enumerate(gpu["devices"]):
+        lines.append(f"  [{i}] {d['name']}  sm_{d['cc_major']}{d['cc_minor']}  "
+                     f"{d['total_mem'] / 2**30:.1f} GiB  {d['multiprocessors']} SMs  "
+                     f"tier {default_tier(10 * d['cc_major'] + d['cc_minor'])} (`--gpu-tier` forces a lower one)"
+                     + (", int8 tensor cores" if 10 * d["cc_major"] + d["cc_minor"] >= MMA_ARCH else ""))
+    lines.append("  decode CUDA graphs: " + ("the driver has them (used except on the fermi tier; "
+                                             "--no-cuda-graphs)" if gpu["cuda_graphs"] else
+                                             "the driver lacks them (needs 11.4+): decode launches replayed "
+                                             "one by one"))
+    lines.append("  matmuls: dp4a tier int8 DP4A decode GEMVs (gemv_dp4a) and int8 prefill GEMMs on Q8_1 "
+                 f"activations, on tensor cores from sm_{MMA_ARCH} (gemm_mma; --gpu-no-mma: gemm_dp4a), with DP4A "
+                 "below (gemm_dp4a); --gpu-f32 for f32; fermi/kepler tiers f32 (gemv_f32, gemm_f32); MoE prefill "
+                 "orders its routing on the GPU (moe_sort) when the host needs no ids")
+    chunked = " and ".join(sorted(GDN_CHUNKED_TIERS))
+    lines.append(f"  GDN prefill: the chunked form (gdn_chunked) on the {chunked} tiers, token by token "
+                 "(gdn_recurrent) elsewhere, where the chunked one measured slower")
+    tiled = " and ".join(sorted(ATTN_TILED_TIERS))
+    lines.append(f"  attention prefill: register tiles (attn_prefill_tiled_f32) on the {tiled} tiers, one query a "
+                 "warp (attn_prefill_f32) elsewhere; a resident model's passes the longest of "
+                 + "/".join(map(str, RESIDENT_CHUNKS)) + " tokens whose scratch fits the VRAM")
+    lines.append("  --vram SIZE budgets VRAM; a model over it runs split (`legacy-engine plan` shows the choice): "
+                 "streamed prefill, hybrid decode through a page-locked channel the GPU and CPU both poll (needs "
+                 "unified addressing: a 64-bit driver), the planner's link experts fetched over PCIe")
+    lines.append("  sampling: in VRAM on every tier (sample_cut: the candidates of top-k/top-p/min-p chosen on the "
+                 "GPU, only they cross the link; a flat top-p row's cut bin; penalties or temperature alone: the "
+                 "row is downloaded)")
+    lines.append("  images: the vision tower on the GPU (layernorm, gelu, rope_vision, attention_bidir, gemm_f32; "
+                 "every tier) where the planner finds its VRAM (f32 weights + the largest image's scratch) beside "
+                 "the model's placement, a split's pinned experts giving way, and predicts it faster than the CPU; "
+                 "else on the CPU (`legacy-engine plan MODEL --mmproj FILE` shows the decision, `run` says it); "
+                 "the LM's image rows and M-RoPE on the GPU")
+    return lines
+
+
 def format_machine_report(rep: dict) -> list[str]:
     cpu, numa, gpu = rep["cpu"], rep["numa"], rep["gpu"]
     lines = [f"CPU      {cpu['brand'] or cpu['vendor']} ({cpu['logical_cpus']} logical CPUs)"]
@@ -137,7 +177,8 @@ def format_machine_report(rep: dict) -> list[str]:
     lines.append("  several tokens per weight block (prefill, batched decode): "
                  + (" ".join(several) if several else "none at this tier")
                  + ("; the other types run one token at a time" if several else ""))
-    lines.append("  f32 kernels (GDN step, f32 dot, gemm_nn: the chunked GDN prefill and the vision tower): "
+    lines.append("  f32 kernels (GDN step, f32 dot, gemm_nn: the chunked GDN prefill and the vision tower; silu: the "
+                 "SwiGLU gates and the GDN's activations): "
                  f"{k['f32_kernels']}"
                  + (" (the scalar reference: this tier has none of its own)" if k["f32_kernels"] == "ref" else ""))
     lines.append("  denormal floats: " + ("flushed to zero in the C core's work (FTZ/DAZ; the chunked GDN's decays "
@@ -162,35 +203,7 @@ def format_machine_report(rep: dict) -> list[str]:
         lines.append(f"THP      {thp['enabled']}: {meaning.get(thp['enabled'], '?')}; defrag {thp['defrag']}")
         lines.append("  a file map (the default) rarely gets huge pages; --no-mmap memory does")
     if gpu["available"]:
-        v = gpu["driver_version"]
-        lines.append(f"GPU      CUDA driver {v // 1000}.{v % 1000 // 10}, {gpu['device_count']} device(s)")
-        for i, d in enumerate(gpu["devices"]):
-            lines.append(f"  [{i}] {d['name']}  sm_{d['cc_major']}{d['cc_minor']}  "
-                         f"{d['total_mem'] / 2**30:.1f} GiB  {d['multiprocessors']} SMs  "
-                         f"tier {default_tier(10 * d['cc_major'] + d['cc_minor'])} (`--gpu-tier` forces a lower one)"
-                         + (", int8 tensor cores" if 10 * d["cc_major"] + d["cc_minor"] >= MMA_ARCH else ""))
-        lines.append("  decode CUDA graphs: " + ("the driver has them (used except on the fermi tier; "
-                                                 "--no-cuda-graphs)" if gpu["cuda_graphs"] else
-                                                 "the driver lacks them (needs 11.4+): decode launches replayed "
-                                                 "one by one"))
-        lines.append("  matmuls: dp4a tier int8 DP4A decode GEMVs (gemv_dp4a) and int8 prefill GEMMs on Q8_1 "
-                     f"activations, on tensor cores from sm_{MMA_ARCH} (gemm_mma; --gpu-no-mma: gemm_dp4a), with DP4A "
-                     "below (gemm_dp4a); --gpu-f32 for f32; fermi/kepler tiers f32 (gemv_f32, gemm_f32); MoE prefill "
-                     "orders its routing on the GPU (moe_sort) when the host needs no ids")
-        chunked = " and ".join(sorted(GDN_CHUNKED_TIERS))
-        lines.append(f"  GDN prefill: the chunked form (gdn_chunked) on the {chunked} tiers, token by token "
-                     "(gdn_recurrent) elsewhere, where the chunked one measured slower")
-        lines.append("  --vram SIZE budgets VRAM; a model over it runs split (`legacy-engine plan` shows the choice): "
-                     "streamed prefill, hybrid decode through a page-locked channel the GPU and CPU both poll (needs "
-                     "unified addressing: a 64-bit driver), the planner's link experts fetched over PCIe")
-        lines.append("  sampling: in VRAM on every tier (sample_cut: the candidates of top-k/top-p/min-p chosen on the "
-                     "GPU, only they cross the link; a flat top-p row's cut bin; penalties or temperature alone: the "
-                     "row is downloaded)")
-        lines.append("  images: the vision tower on the GPU (layernorm, gelu, rope_vision, attention_bidir, gemm_f32; "
-                     "every tier) where the planner finds its VRAM (f32 weights + the largest image's scratch) beside "
-                     "the model's placement, a split's pinned experts giving way, and predicts it faster than the CPU; "
-                     "else on the CPU (`legacy-engine plan MODEL --mmproj FILE` shows the decision, `run` says it); "
-                     "the LM's image rows and M-RoPE on the GPU")
+        lines += gpu_lines(gpu)
     else:
         lines.append(f"GPU      none: {gpu['reason']}")
     return lines
