@@ -146,25 +146,45 @@ __device__ __forceinline__ int le_dp4a(int a, int b, int c) {
 #endif
 }
 
-/* One warp's int8 tensor-core product D[16 x 8] = A[16 x 16] B[16 x 8] (s8 x s8 -> s32, D starts at 0), with
+/* One warp's int8 tensor-core product D[16 x 8] = c + A[16 x 16] B[16 x 8] (s8 x s8 -> s32, c in every element), with
  * g = lane / 4, t = lane % 4:  a0 = A[g][4t .. 4t+3], a1 = A[g+8][4t .. 4t+3] (4 bytes each, k ascending),
  * b = B[4t .. 4t+3][g];  d[0], d[1] = D[g][2t], D[g][2t+1];  d[2], d[3] = D[g+8][2t], D[g+8][2t+1].
  * sm_80+: one m16n8k16; sm_75: two m8n8k16 (rows g and g+8). Integer sums: exact, the same as le_dp4a's.
  * Only where LE_HAS_MMA_INT8 (every lane of the warp must call it). */
 #if LE_HAS_MMA_INT8
-__device__ __forceinline__ void le_mma_s8_16x8x16(int *d, int a0, int a1, int b) {
+__device__ __forceinline__ void le_mma_s8_16x8x16(int *d, int a0, int a1, int b, int c) {
 #if LE_HAS_MMA_16816
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
-                 "{%7, %7, %7, %7};"
-                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-                 : "r"(a0), "r"(a1), "r"(b), "r"(0));
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(b), "r"(c));
 #else
-    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0, %1}, {%2}, {%3}, {%4, %4};"
-                 : "=r"(d[0]), "=r"(d[1])
-                 : "r"(a0), "r"(b), "r"(0));
-    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0, %1}, {%2}, {%3}, {%4, %4};"
-                 : "=r"(d[2]), "=r"(d[3])
-                 : "r"(a1), "r"(b), "r"(0));
+    asm("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0, %1}, {%2}, {%3}, {%4, %4};"
+        : "=r"(d[0]), "=r"(d[1])
+        : "r"(a0), "r"(b), "r"(c));
+    asm("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0, %1}, {%2}, {%3}, {%4, %4};"
+        : "=r"(d[2]), "=r"(d[3])
+        : "r"(a1), "r"(b), "r"(c));
+#endif
+}
+
+/* The same over K = 32: D[16 x 8] = c + A[16 x 32] B[32 x 8] with a0, a1 as above for columns 0-15 and a2, a3 for
+ * columns 16-31 (A[g][16 + 4t ..], A[g+8][16 + 4t ..]), b0 = B[4t ..][g], b1 = B[16 + 4t ..][g]; d as above.
+ * sm_80+: one m16n8k32; sm_75: the second half accumulated onto the first (exact). */
+__device__ __forceinline__ void le_mma_s8_16x8x32(int *d, int a0, int a1, int a2, int a3, int b0, int b1, int c) {
+#if LE_HAS_MMA_16816
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c));
+#else
+    int lo[4];
+    le_mma_s8_16x8x16(lo, a0, a1, b0, c);
+    asm("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0, %1}, {%2}, {%3}, {%4, %5};"
+        : "=r"(d[0]), "=r"(d[1])
+        : "r"(a2), "r"(b1), "r"(lo[0]), "r"(lo[1]));
+    asm("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0, %1}, {%2}, {%3}, {%4, %5};"
+        : "=r"(d[2]), "=r"(d[3])
+        : "r"(a3), "r"(b1), "r"(lo[2]), "r"(lo[3]));
 #endif
 }
 #endif

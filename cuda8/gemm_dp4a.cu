@@ -10,7 +10,7 @@
  *     as gemm_f32_<type>_ids with xq [pairs, ncols/32] Q8_1 rows sorted by expert; tiles int32 [n_tiles, 3]
  *     (expert, first pair, count <= 32; 0: empty); grid min(ceil(nrows/GEMM_ROWS), 65535) x n_tiles x 1.
  * Per (row, token) and 32-element sub-block s, the sum of gemv_dp4a.cu:
- *     d8 * (d[0] * sum_{j<16} q*q8 + d[1] * sum_{j>=16} q*q8) - m * s8
+ *     d8 * (d[0] * sum_{j<16} q*q8 + d[1] * sum_{j>=16} q*q8) - m * s8   (d * sum_{j<32} where d[0] = d[1])
  * accumulated over s in increasing order (gemv_dp4a sums the sub-blocks of a row in another order: the
  * same terms, other roundings). Tiles, staging and the f32 update: gemm_q8.cuh (shared with gemm_mma.cu, the
  * tensor-core form, which gives the same bits).
@@ -28,26 +28,27 @@
 
 /* acc[i][j] += sub-block sb's term for rows rw + 4i, tokens tt + 8j. Wide: all 32 int sums live at once
  * (sm_35+); lean (63 registers): one token and one half of the sub-block at a time, W words re-read per token. */
+template <class T>
 __device__ __forceinline__ void gemm_dp4a_sub(const gemm_q8_smem<GEMM_TT> &sm, int rw, int tt, int sb,
                                               float (*acc)[4]) {
     if (LE_HAS_MANY_REGS) {
-        int lo[4][4], hi[4][4];
+        int lo[4][4], hi[4][4]; /* offset sums (gemm_q8_term); one scale: all 8 words into lo */
 #pragma unroll
         for (int i = 0; i < 4; i++)
 #pragma unroll
-            for (int j = 0; j < 4; j++) lo[i][j] = hi[i][j] = 0;
+            for (int j = 0; j < 4; j++) lo[i][j] = hi[i][j] = GEMM_Q8_MAGIC;
 #pragma unroll
         for (int k = 0; k < 8; k++) {
             int w[4], x[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) w[i] = sm.wq[rw + 4 * i][8 * sb + k];
+            for (int i = 0; i < 4; i++) w[i] = sm.wq[rw + 4 * i][gemm_q8_slot(sb, k)];
 #pragma unroll
-            for (int j = 0; j < 4; j++) x[j] = sm.xq[tt + 8 * j][8 * sb + k];
+            for (int j = 0; j < 4; j++) x[j] = sm.xq[tt + 8 * j][gemm_q8_slot(sb, k)];
 #pragma unroll
             for (int i = 0; i < 4; i++)
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
-                    if (k < 4) lo[i][j] = le_dp4a(w[i], x[j], lo[i][j]);
+                    if (k < 4 || !T::TWO_SCALES) lo[i][j] = le_dp4a(w[i], x[j], lo[i][j]);
                     else hi[i][j] = le_dp4a(w[i], x[j], hi[i][j]);
                 }
         }
@@ -57,30 +58,39 @@ __device__ __forceinline__ void gemm_dp4a_sub(const gemm_q8_smem<GEMM_TT> &sm, i
             const float m = sm.wm[rw + 4 * i][sb];
 #pragma unroll
             for (int j = 0; j < 4; j++)
-                acc[i][j] = gemm_q8_acc(acc[i][j], sm.xd[tt + 8 * j][sb], gemm_q8_pair(d, lo[i][j], hi[i][j]), m);
+                acc[i][j] = gemm_q8_acc<T>(acc[i][j], gemm_q8_xd(sm, sb, tt + 8 * j),
+                                           gemm_q8_term<T>(d, lo[i][j], hi[i][j]), m);
         }
     } else {
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* d[0] * lo (+ 0: exact), then + d[1] * hi: gemm_q8_pair's */
+            /* two scales: d[0] * lo (+ 0: exact), then + d[1] * hi; one: the whole sub-block's offset sum, then
+             * gemm_q8_term (its roundings either way) */
+            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            int s4[4] = {GEMM_Q8_MAGIC, GEMM_Q8_MAGIC, GEMM_Q8_MAGIC, GEMM_Q8_MAGIC};
 #pragma unroll 1
             for (int h = 0; h < 2; h++) {
-                int s4[4] = {0, 0, 0, 0};
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    if (T::TWO_SCALES) s4[i] = GEMM_Q8_MAGIC;
 #pragma unroll
                 for (int k = 4 * h; k < 4 * h + 4; k++) {
-                    const int x = sm.xq[tt + 8 * j][8 * sb + k];
+                    const int x = sm.xq[tt + 8 * j][gemm_q8_slot(sb, k)];
 #pragma unroll
-                    for (int i = 0; i < 4; i++) s4[i] = le_dp4a(sm.wq[rw + 4 * i][8 * sb + k], x, s4[i]);
+                    for (int i = 0; i < 4; i++) s4[i] = le_dp4a(sm.wq[rw + 4 * i][gemm_q8_slot(sb, k)], x, s4[i]);
                 }
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const float2 d = sm.wd[rw + 4 * i][sb];
-                    p[i] = __fmaf_rn(h ? d.y : d.x, (float)s4[i], p[i]);
+                    if (T::TWO_SCALES) p[i] = __fmaf_rn(h ? d.y : d.x, gemm_q8_float(s4[i]), p[i]);
                 }
             }
-            const float2 x = sm.xd[tt + 8 * j][sb];
 #pragma unroll
-            for (int i = 0; i < 4; i++) acc[i][j] = gemm_q8_acc(acc[i][j], x, p[i], sm.wm[rw + 4 * i][sb]);
+            for (int i = 0; i < 4; i++)
+                if (!T::TWO_SCALES) p[i] = gemm_q8_term<T>(sm.wd[rw + 4 * i][sb], s4[i], 0);
+            const float2 x = gemm_q8_xd(sm, sb, tt + 8 * j);
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[i][j] = gemm_q8_acc<T>(acc[i][j], x, p[i], sm.wm[rw + 4 * i][sb]);
         }
     }
 }
@@ -107,7 +117,7 @@ __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const bl
                                  sm);
             __syncthreads();
 #pragma unroll 1
-            for (int sb = 0; sb < nsb; sb++) gemm_dp4a_sub(sm, rw, tt, sb, acc);
+            for (int sb = 0; sb < nsb; sb++) gemm_dp4a_sub<T>(sm, rw, tt, sb, acc);
         }
 #pragma unroll
         for (int j = 0; j < 4; j++) {

@@ -6,11 +6,11 @@
  *     to GEMM_MMA_TT (64) pairs (moe_sort / expert_tiles with tile = 64)
  *     same arguments, block (GEMM_THREADS x 1 x 1), shared memory and staging (gemm_q8.cuh).
  * Compute: warp w owns rows 16w .. 16w+15 of the tile and all its TT tokens, as TT/8 16 x 8 mma tiles; per
- * sub-block two le_mma_s8_16x8x16 per token group (elements 0-15 and 16-31: the two scales of a K-quant
- * sub-block) give the integer sums lo, hi exactly as gemm_dp4a's dp4a loops do, and the f32 update is
+ * sub-block one le_mma_s8_16x8x32 per token group (two le_mma_s8_16x8x16 for Q6_K: elements 0-15 and 16-31 have
+ * their own scales) gives the integer sums exactly as gemm_dp4a's dp4a loops do, and the f32 update is
  * gemm_q8.cuh's: the output equals gemm_dp4a's bit for bit. Lane (g = lane / 4, t = lane % 4) holds rows
  * 16w + g, 16w + g + 8 and tokens 8j + 2t, 8j + 2t + 1 (j < TT/8): the mma accumulator layout.
- * Per sub-block and warp: 8 mma (16 x 8 x 16) from 12 shared words per lane, against 128 dp4a from 64 words
+ * Per sub-block and warp: 8 mma (16 x 8 x 32) from 20 shared words per lane, against 128 dp4a from 64 words
  * per lane in gemm_dp4a.
  * Only where compat.cuh's LE_HAS_MMA_INT8 (dp4a tier at compute_75+, CUDA 10.1+): below that this file holds
  * no kernel (the capability table, gpu.Kernels.has_mma, never asks for one). Fermi/Kepler/Pascal/Volta run
@@ -22,24 +22,32 @@
 
 #if LE_HAS_MMA_INT8
 
-/* acc[j][c] += sub-block sb's term for the lane's rows (c < 2: 16w + g, else + 8) and tokens 8j + 2t + c % 2 */
-template <int TT>
+/* acc[j][c] += sub-block sb's term for the lane's rows (c < 2: 16w + g, else + 8) and tokens 8j + 2t + c % 2:
+ * the whole sub-block's sums from one k = 32 product where the type has one scale, its two halves' from two k = 16
+ * products where it has two (Q6_K) */
+template <class T, int TT>
 __device__ __forceinline__ void gemm_mma_sub(const gemm_q8_smem<TT> &sm, int r, int g, int t, int sb,
                                              float (*acc)[4]) {
-    const int a0l = sm.wq[r][8 * sb + t], a0h = sm.wq[r][8 * sb + 4 + t];
-    const int a1l = sm.wq[r + 8][8 * sb + t], a1h = sm.wq[r + 8][8 * sb + 4 + t];
+    const int2 a0 = *(const int2 *)&sm.wq[r][8 * sb + 2 * t];     /* words t, t + 4 (gemm_q8_slot) of row r */
+    const int2 a1 = *(const int2 *)&sm.wq[r + 8][8 * sb + 2 * t]; /* and of row r + 8 */
     const float2 d0 = sm.wd[r][sb], d1 = sm.wd[r + 8][sb];
     const float m0 = sm.wm[r][sb], m1 = sm.wm[r + 8][sb];
 #pragma unroll
     for (int j = 0; j < TT / 8; j++) {
-        int lo[4], hi[4];
-        le_mma_s8_16x8x16(lo, a0l, a1l, sm.xq[8 * j + g][8 * sb + t]);
-        le_mma_s8_16x8x16(hi, a0h, a1h, sm.xq[8 * j + g][8 * sb + 4 + t]);
-        const float2 x0 = sm.xd[8 * j + 2 * t][sb], x1 = sm.xd[8 * j + 2 * t + 1][sb];
-        acc[j][0] = gemm_q8_acc(acc[j][0], x0, gemm_q8_pair(d0, lo[0], hi[0]), m0);
-        acc[j][1] = gemm_q8_acc(acc[j][1], x1, gemm_q8_pair(d0, lo[1], hi[1]), m0);
-        acc[j][2] = gemm_q8_acc(acc[j][2], x0, gemm_q8_pair(d1, lo[2], hi[2]), m1);
-        acc[j][3] = gemm_q8_acc(acc[j][3], x1, gemm_q8_pair(d1, lo[3], hi[3]), m1);
+        const int2 b = *(const int2 *)&sm.xq[8 * j + g][8 * sb + 2 * t];
+        int lo[4], hi[4] = {0, 0, 0, 0}; /* offset sums (gemm_q8_term) */
+        if (T::TWO_SCALES) {
+            le_mma_s8_16x8x16(lo, a0.x, a1.x, b.x, GEMM_Q8_MAGIC);
+            le_mma_s8_16x8x16(hi, a0.y, a1.y, b.y, GEMM_Q8_MAGIC);
+        } else {
+            le_mma_s8_16x8x32(lo, a0.x, a1.x, a0.y, a1.y, b.x, b.y, GEMM_Q8_MAGIC);
+        }
+        const float4 x = sm.xd[sb][4 * j + t]; /* (d8, s8) of tokens 8j + 2t and 8j + 2t + 1 */
+        const float2 x0 = make_float2(x.x, x.y), x1 = make_float2(x.z, x.w);
+        acc[j][0] = gemm_q8_acc<T>(acc[j][0], x0, gemm_q8_term<T>(d0, lo[0], hi[0]), m0);
+        acc[j][1] = gemm_q8_acc<T>(acc[j][1], x1, gemm_q8_term<T>(d0, lo[1], hi[1]), m0);
+        acc[j][2] = gemm_q8_acc<T>(acc[j][2], x0, gemm_q8_term<T>(d1, lo[2], hi[2]), m1);
+        acc[j][3] = gemm_q8_acc<T>(acc[j][3], x1, gemm_q8_term<T>(d1, lo[3], hi[3]), m1);
     }
 }
 
@@ -64,7 +72,7 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const blo
                                  sm);
             __syncthreads();
 #pragma unroll 1
-            for (int sb = 0; sb < nsb; sb++) gemm_mma_sub<TT>(sm, r, g, t, sb, acc);
+            for (int sb = 0; sb < nsb; sb++) gemm_mma_sub<T, TT>(sm, r, g, t, sb, acc);
         }
 #pragma unroll
         for (int j = 0; j < TT / 8; j++)

@@ -5,15 +5,16 @@
  * columns (fewer in the last step when ncols % 128 != 0). Staging (gemm_q8_stage): thread tid copies word
  * k = tid % 8 of 16 (row, sub-block) pairs of W (T::qword: the int of 4 signed elements; eight lanes read one
  * sub-block together), the scales and min of 2 of the step's 512 (row, sub-block) pairs (T::scale: decoded once
- * per sub-block, not per word; the 63-register tiers decode them with each word instead) and word k of 4 Q8_1 blocks of token tid / 8; ints stay ints, the per-sub-block
- * scales go beside them. Tokens per tile: a template argument TT (GEMM_TT = 32; GEMM_MMA_TT = 64 for the
- * tensor-core GEMM, whose limit is this staging: twice the tokens per staged weight word). Rows past nrows and tokens past the tile read row r0 / token t0 instead
- * (their outputs are not stored).
- * Shared rows are GEMM_Q8_PAD (36) ints apart: 36 = 4 mod 32 banks, so the mma fragments' reads (8 rows x 4
- * consecutive words per warp) and the dp4a path's (4 rows, or 8 tokens, at one word) hit 32 different banks.
+ * per sub-block, not per word; the 63-register tiers decode them with each word instead) and word k of 4 Q8_1
+ * blocks of token tid / 8; ints stay ints, the per-sub-block scales go beside them. Tokens per tile: a template
+ * argument TT (GEMM_TT = 32; GEMM_MMA_TT = 64 for the tensor-core GEMM: twice the tokens per staged weight word).
+ * Rows past nrows and tokens past the tile read row r0 / token t0 instead (their outputs are not stored).
+ * Shared rows are GEMM_Q8_PAD (36) ints apart for gemm_dp4a: 36 = 4 mod 32 banks, so its reads (4 rows, or 8
+ * tokens, at one word) hit different banks; 40 for gemm_mma, whose 8-byte fragment pairs (gemm_q8_slot) need 8.
  * Per (row, token) and sub-block the update is  acc + d8 * (d[0] * lo + d[1] * hi) - m * s8  (lo, hi: the integer
- * sums of elements 0-15 and 16-31), with its roundings spelled out (gemm_q8_pair, gemm_q8_acc) so that every
- * kernel and tier gives the same bits for the same integer sums.
+ * sums of elements 0-15 and 16-31; d * (lo + hi) where the type has one scale, no m term where it has no min), with
+ * its roundings spelled out (gemm_q8_term, gemm_q8_acc) so that every kernel and tier gives the same bits for the
+ * same integer sums.
  */
 #ifndef LE_GEMM_Q8_CUH
 #define LE_GEMM_Q8_CUH
@@ -30,14 +31,62 @@
  * arithmetic costs the registers that keep ptxas from spilling (rows still start in different banks) */
 #define GEMM_Q8_PAD (LE_HAS_MANY_REGS ? 36 : 33)
 
-template <int TT> /* tokens per tile: GEMM_TT, or GEMM_MMA_TT for gemm_mma's plain form */
+/* The integer sums of a sub-block start at GEMM_Q8_MAGIC instead of 0: a sum a = GEMM_Q8_MAGIC + s (|s| <= 32 * 128
+ * * 127 < 2^22) read as f32 is 12582912 + s exactly, so the f32 update needs no conversion instruction (from sm_70
+ * the conversion unit converts 16 values a clock per SM) and the offset comes off inside a fused multiply-add
+ * (gemm_q8_term). */
+#define GEMM_Q8_MAGIC 0x4B400000 /* 12582912.0f = 1.5 * 2^23 */
+#define GEMM_Q8_MAGIC_F 12582912.0f
+
+/* s (exactly) from a = GEMM_Q8_MAGIC + s */
+__device__ __forceinline__ float gemm_q8_float(int a) {
+    return __fsub_rn(__int_as_float(a), GEMM_Q8_MAGIC_F);
+}
+
+/* What a row's sub-block keeps in gemm_q8_smem::wd: (d[0], d[1]) where the type has two scales (Q6_K), else
+ * (d, -d * 12582912), exact: d = half * small int has at most 19 significant bits, 12582912 = 3 * 2^22 adds 2 */
+template <class T>
+__device__ __forceinline__ float2 gemm_q8_wd(float d0, float d1) {
+    return make_float2(d0, T::TWO_SCALES ? d1 : __fmul_rn(-d0, GEMM_Q8_MAGIC_F));
+}
+
+/* A sub-block's term before the activation's scale, from the offset sums lo, hi (GEMM_Q8_MAGIC + the sums of its
+ * elements 0-15 and 16-31) and wd (gemm_q8_wd): two scales: d[0] * lo + d[1] * hi (a product, then a fused
+ * multiply-add); one scale: lo is the whole sub-block's offset sum, and d * s = fma(d, 12582912 + s, -d * 12582912)
+ * with one rounding (= the product d * s rounded; the tensor-core GEMM gets the sum from one k = 32 product) */
+template <class T>
+__device__ __forceinline__ float gemm_q8_term(float2 wd, int lo, int hi) {
+    if (T::TWO_SCALES) return __fmaf_rn(wd.y, gemm_q8_float(hi), __fmul_rn(wd.x, gemm_q8_float(lo)));
+    return __fmaf_rn(wd.x, __int_as_float(lo), wd.y);
+}
+
+template <int TT> /* tokens per tile: GEMM_TT, or GEMM_MMA_TT for gemm_mma (plain and grouped) */
 struct gemm_q8_smem {
-    int wq[GEMM_ROWS][GEMM_Q8_PAD];           /* W words: [row][8 sub + k] */
-    float2 wd[GEMM_ROWS][GEMM_Q8_SUBS];       /* (d[0], d[1]) per row and sub-block */
+    /* gemm_mma reads 8-byte fragment pairs of 8 rows x 4 pairs: rows 40 ints apart (8 mod 32 banks) keep a half-warp
+     * on 32 different banks */
+    enum { PAD = TT == GEMM_MMA_TT ? 40 : GEMM_Q8_PAD };
+    int wq[GEMM_ROWS][PAD];                   /* W words: [row][gemm_q8_slot(sub, k)] */
+    float2 wd[GEMM_ROWS][GEMM_Q8_SUBS + 1];   /* per row and sub-block: gemm_q8_wd (+ 1: 8 rows on 16 banks) */
     float wm[GEMM_ROWS][GEMM_Q8_SUBS];        /* m */
-    int xq[TT][GEMM_Q8_PAD];                  /* Q8_1 words: [token][8 sub + k] */
-    float2 xd[TT][GEMM_Q8_SUBS];              /* (d8, s8) */
+    int xq[TT][PAD];                          /* Q8_1 words: [token][gemm_q8_slot(sub, k)] */
+    float4 xd[GEMM_Q8_SUBS][TT / 2];          /* (d8, s8) of tokens 2i, 2i + 1 (one 16-byte read for the mma's pair) */
 };
+
+/* Where word k (elements 4k .. 4k+3) of sub-block sb sits in a row of wq / xq: words k and k + 4 side by side, so
+ * that the mma's fragment pair (words t, t + 4) is one 8-byte read */
+__device__ __forceinline__ int gemm_q8_slot(int sb, int k) {
+    return 8 * sb + 2 * (k % 4) + k / 4;
+}
+
+/* (d8, s8) of token tok in sub-block sb (xd[sb] read as TT float2) */
+template <int TT>
+__device__ __forceinline__ float2 &gemm_q8_xd(gemm_q8_smem<TT> &sm, int sb, int tok) {
+    return ((float2 *)sm.xd[sb])[tok];
+}
+template <int TT>
+__device__ __forceinline__ float2 gemm_q8_xd(const gemm_q8_smem<TT> &sm, int sb, int tok) {
+    return ((const float2 *)sm.xd[sb])[tok];
+}
 
 /* Pair i (< 16) of this thread's (row, sub-block) pairs of step st: word k of row g + 32 (i % 4), sub-block i / 4.
  * with_scales (the 63-register tiers): the word's scale and min too, stored by lanes 0 and 4 of the sub-block (the
@@ -51,37 +100,34 @@ __device__ __forceinline__ void gemm_q8_word(const uint8_t *LE_RESTRICT W, int n
     const uint8_t *w = W + (size_t)(r0 + row < nrows ? r0 + row : r0) * row_bytes;
     const int s = GEMM_Q8_SUBS * st + sb;
     if (!with_scales) {
-        sm.wq[row][8 * sb + k] = T::qword(w, s, k);
+        sm.wq[row][gemm_q8_slot(sb, k)] = T::qword(w, s, k);
         return;
     }
     float d, m;
-    sm.wq[row][8 * sb + k] = le_word<T>(w, s, k, d, m);
+    sm.wq[row][gemm_q8_slot(sb, k)] = le_word<T>(w, s, k, d, m);
     if (k == 0) {
-        sm.wd[row][sb].x = d;
+        sm.wd[row][sb] = gemm_q8_wd<T>(d, d); /* d[1] comes with word 4 where there are two */
         sm.wm[row][sb] = m;
-    } else if (k == 4) {
+    } else if (k == 4 && T::TWO_SCALES) {
         sm.wd[row][sb].y = d;
     }
 }
 
-/* The scales of pair p (< GEMM_ROWS * GEMM_Q8_SUBS) of step st: row p % GEMM_ROWS, sub-block p / GEMM_ROWS; decoded
- * once per sub-block (its 8 words take none) */
+/* The scales of pair p (< GEMM_ROWS * GEMM_Q8_SUBS) of step st: row p / GEMM_Q8_SUBS, sub-block p % GEMM_Q8_SUBS
+ * (a warp reads 8 rows' headers, 4 lanes each, not 32 rows' bytes: those loads were most of the step's L1
+ * traffic); decoded once per sub-block (its 8 words take none) */
 template <class T, int TT>
 __device__ __forceinline__ void gemm_q8_scales(const uint8_t *LE_RESTRICT W, int nrows, size_t row_bytes, int r0,
                                                int st, int nsb, int p, gemm_q8_smem<TT> &sm) {
-    const int row = p % GEMM_ROWS, sb = p / GEMM_ROWS;
+    const int row = p / GEMM_Q8_SUBS, sb = p % GEMM_Q8_SUBS;
     if (sb >= nsb) return;
     const uint8_t *w = W + (size_t)(r0 + row < nrows ? r0 + row : r0) * row_bytes;
     const int s = GEMM_Q8_SUBS * st + sb;
-    float2 d;
-    T::scale(w, s, 0, d.x, sm.wm[row][sb]);
-    if (T::TWO_SCALES) {
-        float m;
-        T::scale(w, s, 1, d.y, m);
-    } else {
-        d.y = d.x;
-    }
-    sm.wd[row][sb] = d;
+    float d0, d1, m;
+    T::scale(w, s, 0, d0, sm.wm[row][sb]);
+    if (T::TWO_SCALES) T::scale(w, s, 1, d1, m);
+    else d1 = d0;
+    sm.wd[row][sb] = gemm_q8_wd<T>(d0, d1);
 }
 
 /* Step st (its nsb sub-blocks from GEMM_Q8_SUBS st on; fewer in the last step) of the weights and activations
@@ -108,20 +154,18 @@ __device__ __forceinline__ void gemm_q8_stage(const uint8_t *LE_RESTRICT W, cons
         for (int sb = 0; sb < GEMM_Q8_SUBS; sb++) {
             if (sb >= nsb) break;
             const block_q8_1 *b = xq + (size_t)t * nsub + GEMM_Q8_SUBS * st + sb;
-            sm.xq[tg][8 * sb + k] = le_ldg((const int *)b->qs + k); /* 4-aligned: blocks are 36 bytes */
-            if (k == 0) sm.xd[tg][sb] = make_float2(le_ldg_half(&b->d), le_ldg_half(&b->s));
+            sm.xq[tg][gemm_q8_slot(sb, k)] = le_ldg((const int *)b->qs + k); /* 4-aligned: blocks are 36 bytes */
+            if (k == 0) gemm_q8_xd(sm, sb, tg) = make_float2(le_ldg_half(&b->d), le_ldg_half(&b->s));
         }
     }
 }
 
-/* d[0] * lo + d[1] * hi, rounded as written (a product, then one fused multiply-add) */
-__device__ __forceinline__ float gemm_q8_pair(float2 d, int lo, int hi) {
-    return __fmaf_rn(d.y, (float)hi, __fmul_rn(d.x, (float)lo));
-}
-
-/* acc + d8 * p - m * s8 for x = (d8, s8): two fused multiply-adds in this order */
+/* acc + d8 * p - m * s8 for x = (d8, s8): two fused multiply-adds in this order; the second only where the type has
+ * a min (T::HAS_MIN; m = 0 elsewhere, and acc, from +0, is never -0: skipping it keeps the bits) */
+template <class T>
 __device__ __forceinline__ float gemm_q8_acc(float acc, float2 x, float p, float m) {
-    return __fmaf_rn(-m, x.y, __fmaf_rn(x.x, p, acc));
+    const float a = __fmaf_rn(x.x, p, acc);
+    return T::HAS_MIN ? __fmaf_rn(-m, x.y, a) : a;
 }
 
 /* The plain and grouped (_ids) kernels `name`, `name##_ids` of an int8 GEMM: `fn` is a device function template

@@ -17,7 +17,7 @@
  *   Q5_K  256 el, 176 B, 4-aligned  q = nibble | qh bit << 4, as Q4_K
  *   Q6_K  256 el, 210 B, 2-aligned  q = 6 bits - 32 (signed), d[h] = d*scales[g], m = 0
  *   IQ4_XS 256 el, 136 B, 4-aligned q = kvalues_iq4nl[nibble] (int8), d = d*(ls-32), m = 0
- * Only Q4_K and Q5_K have a min term; the int8 kernels take it from Q8_1's sum of x.
+ * Only Q4_K and Q5_K have a min term (HAS_MIN); the int8 kernels take it from Q8_1's sum of x.
  *
  * decode(row, s, b) fills all of sub-block s; qword(row, s, k) returns only its int k (elements
  * 4k..4k+3) and scale(row, s, h, d, m) the scale of its half h (elements 16h..16h+15; TWO_SCALES: only
@@ -77,7 +77,7 @@ __device__ __forceinline__ int le_iq4_lookup(int v) {
 /* ---- one struct per type: BLOCK elements, BYTES per block, decode(row, s, out) ---------------- */
 
 struct le_t_q4_0 {
-    enum { BLOCK = QK4_0, BYTES = sizeof(block_q4_0), TWO_SCALES = 0 };
+    enum { BLOCK = QK4_0, BYTES = sizeof(block_q4_0), TWO_SCALES = 0, HAS_MIN = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)s * BYTES;
         const float d = le_ldg_half((const uint16_t *)blk);
@@ -101,7 +101,7 @@ struct le_t_q4_0 {
 };
 
 struct le_t_q8_0 {
-    enum { BLOCK = QK8_0, BYTES = sizeof(block_q8_0), TWO_SCALES = 0 };
+    enum { BLOCK = QK8_0, BYTES = sizeof(block_q8_0), TWO_SCALES = 0, HAS_MIN = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)s * BYTES;
         b.d[0] = b.d[1] = le_ldg_half((const uint16_t *)blk);
@@ -119,7 +119,7 @@ struct le_t_q8_0 {
 };
 
 struct le_t_q4_K {
-    enum { BLOCK = QK_K, BYTES = sizeof(block_q4_K), TWO_SCALES = 0 };
+    enum { BLOCK = QK_K, BYTES = sizeof(block_q4_K), TWO_SCALES = 0, HAS_MIN = 1 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8; /* sub-block of the super-block */
@@ -144,7 +144,7 @@ struct le_t_q4_K {
 };
 
 struct le_t_q5_K {
-    enum { BLOCK = QK_K, BYTES = sizeof(block_q5_K), TWO_SCALES = 0 };
+    enum { BLOCK = QK_K, BYTES = sizeof(block_q5_K), TWO_SCALES = 0, HAS_MIN = 1 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8;
@@ -176,7 +176,7 @@ struct le_t_q5_K {
 };
 
 struct le_t_q6_K {
-    enum { BLOCK = QK_K, BYTES = sizeof(block_q6_K), TWO_SCALES = 1 };
+    enum { BLOCK = QK_K, BYTES = sizeof(block_q6_K), TWO_SCALES = 1, HAS_MIN = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8, n = j / 4, t = j % 4; /* half n of 128 elements, quarter t of it */
@@ -210,7 +210,7 @@ struct le_t_q6_K {
 };
 
 struct le_t_iq4_xs {
-    enum { BLOCK = QK_K, BYTES = sizeof(block_iq4_xs), TWO_SCALES = 0 };
+    enum { BLOCK = QK_K, BYTES = sizeof(block_iq4_xs), TWO_SCALES = 0, HAS_MIN = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8;

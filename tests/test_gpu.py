@@ -261,8 +261,8 @@ def test_ptx_nvcc(name, tier):
 
 @pytest.mark.cpu
 def test_gemm_mma_ptx_forms():
-    """gemm_mma's products: two mma m8n8k16 on sm_75 (Turing), one m16n8k16 from sm_80; the same source forced
-    to a lower tier holds no kernel."""
+    """gemm_mma's products: mma m8n8k16 on sm_75 (Turing); from sm_80 one m16n8k32 per sub-block where the type has
+    one scale, two m16n8k16 where it has two (Q6_K); the same source forced to a lower tier holds no kernel."""
     chains = [t for t in gpu.find_toolchains() if t.kind == "nvcc"]
     if not chains or chains[0].archs[0] > gpu.MMA_ARCH:
         pytest.skip("no nvcc that targets compute_75")
@@ -270,7 +270,7 @@ def test_gemm_mma_ptx_forms():
     for arch in (75, 90):
         ptx = gpu.build_ptx("gemm_mma", "dp4a", arch, "nvcc")[0].read_text()
         forms[arch] = set(re.findall(r"mma\.sync\.aligned\.(m\d+n\d+k\d+)\.row\.col\.s32\.s8\.s8\.s32", ptx))
-    assert forms == {75: {"m8n8k16"}, 90: {"m16n8k16"}}
+    assert forms == {75: {"m8n8k16"}, 90: {"m16n8k16", "m16n8k32"}}
     low = gpu.build_ptx("gemm_mma", "kepler", 75, "nvcc")[0].read_bytes()
     assert b"mma.sync" not in low and _entries(low) == {b"le_tier_probe"}
 
