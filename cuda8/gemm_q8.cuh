@@ -155,7 +155,11 @@ __device__ __forceinline__ void gemm_q8_stage(const uint8_t *LE_RESTRICT W, cons
             if (sb >= nsb) break;
             const block_q8_1 *b = xq + (size_t)t * nsub + GEMM_Q8_SUBS * st + sb;
             sm.xq[tg][gemm_q8_slot(sb, k)] = le_ldg((const int *)b->qs + k); /* 4-aligned: blocks are 36 bytes */
-            if (k == 0) gemm_q8_xd(sm, sb, tg) = make_float2(le_ldg_half(&b->d), le_ldg_half(&b->s));
+            if (k == 0) { /* d and s: one 4-byte load (little-endian halves) */
+                const unsigned ds = (unsigned)le_ldg((const int *)b);
+                gemm_q8_xd(sm, sb, tg) = make_float2(le_half_to_float((uint16_t)(ds & 0xFFFFu)),
+                                                     le_half_to_float((uint16_t)(ds >> 16)));
+            }
         }
     }
 }
