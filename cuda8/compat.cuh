@@ -207,6 +207,18 @@ __device__ __forceinline__ float le_shfl_xor(float v, int mask, volatile float *
 #endif
 }
 
+#if LE_HAS_SHFL
+/* The int v of lane src of this lane's group of `width` lanes (a power of 2); every lane of the warp calls it.
+ * Only where LE_HAS_SHFL (sm_30+; no scratch form: its callers run only there). */
+__device__ __forceinline__ int le_shfl_idx(int v, int src, int width) {
+#if LE_HAS_SYNC_INTRINSICS
+    return __shfl_sync(0xffffffffu, v, src, width);
+#else
+    return __shfl(v, src, width); /* CUDA 8 */
+#endif
+}
+#endif
+
 /* The same for an int (argmax indices): native int shuffles, or the scratch read as ints. */
 __device__ __forceinline__ int le_shfl_xor(int v, int mask, volatile float *scratch) {
 #if LE_HAS_SHFL && LE_HAS_SYNC_INTRINSICS

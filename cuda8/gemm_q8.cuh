@@ -88,14 +88,15 @@ __device__ __forceinline__ float2 gemm_q8_xd(const gemm_q8_smem<TT> &sm, int sb,
     return ((const float2 *)sm.xd[sb])[tok];
 }
 
-/* Pair i (< 16) of this thread's (row, sub-block) pairs of step st: word k of row g + 32 (i % 4), sub-block i / 4.
+/* Pair i (< 16) of this thread's (row, sub-block) pairs of step st: word k of row g + 32 (i / 4), sub-block i % 4
+ * (a row's 4 sub-blocks in one unrolled group: Q4_K's / Q5_K's sub-blocks 2m, 2m + 1 share their bytes, one load).
  * with_scales (the 63-register tiers): the word's scale and min too, stored by lanes 0 and 4 of the sub-block (the
  * decode of each word is repeated, but a separate pass over the scales costs registers Fermi does not have). */
 template <class T, int TT>
 __device__ __forceinline__ void gemm_q8_word(const uint8_t *LE_RESTRICT W, int nrows, size_t row_bytes, int r0,
                                              int st, int nsb, int i, int k, int g, bool with_scales,
                                              gemm_q8_smem<TT> &sm) {
-    const int row = g + 32 * (i % 4), sb = i / 4;
+    const int row = g + 32 * (i / 4), sb = i % 4;
     if (sb >= nsb) return;
     const uint8_t *w = W + (size_t)(r0 + row < nrows ? r0 + row : r0) * row_bytes;
     const int s = GEMM_Q8_SUBS * st + sb;
@@ -113,20 +114,55 @@ __device__ __forceinline__ void gemm_q8_word(const uint8_t *LE_RESTRICT W, int n
     }
 }
 
+/* The 16-byte header of a block (4 words) into h[] of each of the GEMM_Q8_SUBS lanes that share it: each loads
+ * word `part` and the four exchange them (one 16-byte piece per row instead of each lane's bytes); every lane of
+ * the warp calls it. Without shuffles (sm_20), each lane loads all four. */
+__device__ __forceinline__ void gemm_q8_hdr_words(const int *LE_RESTRICT blk, int part, int *h) {
+#if LE_HAS_SHFL
+    const int mine = le_ldg(blk + part);
+#pragma unroll
+    for (int i = 0; i < 4; i++) h[i] = le_shfl_idx(mine, i, GEMM_Q8_SUBS);
+#else
+#pragma unroll
+    for (int i = 0; i < 4; i++) h[i] = le_ldg(blk + i);
+#endif
+}
+
+/* T::scale_hdr where the type has it (HDR = 1); never called for the others */
+template <class T, int HDR>
+struct gemm_q8_hdr_scale {
+    static __device__ __forceinline__ void get(const int *, int, float &d, float &m) { d = m = 0.0f; }
+};
+template <class T>
+struct gemm_q8_hdr_scale<T, 1> {
+    static __device__ __forceinline__ void get(const int *h, int s, float &d, float &m) { T::scale_hdr(h, s, d, m); }
+};
+
 /* The scales of pair p (< GEMM_ROWS * GEMM_Q8_SUBS) of step st: row p / GEMM_Q8_SUBS, sub-block p % GEMM_Q8_SUBS
  * (a warp reads 8 rows' headers, 4 lanes each, not 32 rows' bytes: those loads were most of the step's L1
- * traffic); decoded once per sub-block (its 8 words take none) */
+ * traffic); decoded once per sub-block (its 8 words take none). Types whose scales sit in their block's header
+ * (T::HDR) read it as 4 words shared by the row's 4 lanes: a step's 4 sub-blocks lie in one 8-sub-block block. */
 template <class T, int TT>
 __device__ __forceinline__ void gemm_q8_scales(const uint8_t *LE_RESTRICT W, int nrows, size_t row_bytes, int r0,
                                                int st, int nsb, int p, gemm_q8_smem<TT> &sm) {
+    static_assert(GEMM_Q8_SUBS == 4, "gemm_q8_scales: a step's sub-blocks in one block, 4 lanes a header");
     const int row = p / GEMM_Q8_SUBS, sb = p % GEMM_Q8_SUBS;
-    if (sb >= nsb) return;
     const uint8_t *w = W + (size_t)(r0 + row < nrows ? r0 + row : r0) * row_bytes;
     const int s = GEMM_Q8_SUBS * st + sb;
     float d0, d1, m;
-    T::scale(w, s, 0, d0, sm.wm[row][sb]);
-    if (T::TWO_SCALES) T::scale(w, s, 1, d1, m);
-    else d1 = d0;
+    if (T::HDR) {
+        int h[4];
+        gemm_q8_hdr_words((const int *)(w + (size_t)(GEMM_Q8_SUBS * st * 32 / T::BLOCK) * T::BYTES), sb, h);
+        if (sb >= nsb) return; /* after the exchange: every lane takes part */
+        gemm_q8_hdr_scale<T, T::HDR>::get(h, s, d0, m);
+        sm.wm[row][sb] = m;
+        d1 = d0;
+    } else {
+        if (sb >= nsb) return;
+        T::scale(w, s, 0, d0, sm.wm[row][sb]);
+        if (T::TWO_SCALES) T::scale(w, s, 1, d1, m);
+        else d1 = d0;
+    }
     sm.wd[row][sb] = gemm_q8_wd<T>(d0, d1);
 }
 

@@ -23,7 +23,8 @@
  * 4k..4k+3) and scale(row, s, h, d, m) the scale of its half h (elements 16h..16h+15; TWO_SCALES: only
  * Q6_K's halves differ) and the min: for kernels whose consecutive lanes take consecutive words, so that
  * weight and activation loads coalesce (gemv_f32.cu), and that decode a sub-block's scales once for all
- * its words (gemm_q8.cuh). le_word<T> is the two together.
+ * its words (gemm_q8.cuh). le_word<T> is the two together. HDR: the type's scales of a sub-block come from its
+ * block's first 16 bytes (4-aligned), scale_hdr(h, s, d, m) decodes them from those as 4 words (Q4_K, Q5_K).
  */
 #ifndef LE_QUANTS_CUH
 #define LE_QUANTS_CUH
@@ -62,6 +63,26 @@ __device__ __forceinline__ void le_scale_k4(const uint8_t *blk, int j, float &d,
     m = le_ldg_half((const uint16_t *)blk + 1) * mn;
 }
 
+/* Q4_K / Q5_K from the block's 16-byte header as 4 words h (d | dmin << 16, then the 12 scale bytes): what
+ * le_scale_k4 gives for sub-block j, the same products */
+__device__ __forceinline__ void le_scale_k4_hdr(const int *h, int j, float &d, float &m) {
+    /* byte b of the scales, b < 12: word 1 + b / 4 chosen by compares (an indexed register array would go to
+     * local memory) */
+#define LE_K4_BYTE(b) ((((b) < 4 ? h[1] : (b) < 8 ? h[2] : h[3]) >> (8 * ((b) % 4))) & 0xFF)
+    int sc, mn;
+    if (j < 4) {
+        sc = LE_K4_BYTE(j) & 63;
+        mn = LE_K4_BYTE(j + 4) & 63;
+    } else {
+        const int a = LE_K4_BYTE(j + 4), lo = LE_K4_BYTE(j - 4), hi = LE_K4_BYTE(j);
+        sc = (a & 0xF) | ((lo >> 6) << 4);
+        mn = (a >> 4) | ((hi >> 6) << 4);
+    }
+#undef LE_K4_BYTE
+    d = le_half_to_float((uint16_t)(h[0] & 0xFFFF)) * sc;
+    m = le_half_to_float((uint16_t)((unsigned)h[0] >> 16)) * mn;
+}
+
 /* IQ4_NL/IQ4_XS grid: four 4-bit indices (one per byte of v, each < 16) -> four int8 values,
  * with two byte permutes (prmt, every chip) instead of four table loads. */
 __device__ __forceinline__ int le_iq4_lookup(int v) {
@@ -77,7 +98,7 @@ __device__ __forceinline__ int le_iq4_lookup(int v) {
 /* ---- one struct per type: BLOCK elements, BYTES per block, decode(row, s, out) ---------------- */
 
 struct le_t_q4_0 {
-    enum { BLOCK = QK4_0, BYTES = sizeof(block_q4_0), TWO_SCALES = 0, HAS_MIN = 0 };
+    enum { BLOCK = QK4_0, BYTES = sizeof(block_q4_0), TWO_SCALES = 0, HAS_MIN = 0, HDR = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)s * BYTES;
         const float d = le_ldg_half((const uint16_t *)blk);
@@ -101,7 +122,7 @@ struct le_t_q4_0 {
 };
 
 struct le_t_q8_0 {
-    enum { BLOCK = QK8_0, BYTES = sizeof(block_q8_0), TWO_SCALES = 0, HAS_MIN = 0 };
+    enum { BLOCK = QK8_0, BYTES = sizeof(block_q8_0), TWO_SCALES = 0, HAS_MIN = 0, HDR = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)s * BYTES;
         b.d[0] = b.d[1] = le_ldg_half((const uint16_t *)blk);
@@ -119,7 +140,7 @@ struct le_t_q8_0 {
 };
 
 struct le_t_q4_K {
-    enum { BLOCK = QK_K, BYTES = sizeof(block_q4_K), TWO_SCALES = 0, HAS_MIN = 1 };
+    enum { BLOCK = QK_K, BYTES = sizeof(block_q4_K), TWO_SCALES = 0, HAS_MIN = 1, HDR = 1 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8; /* sub-block of the super-block */
@@ -136,6 +157,9 @@ struct le_t_q4_K {
     static __device__ __forceinline__ void scale(const uint8_t *row, int s, int, float &d, float &m) {
         le_scale_k4(row + (size_t)(s / 8) * BYTES, s % 8, d, m);
     }
+    static __device__ __forceinline__ void scale_hdr(const int *h, int s, float &d, float &m) {
+        le_scale_k4_hdr(h, s % 8, d, m);
+    }
     static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8;
@@ -144,7 +168,7 @@ struct le_t_q4_K {
 };
 
 struct le_t_q5_K {
-    enum { BLOCK = QK_K, BYTES = sizeof(block_q5_K), TWO_SCALES = 0, HAS_MIN = 1 };
+    enum { BLOCK = QK_K, BYTES = sizeof(block_q5_K), TWO_SCALES = 0, HAS_MIN = 1, HDR = 1 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8;
@@ -166,6 +190,9 @@ struct le_t_q5_K {
     static __device__ __forceinline__ void scale(const uint8_t *row, int s, int, float &d, float &m) {
         le_scale_k4(row + (size_t)(s / 8) * BYTES, s % 8, d, m);
     }
+    static __device__ __forceinline__ void scale_hdr(const int *h, int s, float &d, float &m) {
+        le_scale_k4_hdr(h, s % 8, d, m);
+    }
     static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8;
@@ -176,7 +203,7 @@ struct le_t_q5_K {
 };
 
 struct le_t_q6_K {
-    enum { BLOCK = QK_K, BYTES = sizeof(block_q6_K), TWO_SCALES = 1, HAS_MIN = 0 };
+    enum { BLOCK = QK_K, BYTES = sizeof(block_q6_K), TWO_SCALES = 1, HAS_MIN = 0, HDR = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8, n = j / 4, t = j % 4; /* half n of 128 elements, quarter t of it */
@@ -210,7 +237,7 @@ struct le_t_q6_K {
 };
 
 struct le_t_iq4_xs {
-    enum { BLOCK = QK_K, BYTES = sizeof(block_iq4_xs), TWO_SCALES = 0, HAS_MIN = 0 };
+    enum { BLOCK = QK_K, BYTES = sizeof(block_iq4_xs), TWO_SCALES = 0, HAS_MIN = 0, HDR = 0 };
     static __device__ __forceinline__ void decode(const uint8_t *row, int s, le_q32 &b) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8;
