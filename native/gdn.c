@@ -319,7 +319,10 @@ int le_gdn_layer(const le_model *m, le_arena *ar, const le_weight *w, const floa
     int64_t n_prep = (int64_t)sq->n_seq * (2 * Hk + Hv), n_heads = (int64_t)sq->n_seq * Hv;
     prep_job pj = {m, sq, gi, qkv, (const float *)w[LE_W_SSM_CONV].data, u, b, a,
                    (const float *)w[LE_W_SSM_DT].data, (const float *)w[LE_W_SSM_A].data};
-    le_parallel_for(m->pool, n_prep, n_prep / (2 * T) + 1, gdn_prep, &pj);
+    /* a prefill's items take ~0.1-2 ms each (a head's chunked rule over its rows): one a claim, so that 16 heads split
+     * 8 / 8 over 2 threads and not by chunks of 5 (10 / 6); decode items are a row each, claimed in bigger chunks */
+    int64_t g_prep = n > sq->n_seq ? 1 : n_prep / (2 * T) + 1, g_heads = n > sq->n_seq ? 1 : n_heads / (2 * T) + 1;
+    le_parallel_for(m->pool, n_prep, g_prep, gdn_prep, &pj);
     int any_long = 0; /* a sequence of more than one token: the chunked form needs its scratch */
     for (int s = 0; s < sq->n_seq; s++) any_long |= sq->row0[s + 1] - sq->row0[s] > 1;
     gdn_job jb = {m, sq, gi, u, b, a, o, z, (const float *)w[LE_W_SSM_NORM].data, NULL, chunk_floats(hp),
@@ -330,7 +333,7 @@ int le_gdn_layer(const le_model *m, le_arena *ar, const le_weight *w, const floa
         rc = LE_FAIL(LE_ERR_NO_MEMORY, "gdn chunk scratch: beyond the plan");
         goto done;
     }
-    le_parallel_for(m->pool, n_heads, n_heads / (2 * T) + 1, gdn_heads, &jb);
+    le_parallel_for(m->pool, n_heads, g_heads, gdn_heads, &jb);
     ar->used = core;
     le_prof(m, &tp, LE_PROF_GDN_CORE);
     rc = le_matmul(m->pool, ar, m->int8, &w[LE_W_SSM_OUT], 0, o, n, dinner, out, E);

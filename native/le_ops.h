@@ -148,8 +148,8 @@ le_vec_dot_fn le_int_kernel(int int8, const le_weight *w);
 /* Bytes of one activation row quantised for w (w.ne0 values in w's vec_dot type). */
 int64_t le_act_row_bytes(const le_weight *w);
 /* rows activation rows of w.ne0 floats (ldx apart) quantised for w's integer kernel into out
- * (rows * le_act_row_bytes(w) bytes). */
-void le_quantize_acts(const le_weight *w, const float *x, int64_t rows, int64_t ldx, uint8_t *out);
+ * (rows * le_act_row_bytes(w) bytes), on the pool's threads from LE_ROWS_PAR_MIN rows. */
+void le_quantize_acts(le_pool *pool, const le_weight *w, const float *x, int64_t rows, int64_t ldx, uint8_t *out);
 /* One row of a weight as f32 (embedding lookup). out: [W.ne0] */
 void le_weight_row(const le_weight *w, int64_t row, float *out);
 

@@ -328,13 +328,13 @@ static int routed(const le_model *m, le_arena *ar, const le_weight *w, const flo
         dj.rb = le_act_row_bytes(dj.wd);
         dj.vdn = le_get_vec_dot_n(dj.wd->type);
         if (!(aq = le_arena_take(ar, (size_t)(dj.rb * rows)))) goto short_plan;
-        le_quantize_acts(dj.wd, act, rows, fe, aq);
+        le_quantize_acts(m->pool, dj.wd, act, rows, fe, aq);
     }
     if (shared && (dj.vds = le_int_kernel(m->int8, dj.wds))) {
         dj.rbs = le_act_row_bytes(dj.wds);
         dj.vdns = le_get_vec_dot_n(dj.wds->type);
         if (!(aqs = le_arena_take(ar, (size_t)(dj.rbs * n)))) goto short_plan;
-        le_quantize_acts(dj.wds, acts, n, fs, aqs);
+        le_quantize_acts(m->pool, dj.wds, acts, n, fs, aqs);
     }
     dj.aq = aq;
     dj.aqs = aqs;
