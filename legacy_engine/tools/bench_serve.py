@@ -43,6 +43,7 @@ p95 during / p50 idle, and the long request's own TTFT. The texts differ between
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -470,32 +471,51 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def engines(cfg: LoadConfig, api_key: str) -> tuple[list[tuple[str, object]], str | None]:
+    """([(name, port -> command)], llama-server's path or None): ours, then llama-server where cfg.llama is set."""
+    binary = find_llama_server(cfg.llama or None) if cfg.llama is not None else None
+    out = [("ours", lambda port: our_command(cfg, port, api_key))]
+    if binary:
+        out.append(("llama.cpp", lambda port: llama_command(binary, cfg, port, api_key)))
+    return out, binary
+
+
+def header(binary: str | None) -> dict:
+    """The machine and the versions, for a result dict."""
+    return dict(machine=dict(cpu=_cpu_name(), cores=os.cpu_count(), python=platform.python_version()),
+                versions=dict(legacy_engine=__version__, llama_server=_llama_version(binary) if binary else None))
+
+
+@contextlib.contextmanager
+def serving(name: str, command, logs: str, api_key: str, words: list[str], log, what: str):
+    """One engine's server on a free port, started and warmed up: yields (server, port, command)."""
+    port = free_port()
+    cmd = command(port)
+    log(f"{what}: {name}: starting {' '.join(redacted(cmd))}")
+    with ServerProcess(name, cmd, port, logs) as srv:
+        _warm_up(port, api_key, words)
+        yield srv, port, cmd
+
+
 def bench_serve(cfg: LoadConfig, log=print) -> dict:
     """Runs the load (the module docstring) against ours and, with cfg.llama set, llama-server; the result dict."""
     cfg.check()
-    binary = find_llama_server(cfg.llama or None) if cfg.llama is not None else None
     tok = Tokenizer.from_metadata(GGUFFile(cfg.model).metadata)
     words = one_token_words(tok)
     requests = make_requests(words, cfg)
     api_key = secrets.token_hex(16)
-    engines = [("ours", lambda port: our_command(cfg, port, api_key))]
-    if binary:
-        engines.append(("llama.cpp", lambda port: llama_command(binary, cfg, port, api_key)))
+    engine_list, binary = engines(cfg, api_key)
     res = dict(config=dict(asdict(cfg), prompt_len=str(cfg.prompt_len), max_tokens=str(cfg.max_tokens),
                            parallel=cfg.slots, threads=cfg.n_threads),
-               machine=dict(cpu=_cpu_name(), cores=os.cpu_count(), python=platform.python_version()),
-               versions=dict(legacy_engine=__version__, llama_server=_llama_version(binary) if binary else None),
+               **header(binary),
                requests=[dict(index=r.index, prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens,
                               shared=r.shared) for r in requests],
                runs=[], notes=[])
     with tempfile.TemporaryDirectory(prefix="le-bench-serve-") as logs:
         for clients in cfg.clients:                     # the engines side by side in time: a busy machine's
-            for name, command in engines:               # other work weighs on both alike
-                port = free_port()
-                cmd = command(port)
-                log(f"bench serve: {name}, {clients} client(s): starting {' '.join(redacted(cmd))}")
-                with ServerProcess(name, cmd, port, logs) as srv:
-                    _warm_up(port, api_key, words)
+            for name, command in engine_list:           # other work weighs on both alike
+                with serving(name, command, logs, api_key, words, log, f"bench serve, {clients} client(s)") as (
+                        srv, port, cmd):
                     log(f"bench serve: {name} ready in {srv.load_s:.1f} s; {len(requests)} requests ...")
                     load_before = os.getloadavg()
                     records, wall = run_load(port, api_key, requests, clients)

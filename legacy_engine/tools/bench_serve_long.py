@@ -3,19 +3,16 @@ TTFT target), ours beside llama-server; tools/bench_serve.py's docstring says wh
 from __future__ import annotations
 
 import os
-import platform
 import random
 import secrets
 import tempfile
 import threading
 import time
 
-from .. import __version__
 from ..format.gguf_file import GGUFFile
 from ..format.tokenizer import Tokenizer
-from .bench_serve import (LoadConfig, Request, ServerProcess, _cpu_name, _f, _llama_version, _pcts, _q, _warm_up,
-                          free_port, llama_command, one_token_words, our_command, redacted, run_request)
-from .llama_server import find_llama_server
+from .bench_serve import (LoadConfig, Request, _f, _pcts, _q, engines, header, one_token_words, redacted,
+                          run_request, serving)
 
 LONG_HEAD_START_S = 1.0   # the long request is admitted and prefilling before the probes start
 PROBE = dict(words=32, max_tokens=4)
@@ -31,7 +28,6 @@ def bench_long_prompt(cfg: LoadConfig, long_len: int, probes: int, log=print) ->
         raise ValueError(f"--long-prompt and --probes must be >= 1, got {long_len} and {probes}")
     if long_len + 8 > cfg.ctx:
         raise ValueError(f"--long-prompt {long_len} does not fit --ctx {cfg.ctx}; raise --ctx")
-    binary = find_llama_server(cfg.llama or None) if cfg.llama is not None else None
     words = one_token_words(Tokenizer.from_metadata(GGUFFile(cfg.model).metadata))
     rng = random.Random(cfg.seed + 1)
 
@@ -45,22 +41,14 @@ def bench_long_prompt(cfg: LoadConfig, long_len: int, probes: int, log=print) ->
                  for i in range(WARM_PROBES)]
     gaps = [rng.uniform(0.0, PROBE_GAP_S) for _ in range(probes)]    # the same pauses for every engine
     api_key = secrets.token_hex(16)
-    engines = [("ours", lambda port: our_command(cfg, port, api_key))]
-    if binary:
-        engines.append(("llama.cpp", lambda port: llama_command(binary, cfg, port, api_key)))
+    engine_list, binary = engines(cfg, api_key)
     res = dict(config=dict(model=cfg.model, long_prompt=long_len, probes=probes, probe=PROBE, parallel=cfg.slots,
                            threads=cfg.n_threads, ctx=cfg.ctx, head_start_s=LONG_HEAD_START_S,
                            probe_gaps_s=gaps),
-               machine=dict(cpu=_cpu_name(), cores=os.cpu_count(), python=platform.python_version()),
-               versions=dict(legacy_engine=__version__, llama_server=_llama_version(binary) if binary else None),
-               runs=[])
+               **header(binary), runs=[])
     with tempfile.TemporaryDirectory(prefix="le-bench-serve-") as logs:
-        for name, command in engines:
-            port = free_port()
-            cmd = command(port)
-            log(f"bench serve --long-prompt: {name}: starting {' '.join(redacted(cmd))}")
-            with ServerProcess(name, cmd, port, logs) as srv:
-                _warm_up(port, api_key, words)
+        for name, command in engine_list:
+            with serving(name, command, logs, api_key, words, log, "bench serve --long-prompt") as (srv, port, cmd):
                 warm = [run_request(port, r, api_key) for r in warm_reqs]
                 idle = [run_request(port, r, api_key) for r in idle_reqs]
                 box: dict = {}
