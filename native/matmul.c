@@ -97,16 +97,21 @@ static void rows_f32(const le_mm *mm, int64_t r0, int64_t r1, float *buf) {
     }
 }
 
+/* The last i < n with first[i] <= g (first ascending, first[0] <= g): the piece that holds global row g. */
+static int piece_of(const int64_t *first, int n, int64_t g) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= g) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Global rows [g0, g1) may span several products. */
 static void batch_rows(void *ctx, int64_t g0, int64_t g1, int thread) {
     batch_job *j = ctx;
-    int lo = 0, hi = j->n_mm - 1; /* the product holding g0: last i with first[i] <= g0 */
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (j->first[mid] <= g0) lo = mid;
-        else hi = mid - 1;
-    }
-    for (int i = lo; i < j->n_mm && j->first[i] < g1; i++) {
+    for (int i = piece_of(j->first, j->n_mm, g0); i < j->n_mm && j->first[i] < g1; i++) {
         int64_t r0 = (g0 > j->first[i] ? g0 : j->first[i]) - j->first[i];
         int64_t r1 = (g1 < j->first[i + 1] ? g1 : j->first[i + 1]) - j->first[i];
         if (r0 >= r1) continue;
@@ -158,9 +163,33 @@ void le_quantize_acts(le_pool *pool, const le_weight *w, const float *x, int64_t
     le_parallel_rows(pool, rows, quant_rows, &j);
 }
 
-/* The table of a batch: kernels, quantised-input pointers [n_mm]; first rows [n_mm + 1]; row bytes [n_mm] */
+/* The table of a batch: kernels, quantised-input pointers [n_mm]; first rows [n_mm + 1]; row bytes [n_mm]; the
+ * products that quantise an input [n_mm] and their first input rows [n_mm + 1] */
 static size_t table_bytes(int n_mm) {
-    return (size_t)n_mm * (sizeof(le_vec_dot_fn) + sizeof(uint8_t *) + 2 * sizeof(int64_t)) + sizeof(int64_t);
+    return (size_t)n_mm * (sizeof(le_vec_dot_fn) + sizeof(uint8_t *) + 4 * sizeof(int64_t)) + 2 * sizeof(int64_t);
+}
+
+/* A batch's distinct inputs quantised as one job over all their rows: a grouped MoE pass has hundreds of products of a
+ * few rows each, too few for a job apiece (le_parallel_rows runs those inline), thousands together */
+typedef struct {
+    const le_mm *mm;
+    const int64_t *own, *qfirst; /* [n_own]: owner products; [n_own + 1]: their first rows among all inputs' */
+    int n_own;
+    uint8_t *const *xq;          /* per product */
+    const int64_t *rb;
+} quant_batch_job;
+
+static void quant_batch_rows(void *ctx, int64_t g0, int64_t g1, int thread) {
+    (void)thread;
+    const quant_batch_job *j = ctx;
+    for (int k = piece_of(j->qfirst, j->n_own, g0); k < j->n_own && j->qfirst[k] < g1; k++) {
+        const int i = (int)j->own[k];
+        const le_mm *m = &j->mm[i];
+        le_quantize_row_fn quant = le_get_act_quantizer(m->w->tr->vec_dot_type);
+        int64_t r0 = (g0 > j->qfirst[k] ? g0 : j->qfirst[k]) - j->qfirst[k];
+        int64_t r1 = (g1 < j->qfirst[k + 1] ? g1 : j->qfirst[k + 1]) - j->qfirst[k];
+        for (int64_t r = r0; r < r1; r++) quant(m->x + r * m->ldx, j->xq[i] + r * j->rb[i], m->w->ne0);
+    }
 }
 
 /* Floats of one thread's rows on the reference path (a SwiGLU pair dequantises two). */
@@ -245,7 +274,7 @@ static int matmul_batch(le_pool *pool, le_arena *a, int int8, const le_mm *mm, i
     if (!table) return LE_FAIL(LE_ERR_NO_MEMORY, "matmul batch of %d: scratch beyond the plan", n_mm);
     le_vec_dot_fn *vd = (le_vec_dot_fn *)table;
     const uint8_t **xq = (const uint8_t **)(vd + n_mm);
-    int64_t *first = (int64_t *)(xq + n_mm), *rb = first + n_mm + 1;
+    int64_t *first = (int64_t *)(xq + n_mm), *rb = first + n_mm + 1, *own = rb + n_mm, *qfirst = own + n_mm;
     int64_t f32_ne0;
     size_t q_bytes = survey(int8, mm, n_mm, vd, &f32_ne0);
     uint8_t *q = le_arena_take(a, q_bytes);
@@ -254,8 +283,9 @@ static int matmul_batch(le_pool *pool, le_arena *a, int int8, const le_mm *mm, i
         a->used = mark;
         return LE_FAIL(LE_ERR_NO_MEMORY, "matmul batch of %d: scratch beyond the plan", n_mm);
     }
-    /* activations quantised once per distinct input */
-    first[0] = 0;
+    /* activations quantised once per distinct input, all inputs' rows as one job */
+    first[0] = qfirst[0] = 0;
+    int n_own = 0;
     for (int i = 0; i < n_mm; i++) {
         const le_weight *w = mm[i].w;
         first[i + 1] = first[i] + (mm[i].n_tok > 0 ? w->ne1 : 0);
@@ -268,10 +298,14 @@ static int matmul_batch(le_pool *pool, le_arena *a, int int8, const le_mm *mm, i
             xq[i] = xq[p];
             continue;
         }
-        le_quantize_acts(pool, w, mm[i].x, mm[i].n_tok, mm[i].ldx, q);
         xq[i] = q;
         q += le_align64((size_t)(rb[i] * mm[i].n_tok));
+        own[n_own] = i;
+        qfirst[n_own + 1] = qfirst[n_own] + mm[i].n_tok;
+        n_own++;
     }
+    quant_batch_job qj = {mm, own, qfirst, n_own, (uint8_t *const *)xq, rb};
+    if (n_own) le_parallel_rows(pool, qfirst[n_own], quant_batch_rows, &qj);
     batch_job j = {mm, n_mm, first, vd, xq, rb, rows, f32_ne0 ? row_floats(f32_ne0) : 0, T};
     int64_t total = first[n_mm];
     if (split) {
