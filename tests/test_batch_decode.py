@@ -186,12 +186,14 @@ def test_mixed_pass_equals_each_alone(model, chunked):
             assert batched[s].rope_delta == delta.get(s, 0)
 
 
-@pytest.mark.parametrize("name", ["moe-f32", "dense-q4_k_m"])
+@pytest.mark.parametrize("name", ["moe-f32", "dense-q4_k_m", "moe-q4_k_m"])
 def test_attention_cut_by_threads_changes_no_bit(models, name, tmp_path):
     """The attention core's tasks (how many query heads of a KV head and rows of a sequence each takes) follow the
     thread count; every (row, head) pair's bits do not: a prompt's logits at every position and the decode after
     it are equal with 1 and 5 threads (the tiny files' 2 query heads share a KV head: one thread takes both in a
-    task, five take one each)."""
+    task, five take one each). The same for the jobs that quantise a pass's activations (one over every product's
+    input rows: the grouped experts' on the quantised MoE file) and gather its routed rows (40 tokens: past
+    le_parallel_rows' 32, so they run as jobs)."""
     path = models(name).file.path
     m1, m5 = Model(path, 1), Model(path, 5)
     V = m1.hparams.n_vocab
