@@ -36,7 +36,7 @@ typedef struct {
     int64_t thread_floats, score_floats, ld; /* ld: the scores' row stride, >= the pass's most keys */
     int hg, rows;     /* query heads of one KV head and rows of one sequence per task: M = hg * rows pairs */
     int subs;         /* tasks across a KV head's group: n_head / n_head_kv / hg */
-    const int *tile0; /* [n_seq + 1]: each sequence's first row tile */
+    const int64_t *tile0; /* [n_seq + 1]: each sequence's first row tile */
 } attn_job;
 
 /* The scores' row stride for n keys and the (row, head) pairs a task takes: as many as fit ATTN_SCORE_FLOATS, at
@@ -54,17 +54,6 @@ static int64_t score_floats(int n_keys) {
 }
 static int64_t thread_floats(int n_keys, int hd) {
     return score_floats(n_keys) + 2 * le_floats64((int64_t)ATTN_TILE * hd);
-}
-
-/* The last s with v[s] <= t (v ascending). */
-static int last_at_most(const int *v, int n, int t) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (v[mid] <= t) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
 }
 
 /* One task: rows [r0, r0 + R) of sequence s, query heads h0 .. h0 + hg - 1 (all of KV head kvh): pairs i = r * hg +
@@ -114,8 +103,8 @@ static void attn_tasks(void *ctx, int64_t i0, int64_t i1, int thread) {
     int nkv = hp->n_head_kv, group = hp->n_head / nkv;
     for (int64_t idx = i0; idx < i1; idx++) {
         int sub = (int)(idx % jb->subs), kvh = (int)(idx / jb->subs % nkv), tile = (int)(idx / jb->subs / nkv);
-        int s = last_at_most(jb->tile0, jb->sq->n_seq, tile);
-        int r0 = jb->sq->row0[s] + (tile - jb->tile0[s]) * jb->rows, end = jb->sq->row0[s + 1];
+        int s = le_piece_of(jb->tile0, jb->sq->n_seq, tile);
+        int r0 = jb->sq->row0[s] + (int)(tile - jb->tile0[s]) * jb->rows, end = jb->sq->row0[s + 1];
         int R = r0 + jb->rows <= end ? jb->rows : end - r0;
         attn_task(jb, s, r0, R, kvh, kvh * group + sub * jb->hg, thread);
     }
@@ -137,7 +126,7 @@ size_t le_attention_plan(const le_model *m, const le_weight *w, int n, int n_ctx
     le_mm out = {&w[LE_W_O], 0, x_id + 1, n, hp->n_head * hp->head_dim, NULL, E, NULL};
     size_t most = le_matmul_batch_plan(T, m->int8, proj, 3), outp = le_matmul_batch_plan(T, m->int8, &out, 1);
     size_t scores = (size_t)T * (size_t)thread_floats(n_ctx, hp->head_dim) * sizeof(float) +
-                    le_align64(sizeof(int) * (size_t)(n + 1));
+                    le_align64(sizeof(int64_t) * (size_t)(n + 1));
     if (outp > most) most = outp;
     if (scores > most) most = scores;
     return le_align64(own_floats(hp, n) * sizeof(float)) + most;
@@ -206,7 +195,7 @@ int le_attention_layer(const le_model *m, le_arena *ar, const le_weight *w, cons
      * the threads (one decode step); then rows of one sequence up to the pairs */
     size_t core = ar->used;
     int T = le_pool_threads(m->pool), group = nh / nkv, pairs = tile_pairs(most_keys), hg = group, rows = 1;
-    int *tile0 = le_arena_take(ar, sizeof(int) * (size_t)(sq->n_seq + 1)); /* tile0[n_seq]: the tiles */
+    int64_t *tile0 = le_arena_take(ar, sizeof(int64_t) * (size_t)(sq->n_seq + 1)); /* tile0[n_seq]: the tiles */
     float *scratch = le_arena_take(ar, (size_t)T * (size_t)thread_floats(most_keys, hd) * sizeof(float));
     if (!tile0 || !scratch) {
         rc = LE_FAIL(LE_ERR_NO_MEMORY, "attention scores of %d keys: beyond the plan", most_keys);

@@ -145,6 +145,18 @@ size_t le_matmul_batch_plan(int n_threads, int int8, const le_mm *mm, int n_mm);
 /* The selected tier's integer dot product for w's rows; NULL when w runs on the f32 path (int8 off,
  * F32/F16/BF16 weights, or no kernel for the type). */
 le_vec_dot_fn le_int_kernel(int int8, const le_weight *w);
+/* The last i < n with first[i] <= g (first ascending, first[0] <= g): the piece of a job's global index g (a batch's
+ * product holding row g, a pass's sequence holding row tile g). */
+static inline int le_piece_of(const int64_t *first, int n, int64_t g) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= g) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Bytes of one activation row quantised for w (w.ne0 values in w's vec_dot type). */
 int64_t le_act_row_bytes(const le_weight *w);
 /* rows activation rows of w.ne0 floats (ldx apart) quantised for w's integer kernel into out

@@ -97,21 +97,10 @@ static void rows_f32(const le_mm *mm, int64_t r0, int64_t r1, float *buf) {
     }
 }
 
-/* The last i < n with first[i] <= g (first ascending, first[0] <= g): the piece that holds global row g. */
-static int piece_of(const int64_t *first, int n, int64_t g) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (first[mid] <= g) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
 /* Global rows [g0, g1) may span several products. */
 static void batch_rows(void *ctx, int64_t g0, int64_t g1, int thread) {
     batch_job *j = ctx;
-    for (int i = piece_of(j->first, j->n_mm, g0); i < j->n_mm && j->first[i] < g1; i++) {
+    for (int i = le_piece_of(j->first, j->n_mm, g0); i < j->n_mm && j->first[i] < g1; i++) {
         int64_t r0 = (g0 > j->first[i] ? g0 : j->first[i]) - j->first[i];
         int64_t r1 = (g1 < j->first[i + 1] ? g1 : j->first[i + 1]) - j->first[i];
         if (r0 >= r1) continue;
@@ -182,7 +171,7 @@ typedef struct {
 static void quant_batch_rows(void *ctx, int64_t g0, int64_t g1, int thread) {
     (void)thread;
     const quant_batch_job *j = ctx;
-    for (int k = piece_of(j->qfirst, j->n_own, g0); k < j->n_own && j->qfirst[k] < g1; k++) {
+    for (int k = le_piece_of(j->qfirst, j->n_own, g0); k < j->n_own && j->qfirst[k] < g1; k++) {
         const int i = (int)j->own[k];
         const le_mm *m = &j->mm[i];
         le_quantize_row_fn quant = le_get_act_quantizer(m->w->tr->vec_dot_type);
