@@ -132,32 +132,6 @@ int64_t le_act_row_bytes(const le_weight *w) {
     return w->ne0 / at->block_size * at->type_size;
 }
 
-typedef struct {
-    le_quantize_row_fn quant;
-    const float *x;
-    int64_t ldx, rb, ne0;
-    uint8_t *out;
-} quant_job;
-
-static void quant_rows(void *ctx, int64_t t0, int64_t t1, int thread) {
-    (void)thread;
-    const quant_job *j = ctx;
-    for (int64_t t = t0; t < t1; t++) j->quant(j->x + t * j->ldx, j->out + t * j->rb, j->ne0);
-}
-
-/* Rows are quantised independently (same bits on any thread): a prefill's as pool jobs (serial, they were ~2 % of a
- * 2-thread pass, ~13 % at 16 threads), a decode step's inline (le_parallel_rows) */
-void le_quantize_acts(le_pool *pool, const le_weight *w, const float *x, int64_t rows, int64_t ldx, uint8_t *out) {
-    quant_job j = {le_get_act_quantizer(w->tr->vec_dot_type), x, ldx, le_act_row_bytes(w), w->ne0, out};
-    le_parallel_rows(pool, rows, quant_rows, &j);
-}
-
-/* The table of a batch: kernels, quantised-input pointers [n_mm]; first rows [n_mm + 1]; row bytes [n_mm]; the
- * products that quantise an input [n_mm] and their first input rows [n_mm + 1] */
-static size_t table_bytes(int n_mm) {
-    return (size_t)n_mm * (sizeof(le_vec_dot_fn) + sizeof(uint8_t *) + 4 * sizeof(int64_t)) + 2 * sizeof(int64_t);
-}
-
 /* A batch's distinct inputs quantised as one job over all their rows: a grouped MoE pass has hundreds of products of a
  * few rows each, too few for a job apiece (le_parallel_rows runs those inline), thousands together */
 typedef struct {
@@ -179,6 +153,21 @@ static void quant_batch_rows(void *ctx, int64_t g0, int64_t g1, int thread) {
         int64_t r1 = (g1 < j->qfirst[k + 1] ? g1 : j->qfirst[k + 1]) - j->qfirst[k];
         for (int64_t r = r0; r < r1; r++) quant(m->x + r * m->ldx, j->xq[i] + r * j->rb[i], m->w->ne0);
     }
+}
+
+/* Rows are quantised independently (same bits on any thread): a prefill's as pool jobs (serial, they were ~2 % of a
+ * 2-thread pass, ~13 % at 16 threads), a decode step's inline (le_parallel_rows): one input as a batch of one */
+void le_quantize_acts(le_pool *pool, const le_weight *w, const float *x, int64_t rows, int64_t ldx, uint8_t *out) {
+    const le_mm mm = {w, 0, x, rows, ldx, NULL, 0, NULL};
+    const int64_t own = 0, qfirst[2] = {0, rows}, rb = le_act_row_bytes(w);
+    quant_batch_job j = {&mm, &own, qfirst, 1, &out, &rb};
+    le_parallel_rows(pool, rows, quant_batch_rows, &j);
+}
+
+/* The table of a batch: kernels, quantised-input pointers [n_mm]; first rows [n_mm + 1]; row bytes [n_mm]; the
+ * products that quantise an input [n_mm] and their first input rows [n_mm + 1] */
+static size_t table_bytes(int n_mm) {
+    return (size_t)n_mm * (sizeof(le_vec_dot_fn) + sizeof(uint8_t *) + 4 * sizeof(int64_t)) + 2 * sizeof(int64_t);
 }
 
 /* Floats of one thread's rows on the reference path (a SwiGLU pair dequantises two). */
