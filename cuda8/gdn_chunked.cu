@@ -35,8 +35,8 @@
 #endif
 #define GDNC_MAX_DK 128
 /* The scan's loops: rolled on the fermi tier (63 registers: unrolled they spill), the compiler's choice elsewhere
- * (H200, 2048 tokens: the scan 0.82 ms unrolled, 1.46 ms rolled). The prep's stay rolled on every tier (0.34 ms,
- * 0.40 unrolled). */
+ * (unrolled: about twice as fast). The prep's stay rolled on every tier (unrolled: slower). Timings:
+ * benchmarks/results/gdn_scan_prefetch_2026-11-29.md. */
 #if LE_HAS_MANY_REGS
 #define GDNC_ROLLED
 #else
@@ -162,6 +162,130 @@ extern "C" __global__ void gdn_chunk_prep_f32(const float *LE_RESTRICT u, const 
     }
 }
 
+/* The scan's operands that do not depend on S come in phases of GDNC_PF floats a thread: phases 0 .. nt - 1 the W and
+ * Q tiles of dims 32p .. 32p + 31 (nt = ceil(dk / 32)), phase nt the P block, phases nt + 1 and nt + 2 K's halves of
+ * 32 rows. On the many-register tiers a phase's loads are issued before the phase before it is computed, so the
+ * chunk's chain (W S -> V' -> K^T V' -> S) never waits on memory (H200, 0.8B shapes: one block an SM, every phase's
+ * latency was exposed); fermi (63 registers) loads each element as it stores it. The shared contents are the same
+ * either way, and so are the bits. */
+#define GDNC_PF (2 * GDNC_C * GDNC_TILE / GDNC_THREADS) /* 16 */
+#if GDNC_PF * GDNC_THREADS != GDNC_C * GDNC_C || GDNC_PF * GDNC_THREADS != GDNC_C / 2 * GDNC_MAX_DK
+#error "every scan phase (a W | Q tile, P, half of K) is GDNC_PF floats a thread"
+#endif
+#if LE_HAS_MANY_REGS
+#define GDNC_AHEAD 1
+#else
+#define GDNC_AHEAD 0
+#endif
+
+struct gdnc_scan_args {
+    const float *u, *W, *P;
+    int n, conv_dim, Hk, Hv, dk, j, kh, nt;
+};
+
+/* a phase's loads: elements k < GDNC_PF / 2 of a half read p[k * step], valid while row + k * rstep < L (and dok) */
+struct gdnc_half {
+    const float *p;
+    size_t step;
+    int row, rstep;
+};
+
+/* where this thread's elements of phase ph of the chunk at t0 are (element k < H of half h: h.p[k * h.step]). Pointers
+ * run by a stride, not an address per element: kept live across the chunk loop, those took every register. */
+__device__ __forceinline__ void gdnc_scan_src(const gdnc_scan_args &a, int t0, int ph, gdnc_half &h0, gdnc_half &h1,
+                                              bool &dok) {
+    const int tid = threadIdx.x, H = GDNC_PF / 2;
+    const float *rows = a.u + (size_t)t0 * a.conv_dim;
+    dok = true;
+    if (ph < a.nt) { /* W's rows tid / 32 + 8k of the tile, then Q's */
+        const int r = tid / GDNC_TILE, d = ph * GDNC_TILE + tid % GDNC_TILE;
+        dok = d < a.dk;
+        h0 = {a.W + ((size_t)(t0 + r) * a.Hv + a.j) * a.dk + d, (size_t)8 * a.Hv * a.dk, r, 8};
+        h1 = {rows + (size_t)r * a.conv_dim + (size_t)a.kh * a.dk + d, (size_t)8 * a.conv_dim, r, 8};
+    } else if (ph == a.nt) { /* P: [64][64] as prep wrote it */
+        const float *Pc = a.P + ((size_t)(t0 / GDNC_C) * a.Hv + a.j) * GDNC_C * GDNC_C + tid;
+        h0 = {Pc, GDNC_THREADS, 0, 0};
+        h1 = {Pc + H * GDNC_THREADS, GDNC_THREADS, 0, 0};
+    } else { /* K's rows m0 + tid / 128 + 2k */
+        const int m = (ph - a.nt - 1) * (GDNC_C / 2) + tid / GDNC_MAX_DK, d = tid % GDNC_MAX_DK;
+        dok = d < a.dk;
+        h0 = {rows + (size_t)m * a.conv_dim + (size_t)(a.Hk + a.kh) * a.dk + d, (size_t)2 * a.conv_dim, m, 2};
+        h1 = {h0.p + (size_t)2 * H * a.conv_dim, h0.step, m + 2 * H, 2};
+    }
+}
+
+/* element k of a half; 0 outside the chunk's L rows and dk */
+__device__ __forceinline__ float gdnc_scan_get(const gdnc_half &h, int k, bool dok, int L) {
+    return dok && h.row + k * h.rstep < L ? h.p[k * h.step] : 0.0f;
+}
+
+/* element i (< GDNC_PF) of phase ph into the shared buffer: tw | tq [64][33], Ps [64][65], or Kh [32][128] times D */
+__device__ __forceinline__ void gdnc_scan_put(int nt, int ph, int i, float x, float *tiles, const float *D) {
+    const int tid = threadIdx.x, H = GDNC_PF / 2;
+    if (ph < nt)
+        tiles[(i / H) * GDNC_C * (GDNC_TILE + 1) + (tid / GDNC_TILE + (i % H) * 8) * (GDNC_TILE + 1) +
+              tid % GDNC_TILE] = x;
+    else if (ph == nt)
+        tiles[(tid / GDNC_C + i * (GDNC_THREADS / GDNC_C)) * (GDNC_C + 1) + tid % GDNC_C] = x;
+    else
+        tiles[tid + i * GDNC_THREADS] = D[(ph - nt - 1) * (GDNC_C / 2) + tid / GDNC_MAX_DK + 2 * i] * x;
+}
+
+/* phase ph of the chunk at t0 into shared memory. GDNC_AHEAD: pf holds it already, and the next phase's loads (this
+ * chunk's next, or the next chunk's first) are issued before the barrier; fermi loads each element as it stores it. */
+__device__ __forceinline__ void gdnc_scan_phase(const gdnc_scan_args &a, int t0, int ph, float *pf, float *tiles,
+                                                const float *D) {
+    const int H = GDNC_PF / 2;
+    gdnc_half h0, h1;
+    bool dok;
+    __syncthreads(); /* the buffer's readers of the phase before are done */
+    if (GDNC_AHEAD) {
+#pragma unroll
+        for (int i = 0; i < GDNC_PF; i++) gdnc_scan_put(a.nt, ph, i, pf[i], tiles, D);
+        const bool last = ph + 1 == a.nt + 3;
+        const int t1 = last ? t0 + GDNC_C : t0, L1 = min(GDNC_C, a.n - t1);
+        if (t1 < a.n) {
+            gdnc_scan_src(a, t1, last ? 0 : ph + 1, h0, h1, dok);
+#pragma unroll
+            for (int i = 0; i < GDNC_PF; i++) pf[i] = gdnc_scan_get(i < H ? h0 : h1, i % H, dok, L1);
+        }
+    } else {
+        gdnc_scan_src(a, t0, ph, h0, h1, dok);
+        const int L = min(GDNC_C, a.n - t0);
+        GDNC_ROLLED
+        for (int k = 0; k < H; k++) { /* the halves' elements k together: two loads in flight, no spill */
+            const float x0 = gdnc_scan_get(h0, k, dok, L), x1 = gdnc_scan_get(h1, k, dok, L);
+            gdnc_scan_put(a.nt, ph, k, x0, tiles, D);
+            gdnc_scan_put(a.nt, ph, H + k, x1, tiles, D);
+        }
+    }
+    __syncthreads();
+}
+
+/* the first phase's loads (GDNC_AHEAD) */
+__device__ __forceinline__ void gdnc_scan_first(const gdnc_scan_args &a, float *pf) {
+    const int H = GDNC_PF / 2;
+    gdnc_half h0, h1;
+    bool dok;
+    gdnc_scan_src(a, 0, 0, h0, h1, dok);
+#pragma unroll
+    for (int i = 0; i < GDNC_PF; i++) pf[i] = gdnc_scan_get(i < H ? h0 : h1, i % H, dok, min(GDNC_C, a.n));
+}
+
+/* the chunk's G_t (t = tid < L), G_{L-1}, and U's row `row`, columns col .. col + GDNC_OC - 1 (0 outside) */
+__device__ __forceinline__ void gdnc_scan_chunk_vals(const float *LE_RESTRICT Gc, const float *LE_RESTRICT Uo, int t0,
+                                                     int L, int Hv, int j, int dv, int row, int col, float &gv,
+                                                     float &gl, float *uv) {
+    const int tid = threadIdx.x;
+    if (tid < L) {
+        gv = Gc[(size_t)(t0 + tid) * Hv + j];
+        gl = Gc[(size_t)(t0 + L - 1) * Hv + j];
+    }
+#pragma unroll
+    for (int b = 0; b < GDNC_OC; b++)
+        uv[b] = row < L && col + b < dv ? Uo[((size_t)(t0 + row) * Hv + j) * dv + col + b] : 0.0f;
+}
+
 /* The chunks of one (head j, columns c0 .. c0 + GDNC_COLS - 1) in order; S's slice lives in shared memory, and every
  * operand a thread reads more than once comes through shared tiles (Kepler's L1 does not cache global loads, Fermi
  * has no __ldg): W and Q in tiles of GDNC_TILE dims, then P, then K in halves of 32 rows, in one buffer. */
@@ -178,7 +302,8 @@ extern "C" __global__ void gdn_chunk_scan_f32(const float *LE_RESTRICT u, const 
     float(*Ps)[GDNC_C + 1] = (float(*)[GDNC_C + 1])tiles;
     float(*Kh)[GDNC_MAX_DK] = (float(*)[GDNC_MAX_DK])tiles;
     const int tid = threadIdx.x, j = blockIdx.x, c0 = blockIdx.y * GDNC_COLS;
-    const int kh = gdnc_k_head(j, Hk, Hv, tiled);
+    const gdnc_scan_args a = {u, W, P, n, conv_dim, Hk, Hv, dk, j, gdnc_k_head(j, Hk, Hv, tiled),
+                              (dk + GDNC_TILE - 1) / GDNC_TILE};
     float *Sj = S + (size_t)j * dk * dv;
     GDNC_ROLLED
     for (int e = tid; e < dk * GDNC_COLS; e += GDNC_THREADS) {
@@ -188,26 +313,19 @@ extern "C" __global__ void gdn_chunk_scan_f32(const float *LE_RESTRICT u, const 
     /* V' and O: row, columns c8 .. c8 + GDNC_OC - 1; S: row si, columns s16 .. s16 + GDNC_SC - 1 */
     const int row = tid / (GDNC_COLS / GDNC_OC), c8 = (tid % (GDNC_COLS / GDNC_OC)) * GDNC_OC;
     const int si = tid / (GDNC_COLS / GDNC_SC), s16 = (tid % (GDNC_COLS / GDNC_SC)) * GDNC_SC;
+    float pf[GDNC_PF];
+    if (GDNC_AHEAD) gdnc_scan_first(a, pf);
     for (int t0 = 0; t0 < n; t0 += GDNC_C) {
-        const int L = min(GDNC_C, n - t0), c = t0 / GDNC_C;
-        const float *Q = u + (size_t)t0 * conv_dim + (size_t)kh * dk;
-        const float *K = u + (size_t)t0 * conv_dim + (size_t)(Hk + kh) * dk;
+        const int L = min(GDNC_C, n - t0);
         /* W S and Q S over dk in tiles */
-        float ws[GDNC_OC], qs[GDNC_OC];
+        float ws[GDNC_OC], qs[GDNC_OC], uv[GDNC_OC], gv = 0.0f, gl = 0.0f;
 #pragma unroll
         for (int b = 0; b < GDNC_OC; b++) ws[b] = qs[b] = 0.0f;
-        for (int d0 = 0; d0 < dk; d0 += GDNC_TILE) {
-            __syncthreads(); /* the buffer's and G's readers of the chunk before, and its S update, are done */
-            if (d0 == 0 && tid < GDNC_C) G[tid] = tid < L ? Gc[(size_t)(t0 + tid) * Hv + j] : 0.0f;
-            GDNC_ROLLED
-            for (int e = tid; e < GDNC_C * GDNC_TILE; e += GDNC_THREADS) {
-                const int r = e / GDNC_TILE, d = e % GDNC_TILE;
-                const bool in = r < L && d0 + d < dk;
-                tw[r][d] = in ? W[((size_t)(t0 + r) * Hv + j) * dk + d0 + d] : 0.0f;
-                tq[r][d] = in ? Q[(size_t)r * conv_dim + d0 + d] : 0.0f;
-            }
-            __syncthreads();
-            const int dn = min(GDNC_TILE, dk - d0);
+        for (int p = 0; p < a.nt; p++) {
+            gdnc_scan_phase(a, t0, p, pf, tiles, D);
+            if (p == 0 && GDNC_AHEAD) /* used after the tiles: in flight while they are computed */
+                gdnc_scan_chunk_vals(Gc, Uo, t0, L, Hv, j, dv, row, c0 + c8, gv, gl, uv);
+            const int d0 = p * GDNC_TILE, dn = min(GDNC_TILE, dk - d0);
             GDNC_ROLLED
             for (int d = 0; d < dn; d++) {
                 const float w = tw[row][d], q = tq[row][d];
@@ -216,18 +334,15 @@ extern "C" __global__ void gdn_chunk_scan_f32(const float *LE_RESTRICT u, const 
                 gdnc_axpy4(qs, q, sv);
             }
         }
-        /* V' = U - W S */
+        /* V' = U - W S; the chunk's G and D (their readers of the chunk before passed the tiles' barriers) */
+        if (!GDNC_AHEAD) gdnc_scan_chunk_vals(Gc, Uo, t0, L, Hv, j, dv, row, c0 + c8, gv, gl, uv);
 #pragma unroll
-        for (int b = 0; b < GDNC_OC; b++) {
-            const int col = c0 + c8 + b;
-            Vp[row][c8 + b] = row < L && col < dv ? Uo[((size_t)(t0 + row) * Hv + j) * dv + col] - ws[b] : 0.0f;
+        for (int b = 0; b < GDNC_OC; b++) Vp[row][c8 + b] = row < L && c0 + c8 + b < dv ? uv[b] - ws[b] : 0.0f;
+        if (tid < GDNC_C) {
+            G[tid] = gv;
+            D[tid] = tid < L ? expf(gl - gv) : 0.0f;
         }
-        if (tid < GDNC_C) D[tid] = tid < L ? expf(G[L - 1] - G[tid]) : 0.0f;
-        __syncthreads(); /* V' and D written; the W and Q tiles read */
-        const float *Pc = P + ((size_t)c * Hv + j) * GDNC_C * GDNC_C;
-        GDNC_ROLLED
-        for (int e = tid; e < GDNC_C * GDNC_C; e += GDNC_THREADS) Ps[e / GDNC_C][e % GDNC_C] = Pc[e];
-        __syncthreads();
+        gdnc_scan_phase(a, t0, a.nt, pf, tiles, D); /* P; V', G and D written */
         /* O = e^G (Q S) + P V' */
         if (row < L) {
             const float eg = expf(G[row]);
@@ -249,15 +364,9 @@ extern "C" __global__ void gdn_chunk_scan_f32(const float *LE_RESTRICT u, const 
         float acc[GDNC_SC];
 #pragma unroll
         for (int b = 0; b < GDNC_SC; b++) acc[b] = 0.0f;
-        for (int m0 = 0; m0 < L; m0 += GDNC_C / 2) {
-            __syncthreads(); /* P's readers, or the half before's, are done */
-            GDNC_ROLLED
-            for (int e = tid; e < GDNC_C / 2 * GDNC_MAX_DK; e += GDNC_THREADS) {
-                const int m = e / GDNC_MAX_DK, d = e % GDNC_MAX_DK;
-                Kh[m][d] = m0 + m < L && d < dk ? D[m0 + m] * K[(size_t)(m0 + m) * conv_dim + d] : 0.0f;
-            }
-            __syncthreads();
-            const int mn = min(GDNC_C / 2, L - m0);
+        for (int h = 0; h < 2; h++) {
+            gdnc_scan_phase(a, t0, a.nt + 1 + h, pf, tiles, D);
+            const int m0 = h * (GDNC_C / 2), mn = min(GDNC_C / 2, L - m0);
             GDNC_ROLLED
             for (int m = 0; m < mn; m++) {
                 const float kd = Kh[m][si];
