@@ -29,6 +29,12 @@
  *   attn_prefill_tiled_f32(same arguments)       the prefill as register-tiled products (kepler and dp4a tiers)
  *     launch: block ATTN_T_THREADS (128) x 1 x 1, grid n_head x min(ceil(n / ATTN_T_Q), 65535) x 1; hd a multiple
  *     of ATTN_T_D (32)
+ *   attn_kv_planes_f16(kc, vc, planes, n_keys, n_kv, hd, nkp), then
+ *   attn_prefill_mma_f32(qg, planes, o, n, pos, n_head, n_kv, hd, scale, nkp)     the prefill on f16 tensor cores at
+ *     f32 grade (dp4a tier from sm_75: LE_HAS_MMA_F16): the keys 0 .. pos+n-1 as f16 hi / lo planes (nkp = their
+ *     count rounded up to ATTN_M_K), then per block ATTN_M_Q (32) queries of one head, tiles of ATTN_M_K (16) keys
+ *     launch: planes block ATTN_P_THREADS x 1 x 1, grid min(ceil(n_kv * nkp * hd / 2 / ATTN_P_THREADS), 65535) x 2;
+ *     prefill block ATTN_M_THREADS (64) x 1 x 1, grid n_head x min(ceil(n / ATTN_M_Q), 65535) x 1; hd a multiple of 16
  *   hd: a multiple of 32, <= ATTN_MAX_HD (256, Qwen3.5's head size).
  *
  * Decode: each warp takes every ATTN_WARPS-th key of the split, ATTN_UNROLL keys a step (their K
@@ -52,8 +58,12 @@
  * one-query-per-warp kernel makes 2 per FMA); the scores go through shared memory, where warp w updates rows 8w … 8w+7's online softmax
  * (m, l, and alpha, the old sum's factor); then P V: the thread keeps its 2 queries x (tk + 8i, i < 4) dims of
  * every 32-dim chunk of V in 64 registers (V rows read conflict-free, P broadcast).
+ * Tensor-core prefill: every operand x (q, k, v, the weights p) as x_hi = f16(x), x_lo = f16(x - x_hi) and each product
+ * as lo.hi + hi.lo + hi.hi on f16 mma with f32 accumulators: the dropped lo.lo and the halves' roundings leave ~2^-22
+ * of each term (f32 rounds at 2^-24), within the f32 kernels' bound (tests/test_gpu.py ATTN_EXTRA); q and k after
+ * their RMSNorm and v are far inside f16's range. Shared: Q's halves 32 KB + one K or V tile's 16 KB.
  * Not here yet: one block per kv head for GQA (K and V are read once per query head; the other
- * heads of the group hit L2), and fp16 / quantised KV caches.
+ * heads of the group hit L2), fp16 / quantised KV caches, and cp.async double-buffered tiles (sm_80+).
  * Tiers: all (fermi: warp sums and maxima in shared memory, plain loads).
  * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k attn
  */
@@ -446,6 +456,206 @@ extern "C" __global__ void attn_prefill_tiled_f32(const float *LE_RESTRICT qg, c
                     const int e = c * ATTN_T_D + tk + 8 * i;
                     if (c < ndc) ot[e] = acc[c][r][i] * inv * attn_sigmoid(le_ldg(gate + e));
                 }
+        }
+    }
+}
+#endif
+
+#if LE_HAS_MMA_F16
+#define ATTN_M_THREADS 64            /* mma prefill: 2 warps, 16 queries each */
+#define ATTN_M_Q 32                  /* queries a block */
+#define ATTN_M_K 16                  /* keys a tile */
+#define ATTN_M_W (ATTN_MAX_HD / 2)   /* words (f16 pairs) a row of Q or K */
+#define ATTN_P_THREADS 256           /* attn_kv_planes_f16 */
+#if ATTN_M_Q * 2 != ATTN_M_THREADS
+#error "16 queries a warp"
+#endif
+
+/* Where word w (< 8 in a group of 8) of a fragment row sits: words t and t + 4, which one lane reads together, side by
+ * side (one 8-byte load) */
+__device__ __forceinline__ int attn_m_perm(int w) { return (w & ~7) | ((w & 3) << 1) | ((w >> 2) & 1); }
+/* position p of row r of a [rows][ATTN_M_W] array: XOR-swizzled so a warp's fragment reads (rows g, positions 8k + 2t)
+ * hit every bank once a wavefront */
+__device__ __forceinline__ int attn_m_qk(int r, int p) { return r * ATTN_M_W + (p ^ ((r & 7) << 2)); }
+/* position p of dim d's row of the transposed V tile [ATTN_MAX_HD][ATTN_M_K / 2] (dims 4 .. 7 of each 8 shifted by 4
+ * words, likewise) */
+__device__ __forceinline__ int attn_m_v(int d, int p) { return d * (ATTN_M_K / 2) + (p ^ (((d >> 2) & 1) << 2)); }
+
+/* The pass's keys 0 .. n_keys - 1 as f16 hi / lo planes (le_split_f16x2), in the fragments' word order (attn_m_perm),
+ * zero up to nkp (a multiple of ATTN_M_K): words [4][n_kv][nkp * hd / 2]: K hi, K lo as [kv][key][dim pair], V hi,
+ * V lo transposed, [kv][dim][key pair]. The prefill then stages a tile by plain copies.
+ *   launch: block ATTN_P_THREADS x 1 x 1, grid min(ceil(n_kv * nkp * hd / 2 / ATTN_P_THREADS), 65535) x 2 x 1
+ *   (y = 0: K, 1: V) */
+extern "C" __global__ void attn_kv_planes_f16(const float *LE_RESTRICT kc, const float *LE_RESTRICT vc,
+                                              unsigned *LE_RESTRICT planes, int n_keys, int n_kv, int hd, int nkp) {
+    const int hw = hd / 2, kvw = n_kv * hd;
+    const long long total = (long long)n_kv * nkp * hw;
+    unsigned *hi = planes + (size_t)(2 * blockIdx.y) * total, *lo = hi + total;
+    for (long long i = blockIdx.x * (long long)ATTN_P_THREADS + threadIdx.x; i < total;
+         i += (long long)gridDim.x * ATTN_P_THREADS) {
+        float x, y;
+        long long at;
+        if (blockIdx.y == 0) { /* word w of key `key`: dims 2w, 2w + 1 */
+            const int kv = (int)(i / ((long long)nkp * hw)), rem = (int)(i % ((long long)nkp * hw));
+            const int key = rem / hw, w = rem % hw;
+            const float *src = kc + (size_t)key * kvw + (size_t)kv * hd + 2 * w;
+            x = key < n_keys ? src[0] : 0.0f;
+            y = key < n_keys ? src[1] : 0.0f;
+            at = ((long long)kv * nkp + key) * hw + attn_m_perm(w);
+        } else { /* word kp of dim d: keys 2kp, 2kp + 1 */
+            const int kv = (int)(i / ((long long)hd * (nkp / 2))), rem = (int)(i % ((long long)hd * (nkp / 2)));
+            const int d = rem / (nkp / 2), kp = rem % (nkp / 2);
+            const float *src = vc + (size_t)(2 * kp) * kvw + (size_t)kv * hd + d;
+            x = 2 * kp < n_keys ? src[0] : 0.0f;
+            y = 2 * kp + 1 < n_keys ? src[kvw] : 0.0f;
+            at = ((long long)kv * hd + d) * (nkp / 2) + attn_m_perm(kp);
+        }
+        le_split_f16x2(x, y, hi[at], lo[at]);
+    }
+}
+
+/* s[j] += the scores of rows r0, r0 + 8 and keys 8j + g's 16 dims at fragment position pa (= 8k + 2t): lo.hi + hi.lo +
+ * hi.hi */
+__device__ __forceinline__ void attn_m_scores(const unsigned *qh, const unsigned *ql, const unsigned *kvh,
+                                              const unsigned *kvl, int r0, int g, int pa, float (*s)[4]) {
+    const uint2 a02 = *(const uint2 *)&qh[attn_m_qk(r0, pa)], a13 = *(const uint2 *)&qh[attn_m_qk(r0 + 8, pa)];
+    const uint2 l02 = *(const uint2 *)&ql[attn_m_qk(r0, pa)], l13 = *(const uint2 *)&ql[attn_m_qk(r0 + 8, pa)];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const int at = attn_m_qk(8 * j + g, pa);
+        const uint2 b = *(const uint2 *)&kvh[at], c = *(const uint2 *)&kvl[at];
+        le_mma_f16_16x8x16(s[j], l02.x, l13.x, l02.y, l13.y, b.x, b.y); /* the small terms first */
+        le_mma_f16_16x8x16(s[j], a02.x, a13.x, a02.y, a13.y, c.x, c.y);
+        le_mma_f16_16x8x16(s[j], a02.x, a13.x, a02.y, a13.y, b.x, b.y);
+    }
+}
+
+/* The prefill on f16 tensor cores at f32 grade: each operand split into hi + lo f16 (le_split_f16x2), each product
+ * the three terms lo.hi + hi.lo + hi.hi in f32 accumulators (the dropped lo.lo is below 2^-22 of it). Warp w takes
+ * queries q0 + 16w .. + 15; per tile of 16 keys (copied from attn_kv_planes_f16's planes), S = Q K^T (2 x 8 keys) by
+ * mma in two chains (even and odd dim steps: half the dependent mma latency), the online softmax per row within the
+ * lane quad that holds it, then P (the S accumulators re-packed as A fragments, split) times the V tile. The query
+ * blocks run last first: the longest (most keys) start first. */
+extern "C" __global__ void __launch_bounds__(ATTN_M_THREADS)
+    attn_prefill_mma_f32(const float *LE_RESTRICT qg, const unsigned *LE_RESTRICT planes, float *LE_RESTRICT o,
+                         int n, int pos, int n_head, int n_kv, int hd, float scale, int nkp) {
+    __shared__ __align__(16) unsigned qh[ATTN_M_Q * ATTN_M_W], ql[ATTN_M_Q * ATTN_M_W]; /* 32 KB */
+    __shared__ __align__(16) unsigned kvh[ATTN_M_K * ATTN_M_W], kvl[ATTN_M_K * ATTN_M_W]; /* 16 KB: K, then V */
+    const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, g = lane / 4, t = lane % 4;
+    const int h = blockIdx.x, kvi = h / (n_head / n_kv), hw = hd / 2, nk16 = hd / 16, nd8 = hd / 8;
+    const size_t qw = (size_t)n_head * 2 * hd, plane = (size_t)n_kv * nkp * hw;
+    const uint4 *kph = (const uint4 *)(planes + (size_t)kvi * nkp * hw);
+    const uint4 *kpl = (const uint4 *)((const unsigned *)kph + plane);
+    const uint4 *vph = (const uint4 *)(planes + 2 * plane + (size_t)kvi * hd * (nkp / 2));
+    const uint4 *vpl = (const uint4 *)((const unsigned *)vph + plane);
+    const int nqb = (n + ATTN_M_Q - 1) / ATTN_M_Q;
+    volatile float *const no_scratch = 0; /* sm_75+: the shuffles need none (and the 48 KB are all the tiles') */
+    for (int qb = nqb - 1 - (int)blockIdx.y; qb >= 0; qb -= gridDim.y) {
+        const int q0 = qb * ATTN_M_Q;
+        __syncthreads(); /* the previous block of queries is done with qh, ql */
+        for (int i = tid; i < ATTN_M_Q * hw; i += ATTN_M_THREADS) {
+            const int r = i / hw, wd = i % hw, tok = min(q0 + r, n - 1); /* rows past n repeat the last (not written) */
+            const float2 x = *(const float2 *)(qg + (size_t)tok * qw + (size_t)h * 2 * hd + 2 * wd);
+            const int at = attn_m_qk(r, attn_m_perm(wd));
+            le_split_f16x2(x.x, x.y, qh[at], ql[at]);
+        }
+        const int r0 = 16 * w + g; /* the lane's rows r0, r0 + 8 of the block */
+        const int last0 = pos + min(q0 + r0, n - 1), last1 = pos + min(q0 + r0 + 8, n - 1);
+        const int n_keys = pos + min(q0 + ATTN_M_Q, n); /* keys of the block's last query */
+        float acc[ATTN_MAX_HD / 8][4], m[2] = {ATTN_NEG_BIG, ATTN_NEG_BIG}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < ATTN_MAX_HD / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+        for (int k0 = 0; k0 < n_keys; k0 += ATTN_M_K) {
+            __syncthreads(); /* Q staged; the V tile before consumed */
+            for (int i = tid; i < ATTN_M_K * hw / 4; i += ATTN_M_THREADS) { /* K rows k0 .. k0 + 15, 4 words a copy */
+                const int r = i / (hw / 4), c = 4 * (i % (hw / 4));
+                const size_t src = ((size_t)(k0 + r) * hw + c) / 4;
+                *(uint4 *)&kvh[attn_m_qk(r, c)] = kph[src];
+                *(uint4 *)&kvl[attn_m_qk(r, c)] = kpl[src];
+            }
+            __syncthreads();
+            float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            float s2[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll 1
+            for (int kk = 0; kk < nk16; kk += 2) { /* even steps into s, odd into s2 */
+                attn_m_scores(qh, ql, kvh, kvl, r0, g, 8 * kk + 2 * t, s);
+                if (kk + 1 < nk16) attn_m_scores(qh, ql, kvh, kvl, r0, g, 8 * kk + 8 + 2 * t, s2);
+            }
+            /* masked scores; the online softmax of rows r0 (c < 2) and r0 + 8 within the quad */
+            float mx[2] = {ATTN_NEG_BIG, ATTN_NEG_BIG};
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int key = k0 + 8 * j + 2 * t + c % 2;
+                    s[j][c] = key <= (c < 2 ? last0 : last1) ? (s[j][c] + s2[j][c]) * scale : ATTN_NEG_BIG;
+                    mx[c / 2] = fmaxf(mx[c / 2], s[j][c]);
+                }
+            float alpha[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], le_shfl_xor(mx[r], 1, no_scratch));
+                mx[r] = fmaxf(mx[r], le_shfl_xor(mx[r], 2, no_scratch));
+                const float mn = fmaxf(m[r], mx[r]);
+                alpha[r] = expf(m[r] - mn);
+                m[r] = mn;
+            }
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    s[j][c] = s[j][c] > 0.5f * ATTN_NEG_BIG ? expf(s[j][c] - m[c / 2]) : 0.0f;
+                    sum[c / 2] += s[j][c];
+                }
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                sum[r] += le_shfl_xor(sum[r], 1, no_scratch);
+                sum[r] += le_shfl_xor(sum[r], 2, no_scratch);
+                l[r] = l[r] * alpha[r] + sum[r];
+            }
+            /* P as A fragments (keys 2t, 2t+1 of n-tile 0, then of n-tile 1), hi and lo */
+            unsigned p[4], pl[4];
+            le_split_f16x2(s[0][0], s[0][1], p[0], pl[0]);
+            le_split_f16x2(s[0][2], s[0][3], p[1], pl[1]);
+            le_split_f16x2(s[1][0], s[1][1], p[2], pl[2]);
+            le_split_f16x2(s[1][2], s[1][3], p[3], pl[3]);
+            __syncthreads(); /* every warp's scores read the K tile */
+            for (int i = tid; i < 2 * hd; i += ATTN_M_THREADS) { /* V^T rows: dim i / 2, keys k0 + 8 (i % 2) .. + 7 */
+                const int d = i / 2, c = 4 * (i % 2);
+                const size_t src = ((size_t)d * (nkp / 2) + k0 / 2 + c) / 4;
+                *(uint4 *)&kvh[attn_m_v(d, c)] = vph[src];
+                *(uint4 *)&kvl[attn_m_v(d, c)] = vpl[src];
+            }
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < ATTN_MAX_HD / 8; j++) {
+                if (j >= nd8) break;
+                acc[j][0] *= alpha[0];
+                acc[j][1] *= alpha[0];
+                acc[j][2] *= alpha[1];
+                acc[j][3] *= alpha[1];
+                const int d = 8 * j + g;
+                const uint2 b = *(const uint2 *)&kvh[attn_m_v(d, 2 * t)], c = *(const uint2 *)&kvl[attn_m_v(d, 2 * t)];
+                le_mma_f16_16x8x16(acc[j], pl[0], pl[1], pl[2], pl[3], b.x, b.y);
+                le_mma_f16_16x8x16(acc[j], p[0], p[1], p[2], p[3], c.x, c.y);
+                le_mma_f16_16x8x16(acc[j], p[0], p[1], p[2], p[3], b.x, b.y);
+            }
+        }
+        /* o = acc / l * sigmoid(gate), rows r0 and r0 + 8, dims 8j + 2t, + 1 */
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int tok = q0 + r0 + 8 * r;
+            if (tok >= n) continue;
+            const float inv = 1.0f / l[r];
+            const float *gate = qg + (size_t)tok * qw + (size_t)h * 2 * hd + hd;
+            float *ot = o + ((size_t)tok * n_head + h) * hd;
+#pragma unroll
+            for (int j = 0; j < ATTN_MAX_HD / 8; j++) {
+                if (j >= nd8) break;
+                const int e = 8 * j + 2 * t;
+                ot[e] = acc[j][2 * r] * inv * attn_sigmoid(le_ldg(gate + e));
+                ot[e + 1] = acc[j][2 * r + 1] * inv * attn_sigmoid(le_ldg(gate + e + 1));
+            }
         }
     }
 }

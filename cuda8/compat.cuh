@@ -81,6 +81,8 @@
 /* int8 mma.sync: PTX ISA 6.4 (CUDA 10.1) for m8n8k16 on sm_75, 7.0 (CUDA 11.0) for m16n8k16 on sm_80 */
 #define LE_HAS_MMA_INT8 (LE_CC >= LE_CC_TURING && LE_CUDACC_VERSION >= 1001)
 #define LE_HAS_MMA_16816 (LE_CC >= LE_CC_AMPERE && LE_CUDACC_VERSION >= 1100)
+/* f16 mma.sync with f32 accumulators: m16n8k8 from PTX ISA 6.5 (CUDA 10.2) on sm_75, m16n8k16 from sm_80 */
+#define LE_HAS_MMA_F16 (LE_CC >= LE_CC_TURING && LE_CUDACC_VERSION >= 1002)
 
 #define LE_WARP 32
 /* A block-sized scratch array for the reduction helpers. */
@@ -186,6 +188,40 @@ __device__ __forceinline__ void le_mma_s8_16x8x32(int *d, int a0, int a1, int a2
         : "=r"(d[2]), "=r"(d[3])
         : "r"(a3), "r"(b1), "r"(lo[2]), "r"(lo[3]));
 #endif
+}
+#endif
+
+/* One warp's f16 tensor-core product D[16 x 8] += A[16 x 16] B[16 x 8] in f32 (g = lane / 4, t = lane % 4; a word
+ * holds two f16, the lower column / row in its low half): a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8,
+ * 2t+9], a3 = A[g+8][2t+8, 2t+9]; b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]; d[0], d[1] = D[g][2t, 2t+1], d[2],
+ * d[3] = D[g+8][2t, 2t+1]. sm_80+: one m16n8k16; sm_75: two m16n8k8 (columns 0-7, then 8-15). Only where
+ * LE_HAS_MMA_F16 (every lane of the warp must call it). */
+#if LE_HAS_MMA_F16
+__device__ __forceinline__ void le_mma_f16_16x8x16(float *d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                                   unsigned b0, unsigned b1) {
+#if LE_HAS_MMA_16816
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a2), "r"(a3), "r"(b1));
+#endif
+}
+
+/* (x, y) as two f16 pairs: hi = (f16(x), f16(y)), lo = the remainders (f16(x - hi.x), f16(y - hi.y)); hi + lo holds
+ * 22 of f32's 24 significant bits (where x is a normal f16's magnitude), so hi.hi + hi.lo + lo.hi is an f32-grade
+ * product */
+__device__ __forceinline__ void le_split_f16x2(float x, float y, unsigned &hi, unsigned &lo) {
+    const uint16_t hx = le_float_to_half(x), hy = le_float_to_half(y);
+    const uint16_t lx = le_float_to_half(x - le_half_to_float(hx)), ly = le_float_to_half(y - le_half_to_float(hy));
+    hi = (unsigned)hx | ((unsigned)hy << 16);
+    lo = (unsigned)lx | ((unsigned)ly << 16);
 }
 #endif
 

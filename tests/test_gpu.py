@@ -135,7 +135,7 @@ ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"qua
            "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
            "gdn_chunked": {"gdn_chunk_prep_f32", "gdn_chunk_scan_f32"},
            "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32", "attn_kv_store_f32",
-                         "attn_prefill_tiled_f32"},
+                         "attn_prefill_tiled_f32", "attn_prefill_mma_f32", "attn_kv_planes_f16"},
            "moe_route": {"moe_route_f32"}, "moe_sort": {"moe_sort"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
            "elementwise": {"swiglu_f32", "add_f32", "add_scaled_f32"}, "rope": {"qk_norm_rope_f32"},
            "moe_combine": {"moe_combine_f32"}, "hybrid_sync": {"hybrid_publish_f32", "hybrid_wait_f32", "hybrid_fetch_u8",
@@ -150,12 +150,15 @@ ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"qua
 
 def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
     """The entry points of a source: per weight type (f32 weights too, except the int8 GEMV), the MoE `_ids`
-    forms of the GEMVs; gemm_mma's only where the variant has the int8 mma (gpu.has_mma)."""
+    forms of the GEMVs; gemm_mma's and the tensor-core attention prefill only where the variant has the mma
+    (gpu.has_mma)."""
     suffixes = [tname(t) for t in TYPES]
     if name == "gemm_mma" and not gpu.has_mma(tier, arch):
         return {b"le_tier_probe"}
-    if name == "attention" and tier == "fermi":
-        return {e.encode() for e in ENTRIES[name] - {"attn_prefill_tiled_f32"}} | {b"le_tier_probe"}
+    if name == "attention":
+        drop = ({"attn_prefill_tiled_f32"} if tier == "fermi" else set()) | \
+            (set() if gpu.has_mma(tier, arch) else {"attn_prefill_mma_f32", "attn_kv_planes_f16"})
+        return {e.encode() for e in ENTRIES[name] - drop} | {b"le_tier_probe"}
     if name == "peak" and not gpu.has_mma(tier, arch):
         return {e.encode() for e in ENTRIES[name] - {"peak_mma_s8"}} | {b"le_tier_probe"}
     if name in ("gemv_f32", "gemv_dp4a"):
@@ -273,6 +276,23 @@ def test_gemm_mma_ptx_forms():
     assert forms == {75: {"m8n8k16"}, 90: {"m16n8k16", "m16n8k32"}}
     low = gpu.build_ptx("gemm_mma", "kepler", 75, "nvcc")[0].read_bytes()
     assert b"mma.sync" not in low and _entries(low) == {b"le_tier_probe"}
+
+
+@pytest.mark.cpu
+def test_attention_mma_ptx_forms():
+    """The tensor-core attention prefill: f16 x f16 -> f32 mma, m16n8k8 on sm_75 (Turing), m16n8k16 from sm_80; the
+    same source forced to the kepler tier holds no such kernel and no mma."""
+    chains = [t for t in gpu.find_toolchains() if t.kind == "nvcc"]
+    if not chains or chains[0].archs[0] > gpu.MMA_ARCH:
+        pytest.skip("no nvcc that targets compute_75")
+    forms = {}
+    for arch in (75, 90):
+        ptx = gpu.build_ptx("attention", "dp4a", arch, "nvcc")[0].read_text()
+        forms[arch] = set(re.findall(r"mma\.sync\.aligned\.(m\d+n\d+k\d+)\.row\.col\.f32\.f16\.f16\.f32", ptx))
+        assert "attn_prefill_mma_f32" in ptx
+    assert forms == {75: {"m16n8k8"}, 90: {"m16n8k16"}}
+    low = gpu.build_ptx("attention", "kepler", 75, "nvcc")[0].read_bytes()
+    assert b"mma.sync" not in low and b"attn_prefill_mma_f32" not in low
 
 
 @pytest.mark.cpu
@@ -1605,19 +1625,28 @@ def test_position_from_device(kernels):
 @pytest.mark.parametrize("n_head,n_kv,hd", ATTN_SHAPES, ids=[f"h{a}kv{b}d{c}" for a, b, c in ATTN_SHAPES])
 @variant_params()
 def test_attention_prefill(kernels, n_head, n_kv, hd):
+    """Every kernel the variant can run (the tensor-core one where it has_mma, and the f32 FMA one --gpu-no-mma
+    keeps) within the f32 bound; asking a variant without the tensor-core kernel for it is an error."""
     rng = np.random.default_rng(16 + hd)
     scale = np.float32(1) / np.sqrt(np.float32(hd))
-    for n, pos in ((45, 20), (1, 0), (8, 0), (70, 3), (130, 33)):
+    paths = (True, False) if kernels.has_mma else (False,)
+    if not kernels.has_mma:
+        with gpu.Buffer(4) as b, pytest.raises(UnavailableError, match="tensor-core"):
+            kernels.attention_prefill(b, b, b, b, 1, 0, n_head, n_kv, hd, scale, mma=True)
+    for (n, pos), mma in itertools.product(((45, 20), (1, 0), (8, 0), (70, 3), (130, 33)), paths):
         qg = (rng.standard_normal((n, n_head * 2 * hd)) * 3).astype(np.float32)
         kc = rng.standard_normal((pos + n, n_kv * hd)).astype(np.float32)
         vc = rng.standard_normal((pos + n, n_kv * hd)).astype(np.float32)
         ref, bound = attention_ref(qg, kc, vc, n, pos, n_head, n_kv, hd, scale)
         with gpu.Buffer.from_array(qg) as bq, gpu.Buffer.from_array(kc) as bk, gpu.Buffer.from_array(vc) as bv, \
-                gpu.Buffer(4 * n * n_head * hd) as bo:
-            kernels.attention_prefill(bq, bk, bv, bo, n, pos, n_head, n_kv, hd, scale)
+                gpu.Buffer(4 * n * n_head * hd) as bo, gpu.Buffer(kernels.attn_planes_bytes(pos + n, n_kv, hd)) as bp:
+            if mma:
+                with pytest.raises(ValueError, match="planes"):
+                    kernels.attention_prefill(bq, bk, bv, bo, n, pos, n_head, n_kv, hd, scale, mma=True)
+            kernels.attention_prefill(bq, bk, bv, bo, n, pos, n_head, n_kv, hd, scale, mma=mma, planes=bp)
             o = bo.download(dtype=np.float32).reshape(n, -1)
         err = np.abs(o - ref)
-        assert (err <= bound).all(), f"prefill n={n} pos={pos}: max err/bound {np.max(err / bound):.3g}"
+        assert (err <= bound).all(), f"prefill n={n} pos={pos} mma={mma}: max err/bound {np.max(err / bound):.3g}"
         if n > 1:   # negative control: one future key let in (the mask off by one) is far outside the bound
             bad, _ = attention_ref(qg[:1], kc, vc, 1, pos + 1, n_head, n_kv, hd, scale)
             assert (np.abs(o[0] - bad[0]) > bound[0]).any()

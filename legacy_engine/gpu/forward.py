@@ -21,8 +21,8 @@ shared memory, f32 accumulate). MoE experts run as (token, expert) GEMVs indexed
 host round trip), or in a pass of several tokens sorted by expert as grouped GEMMs; a hybrid decode step's MoE
 block is split between the GPU and the CPU through the hybrid channel (_ffn_hybrid).
 
-The host class provides hparams, k (Kernels), the precision flags (int8, int8_prefill, mma), sort_pairs, grouped,
-the placement's (stream, cpu_experts, pinned, decode_extras, link_experts, early_experts), graphs, route_counts and
+The host class provides hparams, k (Kernels), the precision flags (int8, int8_prefill, mma, attn_mma), sort_pairs,
+grouped, the placement's (stream, cpu_experts, pinned, decode_extras, link_experts, early_experts), graphs, route_counts and
 its rooms: res (Residency), scratch (Scratch), hy (HybridChannel)."""
 from __future__ import annotations
 
@@ -298,7 +298,8 @@ class ForwardOps:
             part = self.scratch.buf("attn_part", k.attn_partials_bytes(nh, hd, n_split)).ptr
             k.attention_decode(qg, kc, vc, o, part, pos + 1, nh, nkv, hd, n_split=n_split)
         else:
-            k.attention_prefill(qg, kc, vc, o, n, pos, nh, nkv, hd)
+            planes = self.scratch.buf("attn_planes", k.attn_planes_bytes(pos + n, nkv, hd)) if self.attn_mma else None
+            k.attention_prefill(qg, kc, vc, o, n, pos, nh, nkv, hd, mma=self.attn_mma, planes=planes)
         self._mm(L["attn_output"], o, y, n)
 
     def _ffn(self, L: dict, h: int, hq, n: int, y: int) -> None:

@@ -8,18 +8,17 @@ import math
 import numpy as np
 
 from ..core.errors import UnavailableError
-from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_MAX_HD, ATTN_MAX_SPLIT, ATTN_MIN_KEYS_PER_SPLIT,
-                     ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_T_D, ATTN_T_Q, ATTN_T_THREADS, ATTN_THREADS, ATTN_WARPS,
-                     CONV_MAX_K, CONV_THREADS,
-                     CONV_TOKENS, EW_THREADS, GDNC_C, GDNC_COLS, GDNC_MAX_DK, GDNC_THREADS, GDN_COLS,
-                     GDN_EW_THREADS, GDN_MAX_DK, GDN_NORM_THREADS, GDN_THREADS,
-                     GEMM_TT, GET_ROWS_THREADS, HYBRID_FETCH_BLOCKS, HYBRID_PRED_E, HYBRID_THREADS, HY_EARLY_MAX,
-                     HY_PRED_MAX, MAX_GRID, MAX_PAIRS, MOE_COMBINE_THREADS, MOE_MAX_K, MOE_SORT_MAX_E,
-                     MOE_SORT_MAX_TILE, MOE_SORT_THREADS, MOE_THREADS, MOE_WSUM_MIN, PEAK_CHAINS, PEAK_MMA_CHAINS,
-                     PEAK_THREADS, Q8_1_BYTES, Q8_THREADS,
-                     RMSNORM_THREADS, ROPE_MAX_HD, ROPE_THREADS, SAMPLE_BINS, SAMPLE_BINS_PER_NAT, SAMPLE_DRAW_AT,
-                     SAMPLE_DRAW_BLOCK, SAMPLE_HEAD, SAMPLE_MAX_PARTS, SAMPLE_THREADS, SAMPLE_WORK_BYTES, _need,
-                     _ptr)
+from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_M_K, ATTN_M_Q, ATTN_M_THREADS, ATTN_MAX_HD, ATTN_MAX_SPLIT,
+                     ATTN_MIN_KEYS_PER_SPLIT, ATTN_P_THREADS, ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_T_D, ATTN_T_Q,
+                     ATTN_T_THREADS, ATTN_THREADS, ATTN_WARPS, CONV_MAX_K, CONV_THREADS, CONV_TOKENS, EW_THREADS,
+                     GDNC_C, GDNC_COLS, GDNC_MAX_DK, GDNC_THREADS, GDN_COLS, GDN_EW_THREADS, GDN_MAX_DK,
+                     GDN_NORM_THREADS, GDN_THREADS, GEMM_TT, GET_ROWS_THREADS, HYBRID_FETCH_BLOCKS, HYBRID_PRED_E,
+                     HYBRID_THREADS, HY_EARLY_MAX, HY_PRED_MAX, MAX_GRID, MAX_PAIRS, MOE_COMBINE_THREADS, MOE_MAX_K,
+                     MOE_SORT_MAX_E, MOE_SORT_MAX_TILE, MOE_SORT_THREADS, MOE_THREADS, MOE_WSUM_MIN, PEAK_CHAINS,
+                     PEAK_MMA_CHAINS, PEAK_THREADS, Q8_1_BYTES, Q8_THREADS, RMSNORM_THREADS, ROPE_MAX_HD, ROPE_THREADS,
+                     SAMPLE_BINS, SAMPLE_BINS_PER_NAT, SAMPLE_DRAW_AT, SAMPLE_DRAW_BLOCK, SAMPLE_HEAD,
+                     SAMPLE_MAX_PARTS, SAMPLE_THREADS, SAMPLE_WORK_BYTES, _need, _ptr,
+                     attn_planes_bytes)
 from .matmul import MatmulLaunchers
 from .runtime import Buffer, BufferView, Module, Stream, _ensure_open, _native, device_arch
 from .toolchain import SOURCES, check_variant, get_ptx, has_mma, variant_name
@@ -300,13 +299,24 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
             [("ptr", _ptr(part)), ("ptr", _ptr(qg)), ("ptr", _ptr(o)), ("i32", n_head), ("i32", hd),
              ("i32", n_split), ("ptr", _ptr(pos_dev))], stream=stream)
 
+    attn_planes_bytes = staticmethod(attn_planes_bytes)
+
     def attention_prefill(self, qg, kc, vc, o, n: int, pos: int, n_head: int, n_kv: int, hd: int,
-                          scale: float | None = None, stream: Stream | None = None) -> None:
+                          scale: float | None = None, stream: Stream | None = None, mma: bool | None = None,
+                          planes=None) -> None:
         """n query tokens at positions pos … pos+n-1 (qg [n, n_head * 2 * hd]; their keys already in kc/vc
-        [>= pos+n, n_kv * hd]), causal: o [n, n_head * hd]."""
+        [>= pos+n, n_kv * hd]), causal: o [n, n_head * hd]. mma: the products on f16 tensor cores at f32 grade
+        (attn_kv_planes_f16 writes the keys' hi + lo halves into `planes`, attn_planes_bytes(pos + n, n_kv, hd)
+        bytes, then attn_prefill_mma_f32; default where the variant has_mma and hd is a multiple of 16, and then
+        planes is needed); False: the f32 FMA kernels."""
         self._attn_shape(n_head, n_kv, hd, "attention_prefill")
         if n <= 0 or pos < 0:
             raise ValueError(f"attention_prefill: n = {n}, pos = {pos}")
+        if mma is None:
+            mma = self.has_mma and hd % 16 == 0
+        elif mma and not (self.has_mma and hd % 16 == 0):
+            raise UnavailableError(f"attention_prefill: the tensor-core kernel needs the dp4a tier at compute_75+ and "
+                                   f"a head size that is a multiple of 16, not {self.name} with hd = {hd}")
         scale = float(np.float32(1) / np.sqrt(np.float32(hd))) if scale is None else scale
         _need(qg, 4 * n * n_head * 2 * hd, "attention_prefill qg")
         _need(kc, 4 * (pos + n) * n_kv * hd, "attention_prefill kc")
@@ -314,6 +324,23 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         _need(o, 4 * n * n_head * hd, "attention_prefill o")
         args = [("ptr", _ptr(qg)), ("ptr", _ptr(kc)), ("ptr", _ptr(vc)), ("ptr", _ptr(o)), ("i32", n), ("i32", pos),
                 ("i32", n_head), ("i32", n_kv), ("i32", hd), ("f32", scale)]
+        if mma:
+            n_keys = pos + n
+            if planes is None:
+                raise ValueError("attention_prefill: the tensor-core kernel needs its planes buffer "
+                                 "(attn_planes_bytes(pos + n, n_kv, hd) bytes)")
+            _need(planes, self.attn_planes_bytes(n_keys, n_kv, hd), "attention_prefill planes")
+            nkp = -(-n_keys // ATTN_M_K) * ATTN_M_K
+            mod = self.modules["attention"]
+            mod.kernel("attn_kv_planes_f16").launch(
+                (self._grid(-(-n_kv * nkp * hd // 2 // ATTN_P_THREADS)), 2, 1), (ATTN_P_THREADS, 1, 1),
+                [("ptr", _ptr(kc)), ("ptr", _ptr(vc)), ("ptr", _ptr(planes)), ("i32", n_keys), ("i32", n_kv),
+                 ("i32", hd), ("i32", nkp)], stream=stream)
+            mod.kernel("attn_prefill_mma_f32").launch(
+                (n_head, self._grid(-(-n // ATTN_M_Q)), 1), (ATTN_M_THREADS, 1, 1),
+                [("ptr", _ptr(qg)), ("ptr", _ptr(planes)), ("ptr", _ptr(o)), ("i32", n), ("i32", pos),
+                 ("i32", n_head), ("i32", n_kv), ("i32", hd), ("f32", scale), ("i32", nkp)], stream=stream)
+            return
         if self.tier in ATTN_TILED_TIERS and hd % ATTN_T_D == 0:
             self.modules["attention"].kernel("attn_prefill_tiled_f32").launch(
                 (n_head, self._grid(-(-n // ATTN_T_Q)), 1), (ATTN_T_THREADS, 1, 1), args, stream=stream)

@@ -48,6 +48,8 @@ GDN_NORM_THREADS, GDN_EW_THREADS = _D["GDN_NORM_THREADS"], _D["GDN_EW_THREADS"]
 ATTN_THREADS, ATTN_WARPS, ATTN_PREFILL_THREADS = _D["ATTN_THREADS"], _D["ATTN_WARPS"], _D["ATTN_PREFILL_THREADS"]
 ATTN_QTILE, ATTN_MAX_HD, ATTN_MIN_KEYS_PER_SPLIT = _D["ATTN_QTILE"], _D["ATTN_MAX_HD"], _D["ATTN_MIN_KEYS_PER_SPLIT"]
 ATTN_T_THREADS, ATTN_T_Q, ATTN_T_D = _D["ATTN_T_THREADS"], _D["ATTN_T_Q"], _D["ATTN_T_D"]
+ATTN_M_THREADS, ATTN_M_Q, ATTN_M_K, ATTN_P_THREADS = (_D["ATTN_M_THREADS"], _D["ATTN_M_Q"], _D["ATTN_M_K"],
+                                                     _D["ATTN_P_THREADS"])
 MOE_THREADS, MOE_MAX_K = _D["MOE_THREADS"], _D["MOE_MAX_K"]
 MOE_SORT_THREADS, MOE_SORT_MAX_E, MOE_SORT_MAX_TILE = _D["MOE_SORT_THREADS"], _D["MOE_SORT_MAX_E"], _D["MOE_SORT_MAX_TILE"]
 ARGMAX_THREADS, ARGMAX_MAX_PARTS = _D["ARGMAX_THREADS"], _D["ARGMAX_MAX_PARTS"]
@@ -72,6 +74,12 @@ def _aligned16(b, what: str) -> None:
 
 def _ptr(b) -> int:
     return 0 if b is None else (b.ptr if isinstance(b, Buffer) else int(b))
+
+
+def attn_planes_bytes(n_keys: int, n_kv: int, hd: int) -> int:
+    """Bytes of the tensor-core attention prefill's f16 hi / lo planes of n_keys keys (cuda8/attention.cu
+    attn_kv_planes_f16: K and V, each hi and lo, the keys rounded up to a tile)."""
+    return 4 * n_kv * -(-n_keys // ATTN_M_K) * ATTN_M_K * hd * 2
 
 
 def _need(buf, nbytes: int, what: str) -> None:

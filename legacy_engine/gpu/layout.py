@@ -12,7 +12,7 @@ import numpy as np
 
 from ..core.errors import PlanningError
 from ..format.schema import weights
-from .launch import ATTN_MAX_SPLIT, F32, GDNC_C, GPU_TYPES, Q8_1_BYTES
+from .launch import ATTN_MAX_SPLIT, F32, GDNC_C, GPU_TYPES, Q8_1_BYTES, attn_planes_bytes
 
 
 GiB = 2**30
@@ -258,6 +258,8 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
                       for i in per_expert for n in expert_tensors(file, i))
             parts["early buffer"] = _round(6 * early_experts * one)
     parts["state"] = state_bytes(hp, n_ctx)
+    if not all(hp.recurrent):   # the tensor-core attention prefill's f16 hi / lo planes of the context's keys (counted
+        parts["attention planes"] = _round(attn_planes_bytes(n_ctx, hp.n_head_kv, hp.head_dim))   # on every tier)
     rows = head_rows(chunk, stream_experts) if logit_rows is None else logit_rows
     parts["scratch"] = (_round(scratch_bytes(hp, chunk, int8, rows)) + _round(scratch_bytes(hp, 1, int8, 1))
                         + SCRATCH_SLACK)

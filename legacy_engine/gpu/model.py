@@ -88,6 +88,9 @@ class GpuModel(ForwardOps):
                                    f"compute_{gpu.MMA_ARCH}+, not {self.k.name} "
                                    f"(int8 prefill {'on' if self.int8_prefill else 'off'})")
         self.mma = self.int8_prefill and self.k.has_mma if options.mma is None else bool(options.mma)
+        # the attention prefill's products on the f16 tensor cores at f32 grade (attn_prefill_mma_f32), with the GEMMs'
+        # switch: a card whose tensor cores are throttled turns both off
+        self.attn_mma = self.k.has_mma if options.mma is None else bool(options.mma)
         self.model = model
         self.file = model.file
         self._faults = model_faults(model)
@@ -569,12 +572,14 @@ class GpuModel(ForwardOps):
         budget = f" (budget {self.budget / 2**30:.2f} GiB: {self.footprint.describe()})" if self.budget else ""
         kind = lambda on: "int8 DP4A" if on else "f32"   # noqa: E731
         gemm = "int8 tensor-core (mma)" if self.mma else kind(self.int8_prefill)
+        attn = "f16 hi/lo tensor-core (mma, f32 grade)" if self.attn_mma else "f32 FMA"
         embd = ("; token embedding read from host memory over the link ("
                 + ("the page-locked map" if self.res.host is not None else "a page-locked copy") + ")"
                 if self.embd_where == "host" else "")
         gdn = "chunked" if self.k.tier in GDN_CHUNKED_TIERS else "token by token (the chunked form is slower here)"
         return (f"GPU {self.device['name']} ({self.k.name} kernels, {kind(self.int8)} decode GEMVs, "
-                f"{gemm} prefill GEMMs, GDN prefill {gdn}), weights {self.vram_bytes / 2**30:.2f} GiB in "
+                f"{gemm} prefill GEMMs, {attn} prefill attention, GDN prefill {gdn}), weights "
+                f"{self.vram_bytes / 2**30:.2f} GiB in "
                 f"VRAM{budget}{streamed}{embd}; decode CUDA graphs {self.graphs_why}{conv}")
 
 

@@ -427,7 +427,8 @@ def add_parser(sub) -> None:
                     help="read the weights into anonymous memory (huge pages: the CPU's experts read faster, "
                          "benchmarks/bench_moe_routed.py; own RAM) instead of the file map (default)")
     sp.add_argument("--no-mma", dest="mma", action="store_const", const=False, default=None,
-                    help="int8 prefill GEMMs with DP4A instead of the tensor cores (default: tensor cores from sm_75)")
+                    help="no tensor cores: int8 prefill GEMMs with DP4A, attention prefill on f32 FMA (default: "
+                         "tensor cores from sm_75)")
     sp.add_argument("--plot", default=None, metavar="FILE.png", help="write the tok/s plot (needs matplotlib)")
     sp.add_argument("--json", action="store_true", help="print JSON")
 
