@@ -1627,9 +1627,20 @@ def test_position_from_device(kernels):
 def test_attention_prefill(kernels, n_head, n_kv, hd):
     """Every kernel the variant can run (the tensor-core one where it has_mma, and the f32 FMA one --gpu-no-mma
     keeps) within the f32 bound; asking a variant without the tensor-core kernel for it is an error."""
+    check_attention_prefill(kernels, n_head, n_kv, hd, (True, False) if kernels.has_mma else (False,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_head,n_kv,hd", ATTN_SHAPES, ids=[f"h{a}kv{b}d{c}" for a, b, c in ATTN_SHAPES])
+@pytest.mark.parametrize("kernels", MMA_VARIANTS, ids=[gpu.variant_name(*v) for v in MMA_VARIANTS], indirect=True)
+def test_attention_prefill_mma(kernels, n_head, n_kv, hd):
+    """The tensor-core kernel on the Turing PTX too (two m16n8k8 per product where sm_80+ has one m16n8k16)."""
+    check_attention_prefill(kernels, n_head, n_kv, hd, (True,))
+
+
+def check_attention_prefill(kernels, n_head, n_kv, hd, paths):
     rng = np.random.default_rng(16 + hd)
     scale = np.float32(1) / np.sqrt(np.float32(hd))
-    paths = (True, False) if kernels.has_mma else (False,)
     if not kernels.has_mma:
         with gpu.Buffer(4) as b, pytest.raises(UnavailableError, match="tensor-core"):
             kernels.attention_prefill(b, b, b, b, 1, 0, n_head, n_kv, hd, scale, mma=True)
