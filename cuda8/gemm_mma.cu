@@ -2,6 +2,7 @@
  *
  *   gemm_mma_<type>(W, xq, Y, nrows, ncols, ntok)            as gemm_dp4a_<type>   type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
  *     but GEMM_MMA_TT (64) tokens per block: grid min(ceil(nrows/GEMM_ROWS), 65535) x ceil(ntok/GEMM_MMA_TT) x 1
+ *   gemm_mma32_<type>(same)   the plain form with GEMM_TT (32) tokens a block (grid y: ceil(ntok / 32))
  *   gemm_mma_<type>_ids(W, xq, Y, nrows, ncols, tiles, expert_bytes)   as gemm_dp4a_<type>_ids, but tiles of up
  *     to GEMM_MMA_TT (64) pairs (moe_sort / expert_tiles with tile = 64)
  *     same arguments, block (GEMM_THREADS x 1 x 1), shared memory and staging (gemm_q8.cuh).
@@ -86,11 +87,29 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const blo
 
 #define LE_GEMM_MMA(name, T) LE_GEMM_Q8_KERNELS(name, gemm_mma, T, GEMM_MMA_TT)
 
+/* gemm_mma32_<type>: the plain GEMM with GEMM_TT (32) tokens a block, for grids that the 64-token tiles leave short of
+ * one block an SM (a 512-token pass's 1024-row projections on an H200: 64 blocks for 132 SMs); the launcher chooses
+ * (Kernels.gemm_mma). A row's sums run in the same order whatever the tile: the same bits. */
+#define LE_GEMM_MMA32(name, T)                                                                                \
+    extern "C" __global__ void name(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows, int ncols, \
+                                    int ntok) {                                                           \
+        __shared__ gemm_q8_smem<GEMM_TT> sm;                                                              \
+        __shared__ le_gemm_tile tl;                                                                       \
+        le_gemm_tile_plain(tl, ntok, GEMM_TT);                                                            \
+        gemm_mma<T, GEMM_TT>(W, xq, Y, nrows, ncols, tl, 0, sm);                                          \
+    }
+
 LE_GEMM_MMA(gemm_mma_q4_0, le_t_q4_0)
 LE_GEMM_MMA(gemm_mma_q8_0, le_t_q8_0)
 LE_GEMM_MMA(gemm_mma_q4_K, le_t_q4_K)
 LE_GEMM_MMA(gemm_mma_q5_K, le_t_q5_K)
 LE_GEMM_MMA(gemm_mma_q6_K, le_t_q6_K)
 LE_GEMM_MMA(gemm_mma_iq4_xs, le_t_iq4_xs)
+LE_GEMM_MMA32(gemm_mma32_q4_0, le_t_q4_0)
+LE_GEMM_MMA32(gemm_mma32_q8_0, le_t_q8_0)
+LE_GEMM_MMA32(gemm_mma32_q4_K, le_t_q4_K)
+LE_GEMM_MMA32(gemm_mma32_q5_K, le_t_q5_K)
+LE_GEMM_MMA32(gemm_mma32_q6_K, le_t_q6_K)
+LE_GEMM_MMA32(gemm_mma32_iq4_xs, le_t_iq4_xs)
 
 #endif

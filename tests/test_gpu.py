@@ -169,6 +169,8 @@ def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
         out = {f"{name}_{s}" for s in suffixes + ["f32"]} | {f"{name}_{s}_ids" for s in suffixes + ["f32"]}
     elif name in ("gemm_dp4a", "gemm_mma"):
         out = {f"{name}_{s}" for s in suffixes} | {f"{name}_{s}_ids" for s in suffixes}
+        if name == "gemm_mma":      # the 32-token plain form
+            out |= {f"gemm_mma32_{s}" for s in suffixes}
     elif name == "get_rows":
         out = {f"{name}_{s}" for s in suffixes + ["f32", "raw16"]}
     else:
@@ -898,8 +900,9 @@ MMA_VARIANTS = sorted({("dp4a", gpu.MMA_ARCH), ("dp4a", NATIVE_ARCH)})
 @pytest.mark.parametrize("qtype", TYPES, ids=[tname(t) for t in TYPES])
 @pytest.mark.parametrize("kernels", MMA_VARIANTS, ids=[gpu.variant_name(*v) for v in MMA_VARIANTS], indirect=True)
 def test_gemm_mma(kernels, qtype):
-    """The tensor-core GEMM gives gemm_dp4a's bits (the same integer sums, the same f32 update): a partial row
-    tile, a partial last step of sub-blocks, one token, a partial token tile and several token tiles."""
+    """The tensor-core GEMM gives gemm_dp4a's bits (the same integer sums, the same f32 update) in its 64- and
+    32-token forms: a partial row tile, a partial last step of sub-blocks, one token, a partial token tile and several
+    token tiles."""
     rng = np.random.default_rng(900 + qtype)
     for (nrows, ncols), ntok in zip(gemv_shapes(qtype) * 2, (1, 37, 150, 64)):   # 64 = GEMM_MMA_TT: one full tile
         nrows += 40
@@ -911,11 +914,14 @@ def test_gemm_mma(kernels, qtype):
             kernels.quantize_q8_1(bx, bq, ntok * ncols)
             kernels.gemm_dp4a(qtype, bw, bq, by, nrows, ncols, ntok)
             ref = by.download(dtype=np.float32).reshape(ntok, nrows)
-            by.upload(np.full(ntok * nrows, np.nan, np.float32))
-            kernels.gemm_mma(qtype, bw, bq, by, nrows, ncols, ntok)
-            Y = by.download(dtype=np.float32).reshape(ntok, nrows)
+            Y = {}
+            for tt in (gpu.GEMM_TT, gpu.GEMM_MMA_TT):
+                by.upload(np.full(ntok * nrows, np.nan, np.float32))
+                kernels.gemm_mma(qtype, bw, bq, by, nrows, ncols, ntok, tt=tt)
+                Y[tt] = by.download(dtype=np.float32).reshape(ntok, nrows)
         assert np.isfinite(ref).all() and np.abs(ref).max() > 0
-        np.testing.assert_array_equal(Y, ref, err_msg=f"gemm_mma {tname(qtype)} {ntok}x{nrows}x{ncols}")
+        for tt, y in Y.items():
+            np.testing.assert_array_equal(y, ref, err_msg=f"gemm_mma tt={tt} {tname(qtype)} {ntok}x{nrows}x{ncols}")
 
 
 @pytest.mark.gpu

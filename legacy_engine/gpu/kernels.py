@@ -46,6 +46,8 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         self.tier = tier
         check_variant(tier, self.arch)
         self.has_mma = has_mma(tier, self.arch)     # gemm_mma's kernels (tensor cores) are in this variant
+        # the open device's SMs (launch shapes that leave SMs idle pick smaller tiles: gemm_mma)
+        self.sm_count = _native().gpu_info()["devices"][_native().gpu_current_device()]["multiprocessors"]
         self.modules: dict[str, Module] = {}
         self.origins: dict[str, str] = {}
         for name in SOURCES:

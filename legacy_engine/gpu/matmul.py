@@ -137,28 +137,38 @@ class MatmulLaunchers:
         activations) times W[nrows, ncols]^T, in int8 (W4A8/W8A8)."""
         self._gemm_q8("gemm_dp4a", qtype, W, xq, Y, nrows, ncols, ntok, stream, GEMM_TT)
 
-    def gemm_mma(self, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
-        """gemm_dp4a on tensor cores (same arguments, same bits); only where has_mma (dp4a tier, sm_75+)."""
+    def gemm_mma(self, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None,
+                 tt: int | None = None) -> None:
+        """gemm_dp4a on tensor cores (same arguments, same bits); only where has_mma (dp4a tier, sm_75+). tt: tokens
+        a block, GEMM_MMA_TT (64) or GEMM_TT (32: gemm_mma32_*); default 32 where the 64-token grid has no more
+        blocks than the card has SMs (a short pass's narrow projections), else 64."""
         if not self.has_mma:
             raise UnavailableError(f"gemm_mma: the {self.name} kernels have no int8 mma (the dp4a tier at "
                                    f"compute_{MMA_ARCH}+ has)")
-        self._gemm_q8("gemm_mma", qtype, W, xq, Y, nrows, ncols, ntok, stream, GEMM_MMA_TT)
+        if tt is None:
+            tt = GEMM_TT if -(-nrows // GEMM_ROWS) * -(-ntok // GEMM_MMA_TT) <= self.sm_count else GEMM_MMA_TT
+        if tt not in (GEMM_TT, GEMM_MMA_TT):
+            raise ValueError(f"gemm_mma: tt = {tt}, not {GEMM_TT} or {GEMM_MMA_TT}")
+        self._gemm_q8("gemm_mma", qtype, W, xq, Y, nrows, ncols, ntok, stream, tt,
+                      "gemm_mma32" if tt == GEMM_TT else "gemm_mma")
 
-    def _gemm_q8(self, mod: str, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream, tt: int) -> None:
+    def _gemm_q8(self, mod: str, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream, tt: int,
+                 kname: str | None = None) -> None:
         """The int8 GEMMs' checks (quantised weights, xq of ntok Q8_1 rows), then their launch."""
         if qtype == F32:
             raise ValueError(f"{mod}: f32 weights have no int8 path (use gemm_f32)")
         _need(xq, ntok * (ncols // 32) * Q8_1_BYTES, f"{mod} xq")
-        self._gemm(mod, qtype, W, xq, Y, nrows, ncols, ntok, stream, tt)
+        self._gemm(mod, qtype, W, xq, Y, nrows, ncols, ntok, stream, tt, kname)
 
     def _gemm(self, mod: str, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream,
-              tt: int = GEMM_TT) -> None:
-        """The launch the prefill GEMMs share (same arguments; tt tokens per block); X is checked by the caller."""
+              tt: int = GEMM_TT, kname: str | None = None) -> None:
+        """The launch the prefill GEMMs share (same arguments; tt tokens per block; the kernel kname_<type>, default
+        mod_<type>); X is checked by the caller."""
         suffix = self._weights(qtype, W, nrows, ncols, mod)
         if not 0 < ntok <= tt * MAX_GRID:
             raise ValueError(f"{mod}: ntok = {ntok} outside 1…{tt * MAX_GRID}")
         _need(Y, 4 * nrows * ntok, f"{mod} Y")
-        kern = self.modules[mod].kernel(f"{mod}_{suffix}")
+        kern = self.modules[mod].kernel(f"{kname or mod}_{suffix}")
         self._gemm_timed(mod, 2 * nrows * ncols * ntok, stream, lambda: kern.launch(
             (self._grid(-(-nrows // GEMM_ROWS)), -(-ntok // tt), 1), (GEMM_THREADS, 1, 1),
             [("ptr", _ptr(W)), ("ptr", _ptr(X)), ("ptr", _ptr(Y)), ("i32", nrows), ("i32", ncols), ("i32", ntok)],
