@@ -90,14 +90,7 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const blo
 /* gemm_mma32_<type>: the plain GEMM with GEMM_TT (32) tokens a block, for grids that the 64-token tiles leave short of
  * one block an SM (a 512-token pass's 1024-row projections on an H200: 64 blocks for 132 SMs); the launcher chooses
  * (Kernels.gemm_mma). A row's sums run in the same order whatever the tile: the same bits. */
-#define LE_GEMM_MMA32(name, T)                                                                                \
-    extern "C" __global__ void name(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows, int ncols, \
-                                    int ntok) {                                                           \
-        __shared__ gemm_q8_smem<GEMM_TT> sm;                                                              \
-        __shared__ le_gemm_tile tl;                                                                       \
-        le_gemm_tile_plain(tl, ntok, GEMM_TT);                                                            \
-        gemm_mma<T, GEMM_TT>(W, xq, Y, nrows, ncols, tl, 0, sm);                                          \
-    }
+#define LE_GEMM_MMA32(name, T) LE_GEMM_Q8_PLAIN(name, gemm_mma, T, GEMM_TT)
 
 LE_GEMM_MMA(gemm_mma_q4_0, le_t_q4_0)
 LE_GEMM_MMA(gemm_mma_q8_0, le_t_q8_0)

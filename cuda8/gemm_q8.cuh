@@ -208,16 +208,20 @@ __device__ __forceinline__ float gemm_q8_acc(float acc, float2 x, float p, float
     return T::HAS_MIN ? __fmaf_rn(-m, x.y, a) : a;
 }
 
-/* The plain and grouped (_ids) kernels `name`, `name##_ids` of an int8 GEMM: `fn` is a device function template
- * <class T, int TT> (W, xq, Y, nrows, ncols, tile, expert_bytes, smem) of TT tokens per block (gemm_dp4a, gemm_mma). */
-#define LE_GEMM_Q8_KERNELS(name, fn, T, TT)                                                               \
+/* The plain kernel `name` of an int8 GEMM: `fn` is a device function template <class T, int TT> (W, xq, Y, nrows,
+ * ncols, tile, expert_bytes, smem) of TT tokens per block (gemm_dp4a, gemm_mma). */
+#define LE_GEMM_Q8_PLAIN(name, fn, T, TT)                                                                 \
     extern "C" __global__ void name(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows, int ncols, \
                                     int ntok) {                                                           \
         __shared__ gemm_q8_smem<TT> sm;                                                                   \
         __shared__ le_gemm_tile tl;                                                                       \
         le_gemm_tile_plain(tl, ntok, TT);                                                                 \
         fn<T, TT>(W, xq, Y, nrows, ncols, tl, 0, sm);                                                     \
-    }                                                                                                     \
+    }
+
+/* The plain and grouped (_ids) kernels `name`, `name##_ids` */
+#define LE_GEMM_Q8_KERNELS(name, fn, T, TT)                                                               \
+    LE_GEMM_Q8_PLAIN(name, fn, T, TT)                                                                     \
     extern "C" __global__ void name##_ids(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows,      \
                                           int ncols, const int *tiles, long long expert_bytes) {          \
         __shared__ gemm_q8_smem<TT> sm;                                                                   \

@@ -264,18 +264,22 @@ def test_ptx_nvcc(name, tier):
     assert expected_entries(name, tier, arch) <= _entries(ptx)
 
 
+def mma_forms(name: str, types: str) -> dict[int, set[str]]:
+    """{75, 90: the mma.sync shapes (m16n8k16 …) of `types` (e.g. "s32.s8.s8.s32") in source `name`'s dp4a PTX}; skips
+    without an nvcc that targets compute_75."""
+    chains = [t for t in gpu.find_toolchains() if t.kind == "nvcc"]
+    if not chains or chains[0].archs[0] > gpu.MMA_ARCH:
+        pytest.skip("no nvcc that targets compute_75")
+    pattern = r"mma\.sync\.aligned\.(m\d+n\d+k\d+)\.row\.col\." + re.escape(types)
+    return {arch: set(re.findall(pattern, gpu.build_ptx(name, "dp4a", arch, "nvcc")[0].read_text()))
+            for arch in (75, 90)}
+
+
 @pytest.mark.cpu
 def test_gemm_mma_ptx_forms():
     """gemm_mma's products: mma m8n8k16 on sm_75 (Turing); from sm_80 one m16n8k32 per sub-block where the type has
     one scale, two m16n8k16 where it has two (Q6_K); the same source forced to a lower tier holds no kernel."""
-    chains = [t for t in gpu.find_toolchains() if t.kind == "nvcc"]
-    if not chains or chains[0].archs[0] > gpu.MMA_ARCH:
-        pytest.skip("no nvcc that targets compute_75")
-    forms = {}
-    for arch in (75, 90):
-        ptx = gpu.build_ptx("gemm_mma", "dp4a", arch, "nvcc")[0].read_text()
-        forms[arch] = set(re.findall(r"mma\.sync\.aligned\.(m\d+n\d+k\d+)\.row\.col\.s32\.s8\.s8\.s32", ptx))
-    assert forms == {75: {"m8n8k16"}, 90: {"m16n8k16", "m16n8k32"}}
+    assert mma_forms("gemm_mma", "s32.s8.s8.s32") == {75: {"m8n8k16"}, 90: {"m16n8k16", "m16n8k32"}}
     low = gpu.build_ptx("gemm_mma", "kepler", 75, "nvcc")[0].read_bytes()
     assert b"mma.sync" not in low and _entries(low) == {b"le_tier_probe"}
 
@@ -284,15 +288,7 @@ def test_gemm_mma_ptx_forms():
 def test_attention_mma_ptx_forms():
     """The tensor-core attention prefill: f16 x f16 -> f32 mma, m16n8k8 on sm_75 (Turing), m16n8k16 from sm_80; the
     same source forced to the kepler tier holds no such kernel and no mma."""
-    chains = [t for t in gpu.find_toolchains() if t.kind == "nvcc"]
-    if not chains or chains[0].archs[0] > gpu.MMA_ARCH:
-        pytest.skip("no nvcc that targets compute_75")
-    forms = {}
-    for arch in (75, 90):
-        ptx = gpu.build_ptx("attention", "dp4a", arch, "nvcc")[0].read_text()
-        forms[arch] = set(re.findall(r"mma\.sync\.aligned\.(m\d+n\d+k\d+)\.row\.col\.f32\.f16\.f16\.f32", ptx))
-        assert "attn_prefill_mma_f32" in ptx
-    assert forms == {75: {"m16n8k8"}, 90: {"m16n8k16"}}
+    assert mma_forms("attention", "f32.f16.f16.f32") == {75: {"m16n8k8"}, 90: {"m16n8k16"}}
     low = gpu.build_ptx("attention", "kepler", 75, "nvcc")[0].read_bytes()
     assert b"mma.sync" not in low and b"attn_prefill_mma_f32" not in low
 
