@@ -22,8 +22,8 @@ host round trip), or in a pass of several tokens sorted by expert as grouped GEM
 block is split between the GPU and the CPU through the hybrid channel (_ffn_hybrid).
 
 The host class provides hparams, k (Kernels), the precision flags (int8, int8_prefill, mma, attn_mma), sort_pairs,
-grouped, the placement's (stream, cpu_experts, pinned, decode_extras, link_experts, early_experts), graphs, route_counts and
-its rooms: res (Residency), scratch (Scratch), hy (HybridChannel)."""
+grouped, the placement's (stream, cpu_experts, pinned, decode_extras, link_experts, early_experts), graphs,
+route_counts and its rooms: res (Residency), scratch (Scratch), hy (HybridChannel)."""
 from __future__ import annotations
 
 import functools

@@ -89,8 +89,12 @@ class GpuModel(ForwardOps):
                                    f"(int8 prefill {'on' if self.int8_prefill else 'off'})")
         self.mma = self.int8_prefill and self.k.has_mma if options.mma is None else bool(options.mma)
         # the attention prefill's products on the f16 tensor cores at f32 grade (attn_prefill_mma_f32), with the GEMMs'
-        # switch: a card whose tensor cores are throttled turns both off
-        self.attn_mma = self.k.has_mma if options.mma is None else bool(options.mma)
+        # switch: a card whose tensor cores are throttled turns both off; head sizes a multiple of 16 (Qwen3.5: 256)
+        attn_ok = self.k.has_mma and (all(hp.recurrent) or hp.head_dim % 16 == 0)
+        if options.mma and not attn_ok:
+            raise UnavailableError(f"mma: the tensor-core attention needs a head size that is a multiple of 16, not "
+                                   f"{hp.head_dim}")
+        self.attn_mma = attn_ok if options.mma is None else bool(options.mma)
         self.model = model
         self.file = model.file
         self._faults = model_faults(model)
