@@ -385,7 +385,7 @@ def test_info_reports_numa_and_thp():
 def test_info_names_each_gpus_prefill_gemm():
     """The GPU lines of `info` (a described report: this machine has no GPU): the int8 tensor cores from sm_75 (T4),
     none on sm_70 (a CMP 100-210 runs DP4A), the matmul kernels per tier and the flags that change them, the GDN
-    and attention prefill's forms per tier, the resident pass lengths."""
+    and attention prefill's forms per tier (the tensor-core attention from sm_75), the resident pass lengths."""
     from legacy_engine.plan import caps
     rep = caps.machine_report()
     rep["gpu"] = {"available": True, "driver_version": 12080, "device_count": 2, "cuda_graphs": True,
@@ -396,7 +396,7 @@ def test_info_names_each_gpus_prefill_gemm():
     lines = caps.format_machine_report(rep)
     t4 = next(ln for ln in lines if "Tesla T4" in ln)
     cmp_ = next(ln for ln in lines if "CMP 100-210" in ln)
-    assert "tier dp4a" in t4 and t4.endswith("int8 tensor cores")
+    assert "tier dp4a" in t4 and t4.endswith("int8 / f16 tensor cores")
     assert "tier dp4a" in cmp_ and "tensor cores" not in cmp_
     mm = next(ln for ln in lines if "matmuls:" in ln)
     assert "gemm_mma" in mm and "--gpu-no-mma" in mm and "gemm_dp4a" in mm and "--gpu-f32" in mm
@@ -404,3 +404,4 @@ def test_info_names_each_gpus_prefill_gemm():
     assert "the chunked form (gdn_chunked) on the dp4a and kepler tiers" in gdn and "gdn_recurrent" in gdn
     att = next(ln for ln in lines if "attention prefill:" in ln)     # ATTN_TILED_TIERS, RESIDENT_CHUNKS
     assert "attn_prefill_tiled_f32) on the dp4a and kepler tiers" in att and "2048/1024/512 tokens" in att
+    assert "attn_prefill_mma_f32) on the dp4a tier from sm_75 (--gpu-no-mma" in att

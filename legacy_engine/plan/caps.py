@@ -124,7 +124,7 @@ def gpu_lines(gpu: dict) -> list[str]:
         lines.append(f"  [{i}] {d['name']}  sm_{d['cc_major']}{d['cc_minor']}  "
                      f"{d['total_mem'] / 2**30:.1f} GiB  {d['multiprocessors']} SMs  "
                      f"tier {default_tier(10 * d['cc_major'] + d['cc_minor'])} (`--gpu-tier` forces a lower one)"
-                     + (", int8 tensor cores" if 10 * d["cc_major"] + d["cc_minor"] >= MMA_ARCH else ""))
+                     + (", int8 / f16 tensor cores" if 10 * d["cc_major"] + d["cc_minor"] >= MMA_ARCH else ""))
     lines.append("  decode CUDA graphs: " + ("the driver has them (used except on the fermi tier; "
                                              "--no-cuda-graphs)" if gpu["cuda_graphs"] else
                                              "the driver lacks them (needs 11.4+): decode launches replayed "
@@ -137,8 +137,10 @@ def gpu_lines(gpu: dict) -> list[str]:
     lines.append(f"  GDN prefill: the chunked form (gdn_chunked) on the {chunked} tiers, token by token "
                  "(gdn_recurrent) elsewhere, where the chunked one measured slower")
     tiled = " and ".join(sorted(ATTN_TILED_TIERS))
-    lines.append(f"  attention prefill: register tiles (attn_prefill_tiled_f32) on the {tiled} tiers, one query a "
-                 "warp (attn_prefill_f32) elsewhere; a resident model's passes the longest of "
+    lines.append(f"  attention prefill: f16 tensor cores at f32 grade (hi + lo halves: attn_prefill_mma_f32) on the dp4a "
+                 f"tier from sm_{MMA_ARCH} (--gpu-no-mma: the FMA kernels), register tiles (attn_prefill_tiled_f32) "
+                 f"on the {tiled} tiers, one query a warp (attn_prefill_f32) elsewhere; a resident model's passes "
+                 "the longest of "
                  + "/".join(map(str, RESIDENT_CHUNKS)) + " tokens whose scratch fits the VRAM")
     lines.append("  --vram SIZE budgets VRAM; a model over it runs split (`legacy-engine plan` shows the choice): "
                  "streamed prefill, hybrid decode through a page-locked channel the GPU and CPU both poll (needs "
