@@ -59,6 +59,19 @@ def test_footprint_parts():
     assert L.scratch_bytes(A3B.hparams, 512, True, 1) > L.scratch_bytes(A3B.hparams, 1, True, 1)
 
 
+def test_footprint_counts_the_attention_planes():
+    """The tensor-core attention prefill's f16 hi / lo planes of the context's keys (K and V, each hi and lo: one
+    attention layer's f32 K and V, the keys rounded up to a 16-key tile) are a part of the footprint, growing with
+    n_ctx."""
+    hp = A3B.hparams
+    for n_ctx in (4096, 4100):
+        fp = L.vram_footprint(A3B, n_ctx=n_ctx)
+        keys = -(-n_ctx // 16) * 16
+        assert fp.parts["attention planes"] >= 2 * 4 * keys * hp.n_head_kv * hp.head_dim   # as f32 K and V rows
+        assert fp.parts["attention planes"] == L._round(L.attn_planes_bytes(n_ctx, hp.n_head_kv, hp.head_dim))
+    assert L.attn_planes_bytes(4100, 2, 256) == L.attn_planes_bytes(4112, 2, 256) > L.attn_planes_bytes(4096, 2, 256)
+
+
 def test_footprint_counts_link_and_early_experts():
     """The hybrid decode's VRAM beyond the streamed model's: link experts one staging slot each; early experts one
     slot each plus the CPU's early buffer (two halves of a slot of the largest single expert tensor's expert for
