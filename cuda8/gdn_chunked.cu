@@ -231,25 +231,31 @@ __device__ __forceinline__ void gdnc_scan_put(int nt, int ph, int i, float x, fl
         tiles[tid + i * GDNC_THREADS] = D[(ph - nt - 1) * (GDNC_C / 2) + tid / GDNC_MAX_DK + 2 * i] * x;
 }
 
+/* this thread's GDNC_PF elements of phase ph of the chunk at t0 (its L rows) into pf (GDNC_AHEAD: a phase ahead) */
+__device__ __forceinline__ void gdnc_scan_fetch(const gdnc_scan_args &a, int t0, int L, int ph, float *pf) {
+    const int H = GDNC_PF / 2;
+    gdnc_half h0, h1;
+    bool dok;
+    gdnc_scan_src(a, t0, ph, h0, h1, dok);
+#pragma unroll
+    for (int i = 0; i < GDNC_PF; i++) pf[i] = gdnc_scan_get(i < H ? h0 : h1, i % H, dok, L);
+}
+
 /* phase ph of the chunk at t0 into shared memory. GDNC_AHEAD: pf holds it already, and the next phase's loads (this
  * chunk's next, or the next chunk's first) are issued before the barrier; fermi loads each element as it stores it. */
 __device__ __forceinline__ void gdnc_scan_phase(const gdnc_scan_args &a, int t0, int ph, float *pf, float *tiles,
                                                 const float *D) {
-    const int H = GDNC_PF / 2;
-    gdnc_half h0, h1;
-    bool dok;
     __syncthreads(); /* the buffer's readers of the phase before are done */
     if (GDNC_AHEAD) {
 #pragma unroll
         for (int i = 0; i < GDNC_PF; i++) gdnc_scan_put(a.nt, ph, i, pf[i], tiles, D);
         const bool last = ph + 1 == a.nt + 3;
         const int t1 = last ? t0 + GDNC_C : t0, L1 = min(GDNC_C, a.n - t1);
-        if (t1 < a.n) {
-            gdnc_scan_src(a, t1, last ? 0 : ph + 1, h0, h1, dok);
-#pragma unroll
-            for (int i = 0; i < GDNC_PF; i++) pf[i] = gdnc_scan_get(i < H ? h0 : h1, i % H, dok, L1);
-        }
+        if (t1 < a.n) gdnc_scan_fetch(a, t1, L1, last ? 0 : ph + 1, pf);
     } else {
+        const int H = GDNC_PF / 2;
+        gdnc_half h0, h1;
+        bool dok;
         gdnc_scan_src(a, t0, ph, h0, h1, dok);
         const int L = min(GDNC_C, a.n - t0);
         GDNC_ROLLED
@@ -260,16 +266,6 @@ __device__ __forceinline__ void gdnc_scan_phase(const gdnc_scan_args &a, int t0,
         }
     }
     __syncthreads();
-}
-
-/* the first phase's loads (GDNC_AHEAD) */
-__device__ __forceinline__ void gdnc_scan_first(const gdnc_scan_args &a, float *pf) {
-    const int H = GDNC_PF / 2;
-    gdnc_half h0, h1;
-    bool dok;
-    gdnc_scan_src(a, 0, 0, h0, h1, dok);
-#pragma unroll
-    for (int i = 0; i < GDNC_PF; i++) pf[i] = gdnc_scan_get(i < H ? h0 : h1, i % H, dok, min(GDNC_C, a.n));
 }
 
 /* the chunk's G_t (t = tid < L), G_{L-1}, and U's row `row`, columns col .. col + GDNC_OC - 1 (0 outside) */
@@ -314,7 +310,7 @@ extern "C" __global__ void gdn_chunk_scan_f32(const float *LE_RESTRICT u, const 
     const int row = tid / (GDNC_COLS / GDNC_OC), c8 = (tid % (GDNC_COLS / GDNC_OC)) * GDNC_OC;
     const int si = tid / (GDNC_COLS / GDNC_SC), s16 = (tid % (GDNC_COLS / GDNC_SC)) * GDNC_SC;
     float pf[GDNC_PF];
-    if (GDNC_AHEAD) gdnc_scan_first(a, pf);
+    if (GDNC_AHEAD) gdnc_scan_fetch(a, 0, min(GDNC_C, n), 0, pf);
     for (int t0 = 0; t0 < n; t0 += GDNC_C) {
         const int L = min(GDNC_C, n - t0);
         /* W S and Q S over dk in tiles */
