@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ..core.errors import UnavailableError
-from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_M_K, ATTN_M_Q, ATTN_M_THREADS, ATTN_MAX_HD, ATTN_MAX_SPLIT,
+from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_M_Q, ATTN_M_THREADS, ATTN_MAX_HD, ATTN_MAX_SPLIT,
                      ATTN_MIN_KEYS_PER_SPLIT, ATTN_P_THREADS, ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_T_D, ATTN_T_Q,
                      ATTN_T_THREADS, ATTN_THREADS, ATTN_WARPS, CONV_MAX_K, CONV_THREADS, CONV_TOKENS, EW_THREADS,
                      GDNC_C, GDNC_COLS, GDNC_MAX_DK, GDNC_THREADS, GDN_COLS, GDN_EW_THREADS, GDN_MAX_DK,
@@ -18,7 +18,7 @@ from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_M_K, ATTN_M_Q, ATTN_
                      PEAK_MMA_CHAINS, PEAK_THREADS, Q8_1_BYTES, Q8_THREADS, RMSNORM_THREADS, ROPE_MAX_HD, ROPE_THREADS,
                      SAMPLE_BINS, SAMPLE_BINS_PER_NAT, SAMPLE_DRAW_AT, SAMPLE_DRAW_BLOCK, SAMPLE_HEAD,
                      SAMPLE_MAX_PARTS, SAMPLE_THREADS, SAMPLE_WORK_BYTES, _need, _ptr,
-                     attn_planes_bytes)
+                     attn_planes_bytes, attn_planes_keys)
 from .matmul import MatmulLaunchers
 from .runtime import Buffer, BufferView, Module, Stream, _ensure_open, _native, device_arch
 from .toolchain import SOURCES, check_variant, get_ptx, has_mma, variant_name
@@ -324,15 +324,13 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         _need(kc, 4 * (pos + n) * n_kv * hd, "attention_prefill kc")
         _need(vc, 4 * (pos + n) * n_kv * hd, "attention_prefill vc")
         _need(o, 4 * n * n_head * hd, "attention_prefill o")
-        args = [("ptr", _ptr(qg)), ("ptr", _ptr(kc)), ("ptr", _ptr(vc)), ("ptr", _ptr(o)), ("i32", n), ("i32", pos),
-                ("i32", n_head), ("i32", n_kv), ("i32", hd), ("f32", scale)]
         if mma:
             n_keys = pos + n
             if planes is None:
                 raise ValueError("attention_prefill: the tensor-core kernel needs its planes buffer "
                                  "(attn_planes_bytes(pos + n, n_kv, hd) bytes)")
             _need(planes, self.attn_planes_bytes(n_keys, n_kv, hd), "attention_prefill planes")
-            nkp = -(-n_keys // ATTN_M_K) * ATTN_M_K
+            nkp = attn_planes_keys(n_keys)
             mod = self.modules["attention"]
             mod.kernel("attn_kv_planes_f16").launch(
                 (self._grid(-(-n_kv * nkp * hd // 2 // ATTN_P_THREADS)), 2, 1), (ATTN_P_THREADS, 1, 1),
@@ -343,6 +341,8 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
                 [("ptr", _ptr(qg)), ("ptr", _ptr(planes)), ("ptr", _ptr(o)), ("i32", n), ("i32", pos),
                  ("i32", n_head), ("i32", n_kv), ("i32", hd), ("f32", scale), ("i32", nkp)], stream=stream)
             return
+        args = [("ptr", _ptr(qg)), ("ptr", _ptr(kc)), ("ptr", _ptr(vc)), ("ptr", _ptr(o)), ("i32", n), ("i32", pos),
+                ("i32", n_head), ("i32", n_kv), ("i32", hd), ("f32", scale)]
         if self.tier in ATTN_TILED_TIERS and hd % ATTN_T_D == 0:
             self.modules["attention"].kernel("attn_prefill_tiled_f32").launch(
                 (n_head, self._grid(-(-n // ATTN_T_Q)), 1), (ATTN_T_THREADS, 1, 1), args, stream=stream)

@@ -76,10 +76,15 @@ def _ptr(b) -> int:
     return 0 if b is None else (b.ptr if isinstance(b, Buffer) else int(b))
 
 
+def attn_planes_keys(n_keys: int) -> int:
+    """The keys the tensor-core attention prefill's planes hold: n_keys rounded up to a tile (its nkp)."""
+    return -(-n_keys // ATTN_M_K) * ATTN_M_K
+
+
 def attn_planes_bytes(n_keys: int, n_kv: int, hd: int) -> int:
     """Bytes of the tensor-core attention prefill's f16 hi / lo planes of n_keys keys (cuda8/attention.cu
-    attn_kv_planes_f16: K and V, each hi and lo, the keys rounded up to a tile)."""
-    return 4 * n_kv * -(-n_keys // ATTN_M_K) * ATTN_M_K * hd * 2
+    attn_kv_planes_f16: K and V, each hi and lo, attn_planes_keys of them)."""
+    return 4 * n_kv * attn_planes_keys(n_keys) * hd * 2
 
 
 def _need(buf, nbytes: int, what: str) -> None:
