@@ -157,6 +157,12 @@ static inline int le_piece_of(const int64_t *first, int n, int64_t g) {
     return lo;
 }
 
+/* Piece i's share of the global range [g0, g1), as rows local to the piece: [*r0, *r1) (empty when *r0 >= *r1). */
+static inline void le_piece_rows(const int64_t *first, int i, int64_t g0, int64_t g1, int64_t *r0, int64_t *r1) {
+    *r0 = (g0 > first[i] ? g0 : first[i]) - first[i];
+    *r1 = (g1 < first[i + 1] ? g1 : first[i + 1]) - first[i];
+}
+
 /* Bytes of one activation row quantised for w (w.ne0 values in w's vec_dot type). */
 int64_t le_act_row_bytes(const le_weight *w);
 /* rows activation rows of w.ne0 floats (ldx apart) quantised for w's integer kernel into out

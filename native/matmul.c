@@ -101,8 +101,8 @@ static void rows_f32(const le_mm *mm, int64_t r0, int64_t r1, float *buf) {
 static void batch_rows(void *ctx, int64_t g0, int64_t g1, int thread) {
     batch_job *j = ctx;
     for (int i = le_piece_of(j->first, j->n_mm, g0); i < j->n_mm && j->first[i] < g1; i++) {
-        int64_t r0 = (g0 > j->first[i] ? g0 : j->first[i]) - j->first[i];
-        int64_t r1 = (g1 < j->first[i + 1] ? g1 : j->first[i + 1]) - j->first[i];
+        int64_t r0, r1;
+        le_piece_rows(j->first, i, g0, g1, &r0, &r1);
         if (r0 >= r1) continue;
         if (j->vec_dot[i])
             rows_int8(&j->mm[i], j->vec_dot[i], j->xq[i], j->act_row_bytes[i], r0, r1);
@@ -149,8 +149,8 @@ static void quant_batch_rows(void *ctx, int64_t g0, int64_t g1, int thread) {
         const int i = (int)j->own[k];
         const le_mm *m = &j->mm[i];
         le_quantize_row_fn quant = le_get_act_quantizer(m->w->tr->vec_dot_type);
-        int64_t r0 = (g0 > j->qfirst[k] ? g0 : j->qfirst[k]) - j->qfirst[k];
-        int64_t r1 = (g1 < j->qfirst[k + 1] ? g1 : j->qfirst[k + 1]) - j->qfirst[k];
+        int64_t r0, r1;
+        le_piece_rows(j->qfirst, k, g0, g1, &r0, &r1);
         for (int64_t r = r0; r < r1; r++) quant(m->x + r * m->ldx, j->xq[i] + r * j->rb[i], m->w->ne0);
     }
 }
