@@ -530,6 +530,44 @@ __device__ __forceinline__ void attn_m_scores(const unsigned *qh, const unsigned
     }
 }
 
+/* The tile's scores s + s2 (keys k + 8j + c % 2 for the lane's rows r0 (c < 2, last key last0) and r0 + 8 (last1))
+ * masked and scaled, then the online softmax within the lane quad that holds a row: s <- the weights e^(s - m),
+ * m and l updated, alpha the old sum's factor per row */
+__device__ __forceinline__ void attn_m_softmax(float (*s)[4], const float (*s2)[4], int k, int last0, int last1,
+                                               float scale, volatile float *no_scratch, float *m, float *l,
+                                               float *alpha) {
+    float mx[2] = {ATTN_NEG_BIG, ATTN_NEG_BIG}, sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int key = k + 8 * j + c % 2;
+            s[j][c] = key <= (c < 2 ? last0 : last1) ? (s[j][c] + s2[j][c]) * scale : ATTN_NEG_BIG;
+            mx[c / 2] = fmaxf(mx[c / 2], s[j][c]);
+        }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], le_shfl_xor(mx[r], 1, no_scratch));
+        mx[r] = fmaxf(mx[r], le_shfl_xor(mx[r], 2, no_scratch));
+        const float mn = fmaxf(m[r], mx[r]);
+        alpha[r] = expf(m[r] - mn);
+        m[r] = mn;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            s[j][c] = s[j][c] > 0.5f * ATTN_NEG_BIG ? expf(s[j][c] - m[c / 2]) : 0.0f;
+            sum[c / 2] += s[j][c];
+        }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        sum[r] += le_shfl_xor(sum[r], 1, no_scratch);
+        sum[r] += le_shfl_xor(sum[r], 2, no_scratch);
+        l[r] = l[r] * alpha[r] + sum[r];
+    }
+}
+
 /* The prefill on f16 tensor cores at f32 grade: each operand split into hi + lo f16 (le_split_f16x2), each product
  * the three terms lo.hi + hi.lo + hi.hi in f32 accumulators (the dropped lo.lo is below 2^-22 of it). Warp w takes
  * queries q0 + 16w .. + 15; per tile of 16 keys (copied from attn_kv_planes_f16's planes), S = Q K^T (2 x 8 keys) by
@@ -581,38 +619,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_M_THREADS)
                 attn_m_scores(qh, ql, kvh, kvl, r0, g, 8 * kk + 2 * t, s);
                 if (kk + 1 < nk16) attn_m_scores(qh, ql, kvh, kvl, r0, g, 8 * kk + 8 + 2 * t, s2);
             }
-            /* masked scores; the online softmax of rows r0 (c < 2) and r0 + 8 within the quad */
-            float mx[2] = {ATTN_NEG_BIG, ATTN_NEG_BIG};
-#pragma unroll
-            for (int j = 0; j < 2; j++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    const int key = k0 + 8 * j + 2 * t + c % 2;
-                    s[j][c] = key <= (c < 2 ? last0 : last1) ? (s[j][c] + s2[j][c]) * scale : ATTN_NEG_BIG;
-                    mx[c / 2] = fmaxf(mx[c / 2], s[j][c]);
-                }
-            float alpha[2], sum[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], le_shfl_xor(mx[r], 1, no_scratch));
-                mx[r] = fmaxf(mx[r], le_shfl_xor(mx[r], 2, no_scratch));
-                const float mn = fmaxf(m[r], mx[r]);
-                alpha[r] = expf(m[r] - mn);
-                m[r] = mn;
-            }
-#pragma unroll
-            for (int j = 0; j < 2; j++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    s[j][c] = s[j][c] > 0.5f * ATTN_NEG_BIG ? expf(s[j][c] - m[c / 2]) : 0.0f;
-                    sum[c / 2] += s[j][c];
-                }
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                sum[r] += le_shfl_xor(sum[r], 1, no_scratch);
-                sum[r] += le_shfl_xor(sum[r], 2, no_scratch);
-                l[r] = l[r] * alpha[r] + sum[r];
-            }
+            /* masked scores -> the tile's weights; the online softmax of rows r0 (c < 2) and r0 + 8 */
+            float alpha[2];
+            attn_m_softmax(s, s2, k0 + 2 * t, last0, last1, scale, no_scratch, m, l, alpha);
             /* P as A fragments (keys 2t, 2t+1 of n-tile 0, then of n-tile 1), hi and lo */
             unsigned p[4], pl[4];
             le_split_f16x2(s[0][0], s[0][1], p[0], pl[0]);
