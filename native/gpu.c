@@ -841,6 +841,34 @@ int le_gpu_launch(const le_gpu_kernel *kernel, unsigned grid_x, unsigned grid_y,
     return LE_OK;
 }
 
+int le_gpu_launch_packed(const le_gpu_kernel *kernel, unsigned grid_x, unsigned grid_y, unsigned grid_z,
+                         unsigned block_x, unsigned block_y, unsigned block_z, unsigned shared_bytes,
+                         le_gpu_stream *stream, const char *kinds, const void *blob, size_t blob_bytes) {
+    uint64_t vals[LE_GPU_MAX_ARGS]; /* the blob copied to 8-byte alignment: the caller's may have none */
+    void *params[LE_GPU_MAX_ARGS];
+    if (!kinds || (blob_bytes && !blob))
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_gpu_launch_packed: kinds or blob is NULL");
+    if (blob_bytes > sizeof vals)
+        return LE_FAIL(LE_ERR_INVALID_ARG, "le_gpu_launch_packed: %zu bytes of arguments (at most %zu)", blob_bytes,
+                       sizeof vals);
+    if (blob_bytes) memcpy(vals, blob, blob_bytes);
+    size_t off = 0;
+    int n = 0;
+    for (; kinds[n]; n++) {
+        const size_t size = kinds[n] == 'p' || kinds[n] == 'q' ? 8 : 4;
+        if (n == LE_GPU_MAX_ARGS || !strchr("pqiuf", kinds[n]))
+            return LE_FAIL(LE_ERR_INVALID_ARG, "le_gpu_launch_packed: bad kinds \"%s\"", kinds);
+        off = (off + size - 1) / size * size;
+        if (off + size > blob_bytes)
+            return LE_FAIL(LE_ERR_INVALID_ARG, "le_gpu_launch_packed: %zu bytes hold fewer arguments than \"%s\"",
+                           blob_bytes, kinds);
+        params[n] = (char *)vals + off;
+        off += size;
+    }
+    return le_gpu_launch(kernel, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream,
+                         n ? params : NULL);
+}
+
 /* ---- CUDA graphs ------------------------------------------------------------------------ */
 
 int le_gpu_graphs_available(void) {

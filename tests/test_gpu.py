@@ -445,6 +445,25 @@ def test_gpu_calls_before_init_are_errors():
         _native.gpu_alloc(16)
 
 
+@pytest.mark.cpu
+def test_packed_launch_arguments_are_checked():
+    """le_gpu_launch_packed reads each value at the next multiple of its size, as struct's "@" packs them; kinds
+    it does not know, a blob shorter than the kinds, values out of their kind's range: clear errors before any
+    launch (a fake kernel: the checks come before the driver)."""
+    from legacy_engine.core._native import gpu_driver
+    letters, packer = gpu_driver._packer(("ptr", "i32", "f32", "i64", "u32"))
+    assert letters == b"pifqu" and packer.size == 28      # q aligned to 16, after i (8) and f (12)
+    fake = _native.ffi.cast("le_gpu_kernel *", 1)
+    lib = _native.lib
+    for kinds, blob, said in ((b"px", bytes(16), "bad kinds"), (b"pq", bytes(12), "hold fewer arguments")):
+        assert lib.le_gpu_launch_packed(fake, 1, 1, 1, 1, 1, 1, 0, _native.ffi.NULL, kinds, blob, len(blob)) != 0
+        assert said in _native.ffi.string(lib.le_last_error()).decode()
+    with pytest.raises(OverflowError, match="does not fit"):
+        gpu_driver.gpu_launch(fake, (1, 1, 1), (1, 1, 1), [("i32", 1 << 40)])
+    with pytest.raises(ValueError, match="unknown argument kind"):
+        gpu_driver.gpu_launch(fake, (1, 1, 1), (1, 1, 1), [("f64", 1.0)])
+
+
 # ================================================================================================ references
 
 def random_weights(rng, qtype: int, nrows: int, ncols: int) -> np.ndarray:

@@ -134,6 +134,15 @@ int le_gpu_launch(const le_gpu_kernel *kernel, unsigned grid_x, unsigned grid_y,
                   unsigned block_x, unsigned block_y, unsigned block_z, unsigned shared_bytes,
                   le_gpu_stream *stream, void **params);
 
+/* le_gpu_launch with the arguments packed in one buffer: kinds has one letter per argument (p: 8-byte pointer,
+ * q: int64, i: int32, u: uint32, f: float; at most LE_GPU_MAX_ARGS) and blob holds their values in that order, each
+ * at the next multiple of its size (C's natural alignment: Python's struct.pack with "@"). One call and one buffer
+ * per launch instead of a pointer array and an allocation per argument. */
+#define LE_GPU_MAX_ARGS 32
+int le_gpu_launch_packed(const le_gpu_kernel *kernel, unsigned grid_x, unsigned grid_y, unsigned grid_z,
+                         unsigned block_x, unsigned block_y, unsigned block_z, unsigned shared_bytes,
+                         le_gpu_stream *stream, const char *kinds, const void *blob, size_t blob_bytes);
+
 /* ---- CUDA graphs (driver 11.4+) ------------------------------------------------------- */
 
 /* 1 when the driver exports the graph entry points below, else 0 (they then fail with

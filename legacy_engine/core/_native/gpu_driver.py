@@ -7,6 +7,8 @@ code lib.LE_ERR_NO_MEMORY.
 """
 from __future__ import annotations
 
+import struct
+
 from ..errors import UnavailableError
 from ._lib import check, ffi, lib, struct_to_dict
 
@@ -229,13 +231,35 @@ def gpu_kernel_info(kernel) -> dict:
 _ARG_CTYPES = {"ptr": "uint64_t *", "i32": "int32_t *", "u32": "uint32_t *", "i64": "int64_t *", "f32": "float *"}
 
 
+_ARG_LETTERS = {"ptr": ("p", "Q"), "i32": ("i", "i"), "u32": ("u", "I"), "i64": ("q", "q"), "f32": ("f", "f")}
+_PACKERS: dict = {}   # kinds tuple -> (le_gpu_launch_packed's letters, struct.Struct)
+
+
+def _packer(kinds: tuple):
+    p = _PACKERS.get(kinds)
+    if p is None:
+        try:
+            letters = [_ARG_LETTERS[k] for k in kinds]
+        except KeyError as e:
+            raise ValueError(f"gpu_launch: unknown argument kind {e.args[0]!r} (ptr/i32/u32/i64/f32)") from None
+        # "@": each value at the next multiple of its size, as le_gpu_launch_packed reads them
+        p = _PACKERS[kinds] = ("".join(a for a, _ in letters).encode(),
+                               struct.Struct("@" + "".join(b for _, b in letters)))
+    return p
+
+
 def gpu_launch(kernel, grid, block, args, shared_bytes: int = 0, stream=None) -> None:
-    """grid, block: (x, y, z); args: [(kind, value)] with kind in ptr/i32/u32/i64/f32, in parameter order."""
-    params, _keep = gpu_launch_args(args)     # _keep holds the values params points at until the call returns
+    """grid, block: (x, y, z); args: [(kind, value)] with kind in ptr/i32/u32/i64/f32, in parameter order. The values
+    go packed in one buffer (le_gpu_launch_packed): ~2 us of Python a launch, not an allocation per argument."""
+    letters, packer = _packer(tuple(k for k, _ in args))
+    try:
+        blob = packer.pack(*(v for _, v in args))
+    except struct.error as e:
+        raise OverflowError(f"gpu_launch: an argument does not fit its kind ({e})") from None
     gx, gy, gz = grid
     bx, by, bz = block
-    _gpu_check(lib.le_gpu_launch(kernel, gx, gy, gz, bx, by, bz, int(shared_bytes), _stream(stream), params),
-               "le_gpu_launch")
+    _gpu_check(lib.le_gpu_launch_packed(kernel, gx, gy, gz, bx, by, bz, int(shared_bytes), _stream(stream), letters,
+                                        blob, len(blob)), "le_gpu_launch")
 
 
 def gpu_launch_args(args):
