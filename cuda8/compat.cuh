@@ -108,11 +108,16 @@ __device__ __forceinline__ T le_ldg(const T *p) {
 #endif
 }
 
-/* 4 bytes at p as an int; p only 2-byte aligned (blocks of 18, 34, 210 bytes). */
-__device__ __forceinline__ int le_load_i32_a2(const uint8_t *p) {
+/* The two 16-bit halves of le_load_i32_a2 as loaded (x: bytes 0-1, y: bytes 2-3), and their join: a load
+ * issued a step before its use (gemm_q8.cuh's pipelined staging) keeps the halves until then. */
+__device__ __forceinline__ int2 le_raw_i32_a2(const uint8_t *p) {
     const uint16_t *h = (const uint16_t *)p;
-    return (int)((unsigned)le_ldg(h) | ((unsigned)le_ldg(h + 1) << 16));
+    return make_int2(le_ldg(h), le_ldg(h + 1));
 }
+__device__ __forceinline__ int le_join_i32_a2(int2 r) { return (int)((unsigned)r.x | ((unsigned)r.y << 16)); }
+
+/* 4 bytes at p as an int; p only 2-byte aligned (blocks of 18, 34, 210 bytes). */
+__device__ __forceinline__ int le_load_i32_a2(const uint8_t *p) { return le_join_i32_a2(le_raw_i32_a2(p)); }
 
 /* 4 bytes at p as an int; p 4-byte aligned. */
 __device__ __forceinline__ int le_load_i32_a4(const uint8_t *p) { return le_ldg((const int *)p); }

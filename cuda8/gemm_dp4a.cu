@@ -131,7 +131,7 @@ __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const bl
     }
 }
 
-#define LE_GEMM_DP4A(name, T) LE_GEMM_Q8_KERNELS(name, gemm_dp4a, T, GEMM_TT)
+#define LE_GEMM_DP4A(name, T) LE_GEMM_Q8_KERNELS(name, gemm_dp4a, T, GEMM_TT, LE_GEMM_NO_ATTR)
 
 LE_GEMM_DP4A(gemm_dp4a_q4_0, le_t_q4_0)
 LE_GEMM_DP4A(gemm_dp4a_q8_0, le_t_q8_0)

@@ -5,7 +5,9 @@
  *   gemm_mma32_<type>(same)   the plain form with GEMM_TT (32) tokens a block (grid y: ceil(ntok / 32))
  *   gemm_mma_<type>_ids(W, xq, Y, nrows, ncols, tiles, expert_bytes)   as gemm_dp4a_<type>_ids, but tiles of up
  *     to GEMM_MMA_TT (64) pairs (moe_sort / expert_tiles with tile = 64)
- *     same arguments, block (GEMM_THREADS x 1 x 1), shared memory and staging (gemm_q8.cuh).
+ *     same arguments, block (GEMM_THREADS x 1 x 1) and shared memory (gemm_q8.cuh), staged a step ahead
+ *     (gemm_q8_fetch / gemm_q8_put: the next step's loads in flight while this one's products run; not Q6_K's
+ *     64-token form, see gemm_mma)
  * Compute: warp w owns rows 16w .. 16w+15 of the tile and all its TT tokens, as TT/8 16 x 8 mma tiles; per
  * sub-block one le_mma_s8_16x8x32 per token group (two le_mma_s8_16x8x16 for Q6_K: elements 0-15 and 16-31 have
  * their own scales) gives the integer sums exactly as gemm_dp4a's dp4a loops do, and the f32 update is
@@ -56,6 +58,9 @@ template <class T, int TT>
 __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
                                          float *LE_RESTRICT Y, int nrows, int ncols, const le_gemm_tile &tl,
                                          long long expert_bytes, gemm_q8_smem<TT> &sm) {
+    /* staged a step ahead (gemm_q8_fetch) but where a 64-token block's fetch registers would spill under its bound
+     * of 128 (Q6_K's four raw words a pair: 120-184 bytes of spills; it stages synchronously there) */
+    const bool AHEAD = TT == GEMM_TT || sizeof(typename T::qraw_t) <= sizeof(int2);
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r = 16 * (threadIdx.x / 32) + g; /* the lane's first row in the tile; the second is r + 8 */
     const int nsub = ncols / 32, nstep = (nsub + GEMM_Q8_SUBS - 1) / GEMM_Q8_SUBS;
@@ -66,12 +71,18 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const blo
         for (int j = 0; j < TT / 8; j++)
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[j][c] = 0.0f;
+        const uint8_t *Wt = le_gemm_weights(W, tl, expert_bytes);
+        gemm_q8_regs<T, TT> rg;
+        if (AHEAD) gemm_q8_fetch<T, TT>(Wt, xq, nrows, nsub, row_bytes, r0, tl, 0, min(GEMM_Q8_SUBS, nsub), rg);
         for (int st = 0; st < nstep; st++) {
             const int nsb = min(GEMM_Q8_SUBS, nsub - GEMM_Q8_SUBS * st); /* the last step may be partial */
             __syncthreads(); /* the previous step is consumed */
-            gemm_q8_stage<T, TT>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, st, nsb,
-                                 sm);
+            if (AHEAD) gemm_q8_put<T, TT>(rg, st, nsb, sm);
+            else gemm_q8_stage<T, TT>(Wt, xq, nrows, nsub, row_bytes, r0, tl, st, nsb, sm);
             __syncthreads();
+            if (AHEAD && st + 1 < nstep) /* in flight while this step's products run */
+                gemm_q8_fetch<T, TT>(Wt, xq, nrows, nsub, row_bytes, r0, tl, st + 1,
+                                     min(GEMM_Q8_SUBS, nsub - GEMM_Q8_SUBS * (st + 1)), rg);
 #pragma unroll 1
             for (int sb = 0; sb < nsb; sb++) gemm_mma_sub<T, TT>(sm, r, g, t, sb, acc);
         }
@@ -85,12 +96,13 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const blo
     }
 }
 
-#define LE_GEMM_MMA(name, T) LE_GEMM_Q8_KERNELS(name, gemm_mma, T, GEMM_MMA_TT)
+/* The 64-token form held to two blocks an SM (128 registers): its grids have more blocks than SMs */
+#define LE_GEMM_MMA(name, T) LE_GEMM_Q8_KERNELS(name, gemm_mma, T, GEMM_MMA_TT, __launch_bounds__(GEMM_THREADS, 2))
 
 /* gemm_mma32_<type>: the plain GEMM with GEMM_TT (32) tokens a block, for grids that the 64-token tiles leave short of
  * one block an SM (a 512-token pass's 1024-row projections on an H200: 64 blocks for 132 SMs); the launcher chooses
  * (Kernels.gemm_mma). A row's sums run in the same order whatever the tile: the same bits. */
-#define LE_GEMM_MMA32(name, T) LE_GEMM_Q8_PLAIN(name, gemm_mma, T, GEMM_TT)
+#define LE_GEMM_MMA32(name, T) LE_GEMM_Q8_PLAIN(name, gemm_mma, T, GEMM_TT, LE_GEMM_NO_ATTR)
 
 LE_GEMM_MMA(gemm_mma_q4_0, le_t_q4_0)
 LE_GEMM_MMA(gemm_mma_q8_0, le_t_q8_0)

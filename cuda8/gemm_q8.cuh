@@ -200,6 +200,107 @@ __device__ __forceinline__ void gemm_q8_stage(const uint8_t *LE_RESTRICT W, cons
     }
 }
 
+/* ---- gemm_mma's staging a step ahead (tiers with shuffles and many registers): gemm_q8_fetch issues every global
+ * load of step st into registers at once (gemm_q8_regs), before the tensor cores consume step st - 1; gemm_q8_put
+ * then decodes them into shared memory as gemm_q8_stage does (same words, scales, slots: the same bits). Staged
+ * synchronously, a step was a chain of ~7 memory round trips (groups of 4 word loads, then scales, then tokens):
+ * ~5 us of a lone block on an H200, what a short grid (a 512-token pass) waited on. ---- */
+template <class T, int TT>
+struct gemm_q8_regs {
+    typename T::qraw_t w[16];                      /* pair i of gemm_q8_word: word k of row g + 32 (i / 4), sb i % 4 */
+    int2 sc[GEMM_ROWS * GEMM_Q8_SUBS / GEMM_THREADS]; /* pair p = tid + 256 q: header word sb (HDR) or T::sraw */
+    int x[TT / 32][GEMM_Q8_SUBS];                  /* word k of token g + 32 u, sub-block sb */
+    int ds[TT / 32][GEMM_Q8_SUBS];                 /* its Q8_1 block's (d, s) halves (used by lanes k = 0) */
+};
+
+/* A step's scale words: the type's raw scale words (T::sraw) or, where the scales sit in the block's header (HDR),
+ * header word sb, exchanged between the row's 4 lanes at put (gemm_q8_scales' exchange) */
+template <class T, int HDR>
+struct gemm_q8_sc {
+    static __device__ __forceinline__ int2 fetch(const uint8_t *w, int s, int) { return T::sraw(w, s); }
+    static __device__ __forceinline__ void put(int2 r, int s, float &d0, float &d1, float &m) {
+        T::sfin(r, s, 0, d0, m);
+        if (T::TWO_SCALES) T::sfin(r, s, 1, d1, m);
+        else d1 = d0;
+    }
+};
+template <class T>
+struct gemm_q8_sc<T, 1> {
+    static __device__ __forceinline__ int2 fetch(const uint8_t *w, int s, int sb) {
+        return make_int2(le_ldg((const int *)(w + (size_t)(s / 8) * T::BYTES) + sb), 0);
+    }
+    static __device__ __forceinline__ void put(int2 r, int s, float &d0, float &d1, float &m) {
+        int h[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) h[i] = le_shfl_idx(r.x, i, GEMM_Q8_SUBS);
+        T::scale_hdr(h, s, d0, m);
+        d1 = d0;
+    }
+};
+
+template <class T, int TT>
+__device__ __forceinline__ void gemm_q8_fetch(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
+                                              int nrows, int nsub, size_t row_bytes, int r0,
+                                              const le_gemm_tile &tl, int st, int nsb, gemm_q8_regs<T, TT> &rg) {
+    const int tid = threadIdx.x, k = tid % 8, g = tid / 8;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const int row = g + 32 * (i / 4), sb = i % 4;
+        const uint8_t *w = W + (size_t)(r0 + row < nrows ? r0 + row : r0) * row_bytes;
+        if (sb < nsb) rg.w[i] = T::qraw(w, GEMM_Q8_SUBS * st + sb, k);
+    }
+#pragma unroll
+    for (int q = 0; q < GEMM_ROWS * GEMM_Q8_SUBS / GEMM_THREADS; q++) {
+        const int p = tid + GEMM_THREADS * q, row = p / GEMM_Q8_SUBS, sb = p % GEMM_Q8_SUBS;
+        const uint8_t *w = W + (size_t)(r0 + row < nrows ? r0 + row : r0) * row_bytes;
+        if (T::HDR || sb < nsb) rg.sc[q] = gemm_q8_sc<T, T::HDR>::fetch(w, GEMM_Q8_SUBS * st + sb, sb);
+    }
+#pragma unroll
+    for (int u = 0; u < TT / 32; u++) {
+        const int tg = g + 32 * u, t = tg < tl.n ? tl.t0 + tg : tl.t0;
+#pragma unroll
+        for (int sb = 0; sb < GEMM_Q8_SUBS; sb++) {
+            if (sb >= nsb) break;
+            const block_q8_1 *b = xq + (size_t)t * nsub + GEMM_Q8_SUBS * st + sb;
+            rg.x[u][sb] = le_ldg((const int *)b->qs + k);
+            if (k == 0) rg.ds[u][sb] = le_ldg((const int *)b);
+        }
+    }
+}
+
+template <class T, int TT>
+__device__ __forceinline__ void gemm_q8_put(const gemm_q8_regs<T, TT> &rg, int st, int nsb, gemm_q8_smem<TT> &sm) {
+    const int tid = threadIdx.x, k = tid % 8, g = tid / 8;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const int row = g + 32 * (i / 4), sb = i % 4;
+        if (sb < nsb) sm.wq[row][gemm_q8_slot(sb, k)] = T::qfin(rg.w[i], GEMM_Q8_SUBS * st + sb, k);
+    }
+#pragma unroll
+    for (int q = 0; q < GEMM_ROWS * GEMM_Q8_SUBS / GEMM_THREADS; q++) {
+        const int p = tid + GEMM_THREADS * q, row = p / GEMM_Q8_SUBS, sb = p % GEMM_Q8_SUBS;
+        float d0, d1, m;
+        if (T::HDR || sb < nsb) gemm_q8_sc<T, T::HDR>::put(rg.sc[q], GEMM_Q8_SUBS * st + sb, d0, d1, m);
+        if (sb >= nsb) continue; /* after the put: every lane takes part in HDR's exchange */
+        sm.wm[row][sb] = m;
+        sm.wd[row][sb] = gemm_q8_wd<T>(d0, d1);
+    }
+#pragma unroll
+    for (int u = 0; u < TT / 32; u++) {
+        const int tg = g + 32 * u;
+#pragma unroll
+        for (int sb = 0; sb < GEMM_Q8_SUBS; sb++) {
+            if (sb >= nsb) break;
+            sm.xq[tg][gemm_q8_slot(sb, k)] = rg.x[u][sb];
+            if (k == 0) {
+                const unsigned ds = (unsigned)rg.ds[u][sb];
+                gemm_q8_xd(sm, sb, tg) = make_float2(le_half_to_float((uint16_t)(ds & 0xFFFFu)),
+                                                     le_half_to_float((uint16_t)(ds >> 16)));
+            }
+        }
+    }
+}
+
 /* acc + d8 * p - m * s8 for x = (d8, s8): two fused multiply-adds in this order; the second only where the type has
  * a min (T::HAS_MIN; m = 0 elsewhere, and acc, from +0, is never -0: skipping it keeps the bits) */
 template <class T>
@@ -210,20 +311,23 @@ __device__ __forceinline__ float gemm_q8_acc(float acc, float2 x, float p, float
 
 /* The plain kernel `name` of an int8 GEMM: `fn` is a device function template <class T, int TT> (W, xq, Y, nrows,
  * ncols, tile, expert_bytes, smem) of TT tokens per block (gemm_dp4a, gemm_mma). */
-#define LE_GEMM_Q8_PLAIN(name, fn, T, TT)                                                                 \
-    extern "C" __global__ void name(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows, int ncols, \
-                                    int ntok) {                                                           \
+#define LE_GEMM_Q8_PLAIN(name, fn, T, TT, ATTR)                                                           \
+    extern "C" __global__ void ATTR name(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows,  \
+                                                int ncols, int ntok) {                                    \
         __shared__ gemm_q8_smem<TT> sm;                                                                   \
         __shared__ le_gemm_tile tl;                                                                       \
         le_gemm_tile_plain(tl, ntok, TT);                                                                 \
         fn<T, TT>(W, xq, Y, nrows, ncols, tl, 0, sm);                                                     \
     }
 
-/* The plain and grouped (_ids) kernels `name`, `name##_ids` */
-#define LE_GEMM_Q8_KERNELS(name, fn, T, TT)                                                               \
-    LE_GEMM_Q8_PLAIN(name, fn, T, TT)                                                                     \
-    extern "C" __global__ void name##_ids(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows,      \
-                                          int ncols, const int *tiles, long long expert_bytes) {          \
+/* The plain and grouped (_ids) kernels `name`, `name##_ids`; ATTR goes before the names (launch bounds, or
+ * LE_GEMM_NO_ATTR) */
+#define LE_GEMM_NO_ATTR
+#define LE_GEMM_Q8_KERNELS(name, fn, T, TT, ATTR)                                                         \
+    LE_GEMM_Q8_PLAIN(name, fn, T, TT, ATTR)                                                               \
+    extern "C" __global__ void ATTR name##_ids(const uint8_t *W, const block_q8_1 *xq, float *Y,     \
+                                                      int nrows, int ncols, const int *tiles,             \
+                                                      long long expert_bytes) {                           \
         __shared__ gemm_q8_smem<TT> sm;                                                                   \
         __shared__ le_gemm_tile tl;                                                                       \
         if (le_gemm_tile_ids(tl, tiles)) fn<T, TT>(W, xq, Y, nrows, ncols, tl, expert_bytes, sm);         \

@@ -25,6 +25,8 @@
  * weight and activation loads coalesce (gemv_f32.cu), and that decode a sub-block's scales once for all
  * its words (gemm_q8.cuh). le_word<T> is the two together. HDR: the type's scales of a sub-block come from its
  * block's first 16 bytes (4-aligned), scale_hdr(h, s, d, m) decodes them from those as 4 words (Q4_K, Q5_K).
+ * qword = qfin(qraw) and (types without HDR) scale = sfin(sraw): qraw / sraw only load (the raw words, qraw_t / int2),
+ * qfin / sfin only compute, so that a kernel can issue a step's loads a step before it decodes them.
  */
 #ifndef LE_QUANTS_CUH
 #define LE_QUANTS_CUH
@@ -111,13 +113,26 @@ struct le_t_q4_0 {
         b.d[0] = b.d[1] = d;
         b.m = 0.0f;
     }
-    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int, float &d, float &m) {
-        d = le_ldg_half((const uint16_t *)(row + (size_t)s * BYTES));
+    typedef int2 qraw_t;
+    static __device__ __forceinline__ int2 sraw(const uint8_t *row, int s) {
+        return make_int2(le_ldg((const uint16_t *)(row + (size_t)s * BYTES)), 0);
+    }
+    static __device__ __forceinline__ void sfin(int2 r, int, int, float &d, float &m) {
+        d = le_half_to_float((uint16_t)r.x);
         m = 0.0f;
     }
-    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
-        const int v = le_load_i32_a2(row + (size_t)s * BYTES + 2 + 4 * (k & 3));
+    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int h, float &d, float &m) {
+        sfin(sraw(row, s), s, h, d, m);
+    }
+    static __device__ __forceinline__ int2 qraw(const uint8_t *row, int s, int k) {
+        return le_raw_i32_a2(row + (size_t)s * BYTES + 2 + 4 * (k & 3));
+    }
+    static __device__ __forceinline__ int qfin(int2 r, int, int k) {
+        const int v = le_join_i32_a2(r);
         return le_sub_bytes((k < 4 ? v : v >> 4) & 0x0F0F0F0F, 0x08080808);
+    }
+    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
+        return qfin(qraw(row, s, k), s, k);
     }
 };
 
@@ -130,12 +145,22 @@ struct le_t_q8_0 {
         for (int k = 0; k < 8; k++) b.q[k] = le_load_i32_a2(blk + 2 + 4 * k);
         b.m = 0.0f;
     }
-    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int, float &d, float &m) {
-        d = le_ldg_half((const uint16_t *)(row + (size_t)s * BYTES));
-        m = 0.0f;
+    typedef int2 qraw_t;
+    static __device__ __forceinline__ int2 sraw(const uint8_t *row, int s) {
+        return make_int2(le_ldg((const uint16_t *)(row + (size_t)s * BYTES)), 0);
     }
+    static __device__ __forceinline__ void sfin(int2 r, int s, int h, float &d, float &m) {
+        le_t_q4_0::sfin(r, s, h, d, m); /* the same header: d as f16, no min */
+    }
+    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int h, float &d, float &m) {
+        sfin(sraw(row, s), s, h, d, m);
+    }
+    static __device__ __forceinline__ int2 qraw(const uint8_t *row, int s, int k) {
+        return le_raw_i32_a2(row + (size_t)s * BYTES + 2 + 4 * k);
+    }
+    static __device__ __forceinline__ int qfin(int2 r, int, int) { return le_join_i32_a2(r); }
     static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
-        return le_load_i32_a2(row + (size_t)s * BYTES + 2 + 4 * k);
+        return qfin(qraw(row, s, k), s, k);
     }
 };
 
@@ -160,10 +185,14 @@ struct le_t_q4_K {
     static __device__ __forceinline__ void scale_hdr(const int *h, int s, float &d, float &m) {
         le_scale_k4_hdr(h, s % 8, d, m);
     }
-    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
-        const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
+    typedef int2 qraw_t;
+    static __device__ __forceinline__ int2 qraw(const uint8_t *row, int s, int k) {
         const int j = s % 8;
-        return (le_load_i32_a4(blk + 16 + 32 * (j / 2) + 4 * k) >> (4 * (j & 1))) & 0x0F0F0F0F;
+        return make_int2(le_load_i32_a4(row + (size_t)(s / 8) * BYTES + 16 + 32 * (j / 2) + 4 * k), 0);
+    }
+    static __device__ __forceinline__ int qfin(int2 r, int s, int) { return (r.x >> (4 * (s % 8 & 1))) & 0x0F0F0F0F; }
+    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
+        return qfin(qraw(row, s, k), s, k);
     }
 };
 
@@ -193,12 +222,18 @@ struct le_t_q5_K {
     static __device__ __forceinline__ void scale_hdr(const int *h, int s, float &d, float &m) {
         le_scale_k4_hdr(h, s % 8, d, m);
     }
-    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
+    typedef int2 qraw_t; /* x: the nibbles' word, y: the fifth bits' word */
+    static __device__ __forceinline__ int2 qraw(const uint8_t *row, int s, int k) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8;
-        const int lo = (le_load_i32_a4(blk + 48 + 32 * (j / 2) + 4 * k) >> (4 * (j & 1))) & 0x0F0F0F0F;
-        const int hi = ((le_load_i32_a4(blk + 16 + 4 * k) >> j) & 0x01010101) << 4;
-        return lo | hi;
+        return make_int2(le_load_i32_a4(blk + 48 + 32 * (j / 2) + 4 * k), le_load_i32_a4(blk + 16 + 4 * k));
+    }
+    static __device__ __forceinline__ int qfin(int2 r, int s, int) {
+        const int j = s % 8;
+        return ((r.x >> (4 * (j & 1))) & 0x0F0F0F0F) | (((r.y >> j) & 0x01010101) << 4);
+    }
+    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
+        return qfin(qraw(row, s, k), s, k);
     }
 };
 
@@ -222,17 +257,35 @@ struct le_t_q6_K {
         b.d[1] = d * le_ldg(scales + 1); /* elements 16..31 */
         b.m = 0.0f;
     }
-    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int h, float &d, float &m) {
+    /* x: d's f16 bits, y: the sub-block's two int8 scales (elements 0-15, 16-31) */
+    static __device__ __forceinline__ int2 sraw(const uint8_t *row, int s) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
-        d = le_ldg_half((const uint16_t *)(blk + 208)) * le_ldg((const int8_t *)(blk + 192) + 2 * (s % 8) + h);
+        return make_int2(le_ldg((const uint16_t *)(blk + 208)),
+                         le_ldg((const uint16_t *)(blk + 192 + 2 * (s % 8))));
+    }
+    static __device__ __forceinline__ void sfin(int2 r, int, int h, float &d, float &m) {
+        d = le_half_to_float((uint16_t)r.x) * (int)(signed char)(r.y >> (8 * h));
         m = 0.0f;
     }
-    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
+    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int h, float &d, float &m) {
+        sfin(sraw(row, s), s, h, d, m);
+    }
+    typedef int4 qraw_t; /* the low nibbles' halves (x, y), the high bits' (z, w) */
+    static __device__ __forceinline__ int4 qraw(const uint8_t *row, int s, int k) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
         const int j = s % 8, n = j / 4, t = j % 4;
-        const int lo = (le_load_i32_a2(blk + 64 * n + 32 * (t & 1) + 4 * k) >> (4 * (t >> 1))) & 0x0F0F0F0F;
-        const int hi = ((le_load_i32_a2(blk + 128 + 32 * n + 4 * k) >> (2 * t)) & 0x03030303) << 4;
+        const int2 lo = le_raw_i32_a2(blk + 64 * n + 32 * (t & 1) + 4 * k);
+        const int2 hi = le_raw_i32_a2(blk + 128 + 32 * n + 4 * k);
+        return make_int4(lo.x, lo.y, hi.x, hi.y);
+    }
+    static __device__ __forceinline__ int qfin(int4 r, int s, int) {
+        const int t = s % 8 % 4;
+        const int lo = (le_join_i32_a2(make_int2(r.x, r.y)) >> (4 * (t >> 1))) & 0x0F0F0F0F;
+        const int hi = ((le_join_i32_a2(make_int2(r.z, r.w)) >> (2 * t)) & 0x03030303) << 4;
         return le_sub_bytes(lo | hi, 0x20202020);
+    }
+    static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
+        return qfin(qraw(row, s, k), s, k);
     }
 };
 
@@ -254,17 +307,29 @@ struct le_t_iq4_xs {
         b.d[0] = b.d[1] = d * (ls - 32);
         b.m = 0.0f;
     }
-    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int, float &d, float &m) {
+    /* x: the block's first word (d's f16 bits | scales_h << 16), y: the byte of the sub-block's low scale bits */
+    static __device__ __forceinline__ int2 sraw(const uint8_t *row, int s) {
         const uint8_t *blk = row + (size_t)(s / 8) * BYTES;
-        const int j = s % 8;
-        const int scales_h = le_ldg((const uint16_t *)blk + 1);
-        const int ls = ((le_ldg(blk + 4 + j / 2) >> (4 * (j % 2))) & 0xF) | (((scales_h >> (2 * j)) & 3) << 4);
-        d = le_ldg_half((const uint16_t *)blk) * (ls - 32);
+        return make_int2(le_ldg((const int *)blk), le_ldg(blk + 4 + s % 8 / 2));
+    }
+    static __device__ __forceinline__ void sfin(int2 r, int s, int, float &d, float &m) {
+        const int j = s % 8, scales_h = (int)((unsigned)r.x >> 16);
+        const int ls = ((r.y >> (4 * (j % 2))) & 0xF) | (((scales_h >> (2 * j)) & 3) << 4);
+        d = le_half_to_float((uint16_t)(r.x & 0xFFFF)) * (ls - 32);
         m = 0.0f;
     }
+    static __device__ __forceinline__ void scale(const uint8_t *row, int s, int h, float &d, float &m) {
+        sfin(sraw(row, s), s, h, d, m);
+    }
+    typedef int2 qraw_t;
+    static __device__ __forceinline__ int2 qraw(const uint8_t *row, int s, int k) {
+        return make_int2(le_load_i32_a4(row + (size_t)(s / 8) * BYTES + 8 + 16 * (s % 8) + 4 * (k & 3)), 0);
+    }
+    static __device__ __forceinline__ int qfin(int2 r, int, int k) {
+        return le_iq4_lookup((k < 4 ? r.x : r.x >> 4) & 0x0F0F0F0F);
+    }
     static __device__ __forceinline__ int qword(const uint8_t *row, int s, int k) {
-        const int v = le_load_i32_a4(row + (size_t)(s / 8) * BYTES + 8 + 16 * (s % 8) + 4 * (k & 3));
-        return le_iq4_lookup((k < 4 ? v : v >> 4) & 0x0F0F0F0F);
+        return qfin(qraw(row, s, k), s, k);
     }
 };
 

@@ -12,6 +12,11 @@ from .runtime import Event, Stream
 from .toolchain import MMA_ARCH
 
 
+# gemm_mma's 32-token form (staged a step ahead, one block an SM) where the 64-token grid has at most this many blocks
+# an SM; the 64-token form (two blocks an SM, synchronous staging) above
+MMA32_BLOCKS_PER_SM = 1
+
+
 class MatmulLaunchers:
     """The matmuls of Kernels: each checks its weights (_weights), activations and outputs, then launches on
     `stream` (default stream when None) without waiting. Needs the host class's modules, name, has_mma and _grid.
@@ -140,13 +145,14 @@ class MatmulLaunchers:
     def gemm_mma(self, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None,
                  tt: int | None = None) -> None:
         """gemm_dp4a on tensor cores (same arguments, same bits); only where has_mma (dp4a tier, sm_75+). tt: tokens
-        a block, GEMM_MMA_TT (64) or GEMM_TT (32: gemm_mma32_*); default 32 where the 64-token grid has no more
-        blocks than the card has SMs (a short pass's narrow projections), else 64."""
+        a block, GEMM_MMA_TT (64) or GEMM_TT (32: gemm_mma32_*); default 32 where the 64-token grid has at most
+        MMA32_BLOCKS_PER_SM blocks an SM (a short pass's narrow projections), else 64."""
         if not self.has_mma:
             raise UnavailableError(f"gemm_mma: the {self.name} kernels have no int8 mma (the dp4a tier at "
                                    f"compute_{MMA_ARCH}+ has)")
         if tt is None:
-            tt = GEMM_TT if -(-nrows // GEMM_ROWS) * -(-ntok // GEMM_MMA_TT) <= self.sm_count else GEMM_MMA_TT
+            blocks = -(-nrows // GEMM_ROWS) * -(-ntok // GEMM_MMA_TT)
+            tt = GEMM_TT if blocks <= MMA32_BLOCKS_PER_SM * self.sm_count else GEMM_MMA_TT
         if tt not in (GEMM_TT, GEMM_MMA_TT):
             raise ValueError(f"gemm_mma: tt = {tt}, not {GEMM_TT} or {GEMM_MMA_TT}")
         self._gemm_q8("gemm_mma", qtype, W, xq, Y, nrows, ncols, ntok, stream, tt,
