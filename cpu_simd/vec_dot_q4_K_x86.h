@@ -5,12 +5,14 @@
  * A 256-element super-block: 8 groups of 32 with a 6-bit scale sc_g and a 6-bit min m_g,
  * w = d * sc_g * q - dmin * m_g, q 0..15. So
  *   dot = d * da * sum_g sc_g * sum_{i in g} q_i a_i  -  dmin * da * sum_g m_g * sum_{i in g} a_i
- * and sum_{i in g} a_i is two of Q8_K's bsums (16 each): the min term costs one vpmaddwd.
+ * and sum_{i in g} a_i is two of Q8_K's bsums (16 each): the min term costs one vpmaddwd of the 16 bsums by the
+ * 8 mins each twice (int32 lane g: m_g * (bsum 2g + bsum 2g+1)), then a fused multiply-add into the same 8 float
+ * lanes as the scale term (no horizontal add a block).
  * Each 32 bytes of qs hold groups 2c (low nibbles) and 2c+1 (high nibbles): one
  * vpmaddubsw per group (q unsigned x a signed, pairs <= 2*15*127), then the group's scale
  * (as int16) multiplied and accumulated in int32 by le_madd_acc_256 (simd_x86.h: vpmaddwd +
  * vpaddd on AVX2, one vpdpwssd on VNNI); two accumulators (low and high nibble groups) keep
- * the chains short. One FMA per block by d * da.
+ * the chains short. Two FMAs per block: by d * da, then by -dmin * da.
  * No tail: the kernel's step is one super-block, the type's block.
  * Oracle: vec_dot_q4_K_q8_K_ref (native/vec_dot_ref.c).
  */
@@ -28,26 +30,31 @@ static inline __m256i scale_of(__m256i scales, int g) {
     return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * g)));
 }
 
+/* int16 lanes 2g, 2g + 1 both min g of a block's scales and mins (le_q4_K_scales_mins: mins in bytes 8..15) */
+static inline __m256i mins_twice(__m128i scales_mins) {
+    return _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scales_mins, scales_mins));
+}
+
+/* acc + d * s - dmin * (mins . bsums): a block's float step for one activation row (both kernels, in this order) */
+static inline __m256 q4_K_block_step(__m256 acc, __m256 d, __m256 dmin, __m256i s, __m256i mins2,
+                                      const int16_t *bsums) {
+    const __m256i m = _mm256_madd_epi16(mins2, _mm256_loadu_si256((const __m256i *)bsums));
+    return _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(m), _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc));
+}
+
 static inline void vec_dot_q4_K_q8_K_x86(int64_t n, float *s, const void *vx, const void *vy) {
     const block_q4_K *x = vx;
     const block_q8_K *y = vy;
     const int64_t nb = n / QK_K;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256 acc = _mm256_setzero_ps();
-    __m128 acc_m = _mm_setzero_ps();                      /* the min terms, 4 lanes */
     for (int64_t i = 0; i < nb; i++) {
         le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
-        const float d = y[i].d * _cvtsh_ss(x[i].d);
-        const float dmin = y[i].d * _cvtsh_ss(x[i].dmin);
+        const __m256 d = _mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].d));
+        const __m256 dmin = _mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].dmin));
+        const __m128i packed = le_q4_K_scales_mins(x[i].scales);
         /* int16: lanes 0..7 the group scales, 8..15 the group mins */
-        const __m256i sm = _mm256_cvtepu8_epi16(le_q4_K_scales_mins(x[i].scales));
-
-        /* mins: 16 bsums -> 8 group sums (vphaddw) . 8 mins (vpmaddwd) -> 4 int32 */
-        const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[i].bsums);
-        const __m128i gsums = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
-        const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), gsums);
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
-
+        const __m256i sm = _mm256_cvtepu8_epi16(packed);
         const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
         const uint8_t *q4 = x[i].qs;
         const int8_t *q8 = y[i].qs;
@@ -62,17 +69,14 @@ static inline void vec_dot_q4_K_q8_K_x86(int64_t n, float *s, const void *vx, co
             s_lo = le_madd_acc_256(s_lo, p_lo, scale_of(scales, 2 * c));
             s_hi = le_madd_acc_256(s_hi, p_hi, scale_of(scales, 2 * c + 1));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(s_lo, s_hi)), acc);
+        acc = q4_K_block_step(acc, d, dmin, _mm256_add_epi32(s_lo, s_hi), mins_twice(packed), y[i].bsums);
     }
-    /* acc_m lanes: dmin * (sum of 2 group terms); subtract all four */
-    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
-    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
-    *s = le_hsum_ps_256(acc) - _mm_cvtss_f32(acc_m);
+    *s = le_hsum_ps_256(acc);
 }
 
 /* Several activation rows (le_vec_dot_n_fn): NT rows a pass (8 where AVX-512VL gives 32 vector registers, else 4),
  * each block's nibbles and scales unpacked once for all of them; row t's arithmetic is vec_dot_q4_K_q8_K_x86's step
- * for step (its int32 sum of the block, one FMA per block into its acc and acc_m, the same final sums), so every s[t]
+ * for step (its int32 sum of the block, q4_K_block_step, the same final sum), so every s[t]
  * is that kernel's bits: one int32 accumulator holds what its s_lo + s_hi hold (int32 sums are exact, any order). */
 #if defined(__AVX512VL__)
 #define Q4_K_NT 8
@@ -84,17 +88,13 @@ static inline __attribute__((always_inline)) void q4_K_rows(int64_t n, float *s,
     const int64_t nb = n / QK_K;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256 acc[Q4_K_NT];
-    __m128 acc_m[Q4_K_NT];
     #pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) {
-        acc[t] = _mm256_setzero_ps();
-        acc_m[t] = _mm_setzero_ps();
-    }
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         le_prefetch_ahead(x + i, sizeof *x);
         const float xd = _cvtsh_ss(x[i].d), xdmin = _cvtsh_ss(x[i].dmin);
-        const __m256i sm = _mm256_cvtepu8_epi16(le_q4_K_scales_mins(x[i].scales));
-        const __m128i mins = _mm256_extracti128_si256(sm, 1);
+        const __m128i packed = le_q4_K_scales_mins(x[i].scales);
+        const __m256i sm = _mm256_cvtepu8_epi16(packed), mins2 = mins_twice(packed);
         const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
         const uint8_t *q4 = x[i].qs;
         __m256i si[Q4_K_NT];
@@ -118,19 +118,12 @@ static inline __attribute__((always_inline)) void q4_K_rows(int64_t n, float *s,
         #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
             const block_q8_K *y = (const block_q8_K *)(yb + t * ly) + i;
-            const float d = y->d * xd, dmin = y->d * xdmin;
-            const __m256i bsums = _mm256_loadu_si256((const __m256i *)y->bsums);
-            const __m128i gsums = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
-            acc_m[t] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, gsums)), acc_m[t]);
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(si[t]), acc[t]);
+            acc[t] = q4_K_block_step(acc[t], _mm256_set1_ps(y->d * xd), _mm256_set1_ps(y->d * xdmin), si[t], mins2,
+                                     y->bsums);
         }
     }
     #pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) {
-        __m128 m = _mm_add_ps(acc_m[t], _mm_movehl_ps(acc_m[t], acc_m[t]));
-        m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        s[t * ls] = le_hsum_ps_256(acc[t]) - _mm_cvtss_f32(m);
-    }
+    for (int t = 0; t < NT; t++) s[t * ls] = le_hsum_ps_256(acc[t]);
 }
 
 static inline void vec_dot_n_q4_K_q8_K_x86(int64_t n, float *s, int64_t ls, const void *vx, const void *vy,
