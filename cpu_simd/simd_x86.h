@@ -285,6 +285,25 @@ static inline __m512i le_group_scales_epi16(__m512i scales16, int base, int per)
 #define LE_EXP_P5 5.0000001201e-1f
 
 #if defined(__AVX2__) && defined(__FMA__)
+/* ---- Q4_K / Q5_K (same scales and mins) on AVX2 + FMA: the vec_dot kernels' shared pieces ---------------------- */
+/* int16 lanes all equal to scale g of `scales` (the 8 scales as int16, in both 128-bit lanes). */
+static inline __m256i le_k4_scale_of(__m256i scales, int g) {
+    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * g)));
+}
+
+/* int16 lanes 2g, 2g + 1 both min g of a block's scales and mins (le_q4_K_scales_mins: mins in bytes 8..15) */
+static inline __m256i le_k4_mins_twice(__m128i scales_mins) {
+    return _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scales_mins, scales_mins));
+}
+
+/* acc + d * s - dmin * (mins . bsums): a block's float step for one activation row (every Q4_K / Q5_K kernel, in
+ * this order: the several-row kernels keep the one-row kernel's bits) */
+static inline __m256 le_k4_block_step(__m256 acc, __m256 d, __m256 dmin, __m256i s, __m256i mins2,
+                                       const int16_t *bsums) {
+    const __m256i m = _mm256_madd_epi16(mins2, _mm256_loadu_si256((const __m256i *)bsums));
+    return _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(m), _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc));
+}
+
 static inline __m256 le_exp_ps_256(__m256 x) {
     x = _mm256_min_ps(_mm256_set1_ps(LE_EXP_HI), _mm256_max_ps(_mm256_set1_ps(LE_EXP_LO), x));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LE_EXP_LOG2E)),

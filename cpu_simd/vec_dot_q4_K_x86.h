@@ -25,23 +25,6 @@
 #error "include vec_dot_q4_K_x86.h after a #pragma GCC target that enables AVX2"
 #endif
 
-/* int16 lanes all equal to scale g of `scales` (the 8 scales as int16, in both 128-bit lanes). */
-static inline __m256i scale_of(__m256i scales, int g) {
-    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * g)));
-}
-
-/* int16 lanes 2g, 2g + 1 both min g of a block's scales and mins (le_q4_K_scales_mins: mins in bytes 8..15) */
-static inline __m256i mins_twice(__m128i scales_mins) {
-    return _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scales_mins, scales_mins));
-}
-
-/* acc + d * s - dmin * (mins . bsums): a block's float step for one activation row (both kernels, in this order) */
-static inline __m256 q4_K_block_step(__m256 acc, __m256 d, __m256 dmin, __m256i s, __m256i mins2,
-                                      const int16_t *bsums) {
-    const __m256i m = _mm256_madd_epi16(mins2, _mm256_loadu_si256((const __m256i *)bsums));
-    return _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(m), _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc));
-}
-
 static inline void vec_dot_q4_K_q8_K_x86(int64_t n, float *s, const void *vx, const void *vy) {
     const block_q4_K *x = vx;
     const block_q8_K *y = vy;
@@ -66,10 +49,10 @@ static inline void vec_dot_q4_K_q8_K_x86(int64_t n, float *s, const void *vx, co
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4); /* group 2c+1 */
             const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c)));
             const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c + 32)));
-            s_lo = le_madd_acc_256(s_lo, p_lo, scale_of(scales, 2 * c));
-            s_hi = le_madd_acc_256(s_hi, p_hi, scale_of(scales, 2 * c + 1));
+            s_lo = le_madd_acc_256(s_lo, p_lo, le_k4_scale_of(scales, 2 * c));
+            s_hi = le_madd_acc_256(s_hi, p_hi, le_k4_scale_of(scales, 2 * c + 1));
         }
-        acc = q4_K_block_step(acc, d, dmin, _mm256_add_epi32(s_lo, s_hi), mins_twice(packed), y[i].bsums);
+        acc = le_k4_block_step(acc, d, dmin, _mm256_add_epi32(s_lo, s_hi), le_k4_mins_twice(packed), y[i].bsums);
     }
     *s = le_hsum_ps_256(acc);
 }
@@ -94,7 +77,7 @@ static inline __attribute__((always_inline)) void q4_K_rows(int64_t n, float *s,
         le_prefetch_ahead(x + i, sizeof *x);
         const float xd = _cvtsh_ss(x[i].d), xdmin = _cvtsh_ss(x[i].dmin);
         const __m128i packed = le_q4_K_scales_mins(x[i].scales);
-        const __m256i sm = _mm256_cvtepu8_epi16(packed), mins2 = mins_twice(packed);
+        const __m256i sm = _mm256_cvtepu8_epi16(packed), mins2 = le_k4_mins_twice(packed);
         const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
         const uint8_t *q4 = x[i].qs;
         __m256i si[Q4_K_NT];
@@ -105,7 +88,7 @@ static inline __attribute__((always_inline)) void q4_K_rows(int64_t n, float *s,
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(q4 + 32 * c));
             const __m256i lo = _mm256_and_si256(bits, m4);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            const __m256i sc_lo = scale_of(scales, 2 * c), sc_hi = scale_of(scales, 2 * c + 1);
+            const __m256i sc_lo = le_k4_scale_of(scales, 2 * c), sc_hi = le_k4_scale_of(scales, 2 * c + 1);
             #pragma GCC unroll 8
             for (int t = 0; t < NT; t++) {
                 const int8_t *q8 = ((const block_q8_K *)(yb + t * ly))[i].qs + 64 * c;
@@ -118,7 +101,7 @@ static inline __attribute__((always_inline)) void q4_K_rows(int64_t n, float *s,
         #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
             const block_q8_K *y = (const block_q8_K *)(yb + t * ly) + i;
-            acc[t] = q4_K_block_step(acc[t], _mm256_set1_ps(y->d * xd), _mm256_set1_ps(y->d * xdmin), si[t], mins2,
+            acc[t] = le_k4_block_step(acc[t], _mm256_set1_ps(y->d * xd), _mm256_set1_ps(y->d * xdmin), si[t], mins2,
                                      y->bsums);
         }
     }

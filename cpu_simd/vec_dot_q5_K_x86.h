@@ -8,7 +8,8 @@
  * 4 of each byte (vpsrlw/vpsllw keep it inside its byte after the mask).
  * Scales and mins are unpacked in vector form (le_q4_K_scales_mins).
  * q is 0..31: vpmaddubsw pairs <= 2*31*127, no saturation. The group scales: le_madd_acc_256
- * (simd_x86.h: vpmaddwd + vpaddd on AVX2, one vpdpwssd on VNNI), two accumulators.
+ * (simd_x86.h: vpmaddwd + vpaddd on AVX2, one vpdpwssd on VNNI), two accumulators; the min term and a block's
+ * float step as Q4_K's (le_k4_block_step).
  * No tail (the step is one super-block). Oracle: vec_dot_q5_K_q8_K_ref (native/vec_dot_ref.c).
  */
 #ifndef LE_VEC_DOT_Q5_K_X86_H
@@ -20,11 +21,6 @@
 #error "include vec_dot_q5_K_x86.h after a #pragma GCC target that enables AVX2"
 #endif
 
-/* int16 lanes all equal to scale g of `scales` (the 8 scales as int16, in both 128-bit lanes). */
-static inline __m256i scale_of(__m256i scales, int g) {
-    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * g)));
-}
-
 static inline void vec_dot_q5_K_q8_K_x86(int64_t n, float *s, const void *vx, const void *vy) {
     const block_q5_K *x = vx;
     const block_q8_K *y = vy;
@@ -32,18 +28,12 @@ static inline void vec_dot_q5_K_q8_K_x86(int64_t n, float *s, const void *vx, co
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i one = _mm256_set1_epi8(1);
     __m256 acc = _mm256_setzero_ps();
-    __m128 acc_m = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         le_prefetch_ahead(x + i, sizeof *x);   /* DRAM (simd_x86.h) */
-        const float d = y[i].d * _cvtsh_ss(x[i].d);
-        const float dmin = y[i].d * _cvtsh_ss(x[i].dmin);
-        const __m256i sm = _mm256_cvtepu8_epi16(le_q4_K_scales_mins(x[i].scales)); /* scales | mins */
-
-        const __m256i bsums = _mm256_loadu_si256((const __m256i *)y[i].bsums);
-        const __m128i gsums = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
-        const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), gsums);
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
-
+        const __m256 d = _mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].d));
+        const __m256 dmin = _mm256_set1_ps(y[i].d * _cvtsh_ss(x[i].dmin));
+        const __m128i packed = le_q4_K_scales_mins(x[i].scales);
+        const __m256i sm = _mm256_cvtepu8_epi16(packed); /* scales | mins */
         const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
         const uint8_t *q5 = x[i].qs;
         const int8_t *q8 = y[i].qs;
@@ -59,14 +49,12 @@ static inline void vec_dot_q5_K_q8_K_x86(int64_t n, float *s, const void *vx, co
             const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h_hi);
             const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c)));
             const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * c + 32)));
-            s_lo = le_madd_acc_256(s_lo, p_lo, scale_of(scales, 2 * c));
-            s_hi = le_madd_acc_256(s_hi, p_hi, scale_of(scales, 2 * c + 1));
+            s_lo = le_madd_acc_256(s_lo, p_lo, le_k4_scale_of(scales, 2 * c));
+            s_hi = le_madd_acc_256(s_hi, p_hi, le_k4_scale_of(scales, 2 * c + 1));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(s_lo, s_hi)), acc);
+        acc = le_k4_block_step(acc, d, dmin, _mm256_add_epi32(s_lo, s_hi), le_k4_mins_twice(packed), y[i].bsums);
     }
-    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
-    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
-    *s = le_hsum_ps_256(acc) - _mm_cvtss_f32(acc_m);
+    *s = le_hsum_ps_256(acc);
 }
 
 #endif
