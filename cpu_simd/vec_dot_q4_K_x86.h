@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) void q4_K_rows(int64_t n, float *s,
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         le_prefetch_ahead(x + i, sizeof *x);
-        const float xd = _cvtsh_ss(x[i].d), xdmin = _cvtsh_ss(x[i].dmin);
+        const __m256 xd = _mm256_set1_ps(_cvtsh_ss(x[i].d)), xdmin = _mm256_set1_ps(_cvtsh_ss(x[i].dmin));
         const __m128i packed = le_q4_K_scales_mins(x[i].scales);
         const __m256i sm = _mm256_cvtepu8_epi16(packed), mins2 = le_k4_mins_twice(packed);
         const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
@@ -101,8 +101,8 @@ static inline __attribute__((always_inline)) void q4_K_rows(int64_t n, float *s,
         #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
             const block_q8_K *y = (const block_q8_K *)(yb + t * ly) + i;
-            acc[t] = le_k4_block_step(acc[t], _mm256_set1_ps(y->d * xd), _mm256_set1_ps(y->d * xdmin), si[t], mins2,
-                                     y->bsums);
+            const __m256 yd = _mm256_broadcast_ss(&y->d); /* a load: no shuffle-port broadcast a row and block */
+            acc[t] = le_k4_block_step(acc[t], _mm256_mul_ps(yd, xd), _mm256_mul_ps(yd, xdmin), si[t], mins2, y->bsums);
         }
     }
     #pragma GCC unroll 8
