@@ -88,6 +88,11 @@ __device__ __forceinline__ float2 gemm_q8_xd(const gemm_q8_smem<TT> &sm, int sb,
     return ((const float2 *)sm.xd[sb])[tok];
 }
 
+/* (d, s) of a Q8_1 block from its first word (little-endian f16 halves) */
+__device__ __forceinline__ float2 gemm_q8_ds(unsigned ds) {
+    return make_float2(le_half_to_float((uint16_t)(ds & 0xFFFFu)), le_half_to_float((uint16_t)(ds >> 16)));
+}
+
 /* Pair i (< 16) of this thread's (row, sub-block) pairs of step st: word k of row g + 32 (i / 4), sub-block i % 4
  * (a row's 4 sub-blocks in one unrolled group: Q4_K's / Q5_K's sub-blocks 2m, 2m + 1 share their bytes, one load).
  * with_scales (the 63-register tiers): the word's scale and min too, stored by lanes 0 and 4 of the sub-block (the
@@ -193,8 +198,7 @@ __device__ __forceinline__ void gemm_q8_stage(const uint8_t *LE_RESTRICT W, cons
             sm.xq[tg][gemm_q8_slot(sb, k)] = le_ldg((const int *)b->qs + k); /* 4-aligned: blocks are 36 bytes */
             if (k == 0) { /* d and s: one 4-byte load (little-endian halves) */
                 const unsigned ds = (unsigned)le_ldg((const int *)b);
-                gemm_q8_xd(sm, sb, tg) = make_float2(le_half_to_float((uint16_t)(ds & 0xFFFFu)),
-                                                     le_half_to_float((uint16_t)(ds >> 16)));
+                gemm_q8_xd(sm, sb, tg) = gemm_q8_ds(ds);
             }
         }
     }
@@ -294,8 +298,7 @@ __device__ __forceinline__ void gemm_q8_put(const gemm_q8_regs<T, TT> &rg, int s
             sm.xq[tg][gemm_q8_slot(sb, k)] = rg.x[u][sb];
             if (k == 0) {
                 const unsigned ds = (unsigned)rg.ds[u][sb];
-                gemm_q8_xd(sm, sb, tg) = make_float2(le_half_to_float((uint16_t)(ds & 0xFFFFu)),
-                                                     le_half_to_float((uint16_t)(ds >> 16)));
+                gemm_q8_xd(sm, sb, tg) = gemm_q8_ds(ds);
             }
         }
     }
@@ -311,26 +314,25 @@ __device__ __forceinline__ float gemm_q8_acc(float acc, float2 x, float p, float
 
 /* The plain kernel `name` of an int8 GEMM: `fn` is a device function template <class T, int TT> (W, xq, Y, nrows,
  * ncols, tile, expert_bytes, smem) of TT tokens per block (gemm_dp4a, gemm_mma). */
-#define LE_GEMM_Q8_PLAIN(name, fn, T, TT, ATTR)                                                           \
-    extern "C" __global__ void ATTR name(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows,  \
-                                                int ncols, int ntok) {                                    \
-        __shared__ gemm_q8_smem<TT> sm;                                                                   \
-        __shared__ le_gemm_tile tl;                                                                       \
-        le_gemm_tile_plain(tl, ntok, TT);                                                                 \
-        fn<T, TT>(W, xq, Y, nrows, ncols, tl, 0, sm);                                                     \
+#define LE_GEMM_Q8_PLAIN(name, fn, T, TT, ATTR)                                                                \
+    extern "C" __global__ void ATTR name(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows,          \
+                                         int ncols, int ntok) {                                                \
+        __shared__ gemm_q8_smem<TT> sm;                                                                        \
+        __shared__ le_gemm_tile tl;                                                                            \
+        le_gemm_tile_plain(tl, ntok, TT);                                                                      \
+        fn<T, TT>(W, xq, Y, nrows, ncols, tl, 0, sm);                                                          \
     }
 
 /* The plain and grouped (_ids) kernels `name`, `name##_ids`; ATTR goes before the names (launch bounds, or
  * LE_GEMM_NO_ATTR) */
 #define LE_GEMM_NO_ATTR
-#define LE_GEMM_Q8_KERNELS(name, fn, T, TT, ATTR)                                                         \
-    LE_GEMM_Q8_PLAIN(name, fn, T, TT, ATTR)                                                               \
-    extern "C" __global__ void ATTR name##_ids(const uint8_t *W, const block_q8_1 *xq, float *Y,     \
-                                                      int nrows, int ncols, const int *tiles,             \
-                                                      long long expert_bytes) {                           \
-        __shared__ gemm_q8_smem<TT> sm;                                                                   \
-        __shared__ le_gemm_tile tl;                                                                       \
-        if (le_gemm_tile_ids(tl, tiles)) fn<T, TT>(W, xq, Y, nrows, ncols, tl, expert_bytes, sm);         \
+#define LE_GEMM_Q8_KERNELS(name, fn, T, TT, ATTR)                                                              \
+    LE_GEMM_Q8_PLAIN(name, fn, T, TT, ATTR)                                                                    \
+    extern "C" __global__ void ATTR name##_ids(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows,    \
+                                               int ncols, const int *tiles, long long expert_bytes) {          \
+        __shared__ gemm_q8_smem<TT> sm;                                                                        \
+        __shared__ le_gemm_tile tl;                                                                            \
+        if (le_gemm_tile_ids(tl, tiles)) fn<T, TT>(W, xq, Y, nrows, ncols, tl, expert_bytes, sm);              \
     }
 
 #endif

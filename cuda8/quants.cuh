@@ -97,6 +97,9 @@ __device__ __forceinline__ int le_iq4_lookup(int v) {
     return (int)((lo & ~upper) | (hi & upper));
 }
 
+/* The f16 bits at p (2-aligned) as a raw scale word (x; y unused): Q4_0's and Q8_0's block header */
+__device__ __forceinline__ int2 le_raw_f16(const uint8_t *p) { return make_int2(le_ldg((const uint16_t *)p), 0); }
+
 /* ---- one struct per type: BLOCK elements, BYTES per block, decode(row, s, out) ---------------- */
 
 struct le_t_q4_0 {
@@ -115,7 +118,7 @@ struct le_t_q4_0 {
     }
     typedef int2 qraw_t;
     static __device__ __forceinline__ int2 sraw(const uint8_t *row, int s) {
-        return make_int2(le_ldg((const uint16_t *)(row + (size_t)s * BYTES)), 0);
+        return le_raw_f16(row + (size_t)s * BYTES);
     }
     static __device__ __forceinline__ void sfin(int2 r, int, int, float &d, float &m) {
         d = le_half_to_float((uint16_t)r.x);
@@ -147,7 +150,7 @@ struct le_t_q8_0 {
     }
     typedef int2 qraw_t;
     static __device__ __forceinline__ int2 sraw(const uint8_t *row, int s) {
-        return make_int2(le_ldg((const uint16_t *)(row + (size_t)s * BYTES)), 0);
+        return le_raw_f16(row + (size_t)s * BYTES);
     }
     static __device__ __forceinline__ void sfin(int2 r, int s, int h, float &d, float &m) {
         le_t_q4_0::sfin(r, s, h, d, m); /* the same header: d as f16, no min */
