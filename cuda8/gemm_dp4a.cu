@@ -95,14 +95,27 @@ __device__ __forceinline__ void gemm_dp4a_sub(const gemm_q8_smem<GEMM_TT> &sm, i
     }
 }
 
+/* a step's sub-blocks into the thread's accumulators (gemm_q8_steps' consumer) */
+template <class T>
+struct gemm_dp4a_steps {
+    int rw, tt;
+    float (*acc)[4];
+    __device__ __forceinline__ void operator()(const gemm_q8_smem<GEMM_TT> &sm, int sb) {
+        gemm_dp4a_sub<T>(sm, rw, tt, sb, acc);
+    }
+};
+
 template <class T, int TT> /* TT = GEMM_TT: the lane mapping below covers 32 tokens */
 __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
                                           float *LE_RESTRICT Y, int nrows, int ncols, const le_gemm_tile &tl,
                                           long long expert_bytes, gemm_q8_smem<TT> &sm) {
     static_assert(TT == GEMM_TT, "gemm_dp4a: 32 tokens per block");
+    /* staged a step ahead (gemm_q8_steps) on the dp4a tier (Pascal, Volta), not Q6_K (its four raw words a pair); the
+     * kepler tier, which runs this GEMM only when int8 prefill is forced, keeps its registers */
+    const bool AHEAD = LE_GEMM_Q8_CAN_AHEAD && LE_HAS_DP4A && sizeof(typename T::qraw_t) <= sizeof(int2);
     const int tid = threadIdx.x, lane = tid % 32;
     const int rw = 16 * (tid / 32) + lane % 4, tt = lane / 4; /* rows rw + 4i, tokens tt + 8j of the tile */
-    const int nsub = ncols / 32, nstep = (nsub + GEMM_Q8_SUBS - 1) / GEMM_Q8_SUBS;
+    const int nsub = ncols / 32;
     const size_t row_bytes = le_row_bytes<T>(ncols);
     for (int r0 = blockIdx.x * GEMM_ROWS; r0 < nrows; r0 += gridDim.x * GEMM_ROWS) {
         float acc[4][4];
@@ -110,15 +123,8 @@ __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const bl
         for (int i = 0; i < 4; i++)
 #pragma unroll
             for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
-        for (int st = 0; st < nstep; st++) {
-            const int nsb = min(GEMM_Q8_SUBS, nsub - GEMM_Q8_SUBS * st); /* the last step may be partial */
-            __syncthreads(); /* the previous step is consumed */
-            gemm_q8_stage<T, TT>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, st, nsb,
-                                 sm);
-            __syncthreads();
-#pragma unroll 1
-            for (int sb = 0; sb < nsb; sb++) gemm_dp4a_sub<T>(sm, rw, tt, sb, acc);
-        }
+        gemm_dp4a_steps<T> sub = {rw, tt, acc};
+        gemm_q8_steps<T, TT, AHEAD>(W, expert_bytes, xq, nrows, nsub, row_bytes, r0, tl, sm, sub);
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int t = tt + 8 * j;

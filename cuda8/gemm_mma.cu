@@ -54,6 +54,16 @@ __device__ __forceinline__ void gemm_mma_sub(const gemm_q8_smem<TT> &sm, int r, 
     }
 }
 
+/* a step's sub-blocks into the warp's accumulators (gemm_q8_steps' consumer) */
+template <class T, int TT>
+struct gemm_mma_steps {
+    int r, g, t;
+    float (*acc)[4];
+    __device__ __forceinline__ void operator()(const gemm_q8_smem<TT> &sm, int sb) {
+        gemm_mma_sub<T, TT>(sm, r, g, t, sb, acc);
+    }
+};
+
 template <class T, int TT>
 __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
                                          float *LE_RESTRICT Y, int nrows, int ncols, const le_gemm_tile &tl,
@@ -63,7 +73,7 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const blo
     const bool AHEAD = TT == GEMM_TT || sizeof(typename T::qraw_t) <= sizeof(int2);
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r = 16 * (threadIdx.x / 32) + g; /* the lane's first row in the tile; the second is r + 8 */
-    const int nsub = ncols / 32, nstep = (nsub + GEMM_Q8_SUBS - 1) / GEMM_Q8_SUBS;
+    const int nsub = ncols / 32;
     const size_t row_bytes = le_row_bytes<T>(ncols);
     for (int r0 = blockIdx.x * GEMM_ROWS; r0 < nrows; r0 += gridDim.x * GEMM_ROWS) {
         float acc[TT / 8][4];
@@ -71,21 +81,8 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const blo
         for (int j = 0; j < TT / 8; j++)
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[j][c] = 0.0f;
-        const uint8_t *Wt = le_gemm_weights(W, tl, expert_bytes);
-        gemm_q8_regs<T, TT> rg;
-        if (AHEAD) gemm_q8_fetch<T, TT>(Wt, xq, nrows, nsub, row_bytes, r0, tl, 0, min(GEMM_Q8_SUBS, nsub), rg);
-        for (int st = 0; st < nstep; st++) {
-            const int nsb = min(GEMM_Q8_SUBS, nsub - GEMM_Q8_SUBS * st); /* the last step may be partial */
-            __syncthreads(); /* the previous step is consumed */
-            if (AHEAD) gemm_q8_put<T, TT>(rg, st, nsb, sm);
-            else gemm_q8_stage<T, TT>(Wt, xq, nrows, nsub, row_bytes, r0, tl, st, nsb, sm);
-            __syncthreads();
-            if (AHEAD && st + 1 < nstep) /* in flight while this step's products run */
-                gemm_q8_fetch<T, TT>(Wt, xq, nrows, nsub, row_bytes, r0, tl, st + 1,
-                                     min(GEMM_Q8_SUBS, nsub - GEMM_Q8_SUBS * (st + 1)), rg);
-#pragma unroll 1
-            for (int sb = 0; sb < nsb; sb++) gemm_mma_sub<T, TT>(sm, r, g, t, sb, acc);
-        }
+        gemm_mma_steps<T, TT> sub = {r, g, t, acc};
+        gemm_q8_steps<T, TT, AHEAD>(W, expert_bytes, xq, nrows, nsub, row_bytes, r0, tl, sm, sub);
 #pragma unroll
         for (int j = 0; j < TT / 8; j++)
 #pragma unroll

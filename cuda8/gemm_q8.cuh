@@ -204,7 +204,9 @@ __device__ __forceinline__ void gemm_q8_stage(const uint8_t *LE_RESTRICT W, cons
     }
 }
 
-/* ---- gemm_mma's staging a step ahead (tiers with shuffles and many registers): gemm_q8_fetch issues every global
+#define LE_GEMM_Q8_CAN_AHEAD (LE_HAS_SHFL && LE_HAS_MANY_REGS)
+#if LE_GEMM_Q8_CAN_AHEAD
+/* ---- staging a step ahead (tiers with shuffles and many registers: LE_GEMM_Q8_CAN_AHEAD): gemm_q8_fetch issues every global
  * load of step st into registers at once (gemm_q8_regs), before the tensor cores consume step st - 1; gemm_q8_put
  * then decodes them into shared memory as gemm_q8_stage does (same words, scales, slots: the same bits). Staged
  * synchronously, a step was a chain of ~7 memory round trips (groups of 4 word loads, then scales, then tokens):
@@ -301,6 +303,40 @@ __device__ __forceinline__ void gemm_q8_put(const gemm_q8_regs<T, TT> &rg, int s
                 gemm_q8_xd(sm, sb, tg) = gemm_q8_ds(ds);
             }
         }
+    }
+}
+#endif
+
+/* A tile's steps (rows r0 .., the tile's tokens), each staged into shared memory and then consumed by sub(sb) for
+ * its sub-blocks: AHEAD (only where LE_GEMM_Q8_CAN_AHEAD) with the step's loads issued while the step before is
+ * consumed (gemm_q8_fetch, then gemm_q8_put after the barrier), else synchronously (gemm_q8_stage). The same shared
+ * contents either way. The weights' address is taken at each use (live across the loop, it spilled on fermi); sub
+ * gets the shared memory by reference from here (held in the functor, its address space was lost: generic loads). */
+template <class T, int TT, bool AHEAD, class Sub>
+__device__ __forceinline__ void gemm_q8_steps(const uint8_t *LE_RESTRICT W, long long expert_bytes,
+                                              const block_q8_1 *LE_RESTRICT xq, int nrows, int nsub, size_t row_bytes,
+                                              int r0, const le_gemm_tile &tl, gemm_q8_smem<TT> &sm, Sub &sub) {
+    const int nstep = (nsub + GEMM_Q8_SUBS - 1) / GEMM_Q8_SUBS;
+#if LE_GEMM_Q8_CAN_AHEAD
+    gemm_q8_regs<T, TT> rg;
+    if (AHEAD) gemm_q8_fetch<T, TT>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, 0, min(GEMM_Q8_SUBS, nsub), rg);
+#endif
+    for (int st = 0; st < nstep; st++) {
+        const int nsb = min(GEMM_Q8_SUBS, nsub - GEMM_Q8_SUBS * st); /* the last step may be partial */
+        __syncthreads(); /* the previous step is consumed */
+#if LE_GEMM_Q8_CAN_AHEAD
+        if (AHEAD) gemm_q8_put<T, TT>(rg, st, nsb, sm);
+        else
+#endif
+            gemm_q8_stage<T, TT>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, st, nsb, sm);
+        __syncthreads();
+#if LE_GEMM_Q8_CAN_AHEAD
+        if (AHEAD && st + 1 < nstep) /* in flight while this step's products run */
+            gemm_q8_fetch<T, TT>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, st + 1,
+                                 min(GEMM_Q8_SUBS, nsub - GEMM_Q8_SUBS * (st + 1)), rg);
+#endif
+#pragma unroll 1
+        for (int sb = 0; sb < nsb; sb++) sub(sm, sb);
     }
 }
 
