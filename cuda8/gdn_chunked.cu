@@ -58,21 +58,26 @@ extern "C" __global__ void gdn_chunk_prep_f32(const float *LE_RESTRICT u, const 
                                               const float *LE_RESTRICT beta, float *W, float *Uo, float *P, float *Gc,
                                               int n, int conv_dim, int Hk, int Hv, int dk, int dv, int tiled) {
     __shared__ float T[GDNC_C][GDNC_C + 1];      /* A, then T = (I + A)^-1 */
-    __shared__ float ta[GDNC_C][GDNC_TILE + 1];  /* a tile of K (then of beta e^G K, beta V) */
-    __shared__ float tb[GDNC_C][GDNC_TILE + 1];  /* a tile of Q */
+    __shared__ float tab[2][GDNC_C][GDNC_TILE + 1]; /* one buffer: At below spans both */
+    float(*ta)[GDNC_TILE + 1] = tab[0];             /* a tile of K (then of beta e^G K, beta V) */
+    float(*tb)[GDNC_TILE + 1] = tab[1];             /* a tile of Q */
     __shared__ float G[GDNC_C], B[GDNC_C];
     const int tid = threadIdx.x, c = blockIdx.x, j = blockIdx.y;
     const int t0 = c * GDNC_C, L = min(GDNC_C, n - t0), kh = gdnc_k_head(j, Hk, Hv, tiled);
     const float *K = u + (size_t)t0 * conv_dim + (size_t)(Hk + kh) * dk;
     const float *Q = u + (size_t)t0 * conv_dim + (size_t)kh * dk;
     const float *V = u + (size_t)t0 * conv_dim + (size_t)2 * Hk * dk + (size_t)j * dv;
-    if (tid < GDNC_C) B[tid] = tid < L ? beta[(size_t)(t0 + tid) * Hv + j] : 0.0f;
-    if (tid == 0) { /* G: the running sum in row order (the reference's) */
+    if (tid < GDNC_C) {
+        B[tid] = tid < L ? beta[(size_t)(t0 + tid) * Hv + j] : 0.0f;
+        G[tid] = tid < L ? g[(size_t)(t0 + tid) * Hv + j] : 0.0f;
+    }
+    __syncthreads();
+    if (tid == 0) { /* G: the running sum in row order (the reference's), from shared memory: one thread's chain of
+                     * global loads (which may alias Gc's stores) had cost a whole launch's worth of latency */
         float run = 0.0f;
         for (int a = 0; a < L; a++) {
-            run += g[(size_t)(t0 + a) * Hv + j];
+            run += G[a];
             G[a] = run;
-            Gc[(size_t)(t0 + a) * Hv + j] = run;
         }
     }
     /* K K^T and Q K^T: thread (ty, tx) owns rows ty*4 .. +3 and columns tx*4 .. +3 of both */
@@ -105,6 +110,7 @@ extern "C" __global__ void gdn_chunk_prep_f32(const float *LE_RESTRICT u, const 
             }
         __syncthreads();
     }
+    if (tid < L) Gc[(size_t)(t0 + tid) * Hv + j] = G[tid]; /* G was final at the tiles' first barrier */
     float *Pc = P + ((size_t)c * Hv + j) * GDNC_C * GDNC_C;
 #pragma unroll
     for (int a = 0; a < 4; a++)
@@ -117,14 +123,24 @@ extern "C" __global__ void gdn_chunk_prep_f32(const float *LE_RESTRICT u, const 
             Pc[r * GDNC_C + s] = live && s <= r ? qk[a][b] * e : 0.0f;
         }
     __syncthreads();
-    /* T = (I + A)^-1 by forward substitution, row by row in place: T_r = e_r - sum_{m<r} A_rm T_m (T_m done) */
-    for (int r = 1; r < L; r++) {
-        float x = 0.0f;
-        if (tid < r) {
-            for (int m = tid; m < r; m++) x -= T[r][m] * (m == tid ? 1.0f : T[m][tid]);
+    /* T = (I + A)^-1 by forward substitution, T_rc = -sum_{m=c}^{r-1} A_rm T_mc (T_cc = 1), the terms in increasing m
+     * as row by row would take them (the same order of terms), but pivot by pivot: at step m every row r > m takes its term m,
+     * A's column m read from a copy (At, in the tile buffers) while T fills in: one barrier a step, 4 rows a thread. */
+    float(*At)[GDNC_C] = (float(*)[GDNC_C])tab; /* 2 * 64 * 33 >= 64 * 64 floats, free until U and W */
+    for (int e = tid; e < GDNC_C * GDNC_C; e += GDNC_THREADS) {
+        const int r = e / GDNC_C, s = e % GDNC_C;
+        At[r][s] = T[r][s];
+    }
+    __syncthreads();
+    for (int e = tid; e < GDNC_C * GDNC_C; e += GDNC_THREADS) T[e / GDNC_C][e % GDNC_C] = 0.0f;
+    __syncthreads();
+    const int sc = tid % GDNC_C, sr = tid / GDNC_C; /* column sc, rows m + 1 + sr + 4k */
+    for (int m = 0; m + 1 < L; m++) {
+        if (sc <= m) {
+            const float tm = sc == m ? 1.0f : T[m][sc];
+            GDNC_ROLLED
+            for (int r = m + 1 + sr; r < L; r += GDNC_THREADS / GDNC_C) T[r][sc] -= At[r][m] * tm;
         }
-        __syncthreads();
-        if (tid < r) T[r][tid] = x;
         __syncthreads();
     }
     if (tid < GDNC_C) T[tid][tid] = 1.0f;
