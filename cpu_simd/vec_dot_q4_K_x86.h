@@ -59,7 +59,7 @@ static inline void vec_dot_q4_K_q8_K_x86(int64_t n, float *s, const void *vx, co
 
 /* Several activation rows (le_vec_dot_n_fn): NT rows a pass (8 where AVX-512VL gives 32 vector registers, else 4),
  * each block's nibbles and scales unpacked once for all of them; row t's arithmetic is vec_dot_q4_K_q8_K_x86's step
- * for step (its int32 sum of the block, q4_K_block_step, the same final sum), so every s[t]
+ * for step (its int32 sum of the block, le_k4_block_step, the same final sum), so every s[t]
  * is that kernel's bits: one int32 accumulator holds what its s_lo + s_hi hold (int32 sums are exact, any order). */
 #if defined(__AVX512VL__)
 #define Q4_K_NT 8

@@ -124,8 +124,8 @@ extern "C" __global__ void gdn_chunk_prep_f32(const float *LE_RESTRICT u, const 
         }
     __syncthreads();
     /* T = (I + A)^-1 by forward substitution, T_rc = -sum_{m=c}^{r-1} A_rm T_mc (T_cc = 1), the terms in increasing m
-     * as row by row would take them (the same order of terms), but pivot by pivot: at step m every row r > m takes its term m,
-     * A's column m read from a copy (At, in the tile buffers) while T fills in: one barrier a step, 4 rows a thread. */
+     * as row by row would take them, but pivot by pivot: at step m every row r > m takes its term m, A's column m read
+     * from a copy (At, in the tile buffers) while T fills in: one barrier a step, 4 rows a thread. */
     float(*At)[GDNC_C] = (float(*)[GDNC_C])tab; /* 2 * 64 * 33 >= 64 * 64 floats, free until U and W */
     for (int e = tid; e < GDNC_C * GDNC_C; e += GDNC_THREADS) {
         const int r = e / GDNC_C, s = e % GDNC_C;

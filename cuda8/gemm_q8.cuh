@@ -206,11 +206,11 @@ __device__ __forceinline__ void gemm_q8_stage(const uint8_t *LE_RESTRICT W, cons
 
 #define LE_GEMM_Q8_CAN_AHEAD (LE_HAS_SHFL && LE_HAS_MANY_REGS)
 #if LE_GEMM_Q8_CAN_AHEAD
-/* ---- staging a step ahead (tiers with shuffles and many registers: LE_GEMM_Q8_CAN_AHEAD): gemm_q8_fetch issues every global
- * load of step st into registers at once (gemm_q8_regs), before the tensor cores consume step st - 1; gemm_q8_put
- * then decodes them into shared memory as gemm_q8_stage does (same words, scales, slots: the same bits). Staged
- * synchronously, a step was a chain of ~7 memory round trips (groups of 4 word loads, then scales, then tokens):
- * ~5 us of a lone block on an H200, what a short grid (a 512-token pass) waited on. ---- */
+/* ---- staging a step ahead (tiers with shuffles and many registers: LE_GEMM_Q8_CAN_AHEAD): gemm_q8_fetch issues
+ * every global load of step st into registers at once (gemm_q8_regs), before the tensor cores consume step st - 1;
+ * gemm_q8_put then decodes them into shared memory as gemm_q8_stage does (same words, scales, slots: the same
+ * bits). Staged synchronously, a step was a chain of ~7 memory round trips (groups of 4 word loads, then scales,
+ * then tokens): ~5 us of a lone block on an H200, what a short grid (a 512-token pass) waited on. ---- */
 template <class T, int TT>
 struct gemm_q8_regs {
     typename T::qraw_t w[16];                      /* pair i of gemm_q8_word: word k of row g + 32 (i / 4), sb i % 4 */
@@ -319,7 +319,9 @@ __device__ __forceinline__ void gemm_q8_steps(const uint8_t *LE_RESTRICT W, long
     const int nstep = (nsub + GEMM_Q8_SUBS - 1) / GEMM_Q8_SUBS;
 #if LE_GEMM_Q8_CAN_AHEAD
     gemm_q8_regs<T, TT> rg;
-    if (AHEAD) gemm_q8_fetch<T, TT>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, 0, min(GEMM_Q8_SUBS, nsub), rg);
+    if (AHEAD)
+        gemm_q8_fetch<T, TT>(le_gemm_weights(W, tl, expert_bytes), xq, nrows, nsub, row_bytes, r0, tl, 0,
+                             min(GEMM_Q8_SUBS, nsub), rg);
 #endif
     for (int st = 0; st < nstep; st++) {
         const int nsb = min(GEMM_Q8_SUBS, nsub - GEMM_Q8_SUBS * st); /* the last step may be partial */
