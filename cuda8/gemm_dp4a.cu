@@ -9,6 +9,9 @@
  *   gemm_dp4a_<type>_ids(W, xq, Y, nrows, ncols, tiles, expert_bytes)   the grouped expert GEMM (MoE prefill)
  *     as gemm_f32_<type>_ids with xq [pairs, ncols/32] Q8_1 rows sorted by expert; tiles int32 [n_tiles, 3]
  *     (expert, first pair, count <= 32; 0: empty); grid min(ceil(nrows/GEMM_ROWS), 65535) x n_tiles x 1.
+ *   gemm_dp4a_<type>_multi(W0..W3, xq, Y0..Y3, n0..n3, ncols, ntok)   up to four matrices of one type and width on
+ *     the same xq in one launch (gemm_q8.cuh LE_GEMM_Q8_MULTI; n_m = 0: no matrix m), each row as the plain kernel's;
+ *     grid sum_m ceil(n_m / GEMM_ROWS) (<= 65535) x ceil(ntok / GEMM_TT) x 1
  * Per (row, token) and 32-element sub-block s, the sum of gemv_dp4a.cu:
  *     d8 * (d[0] * sum_{j<16} q*q8 + d[1] * sum_{j>=16} q*q8) - m * s8   (d * sum_{j<32} where d[0] = d[1])
  * accumulated over s in increasing order (gemv_dp4a sums the sub-blocks of a row in another order: the
@@ -108,7 +111,7 @@ struct gemm_dp4a_steps {
 template <class T, int TT> /* TT = GEMM_TT: the lane mapping below covers 32 tokens */
 __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
                                           float *LE_RESTRICT Y, int nrows, int ncols, const le_gemm_tile &tl,
-                                          long long expert_bytes, gemm_q8_smem<TT> &sm) {
+                                          long long expert_bytes, gemm_q8_smem<TT> &sm, int rt, int rs) {
     static_assert(TT == GEMM_TT, "gemm_dp4a: 32 tokens per block");
     /* staged a step ahead (gemm_q8_steps) on the dp4a tier (Pascal, Volta), not Q6_K (its four raw words a pair); the
      * kepler tier, which runs this GEMM only when int8 prefill is forced, keeps its registers */
@@ -117,7 +120,7 @@ __device__ __forceinline__ void gemm_dp4a(const uint8_t *LE_RESTRICT W, const bl
     const int rw = 16 * (tid / 32) + lane % 4, tt = lane / 4; /* rows rw + 4i, tokens tt + 8j of the tile */
     const int nsub = ncols / 32;
     const size_t row_bytes = le_row_bytes<T>(ncols);
-    for (int r0 = blockIdx.x * GEMM_ROWS; r0 < nrows; r0 += gridDim.x * GEMM_ROWS) {
+    for (int r0 = rt * GEMM_ROWS; r0 < nrows; r0 += rs * GEMM_ROWS) {
         float acc[4][4];
 #pragma unroll
         for (int i = 0; i < 4; i++)

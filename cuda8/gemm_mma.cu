@@ -3,6 +3,8 @@
  *   gemm_mma_<type>(W, xq, Y, nrows, ncols, ntok)            as gemm_dp4a_<type>   type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
  *     but GEMM_MMA_TT (64) tokens per block: grid min(ceil(nrows/GEMM_ROWS), 65535) x ceil(ntok/GEMM_MMA_TT) x 1
  *   gemm_mma32_<type>(same)   the plain form with GEMM_TT (32) tokens a block (grid y: ceil(ntok / 32))
+ *   gemm_mma_<type>_multi, gemm_mma32_<type>_multi(W0..W3, xq, Y0..Y3, n0..n3, ncols, ntok)   up to four matrices
+ *     on the same xq in one launch (gemm_q8.cuh LE_GEMM_Q8_MULTI): grid sum ceil(n_m / GEMM_ROWS) x ceil(ntok / TT)
  *   gemm_mma_<type>_ids(W, xq, Y, nrows, ncols, tiles, expert_bytes)   as gemm_dp4a_<type>_ids, but tiles of up
  *     to GEMM_MMA_TT (64) pairs (moe_sort / expert_tiles with tile = 64)
  *     same arguments, block (GEMM_THREADS x 1 x 1) and shared memory (gemm_q8.cuh), staged a step ahead
@@ -67,7 +69,7 @@ struct gemm_mma_steps {
 template <class T, int TT>
 __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
                                          float *LE_RESTRICT Y, int nrows, int ncols, const le_gemm_tile &tl,
-                                         long long expert_bytes, gemm_q8_smem<TT> &sm) {
+                                         long long expert_bytes, gemm_q8_smem<TT> &sm, int rt, int rs) {
     /* staged a step ahead (gemm_q8_fetch) but where a 64-token block's fetch registers would spill under its bound
      * of 128 (Q6_K's four raw words a pair: 120-184 bytes of spills; it stages synchronously there) */
     const bool AHEAD = TT == GEMM_TT || sizeof(typename T::qraw_t) <= sizeof(int2);
@@ -75,7 +77,7 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const blo
     const int r = 16 * (threadIdx.x / 32) + g; /* the lane's first row in the tile; the second is r + 8 */
     const int nsub = ncols / 32;
     const size_t row_bytes = le_row_bytes<T>(ncols);
-    for (int r0 = blockIdx.x * GEMM_ROWS; r0 < nrows; r0 += gridDim.x * GEMM_ROWS) {
+    for (int r0 = rt * GEMM_ROWS; r0 < nrows; r0 += rs * GEMM_ROWS) {
         float acc[TT / 8][4];
 #pragma unroll
         for (int j = 0; j < TT / 8; j++)
@@ -99,7 +101,9 @@ __device__ __forceinline__ void gemm_mma(const uint8_t *LE_RESTRICT W, const blo
 /* gemm_mma32_<type>: the plain GEMM with GEMM_TT (32) tokens a block, for grids that the 64-token tiles leave short of
  * one block an SM (a 512-token pass's 1024-row projections on an H200: 64 blocks for 132 SMs); the launcher chooses
  * (Kernels.gemm_mma). A row's sums run in the same order whatever the tile: the same bits. */
-#define LE_GEMM_MMA32(name, T) LE_GEMM_Q8_PLAIN(name, gemm_mma, T, GEMM_TT, LE_GEMM_NO_ATTR)
+#define LE_GEMM_MMA32(name, T)                                                                                 \
+    LE_GEMM_Q8_PLAIN(name, gemm_mma, T, GEMM_TT, LE_GEMM_NO_ATTR)                                              \
+    LE_GEMM_Q8_MULTI(name, gemm_mma, T, GEMM_TT, LE_GEMM_NO_ATTR)
 
 LE_GEMM_MMA(gemm_mma_q4_0, le_t_q4_0)
 LE_GEMM_MMA(gemm_mma_q8_0, le_t_q8_0)

@@ -351,17 +351,43 @@ __device__ __forceinline__ float gemm_q8_acc(float acc, float2 x, float p, float
 }
 
 /* The plain kernel `name` of an int8 GEMM: `fn` is a device function template <class T, int TT> (W, xq, Y, nrows,
- * ncols, tile, expert_bytes, smem) of TT tokens per block (gemm_dp4a, gemm_mma). */
+ * ncols, tile, expert_bytes, smem, rt, rs) of TT tokens per block (gemm_dp4a, gemm_mma) that takes row tiles rt,
+ * rt + rs, ... of W. */
 #define LE_GEMM_Q8_PLAIN(name, fn, T, TT, ATTR)                                                                \
     extern "C" __global__ void ATTR name(const uint8_t *W, const block_q8_1 *xq, float *Y, int nrows,          \
                                          int ncols, int ntok) {                                                \
         __shared__ gemm_q8_smem<TT> sm;                                                                        \
         __shared__ le_gemm_tile tl;                                                                            \
         le_gemm_tile_plain(tl, ntok, TT);                                                                      \
-        fn<T, TT>(W, xq, Y, nrows, ncols, tl, 0, sm);                                                          \
+        fn<T, TT>(W, xq, Y, nrows, ncols, tl, 0, sm, blockIdx.x, gridDim.x);                                   \
     }
 
-/* The plain and grouped (_ids) kernels `name`, `name##_ids`; ATTR goes before the names (launch bounds, or
+#if LE_HAS_MANY_REGS /* the fermi tier has none: with 63 registers the selected matrix spilled (toolchain.has_multi) */
+/* The multi kernel `name##_multi`: up to four matrices of one type and width on the same activations (a layer's
+ * projections of one input: q/k/v, the GDN's qkv/z/beta/alpha, the FFN's gate/up) in one launch, grid.x their row
+ * tiles one after another (matrix m: ceil(n_m / GEMM_ROWS) tiles; n_m = 0: none). A matrix's rows get the plain
+ * kernel's bits; its few row tiles no longer make a launch of their own (16-row beta / alpha: 16 blocks). */
+#define LE_GEMM_Q8_MULTI(name, fn, T, TT, ATTR)                                                                \
+    extern "C" __global__ void ATTR name##_multi(const uint8_t *W0, const uint8_t *W1, const uint8_t *W2,       \
+                                                 const uint8_t *W3, const block_q8_1 *xq, float *Y0, float *Y1, \
+                                                 float *Y2, float *Y3, int n0, int n1, int n2, int n3,         \
+                                                 int ncols, int ntok) {                                        \
+        __shared__ gemm_q8_smem<TT> sm;                                                                        \
+        __shared__ le_gemm_tile tl;                                                                            \
+        le_gemm_tile_plain(tl, ntok, TT);                                                                      \
+        const int t0 = (n0 + GEMM_ROWS - 1) / GEMM_ROWS, t1 = (n1 + GEMM_ROWS - 1) / GEMM_ROWS;                \
+        const int t2 = (n2 + GEMM_ROWS - 1) / GEMM_ROWS;                                                       \
+        const int b = blockIdx.x, m = b < t0 ? 0 : b < t0 + t1 ? 1 : b < t0 + t1 + t2 ? 2 : 3;                 \
+        const int rt = b - (m > 0 ? t0 : 0) - (m > 1 ? t1 : 0) - (m > 2 ? t2 : 0);                             \
+        /* stride gridDim.x (>= any matrix's tiles): one row tile a block */                                  \
+        fn<T, TT>(m == 0 ? W0 : m == 1 ? W1 : m == 2 ? W2 : W3, xq, m == 0 ? Y0 : m == 1 ? Y1 : m == 2 ? Y2 : Y3, \
+                  m == 0 ? n0 : m == 1 ? n1 : m == 2 ? n2 : n3, ncols, tl, 0, sm, rt, gridDim.x);              \
+    }
+#else
+#define LE_GEMM_Q8_MULTI(name, fn, T, TT, ATTR)
+#endif
+
+/* The plain, grouped (_ids) and multi kernels `name`, `name##_ids`, `name##_multi`; ATTR goes before the names (launch bounds, or
  * LE_GEMM_NO_ATTR) */
 #define LE_GEMM_NO_ATTR
 #define LE_GEMM_Q8_KERNELS(name, fn, T, TT, ATTR)                                                              \
@@ -370,7 +396,9 @@ __device__ __forceinline__ float gemm_q8_acc(float acc, float2 x, float p, float
                                                int ncols, const int *tiles, long long expert_bytes) {          \
         __shared__ gemm_q8_smem<TT> sm;                                                                        \
         __shared__ le_gemm_tile tl;                                                                            \
-        if (le_gemm_tile_ids(tl, tiles)) fn<T, TT>(W, xq, Y, nrows, ncols, tl, expert_bytes, sm);              \
-    }
+        if (le_gemm_tile_ids(tl, tiles)) fn<T, TT>(W, xq, Y, nrows, ncols, tl, expert_bytes, sm, blockIdx.x,    \
+                                                   gridDim.x);                                                 \
+    }                                                                                                          \
+    LE_GEMM_Q8_MULTI(name, fn, T, TT, ATTR)
 
 #endif

@@ -168,9 +168,10 @@ def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
     elif name == "gemm_f32":
         out = {f"{name}_{s}" for s in suffixes + ["f32"]} | {f"{name}_{s}_ids" for s in suffixes + ["f32"]}
     elif name in ("gemm_dp4a", "gemm_mma"):
-        out = {f"{name}_{s}" for s in suffixes} | {f"{name}_{s}_ids" for s in suffixes}
-        if name == "gemm_mma":      # the 32-token plain form
-            out |= {f"gemm_mma32_{s}" for s in suffixes}
+        forms = ("", "_multi") if gpu.has_multi(tier) else ("",)
+        out = {f"{name}_{s}{f}" for s in suffixes for f in forms + ("_ids",)}
+        if name == "gemm_mma":      # the 32-token plain and multi forms
+            out |= {f"gemm_mma32_{s}{f}" for s in suffixes for f in forms}
     elif name == "get_rows":
         out = {f"{name}_{s}" for s in suffixes + ["f32", "raw16"]}
     else:
@@ -967,6 +968,46 @@ def test_gemm_mma_ids(kernels, qtype):
             Y[mma] = by.download(dtype=np.float32).reshape(n_pairs, nrows)
     assert np.isfinite(Y[False]).all()
     np.testing.assert_array_equal(Y[True], Y[False])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=[tname(t) for t in TYPES])
+@variant_params()
+def test_gemm_multi(kernels, qtype):
+    """Several matrices on one input in one launch (gemm_multi: a layer's projections) give each matrix exactly the
+    bits of its own plain launch: dp4a, and mma in both token forms where the variant has it; 16-row matrices (GDN's
+    beta / alpha), partial row tiles, one to four matrices, one and several token tiles."""
+    if not kernels.has_multi:
+        with pytest.raises(UnavailableError, match="multi"):
+            kernels.gemm_multi(qtype, [(0, 0, 16)], 0, 256, 8, False)
+        return
+    rng = np.random.default_rng(980 + qtype)
+    ncols = gemv_shapes(qtype)[1][1]
+    forms = [(False, None)] + ([(True, gpu.GEMM_TT), (True, gpu.GEMM_MMA_TT)] if kernels.has_mma else [])
+    for rows, ntok in (([16], 5), ([300, 16, 16, 129], 37), ([16, 200], 150)):
+        ws = [random_weights(rng, qtype, r, ncols) for r in rows]
+        X = rng.standard_normal((ntok, ncols)).astype(np.float32)
+        bws = [gpu.Buffer.from_array(w) for w in ws]
+        bys = [gpu.Buffer(4 * r * ntok) for r in rows]
+        try:
+            with gpu.Buffer.from_array(X) as bx, gpu.Buffer(ntok * ncols // 32 * 36) as bq:
+                kernels.quantize_q8_1(bx, bq, ntok * ncols)
+                for mma, tt in forms:
+                    plain = kernels.gemm_mma if mma else kernels.gemm_dp4a
+                    refs = []
+                    for bw, by, r in zip(bws, bys, rows):
+                        plain(qtype, bw, bq, by, r, ncols, ntok, **({"tt": tt} if mma else {}))
+                        refs.append(by.download(dtype=np.float32).reshape(ntok, r))
+                        by.upload(np.full(ntok * r, np.nan, np.float32))
+                    kernels.gemm_multi(qtype, [(bw, by, r) for bw, by, r in zip(bws, bys, rows)], bq, ncols, ntok,
+                                       mma, tt=tt)
+                    for by, r, ref in zip(bys, rows, refs):
+                        assert np.isfinite(ref).all() and np.abs(ref).max() > 0
+                        np.testing.assert_array_equal(by.download(dtype=np.float32).reshape(ntok, r), ref,
+                                                      err_msg=f"{tname(qtype)} mma={mma} tt={tt} rows={rows}")
+        finally:
+            for b in bws + bys:
+                b.free()
 
 
 @pytest.mark.gpu

@@ -36,6 +36,7 @@ from ..core import _native
 from .hybrid import HYBRID_WAIT_CYCLES, LOOKAHEAD_PRED
 from .kernels import GDN_CHUNKED_TIERS
 from .layout import gdn_chunk_work
+from .matmul import MULTI_MATS
 from .residency import _W
 from .state import GpuState
 
@@ -131,10 +132,42 @@ class ForwardOps:
         else:
             k.gemv_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols)
 
+    def _mm_many(self, ws: list, x: int, ys: list, n: int, xq: int | None = None) -> None:
+        """_mm of several matrices on the same input x (ys: their outputs). A pass of several tokens on the int8 GEMMs
+        runs those of one type as gemm_multi launches (MULTI_MATS at most each; a lone one by _mm): a layer's narrow
+        projections share the wide one's waves. One token: consecutive pairs by _mm2."""
+        if n == 1:
+            for i in range(0, len(ws), 2):
+                if i + 1 < len(ws):
+                    self._mm2(ws[i], ws[i + 1], x, ys[i], ys[i + 1], n, xq)
+                else:
+                    self._mm(ws[i], x, ys[i], n, xq)
+            return
+        if not (self.int8_prefill and self.k.has_multi):
+            for w, y in zip(ws, ys):
+                self._mm(w, x, y, n, xq)
+            return
+        groups: dict[int, list] = {}
+        for w, y in zip(ws, ys):
+            groups.setdefault(w.qtype, []).append((w, y))
+        for qtype, group in groups.items():
+            if qtype == gpu.F32 or len(group) == 1:
+                for w, y in group:
+                    self._mm(w, x, y, n, xq)
+                continue
+            if xq is None:
+                xq = self._q8_1(x, n * group[0][0].ncols, "xq_mm")
+            for i in range(0, len(group), MULTI_MATS):
+                self.k.gemm_multi(qtype, [(w.ptr, y, w.nrows) for w, y in group[i:i + MULTI_MATS]], xq,
+                                  group[0][0].ncols, n, self.mma)
+
     def _mm2(self, w1: _W, w2: _W, x: int, y1: int, y2: int, n: int, xq: int | None = None) -> None:
         """_mm of two matrices on the same input; one token and the same type and width: one launch (the GEMV's
-        second matrix, grid.z = 2), else two."""
-        if n != 1 or (w1.qtype, w1.ncols) != (w2.qtype, w2.ncols):
+        second matrix, grid.z = 2), else two; several tokens: _mm_many."""
+        if n != 1:
+            self._mm_many([w1, w2], x, [y1, y2], n, xq)
+            return
+        if (w1.qtype, w1.ncols) != (w2.qtype, w2.ncols):
             self._mm(w1, x, y1, n, xq)
             self._mm(w2, x, y2, n, xq)
             return
@@ -179,8 +212,7 @@ class ForwardOps:
         o = self.scratch.buf("o", 4 * n * hp.ssm_d_inner).ptr
         beta = self.scratch.buf("beta", 4 * n * Hv).ptr
         g = self.scratch.buf("g", 4 * n * Hv).ptr
-        self._mm2(L["attn_qkv"], L["attn_gate"], h, qkv, z, n, hq)
-        self._mm2(L["ssm_beta"], L["ssm_alpha"], h, beta, g, n, hq)
+        self._mm_many([L["attn_qkv"], L["attn_gate"], L["ssm_beta"], L["ssm_alpha"]], h, [qkv, z, beta, g], n, hq)
         k.conv1d_silu(qkv, L["ssm_conv1d"], st.conv_ptr(si), u, n, conv_dim, hp.ssm_conv_kernel)
         k.gdn_l2norm_qk(u, n, conv_dim, Hk, dk)
         tiled = not self._faults.get("gdn_grouped")
@@ -218,8 +250,7 @@ class ForwardOps:
         o = self.scratch.buf("o", 4 * B * di).ptr
         beta = self.scratch.buf("beta", 4 * B * Hv).ptr
         g = self.scratch.buf("g", 4 * B * Hv).ptr
-        self._mm2(L["attn_qkv"], L["attn_gate"], h, qkv, z, B, hq)
-        self._mm2(L["ssm_beta"], L["ssm_alpha"], h, beta, g, B, hq)
+        self._mm_many([L["attn_qkv"], L["attn_gate"], L["ssm_beta"], L["ssm_alpha"]], h, [qkv, z, beta, g], B, hq)
         for s, st in enumerate(states):
             k.conv1d_silu(qkv + 4 * s * conv_dim, L["ssm_conv1d"], st.conv_ptr(si_of(st)), u + 4 * s * conv_dim, 1,
                           conv_dim, hp.ssm_conv_kernel)
@@ -287,9 +318,7 @@ class ForwardOps:
         o = self.scratch.buf("ao", 4 * n * nh * hd).ptr
         kc, vc = st.k_ptr(si), st.v_ptr(si)
         kn, vn = kc + 4 * pos * kvw, vc + 4 * pos * kvw   # this batch's cache rows
-        self._mm(L["attn_q"], h, qg, n, hq)
-        self._mm(L["attn_k"], h, kn, n, hq)
-        self._mm(L["attn_v"], h, vn, n, hq)
+        self._mm_many([L["attn_q"], L["attn_k"], L["attn_v"]], h, [qg, kn, vn], n, hq)
         cs = self._rope_cs          # this pass's rope rows [n, n_rot/2, 2] (GpuModel._pass_rope)
         k.qk_norm_rope(qg, L["attn_q_norm"], cs, n, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps)
         k.qk_norm_rope(kn, L["attn_k_norm"], cs, n, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps)

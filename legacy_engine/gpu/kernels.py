@@ -21,7 +21,7 @@ from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_M_Q, ATTN_M_THREADS,
                      attn_planes_bytes, attn_planes_keys)
 from .matmul import MatmulLaunchers
 from .runtime import Buffer, BufferView, Module, Stream, _ensure_open, _native, device_arch
-from .toolchain import SOURCES, check_variant, get_ptx, has_mma, variant_name
+from .toolchain import SOURCES, check_variant, get_ptx, has_mma, has_multi, variant_name
 from .vision_kernels import VisionLaunchers
 
 
@@ -46,6 +46,7 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         self.tier = tier
         check_variant(tier, self.arch)
         self.has_mma = has_mma(tier, self.arch)     # gemm_mma's kernels (tensor cores) are in this variant
+        self.has_multi = has_multi(tier)            # the int8 GEMMs' multi-matrix kernels (gemm_multi)
         # the open device's SMs (launch shapes that leave SMs idle pick smaller tiles: gemm_mma)
         self.sm_count = _native().gpu_info()["devices"][_native().gpu_current_device()]["multiprocessors"]
         self.modules: dict[str, Module] = {}

@@ -15,6 +15,7 @@ from .toolchain import MMA_ARCH
 # gemm_mma's 32-token form (staged a step ahead, one block an SM) where the 64-token grid has at most this many blocks
 # an SM; the 64-token form (two blocks an SM, synchronous staging) above
 MMA32_BLOCKS_PER_SM = 1
+MULTI_MATS = 4      # matrices a gemm_multi launch takes (the kernels' W0..W3)
 
 
 class MatmulLaunchers:
@@ -157,6 +158,46 @@ class MatmulLaunchers:
             raise ValueError(f"gemm_mma: tt = {tt}, not {GEMM_TT} or {GEMM_MMA_TT}")
         self._gemm_q8("gemm_mma", qtype, W, xq, Y, nrows, ncols, ntok, stream, tt,
                       "gemm_mma32" if tt == GEMM_TT else "gemm_mma")
+
+    def gemm_multi(self, qtype: int, mats, xq, ncols: int, ntok: int, mma: bool, stream: Stream | None = None,
+                   tt: int | None = None) -> None:
+        """Up to MULTI_MATS int8 GEMMs of one type and width on the same xq in one launch (`name_multi`): mats is a
+        list of (W, Y, nrows); each Y[ntok, nrows] gets the bits gemm_mma (mma) / gemm_dp4a gives it alone. A short
+        pass's narrow matrices (the GDN's 16-row beta / alpha, attention's K / V) share the launch's waves instead
+        of each leaving most SMs idle. tt (mma only): as gemm_mma's, from the launch's total row tiles."""
+        if not 1 <= len(mats) <= MULTI_MATS:
+            raise ValueError(f"gemm_multi: {len(mats)} matrices, not 1…{MULTI_MATS}")
+        if not self.has_multi or (mma and not self.has_mma):
+            raise UnavailableError(f"gemm_multi: the {self.name} kernels have no {'int8 mma' if mma else 'multi'} "
+                                   "form (toolchain.has_multi, has_mma)")
+        if qtype == F32:
+            raise ValueError("gemm_multi: f32 weights have no int8 path (use gemm_f32)")
+        tiles = 0
+        for W, Y, nrows in mats:
+            suffix = self._weights(qtype, W, nrows, ncols, "gemm_multi")
+            _need(Y, 4 * nrows * ntok, "gemm_multi Y")
+            tiles += -(-nrows // GEMM_ROWS)
+        if not 0 < tiles <= MAX_GRID:
+            raise ValueError(f"gemm_multi: {tiles} row tiles outside 1…{MAX_GRID}")
+        _need(xq, ntok * (ncols // 32) * Q8_1_BYTES, "gemm_multi xq")
+        if not mma:
+            tt, kname, mod = GEMM_TT, "gemm_dp4a", "gemm_dp4a"
+        else:
+            if tt is None:
+                tt = GEMM_TT if tiles * -(-ntok // GEMM_MMA_TT) <= MMA32_BLOCKS_PER_SM * self.sm_count else GEMM_MMA_TT
+            if tt not in (GEMM_TT, GEMM_MMA_TT):
+                raise ValueError(f"gemm_multi: tt = {tt}, not {GEMM_TT} or {GEMM_MMA_TT}")
+            kname, mod = ("gemm_mma32" if tt == GEMM_TT else "gemm_mma"), "gemm_mma"
+        if not 0 < ntok <= tt * MAX_GRID:
+            raise ValueError(f"gemm_multi: ntok = {ntok} outside 1…{tt * MAX_GRID}")
+        pad = [(0, 0, 0)] * (MULTI_MATS - len(mats))
+        ws, ys, ns = zip(*([(_ptr(W), _ptr(Y), n) for W, Y, n in mats] + pad))
+        kern = self.modules[mod].kernel(f"{kname}_{suffix}_multi")
+        ops = sum(2 * n * ncols * ntok for n in ns)
+        self._gemm_timed(mod, ops, stream, lambda: kern.launch(
+            (tiles, -(-ntok // tt), 1), (GEMM_THREADS, 1, 1),
+            [*(("ptr", w) for w in ws), ("ptr", _ptr(xq)), *(("ptr", y) for y in ys), *(("i32", n) for n in ns),
+             ("i32", ncols), ("i32", ntok)], stream=stream))
 
     def _gemm_q8(self, mod: str, qtype: int, W, xq, Y, nrows: int, ncols: int, ntok: int, stream, tt: int,
                  kname: str | None = None) -> None:

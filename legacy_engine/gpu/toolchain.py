@@ -63,6 +63,12 @@ MMA_ARCH = 75
 def has_mma(tier: str, arch: int) -> bool:
     """Whether the variant (tier, arch) carries gemm_mma's kernels."""
     return tier == "dp4a" and arch >= MMA_ARCH
+def has_multi(tier: str) -> bool:
+    """Whether the variant carries the int8 GEMMs' multi-matrix kernels (gemm_q8.cuh LE_GEMM_Q8_MULTI): every tier
+    but fermi (63 registers: the selected matrix spilled)."""
+    return tier != "fermi"
+
+
 # The legacy variants: built by NVRTC 11.8 (compute_35) and 12.9 (compute_61/70) here and carried.
 LEGACY_VARIANTS = (("fermi", 35), ("kepler", 35), ("dp4a", 61), ("dp4a", 70))
 
