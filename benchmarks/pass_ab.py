@@ -3,13 +3,15 @@
     python benchmarks/pass_ab.py FILE --pp 512,2048[,8192] [--variant TIER:ARCH] [--reps 5] [--rounds 1] [--label L]
 
 Times `GpuModel.forward` of one pass of each length (median of --reps after a warm-up; the state reset between
-passes) and prints one JSON line per length: {"label", "variant", "pp", "ms", "runs"}. Two code versions are
+passes) and prints one JSON line per length: {"label", "variant", "pp", "ms", "runs", "logits"} (logits: a hash of
+the last pass's last-token logits, for a change that must keep the bits). Two code versions are
 compared by running this script once per version, alternated in one call (other PYTHONPATH / LE_PTX_DIR), so that
 the card's clocks and neighbours are the same for both; `bench gpu` is the side-by-side with llama.cpp.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import time
@@ -47,12 +49,13 @@ def main() -> None:
                 st.reset()
                 gpu.synchronize()
                 t0 = time.perf_counter()
-                gm.forward(st, ids[:pp])
+                logits = gm.forward(st, ids[:pp])
                 gpu.synchronize()
                 if i:                       # the first is the warm-up
                     runs.append(1e3 * (time.perf_counter() - t0))
             print(json.dumps({"label": a.label, "variant": gm.k.name, "pp": pp, "ms": round(statistics.median(runs), 3),
-                              "runs": [round(r, 3) for r in runs]}), flush=True)
+                              "runs": [round(r, 3) for r in runs],
+                              "logits": hashlib.sha256(logits.tobytes()).hexdigest()[:16]}), flush=True)
     gm.close()
 
 

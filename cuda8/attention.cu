@@ -34,7 +34,7 @@
  *     f32 grade (dp4a tier from sm_75: LE_HAS_MMA_F16): the keys 0 .. pos+n-1 as f16 hi / lo planes (nkp = their
  *     count rounded up to ATTN_M_K), then per block ATTN_M_Q (32) queries of one head, tiles of ATTN_M_K (16) keys
  *     launch: planes block ATTN_P_THREADS x 1 x 1, grid min(ceil(n_kv * nkp * hd / 2 / ATTN_P_THREADS), 65535) x 2;
- *     prefill block ATTN_M_THREADS (64) x 1 x 1, grid n_head x min(ceil(n / ATTN_M_Q), 65535) x 1; hd a multiple of 16
+ *     prefill block ATTN_M_THREADS (128) x 1 x 1, grid n_head x min(ceil(n / ATTN_M_Q), 65535) x 1; hd a multiple of 16
  *   hd: a multiple of 32, <= ATTN_MAX_HD (256, Qwen3.5's head size).
  *
  * Decode: each warp takes every ATTN_WARPS-th key of the split, ATTN_UNROLL keys a step (their K
@@ -462,13 +462,13 @@ extern "C" __global__ void attn_prefill_tiled_f32(const float *LE_RESTRICT qg, c
 #endif
 
 #if LE_HAS_MMA_F16
-#define ATTN_M_THREADS 64            /* mma prefill: 2 warps, 16 queries each */
+#define ATTN_M_THREADS 128           /* mma prefill: 4 warps, 16 queries and half the dims each */
 #define ATTN_M_Q 32                  /* queries a block */
 #define ATTN_M_K 16                  /* keys a tile */
 #define ATTN_M_W (ATTN_MAX_HD / 2)   /* words (f16 pairs) a row of Q or K */
 #define ATTN_P_THREADS 256           /* attn_kv_planes_f16 */
-#if ATTN_M_Q * 2 != ATTN_M_THREADS
-#error "16 queries a warp"
+#if ATTN_M_Q * 4 != ATTN_M_THREADS
+#error "16 queries a warp pair"
 #endif
 
 /* Where word w (< 8 in a group of 8) of a fragment row sits: words t and t + 4, which one lane reads together, side by
@@ -568,19 +568,77 @@ __device__ __forceinline__ void attn_m_softmax(float (*s)[4], const float (*s2)[
     }
 }
 
+/* A K or V tile's words in flight in registers (issued before the products that hide their latency, stored to
+ * shared memory after): copy u of this thread is word group i = tid + ATTN_M_THREADS u (4 words: a uint4) of both
+ * halves; ATTN_M_COPIES groups cover the largest tile (16 keys x ATTN_MAX_HD dims) */
+#define ATTN_M_COPIES (ATTN_M_K * ATTN_MAX_HD / 2 / 4 / ATTN_M_THREADS)
+struct attn_m_tile {
+    uint4 hi[ATTN_M_COPIES], lo[ATTN_M_COPIES];
+};
+
+/* K rows k0 .. k0 + 15 (hw / 4 groups a row) from the planes into registers, then into kvh / kvl */
+__device__ __forceinline__ void attn_m_fetch_k(const uint4 *kph, const uint4 *kpl, int k0, int hw, attn_m_tile &r) {
+#pragma unroll
+    for (int u = 0; u < ATTN_M_COPIES; u++) {
+        const int i = threadIdx.x + ATTN_M_THREADS * u, row = i / (hw / 4), c = 4 * (i % (hw / 4));
+        if (i < ATTN_M_K * hw / 4) {
+            const size_t src = ((size_t)(k0 + row) * hw + c) / 4;
+            r.hi[u] = kph[src];
+            r.lo[u] = kpl[src];
+        }
+    }
+}
+__device__ __forceinline__ void attn_m_put_k(const attn_m_tile &r, int hw, unsigned *kvh, unsigned *kvl) {
+#pragma unroll
+    for (int u = 0; u < ATTN_M_COPIES; u++) {
+        const int i = threadIdx.x + ATTN_M_THREADS * u, row = i / (hw / 4), c = 4 * (i % (hw / 4));
+        if (i < ATTN_M_K * hw / 4) {
+            *(uint4 *)&kvh[attn_m_qk(row, c)] = r.hi[u];
+            *(uint4 *)&kvl[attn_m_qk(row, c)] = r.lo[u];
+        }
+    }
+}
+/* V^T rows of the tile: group i is dim i / 2, keys k0 + 8 (i % 2) .. + 7 */
+__device__ __forceinline__ void attn_m_fetch_v(const uint4 *vph, const uint4 *vpl, int k0, int hd, int nkp,
+                                               attn_m_tile &r) {
+#pragma unroll
+    for (int u = 0; u < ATTN_M_COPIES; u++) {
+        const int i = threadIdx.x + ATTN_M_THREADS * u, d = i / 2, c = 4 * (i % 2);
+        if (i < 2 * hd) {
+            const size_t src = ((size_t)d * (nkp / 2) + k0 / 2 + c) / 4;
+            r.hi[u] = vph[src];
+            r.lo[u] = vpl[src];
+        }
+    }
+}
+__device__ __forceinline__ void attn_m_put_v(const attn_m_tile &r, int hd, unsigned *kvh, unsigned *kvl) {
+#pragma unroll
+    for (int u = 0; u < ATTN_M_COPIES; u++) {
+        const int i = threadIdx.x + ATTN_M_THREADS * u, d = i / 2, c = 4 * (i % 2);
+        if (i < 2 * hd) {
+            *(uint4 *)&kvh[attn_m_v(d, c)] = r.hi[u];
+            *(uint4 *)&kvl[attn_m_v(d, c)] = r.lo[u];
+        }
+    }
+}
+
 /* The prefill on f16 tensor cores at f32 grade: each operand split into hi + lo f16 (le_split_f16x2), each product
- * the three terms lo.hi + hi.lo + hi.hi in f32 accumulators (the dropped lo.lo is below 2^-22 of it). Warp w takes
- * queries q0 + 16w .. + 15; per tile of 16 keys (copied from attn_kv_planes_f16's planes), S = Q K^T (2 x 8 keys) by
- * mma in two chains (even and odd dim steps: half the dependent mma latency), the online softmax per row within the
- * lane quad that holds it, then P (the S accumulators re-packed as A fragments, split) times the V tile. The query
- * blocks run last first: the longest (most keys) start first. */
+ * the three terms lo.hi + hi.lo + hi.hi in f32 accumulators (the dropped lo.lo is below 2^-22 of it). Warps w and
+ * w + 2 take queries q0 + 16w .. + 15 (w < 2), each one half of the head's dims: both compute the same scores and
+ * weights (the same instructions: the same bits), each its half of P V (64 accumulators, not 128: two warps a
+ * query row hide each other's latencies). Per tile of 16 keys (copied from attn_kv_planes_f16's planes), S = Q K^T
+ * (2 x 8 keys) by mma in two chains (even and odd dim steps: half the dependent mma latency), the online softmax
+ * per row within the lane quad that holds it, then P (the S accumulators re-packed as A fragments, split) times
+ * the V tile. The V tile's loads are in flight during the scores, the next K tile's during P V (attn_m_tile).
+ * The query blocks run last first: the longest (most keys) start first. */
 extern "C" __global__ void __launch_bounds__(ATTN_M_THREADS)
     attn_prefill_mma_f32(const float *LE_RESTRICT qg, const unsigned *LE_RESTRICT planes, float *LE_RESTRICT o,
                          int n, int pos, int n_head, int n_kv, int hd, float scale, int nkp) {
     __shared__ __align__(16) unsigned qh[ATTN_M_Q * ATTN_M_W], ql[ATTN_M_Q * ATTN_M_W]; /* 32 KB */
     __shared__ __align__(16) unsigned kvh[ATTN_M_K * ATTN_M_W], kvl[ATTN_M_K * ATTN_M_W]; /* 16 KB: K, then V */
     const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, g = lane / 4, t = lane % 4;
-    const int h = blockIdx.x, kvi = h / (n_head / n_kv), hw = hd / 2, nk16 = hd / 16, nd8 = hd / 8;
+    const int h = blockIdx.x, kvi = h / (n_head / n_kv), hw = hd / 2, nk16 = hd / 16;
+    const int half = hd / 16, j0 = (w / 2) * half; /* this warp's dim groups 8 (j0 + j) .. + 7, j < half */
     const size_t qw = (size_t)n_head * 2 * hd, plane = (size_t)n_kv * nkp * hw;
     const uint4 *kph = (const uint4 *)(planes + (size_t)kvi * nkp * hw);
     const uint4 *kpl = (const uint4 *)((const unsigned *)kph + plane);
@@ -588,8 +646,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_M_THREADS)
     const uint4 *vpl = (const uint4 *)((const unsigned *)vph + plane);
     const int nqb = (n + ATTN_M_Q - 1) / ATTN_M_Q;
     volatile float *const no_scratch = 0; /* sm_75+: the shuffles need none (and the 48 KB are all the tiles') */
+    attn_m_tile kr, vr;
     for (int qb = nqb - 1 - (int)blockIdx.y; qb >= 0; qb -= gridDim.y) {
         const int q0 = qb * ATTN_M_Q;
+        attn_m_fetch_k(kph, kpl, 0, hw, kr); /* the first K tile's loads beside Q's staging */
         __syncthreads(); /* the previous block of queries is done with qh, ql */
         for (int i = tid; i < ATTN_M_Q * hw; i += ATTN_M_THREADS) {
             const int r = i / hw, wd = i % hw, tok = min(q0 + r, n - 1); /* rows past n repeat the last (not written) */
@@ -597,21 +657,17 @@ extern "C" __global__ void __launch_bounds__(ATTN_M_THREADS)
             const int at = attn_m_qk(r, attn_m_perm(wd));
             le_split_f16x2(x.x, x.y, qh[at], ql[at]);
         }
-        const int r0 = 16 * w + g; /* the lane's rows r0, r0 + 8 of the block */
+        const int r0 = 16 * (w % 2) + g; /* the lane's rows r0, r0 + 8 of the block */
         const int last0 = pos + min(q0 + r0, n - 1), last1 = pos + min(q0 + r0 + 8, n - 1);
         const int n_keys = pos + min(q0 + ATTN_M_Q, n); /* keys of the block's last query */
-        float acc[ATTN_MAX_HD / 8][4], m[2] = {ATTN_NEG_BIG, ATTN_NEG_BIG}, l[2] = {0.0f, 0.0f};
+        float acc[ATTN_MAX_HD / 16][4], m[2] = {ATTN_NEG_BIG, ATTN_NEG_BIG}, l[2] = {0.0f, 0.0f};
 #pragma unroll
-        for (int j = 0; j < ATTN_MAX_HD / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+        for (int j = 0; j < ATTN_MAX_HD / 16; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
         for (int k0 = 0; k0 < n_keys; k0 += ATTN_M_K) {
             __syncthreads(); /* Q staged; the V tile before consumed */
-            for (int i = tid; i < ATTN_M_K * hw / 4; i += ATTN_M_THREADS) { /* K rows k0 .. k0 + 15, 4 words a copy */
-                const int r = i / (hw / 4), c = 4 * (i % (hw / 4));
-                const size_t src = ((size_t)(k0 + r) * hw + c) / 4;
-                *(uint4 *)&kvh[attn_m_qk(r, c)] = kph[src];
-                *(uint4 *)&kvl[attn_m_qk(r, c)] = kpl[src];
-            }
+            attn_m_put_k(kr, hw, kvh, kvl);
             __syncthreads();
+            attn_m_fetch_v(vph, vpl, k0, hd, nkp, vr); /* in flight during the scores */
             float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
             float s2[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll 1
@@ -629,28 +685,24 @@ extern "C" __global__ void __launch_bounds__(ATTN_M_THREADS)
             le_split_f16x2(s[1][0], s[1][1], p[2], pl[2]);
             le_split_f16x2(s[1][2], s[1][3], p[3], pl[3]);
             __syncthreads(); /* every warp's scores read the K tile */
-            for (int i = tid; i < 2 * hd; i += ATTN_M_THREADS) { /* V^T rows: dim i / 2, keys k0 + 8 (i % 2) .. + 7 */
-                const int d = i / 2, c = 4 * (i % 2);
-                const size_t src = ((size_t)d * (nkp / 2) + k0 / 2 + c) / 4;
-                *(uint4 *)&kvh[attn_m_v(d, c)] = vph[src];
-                *(uint4 *)&kvl[attn_m_v(d, c)] = vpl[src];
-            }
+            attn_m_put_v(vr, hd, kvh, kvl);
             __syncthreads();
+            if (k0 + ATTN_M_K < n_keys) attn_m_fetch_k(kph, kpl, k0 + ATTN_M_K, hw, kr); /* in flight during P V */
 #pragma unroll
-            for (int j = 0; j < ATTN_MAX_HD / 8; j++) {
-                if (j >= nd8) break;
+            for (int j = 0; j < ATTN_MAX_HD / 16; j++) {
+                if (j >= half) break;
                 acc[j][0] *= alpha[0];
                 acc[j][1] *= alpha[0];
                 acc[j][2] *= alpha[1];
                 acc[j][3] *= alpha[1];
-                const int d = 8 * j + g;
+                const int d = 8 * (j0 + j) + g;
                 const uint2 b = *(const uint2 *)&kvh[attn_m_v(d, 2 * t)], c = *(const uint2 *)&kvl[attn_m_v(d, 2 * t)];
                 le_mma_f16_16x8x16(acc[j], pl[0], pl[1], pl[2], pl[3], b.x, b.y);
                 le_mma_f16_16x8x16(acc[j], p[0], p[1], p[2], p[3], c.x, c.y);
                 le_mma_f16_16x8x16(acc[j], p[0], p[1], p[2], p[3], b.x, b.y);
             }
         }
-        /* o = acc / l * sigmoid(gate), rows r0 and r0 + 8, dims 8j + 2t, + 1 */
+        /* o = acc / l * sigmoid(gate), rows r0 and r0 + 8, dims 8 (j0 + j) + 2t, + 1 */
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int tok = q0 + r0 + 8 * r;
@@ -659,9 +711,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_M_THREADS)
             const float *gate = qg + (size_t)tok * qw + (size_t)h * 2 * hd + hd;
             float *ot = o + ((size_t)tok * n_head + h) * hd;
 #pragma unroll
-            for (int j = 0; j < ATTN_MAX_HD / 8; j++) {
-                if (j >= nd8) break;
-                const int e = 8 * j + 2 * t;
+            for (int j = 0; j < ATTN_MAX_HD / 16; j++) {
+                if (j >= half) break;
+                const int e = 8 * (j0 + j) + 2 * t;
                 ot[e] = acc[j][2 * r] * inv * attn_sigmoid(le_ldg(gate + e));
                 ot[e + 1] = acc[j][2 * r + 1] * inv * attn_sigmoid(le_ldg(gate + e + 1));
             }
