@@ -254,3 +254,20 @@ def test_bench_decode_defaults_to_the_chosen_tier():
     out = subprocess.run([sys.executable, "-m", "legacy_engine", "bench", "decode", "-h"], capture_output=True,
                          text=True, timeout=60).stdout
     assert re.search(r"chosen: the\s+one `info`\s+chooses.*\(chosen\)", out, re.S), out
+
+
+def _subcommands(*cmd) -> list[str]:
+    """The subcommands `legacy-engine CMD -h` lists under its positional argument (name, then its help)."""
+    out = _cli(*cmd, "-h").stdout
+    block = out.split("positional arguments:", 1)[1].split("\n\n", 1)[0]
+    return [m.group(1) for m in re.finditer(r"^    ([a-z][a-z0-9-]*)\b", block, re.M)]
+
+
+def test_every_command_prints_its_help():
+    """`-h` of every command and every `bench` measurement prints its usage (a stray % in one flag's help made
+    `bench gpu -h` raise a TypeError from argparse)."""
+    top, bench = _subcommands(), _subcommands("bench")
+    assert {"run", "serve", "bench", "plan"} <= set(top) and {"decode", "gpu", "split"} <= set(bench), (top, bench)
+    for cmd in [[c] for c in top] + [["bench", w] for w in bench]:
+        r = _cli(*cmd, "-h")
+        assert r.returncode == 0 and r.stdout.startswith("usage:") and "Traceback" not in r.stderr, (cmd, r.stderr)

@@ -309,5 +309,5 @@ def add_parser(sub) -> None:
                          f"--sample); off: skip ({SAMPLE_DEFAULT})")
     gp.add_argument("--profile", action="store_true",
                     help="also time one pass of the longest --pp per phase and per GEMM kernel, with the GEMMs' "
-                         "TFLOP/s and % of the tier's peak measured on this card")
+                         "TFLOP/s and %% of the tier's peak measured on this card")
     gp.add_argument("--json", action="store_true", help="print JSON instead of the table")
