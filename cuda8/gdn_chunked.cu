@@ -11,6 +11,7 @@
  *   gdn_chunk_prep_f32(u, g, beta, W, Uo, P, Gc, n, conv_dim, Hk, Hv, dk, dv, tiled)
  *     every (chunk, head) at once (no state): Gc [n, Hv] (G), W [n, Hv, dk], Uo [n, Hv, dv], P [chunks, Hv, 64, 64]
  *     launch: block GDNC_THREADS (256), grid ceil(n / 64) x Hv
+ *   gdn_chunk_prep_ahead_f32(same)   the same bits with each tile's loads a tile ahead, two blocks an SM (not fermi)
  *   gdn_chunk_scan_f32(u, W, Uo, P, Gc, S, o, n, conv_dim, Hk, Hv, dk, dv, tiled)
  *     the chunks in order per (head, GDNC_COLS columns of S; columns are independent): S [Hv, dk, dv] in place,
  *     o [n, Hv * dv]
@@ -53,15 +54,45 @@ __device__ __forceinline__ void gdnc_axpy4(float *acc, float a, float4 v) {
 
 __device__ __forceinline__ int gdnc_k_head(int j, int Hk, int Hv, int tiled) { return tiled ? j % Hk : j / (Hv / Hk); }
 
-/* One (chunk, head): the chunk's rows t0 .. t0 + L - 1. */
-extern "C" __global__ void gdn_chunk_prep_f32(const float *LE_RESTRICT u, const float *LE_RESTRICT g,
-                                              const float *LE_RESTRICT beta, float *W, float *Uo, float *P, float *Gc,
-                                              int n, int conv_dim, int Hk, int Hv, int dk, int dv, int tiled) {
-    __shared__ float T[GDNC_C][GDNC_C + 1];      /* A, then T = (I + A)^-1 */
-    __shared__ float tab[2][GDNC_C][GDNC_TILE + 1]; /* one buffer: At below spans both */
-    float(*ta)[GDNC_TILE + 1] = tab[0];             /* a tile of K (then of beta e^G K, beta V) */
-    float(*tb)[GDNC_TILE + 1] = tab[1];             /* a tile of Q */
-    __shared__ float G[GDNC_C], B[GDNC_C];
+#define GDNC_PT (GDNC_C * GDNC_TILE / GDNC_THREADS) /* 8: a tile's elements a thread */
+/* operands loaded a tile (prep) or a phase (scan) ahead: the tiers with registers for it (fermi's 63 would spill) */
+#if LE_HAS_MANY_REGS
+#define GDNC_AHEAD 1
+#else
+#define GDNC_AHEAD 0
+#endif
+
+/* Elements tid + GDNC_THREADS i (row e / GDNC_TILE, dim d0 + e % GDNC_TILE; 0 outside the chunk's L rows and the
+ * width) of the tiles of A and B at d0 into r[0], r[1]: loaded a tile ahead of the products that wait on them (the
+ * prep's one block an SM at 512 tokens had each tile's latency exposed). B = A loads A once. */
+__device__ __forceinline__ void gdnc_prep_fetch(const float *A, const float *B, int conv_dim, int L, int width, int d0,
+                                                float (*r)[GDNC_PT]) {
+#pragma unroll
+    for (int i = 0; i < GDNC_PT; i++) {
+        const int e = threadIdx.x + GDNC_THREADS * i, row = e / GDNC_TILE, d = e % GDNC_TILE;
+        const bool in = row < L && d0 + d < width;
+        r[0][i] = in ? A[(size_t)row * conv_dim + d0 + d] : 0.0f;
+        if (B != A) r[1][i] = in ? B[(size_t)row * conv_dim + d0 + d] : 0.0f;
+    }
+}
+
+/* One (chunk, head): the chunk's rows t0 .. t0 + L - 1. AHEAD (GDNC_AHEAD tiers): each tile's loads issued before
+ * the products of the tile before (gdnc_prep_fetch); the same shared contents and sums either way: the same bits. */
+struct gdnc_prep_smem { /* declared by each prep kernel (a device function's __shared__ would be every kernel's) */
+    float T[GDNC_C][GDNC_C + 1];         /* A, then T = (I + A)^-1 */
+    float tab[2][GDNC_C][GDNC_TILE + 1]; /* one buffer: At below spans both */
+    float G[GDNC_C], B[GDNC_C];
+};
+
+template <bool AHEAD>
+__device__ __forceinline__ void gdnc_prep(const float *LE_RESTRICT u, const float *LE_RESTRICT g,
+                                          const float *LE_RESTRICT beta, float *W, float *Uo, float *P, float *Gc, int n,
+                                          int conv_dim, int Hk, int Hv, int dk, int dv, int tiled, gdnc_prep_smem &sm) {
+    float(*T)[GDNC_C + 1] = sm.T;
+    float(*tab)[GDNC_C][GDNC_TILE + 1] = sm.tab;
+    float(*ta)[GDNC_TILE + 1] = tab[0]; /* a tile of K (then of beta e^G K, beta V) */
+    float(*tb)[GDNC_TILE + 1] = tab[1]; /* a tile of Q */
+    float *G = sm.G, *B = sm.B;
     const int tid = threadIdx.x, c = blockIdx.x, j = blockIdx.y;
     const int t0 = c * GDNC_C, L = min(GDNC_C, n - t0), kh = gdnc_k_head(j, Hk, Hv, tiled);
     const float *K = u + (size_t)t0 * conv_dim + (size_t)(Hk + kh) * dk;
@@ -87,7 +118,19 @@ extern "C" __global__ void gdn_chunk_prep_f32(const float *LE_RESTRICT u, const 
     for (int a = 0; a < 4; a++)
 #pragma unroll
         for (int b = 0; b < 4; b++) kk[a][b] = qk[a][b] = 0.0f;
+    float kq[2][GDNC_PT]; /* AHEAD: this thread's elements of the next K and Q tiles (gdnc_prep_fetch) */
+    if (AHEAD) gdnc_prep_fetch(K, Q, conv_dim, L, dk, 0, kq);
     for (int d0 = 0; d0 < dk; d0 += GDNC_TILE) {
+        if (AHEAD) {
+#pragma unroll
+        for (int i = 0; i < GDNC_PT; i++) {
+            const int e = tid + GDNC_THREADS * i, r = e / GDNC_TILE, d = e % GDNC_TILE;
+            ta[r][d] = kq[0][i];
+            tb[r][d] = kq[1][i];
+        }
+        __syncthreads();
+        if (d0 + GDNC_TILE < dk) gdnc_prep_fetch(K, Q, conv_dim, L, dk, d0 + GDNC_TILE, kq); /* in flight meanwhile */
+        } else {
 #pragma unroll 1
         for (int e = tid; e < GDNC_C * GDNC_TILE; e += GDNC_THREADS) {
             const int r = e / GDNC_TILE, d = e % GDNC_TILE;
@@ -96,6 +139,7 @@ extern "C" __global__ void gdn_chunk_prep_f32(const float *LE_RESTRICT u, const 
             tb[r][d] = in ? Q[(size_t)r * conv_dim + d0 + d] : 0.0f;
         }
         __syncthreads();
+        }
 #pragma unroll 1
         for (int d = 0; d < GDNC_TILE; d++)
 #pragma unroll
@@ -152,7 +196,19 @@ extern "C" __global__ void gdn_chunk_prep_f32(const float *LE_RESTRICT u, const 
         const float *X = pass ? K : V;
         float *out = pass ? W + (size_t)j * dk : Uo + (size_t)j * dv;
         const size_t stride = (size_t)Hv * width;
+        float xr[2][GDNC_PT]; /* AHEAD: the next tile's elements of X (xr[0]; xr[1] unused) */
+        if (AHEAD) gdnc_prep_fetch(X, X, conv_dim, L, width, 0, xr);
         for (int d0 = 0; d0 < width; d0 += GDNC_TILE) {
+            if (AHEAD) {
+#pragma unroll
+            for (int i = 0; i < GDNC_PT; i++) {
+                const int e = tid + GDNC_THREADS * i, r = e / GDNC_TILE, d = e % GDNC_TILE;
+                const float scale = r < L ? (pass ? B[r] * expf(G[r]) : B[r]) : 0.0f;
+                ta[r][d] = r < L && d0 + d < width ? scale * xr[0][i] : 0.0f;
+            }
+            __syncthreads();
+            if (d0 + GDNC_TILE < width) gdnc_prep_fetch(X, X, conv_dim, L, width, d0 + GDNC_TILE, xr);
+            } else {
 #pragma unroll 1
             for (int e = tid; e < GDNC_C * GDNC_TILE; e += GDNC_THREADS) {
                 const int r = e / GDNC_TILE, d = e % GDNC_TILE;
@@ -160,6 +216,7 @@ extern "C" __global__ void gdn_chunk_prep_f32(const float *LE_RESTRICT u, const 
                 ta[r][d] = r < L && d0 + d < width ? scale * X[(size_t)r * conv_dim + d0 + d] : 0.0f;
             }
             __syncthreads();
+            }
             float acc[8];
 #pragma unroll
             for (int b = 0; b < 8; b++) acc[b] = 0.0f;
@@ -178,6 +235,22 @@ extern "C" __global__ void gdn_chunk_prep_f32(const float *LE_RESTRICT u, const 
     }
 }
 
+#define LE_GDNC_PREP_ARGS                                                                                      \
+    const float *LE_RESTRICT u, const float *LE_RESTRICT g, const float *LE_RESTRICT beta, float *W, float *Uo,     \
+        float *P, float *Gc, int n, int conv_dim, int Hk, int Hv, int dk, int dv, int tiled
+extern "C" __global__ void gdn_chunk_prep_f32(LE_GDNC_PREP_ARGS) {
+    __shared__ gdnc_prep_smem sm;
+    gdnc_prep<false>(u, g, beta, W, Uo, P, Gc, n, conv_dim, Hk, Hv, dk, dv, tiled, sm);
+}
+#if GDNC_AHEAD
+/* two blocks an SM (102 registers on sm_90; unbounded it took 135: one): the launcher runs it where the grid has at
+ * most a block an SM (Kernels.gdn_chunked), the plain form above where occupancy hides the loads */
+extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 2) gdn_chunk_prep_ahead_f32(LE_GDNC_PREP_ARGS) {
+    __shared__ gdnc_prep_smem sm;
+    gdnc_prep<true>(u, g, beta, W, Uo, P, Gc, n, conv_dim, Hk, Hv, dk, dv, tiled, sm);
+}
+#endif
+
 /* The scan's operands that do not depend on S come in phases of GDNC_PF floats a thread: phases 0 .. nt - 1 the W and
  * Q tiles of dims 32p .. 32p + 31 (nt = ceil(dk / 32)), phase nt the P block, phases nt + 1 and nt + 2 K's halves of
  * 32 rows. On the many-register tiers a phase's loads are issued before the phase before it is computed, so the
@@ -187,11 +260,6 @@ extern "C" __global__ void gdn_chunk_prep_f32(const float *LE_RESTRICT u, const 
 #define GDNC_PF (2 * GDNC_C * GDNC_TILE / GDNC_THREADS) /* 16 */
 #if GDNC_PF * GDNC_THREADS != GDNC_C * GDNC_C || GDNC_PF * GDNC_THREADS != GDNC_C / 2 * GDNC_MAX_DK
 #error "every scan phase (a W | Q tile, P, half of K) is GDNC_PF floats a thread"
-#endif
-#if LE_HAS_MANY_REGS
-#define GDNC_AHEAD 1
-#else
-#define GDNC_AHEAD 0
 #endif
 
 struct gdnc_scan_args {

@@ -362,7 +362,7 @@ __device__ __forceinline__ float gemm_q8_acc(float acc, float2 x, float p, float
         fn<T, TT>(W, xq, Y, nrows, ncols, tl, 0, sm, blockIdx.x, gridDim.x);                                   \
     }
 
-#if LE_HAS_MANY_REGS /* the fermi tier has none: with 63 registers the selected matrix spilled (toolchain.has_multi) */
+#if LE_HAS_MANY_REGS /* the fermi tier has none: with 63 registers the selected matrix spilled (toolchain.many_regs) */
 /* The multi kernel `name##_multi`: up to four matrices of one type and width on the same activations (a layer's
  * projections of one input: q/k/v, the GDN's qkv/z/beta/alpha, the FFN's gate/up) in one launch, grid.x their row
  * tiles one after another (matrix m: ceil(n_m / GEMM_ROWS) tiles; n_m = 0: none). A matrix's rows get the plain

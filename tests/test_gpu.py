@@ -133,7 +133,7 @@ def _entries(ptx: bytes) -> set[bytes]:
 ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1"},
            "conv1d": {"conv1d_silu_f32", "conv1d_state_f32"},
            "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
-           "gdn_chunked": {"gdn_chunk_prep_f32", "gdn_chunk_scan_f32"},
+           "gdn_chunked": {"gdn_chunk_prep_f32", "gdn_chunk_prep_ahead_f32", "gdn_chunk_scan_f32"},
            "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32", "attn_kv_store_f32",
                          "attn_prefill_tiled_f32", "attn_prefill_mma_f32", "attn_kv_planes_f16"},
            "moe_route": {"moe_route_f32"}, "moe_sort": {"moe_sort"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
@@ -159,6 +159,8 @@ def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
         drop = ({"attn_prefill_tiled_f32"} if tier == "fermi" else set()) | \
             (set() if gpu.has_mma(tier, arch) else {"attn_prefill_mma_f32", "attn_kv_planes_f16"})
         return {e.encode() for e in ENTRIES[name] - drop} | {b"le_tier_probe"}
+    if name == "gdn_chunked" and not gpu.many_regs(tier):
+        return {e.encode() for e in ENTRIES[name] - {"gdn_chunk_prep_ahead_f32"}} | {b"le_tier_probe"}
     if name == "peak" and not gpu.has_mma(tier, arch):
         return {e.encode() for e in ENTRIES[name] - {"peak_mma_s8"}} | {b"le_tier_probe"}
     if name in ("gemv_f32", "gemv_dp4a"):
@@ -168,7 +170,7 @@ def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
     elif name == "gemm_f32":
         out = {f"{name}_{s}" for s in suffixes + ["f32"]} | {f"{name}_{s}_ids" for s in suffixes + ["f32"]}
     elif name in ("gemm_dp4a", "gemm_mma"):
-        forms = ("", "_multi") if gpu.has_multi(tier) else ("",)
+        forms = ("", "_multi") if gpu.many_regs(tier) else ("",)
         out = {f"{name}_{s}{f}" for s in suffixes for f in forms + ("_ids",)}
         if name == "gemm_mma":      # the 32-token plain and multi forms
             out |= {f"gemm_mma32_{s}{f}" for s in suffixes for f in forms}
@@ -977,7 +979,7 @@ def test_gemm_multi(kernels, qtype):
     """Several matrices on one input in one launch (gemm_multi: a layer's projections) give each matrix exactly the
     bits of its own plain launch: dp4a, and mma in both token forms where the variant has it; 16-row matrices (GDN's
     beta / alpha), partial row tiles, one to four matrices, one and several token tiles."""
-    if not kernels.has_multi:
+    if not kernels.many_regs:
         with pytest.raises(UnavailableError, match="multi"):
             kernels.gemm_multi(qtype, [(0, 0, 16)], 0, 256, 8, False)
         return
@@ -1546,7 +1548,7 @@ def test_gdn_chunked(kernels):
 @variant_params()
 def test_gdn_chunked_split_at_a_chunk_equals_whole(kernels):
     """200 tokens at once == 128 then 72 (a cut at a chunk boundary: the same chunks), bit for bit: a snapshot at a
-    chunk boundary equals a recompute."""
+    chunk boundary equals a recompute; and either form of the prep gives those bits."""
     rng = np.random.default_rng(24)
     n, Hk, Hv, dk, dv, cut = 200, 2, 4, 128, 128, 128
     u, g, beta, S0 = gdn_inputs(rng, n, Hk, Hv, dk, dv)
@@ -1562,6 +1564,17 @@ def test_gdn_chunked_split_at_a_chunk_equals_whole(kernels):
                             o2.ptr + cut * 4 * Hv * dv, n - cut, Hk, Hv, dk, dv, work)
         assert np.array_equal(o1.download(dtype=np.float32), o2.download(dtype=np.float32))
         assert np.array_equal(s1.download(dtype=np.float32), s2.download(dtype=np.float32))
+        # the prep's two forms (a tile ahead where the grid is short, plain where occupancy hides the loads): same bits
+        forms = (False, True) if kernels.many_regs else (False,)
+        for ahead in forms:
+            s2.upload(S0)
+            o2.upload(np.full(n * Hv * dv, np.nan, np.float32))
+            kernels.gdn_chunked(bu, bg, bb, s2, o2, n, Hk, Hv, dk, dv, work, prep_ahead=ahead)
+            assert np.array_equal(o1.download(dtype=np.float32), o2.download(dtype=np.float32)), ahead
+            assert np.array_equal(s1.download(dtype=np.float32), s2.download(dtype=np.float32)), ahead
+        if not kernels.many_regs:
+            with pytest.raises(UnavailableError, match="prep ahead"):
+                kernels.gdn_chunked(bu, bg, bb, s2, o2, n, Hk, Hv, dk, dv, work, prep_ahead=True)
 
 
 def attention_ref(qg, kc, vc, n, pos, n_head, n_kv, hd, scale):

@@ -143,7 +143,7 @@ class ForwardOps:
                 else:
                     self._mm(ws[i], x, ys[i], n, xq)
             return
-        if not (self.int8_prefill and self.k.has_multi):
+        if not (self.int8_prefill and self.k.many_regs):
             for w, y in zip(ws, ys):
                 self._mm(w, x, y, n, xq)
             return

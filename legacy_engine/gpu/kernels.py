@@ -21,7 +21,7 @@ from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_M_Q, ATTN_M_THREADS,
                      attn_planes_bytes, attn_planes_keys)
 from .matmul import MatmulLaunchers
 from .runtime import Buffer, BufferView, Module, Stream, _ensure_open, _native, device_arch
-from .toolchain import SOURCES, check_variant, get_ptx, has_mma, has_multi, variant_name
+from .toolchain import SOURCES, check_variant, get_ptx, has_mma, many_regs, variant_name
 from .vision_kernels import VisionLaunchers
 
 
@@ -46,7 +46,7 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         self.tier = tier
         check_variant(tier, self.arch)
         self.has_mma = has_mma(tier, self.arch)     # gemm_mma's kernels (tensor cores) are in this variant
-        self.has_multi = has_multi(tier)            # the int8 GEMMs' multi-matrix kernels (gemm_multi)
+        self.many_regs = many_regs(tier)            # the register-hungry forms: gemm_multi, the GDN prep ahead
         # the open device's SMs (launch shapes that leave SMs idle pick smaller tiles: gemm_mma)
         self.sm_count = _native().gpu_info()["devices"][_native().gpu_current_device()]["multiprocessors"]
         self.modules: dict[str, Module] = {}
@@ -204,10 +204,10 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
              ("i32", int(bool(tiled))), ("ptr", _ptr(dt_bias)), ("ptr", _ptr(ssm_a))], stream=stream)
 
     def gdn_chunked(self, u, g, beta, S, o, n: int, Hk: int, Hv: int, dk: int, dv: int, work: tuple,
-                    tiled: bool = True, stream: Stream | None = None) -> None:
+                    tiled: bool = True, stream: Stream | None = None, prep_ahead: bool | None = None) -> None:
         """gdn_recurrent's rule over n tokens in chunks of GDNC_C (cuda8/gdn_chunked.cu; chunks counted from the first
         token), g and beta already gated. work: (W [n, Hv, dk], U [n, Hv, dv], P [chunks, Hv, C, C], G [n, Hv]) f32
-        buffers (layout.gdn_chunk_work)."""
+        buffers (layout.gdn_chunk_work). prep_ahead: the prep's form (the same bits): None chooses by the grid."""
         if not 0 < dk <= GDNC_MAX_DK:
             raise ValueError(f"gdn_chunked: dk = {dk} outside 1…{GDNC_MAX_DK}")
         if Hk <= 0 or Hv % Hk or dv <= 0 or n <= 0:
@@ -221,8 +221,14 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
             _need(buf, nbytes, f"gdn_chunked {what}")
         mod, shape = self.modules["gdn_chunked"], [("i32", n), ("i32", conv_dim), ("i32", Hk), ("i32", Hv),
                                                     ("i32", dk), ("i32", dv), ("i32", int(bool(tiled)))]
-        mod.kernel("gdn_chunk_prep_f32").launch(
-            (-(-n // GDNC_C), Hv, 1), (GDNC_THREADS, 1, 1),
+        chunks = -(-n // GDNC_C)
+        # a grid of at most a block an SM (a short pass) waits on each tile's loads: the form that issues them a tile
+        # ahead (two blocks an SM, the same bits); more blocks hide the loads, and the plain form's four an SM do
+        ahead = self.many_regs and chunks * Hv <= self.sm_count if prep_ahead is None else prep_ahead
+        if ahead and not self.many_regs:
+            raise UnavailableError(f"gdn_chunked: the {self.name} kernels have no prep ahead (toolchain.many_regs)")
+        mod.kernel("gdn_chunk_prep_ahead_f32" if ahead else "gdn_chunk_prep_f32").launch(
+            (chunks, Hv, 1), (GDNC_THREADS, 1, 1),
             [("ptr", _ptr(u)), ("ptr", _ptr(g)), ("ptr", _ptr(beta)), ("ptr", _ptr(W)), ("ptr", _ptr(U)),
              ("ptr", _ptr(P)), ("ptr", _ptr(G))] + shape, stream=stream)
         mod.kernel("gdn_chunk_scan_f32").launch(

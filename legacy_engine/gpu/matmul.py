@@ -167,9 +167,9 @@ class MatmulLaunchers:
         of each leaving most SMs idle. tt (mma only): as gemm_mma's, from the launch's total row tiles."""
         if not 1 <= len(mats) <= MULTI_MATS:
             raise ValueError(f"gemm_multi: {len(mats)} matrices, not 1…{MULTI_MATS}")
-        if not self.has_multi or (mma and not self.has_mma):
+        if not self.many_regs or (mma and not self.has_mma):
             raise UnavailableError(f"gemm_multi: the {self.name} kernels have no {'int8 mma' if mma else 'multi'} "
-                                   "form (toolchain.has_multi, has_mma)")
+                                   "form (toolchain.many_regs, has_mma)")
         if qtype == F32:
             raise ValueError("gemm_multi: f32 weights have no int8 path (use gemm_f32)")
         tiles = 0

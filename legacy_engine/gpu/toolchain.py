@@ -63,9 +63,10 @@ MMA_ARCH = 75
 def has_mma(tier: str, arch: int) -> bool:
     """Whether the variant (tier, arch) carries gemm_mma's kernels."""
     return tier == "dp4a" and arch >= MMA_ARCH
-def has_multi(tier: str) -> bool:
-    """Whether the variant carries the int8 GEMMs' multi-matrix kernels (gemm_q8.cuh LE_GEMM_Q8_MULTI): every tier
-    but fermi (63 registers: the selected matrix spilled)."""
+def many_regs(tier: str) -> bool:
+    """compat.cuh's LE_HAS_MANY_REGS: every tier but fermi (63 registers a thread). The kernel forms that hold more
+    in registers exist only there: the int8 GEMMs' multi-matrix kernels (gemm_multi; on fermi the selected matrix
+    spilled) and the GDN prep's tiles loaded a tile ahead (gdn_chunk_prep_ahead_f32)."""
     return tier != "fermi"
 
 
