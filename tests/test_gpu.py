@@ -130,7 +130,7 @@ def _entries(ptx: bytes) -> set[bytes]:
     return set(re.findall(rb"\.entry\s+(\w+)", ptx))
 
 
-ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1"},
+ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1", "swiglu_q8_1"},
            "conv1d": {"conv1d_silu_f32", "conv1d_state_f32"},
            "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
            "gdn_chunked": {"gdn_chunk_prep_f32", "gdn_chunk_prep_ahead_f32", "gdn_chunk_scan_f32"},
@@ -650,6 +650,28 @@ def test_quantize_q8_1(kernels):
     bound = tol.GPU_Q8_1_SUM_REL * np.abs(s) + tol.GPU_Q8_1_SUM_ABS + tol.GPU_Q8_1_SUM_CHAIN * tol.GPU_SUM_U * sabs
     err = np.abs(got["s"].astype(np.float64) - s)
     assert (err <= bound).all(), f"s: max err/bound {np.max(err / bound):.3f}"
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_swiglu_q8_1(kernels):
+    """swiglu_q8_1 (the FFN down projection's int8 input in one launch) equals swiglu then quantize_q8_1 byte for byte:
+    large and zero gates, a zero block, more blocks than one grid of 65535 (grid-stride)."""
+    rng = np.random.default_rng(3)
+    n = 32 * (65535 * 4 + 37)
+    g = (rng.standard_normal(n) * rng.uniform(0.1, 30.0, n)).astype(np.float32)
+    u = rng.standard_normal(n).astype(np.float32)
+    g[:32] = 0.0                                   # SiLU(0) = 0: a zero block (d = 0)
+    g[32:64] = -100.0                              # e^100 overflows to inf: SiLU = -0
+    with gpu.Buffer.from_array(g) as bg, gpu.Buffer.from_array(u) as bu, gpu.Buffer(4 * n) as bs, \
+            gpu.Buffer(n // 32 * 36) as q1, gpu.Buffer(n // 32 * 36) as q2:
+        kernels.swiglu(bg, bu, bs, n)
+        kernels.quantize_q8_1(bs, q1, n)
+        q2.upload(np.full(n // 32 * 36, 0xA5, np.uint8))
+        kernels.swiglu_q8_1(bg, bu, q2, n)
+        want, got = q1.download(dtype=np.uint8), q2.download(dtype=np.uint8)
+    assert want.view(Q8_1_GPU)["qs"][2:].any()
+    assert np.array_equal(got, want), f"first difference at byte {np.flatnonzero(got != want)[0]}"
 
 
 @pytest.mark.gpu

@@ -183,6 +183,16 @@ class ForwardOps:
         """Whether _mm runs w on int8 activations (Q8_1) for a pass of n tokens."""
         return w.qtype != gpu.F32 and (self.int8_prefill if n > 1 else self.int8)
 
+    def _swiglu(self, w_down: _W, g: int, u: int, n_el: int, n: int) -> int | None:
+        """SiLU(g) * u of n_el elements (n tokens) for the down projection w_down: where it runs int8, straight into
+        Q8_1 (swiglu_q8_1: the same bits as swiglu then quantize, one launch) -> that buffer; else into g -> None."""
+        if not self._int8_for(w_down, n):
+            self.k.swiglu(g, u, g, n_el)
+            return None
+        xq = self.scratch.buf("xq_mm" if n > 1 else "xq", n_el // 32 * gpu.Q8_1_BYTES).ptr
+        self.k.swiglu_q8_1(g, u, xq, n_el)
+        return xq
+
     def _hq(self, n: int) -> int | None:
         """The buffer add_rmsnorm writes the normed h [n, E] into as Q8_1, for the int8 GEMVs (one token) or GEMMs
         (several, int8_prefill) that read h; None on the f32 paths. A name of its own: _mm's "xq" (the other
@@ -340,8 +350,7 @@ class ForwardOps:
             g = self.scratch.buf("ffg", 4 * n * ff).ptr
             u = self.scratch.buf("ffu", 4 * n * ff).ptr
             self._mm2(L["ffn_gate"], L["ffn_up"], h, g, u, n, hq)
-            k.swiglu(g, u, g, n * ff)
-            self._mm(L["ffn_down"], g, y, n)
+            self._mm(L["ffn_down"], g, y, n, self._swiglu(L["ffn_down"], g, u, n * ff, n))
             return
         if n == 1 and self.cpu_experts:
             return self._ffn_hybrid(L, h, hq, y)
@@ -518,7 +527,7 @@ class ForwardOps:
 
     def _shared_expert(self, L: dict, h: int, hq, n: int) -> tuple:
         """The shared expert's output sh [n, E] and gate logit shg [n] (device addresses), or (None, None)."""
-        hp, k = self.hparams, self.k
+        hp = self.hparams
         E = hp.n_embd
         sh = shg = None
         if hp.n_ff_shexp:
@@ -528,8 +537,7 @@ class ForwardOps:
             sh = self.scratch.buf("sh", 4 * n * E).ptr
             shg = self.scratch.buf("shg", 4 * n).ptr
             self._mm2(L["ffn_gate_shexp"], L["ffn_up_shexp"], h, sg, su, n, hq)
-            k.swiglu(sg, su, sg, n * fs)
-            self._mm(L["ffn_down_shexp"], sg, sh, n)
+            self._mm(L["ffn_down_shexp"], sg, sh, n, self._swiglu(L["ffn_down_shexp"], sg, su, n * fs, n))
             self._mm(L["ffn_gate_inp_shexp"], h, shg, n, hq)
         return sh, shg
 

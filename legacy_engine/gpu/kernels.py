@@ -106,6 +106,18 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
             (self._grid(-(-n // Q8_THREADS)), 1, 1), (Q8_THREADS, 1, 1),
             [("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", n)], stream=stream)
 
+    def swiglu_q8_1(self, g, u, y, n: int, stream: Stream | None = None) -> None:
+        """y: [n/32] block_q8_1 of SiLU(g) * u (g, u: [n] f32, n % 32 == 0): swiglu then quantize_q8_1, bit for bit,
+        in one launch."""
+        if n % 32:
+            raise ValueError(f"swiglu_q8_1: n = {n} is not a multiple of 32")
+        _need(g, 4 * n, "swiglu_q8_1 g")
+        _need(u, 4 * n, "swiglu_q8_1 u")
+        _need(y, n // 32 * Q8_1_BYTES, "swiglu_q8_1 y")
+        self.modules["quantize_q8_1"].kernel("swiglu_q8_1").launch(
+            (self._grid(-(-n // Q8_THREADS)), 1, 1), (Q8_THREADS, 1, 1),
+            [("ptr", _ptr(g)), ("ptr", _ptr(u)), ("ptr", _ptr(y)), ("i32", n)], stream=stream)
+
     # The products of the prefill GEMMs (their module) -> the peak kernel of the same instruction and the operations
     # one thread's iteration of it counts (cuda8/peak.cu: 2 per multiply-add; a warp's m16n8k16 is 4096).
     PEAK_OF = {"gemm_f32": ("peak_fma_f32", 2 * PEAK_CHAINS), "gemm_dp4a": ("peak_dp4a_s8", 8 * PEAK_CHAINS),
