@@ -391,15 +391,10 @@ __device__ __forceinline__ void le_block_argmax(float &v, int &i, float *scratch
 /* The MoE GEMVs' skipped pairs: a negative expert id (the hybrid decode runs that expert on the CPU) makes the
  * pair's output row zero and its block do nothing else. e is uniform over the block, so the whole block returns
  * (no barrier is left waiting). -> 1 when the caller returns. */
-/* Q8_1 block ib of x (the 32 floats at x + ib * QK8_1) by one warp into y[ib] when ib < nb, else only the warp's
- * reductions (fermi's need every thread): d = amax / 127, q = round(x / d), s = sum of x. One set of expressions for
- * quantize_q8_1, add_rmsnorm_f32 and gdn_gated_rmsnorm_f32, so their blocks are the same bits. */
-__device__ __forceinline__ void le_q8_1_value(float xi, block_q8_1 *y, int ib, int nb, float *scratch);
-__device__ __forceinline__ void le_q8_1_block(const float *x, block_q8_1 *y, int ib, int nb, float *scratch) {
-    const int lane = threadIdx.x % LE_WARP;
-    le_q8_1_value(ib < nb ? x[(size_t)ib * QK8_1 + lane] : 0.0f, y, ib, nb, scratch);
-}
-/* le_q8_1_block of the lane's value xi (0 where ib >= nb): for a kernel that computes x rather than loads it */
+/* Q8_1 block ib of the lanes' values xi (x[ib * QK8_1 + lane]; 0 where ib >= nb) by one warp into y[ib] when ib < nb,
+ * else only the warp's reductions (fermi's need every thread): d = amax / 127, q = round(x / d), s = sum of x. One set
+ * of expressions for quantize_q8_1, swiglu_q8_1 (which computes x rather than loads it), add_rmsnorm_f32 and
+ * gdn_gated_rmsnorm_f32, so their blocks are the same bits. */
 __device__ __forceinline__ void le_q8_1_value(float xi, block_q8_1 *y, int ib, int nb, float *scratch) {
     const int lane = threadIdx.x % LE_WARP;
     const float amax = le_warp_max(fabsf(xi), scratch);
@@ -413,6 +408,11 @@ __device__ __forceinline__ void le_q8_1_value(float xi, block_q8_1 *y, int ib, i
             y[ib].s = le_float_to_half(sum);
         }
     }
+}
+/* le_q8_1_value of the 32 floats at x + ib * QK8_1 */
+__device__ __forceinline__ void le_q8_1_block(const float *x, block_q8_1 *y, int ib, int nb, float *scratch) {
+    const int lane = threadIdx.x % LE_WARP;
+    le_q8_1_value(ib < nb ? x[(size_t)ib * QK8_1 + lane] : 0.0f, y, ib, nb, scratch);
 }
 
 __device__ __forceinline__ int le_zero_skipped_pair(int e, float *y, int nrows) {

@@ -387,8 +387,8 @@ __device__ __forceinline__ float gemm_q8_acc(float acc, float2 x, float p, float
 #define LE_GEMM_Q8_MULTI(name, fn, T, TT, ATTR)
 #endif
 
-/* The plain, grouped (_ids) and multi kernels `name`, `name##_ids`, `name##_multi`; ATTR goes before the names (launch bounds, or
- * LE_GEMM_NO_ATTR) */
+/* The plain, grouped (_ids) and multi kernels `name`, `name##_ids`, `name##_multi`; ATTR goes before the names
+ * (launch bounds, or LE_GEMM_NO_ATTR) */
 #define LE_GEMM_NO_ATTR
 #define LE_GEMM_Q8_KERNELS(name, fn, T, TT, ATTR)                                                              \
     LE_GEMM_Q8_PLAIN(name, fn, T, TT, ATTR)                                                                    \

@@ -151,13 +151,18 @@ class MatmulLaunchers:
         if not self.has_mma:
             raise UnavailableError(f"gemm_mma: the {self.name} kernels have no int8 mma (the dp4a tier at "
                                    f"compute_{MMA_ARCH}+ has)")
+        tt, kname = self._mma_form(-(-nrows // GEMM_ROWS), ntok, tt, "gemm_mma")
+        self._gemm_q8("gemm_mma", qtype, W, xq, Y, nrows, ncols, ntok, stream, tt, kname)
+
+    def _mma_form(self, row_tiles: int, ntok: int, tt: int | None, what: str) -> tuple[int, str]:
+        """gemm_mma's token form for a launch of row_tiles row tiles -> (tokens a block, kernel name prefix): tt, or
+        by default 32 (gemm_mma32_*) where the 64-token grid has at most MMA32_BLOCKS_PER_SM blocks an SM, else 64."""
         if tt is None:
-            blocks = -(-nrows // GEMM_ROWS) * -(-ntok // GEMM_MMA_TT)
+            blocks = row_tiles * -(-ntok // GEMM_MMA_TT)
             tt = GEMM_TT if blocks <= MMA32_BLOCKS_PER_SM * self.sm_count else GEMM_MMA_TT
         if tt not in (GEMM_TT, GEMM_MMA_TT):
-            raise ValueError(f"gemm_mma: tt = {tt}, not {GEMM_TT} or {GEMM_MMA_TT}")
-        self._gemm_q8("gemm_mma", qtype, W, xq, Y, nrows, ncols, ntok, stream, tt,
-                      "gemm_mma32" if tt == GEMM_TT else "gemm_mma")
+            raise ValueError(f"{what}: tt = {tt}, not {GEMM_TT} or {GEMM_MMA_TT}")
+        return tt, "gemm_mma32" if tt == GEMM_TT else "gemm_mma"
 
     def gemm_multi(self, qtype: int, mats, xq, ncols: int, ntok: int, mma: bool, stream: Stream | None = None,
                    tt: int | None = None) -> None:
@@ -180,14 +185,8 @@ class MatmulLaunchers:
         if not 0 < tiles <= MAX_GRID:
             raise ValueError(f"gemm_multi: {tiles} row tiles outside 1…{MAX_GRID}")
         _need(xq, ntok * (ncols // 32) * Q8_1_BYTES, "gemm_multi xq")
-        if not mma:
-            tt, kname, mod = GEMM_TT, "gemm_dp4a", "gemm_dp4a"
-        else:
-            if tt is None:
-                tt = GEMM_TT if tiles * -(-ntok // GEMM_MMA_TT) <= MMA32_BLOCKS_PER_SM * self.sm_count else GEMM_MMA_TT
-            if tt not in (GEMM_TT, GEMM_MMA_TT):
-                raise ValueError(f"gemm_multi: tt = {tt}, not {GEMM_TT} or {GEMM_MMA_TT}")
-            kname, mod = ("gemm_mma32" if tt == GEMM_TT else "gemm_mma"), "gemm_mma"
+        mod = "gemm_mma" if mma else "gemm_dp4a"
+        tt, kname = self._mma_form(tiles, ntok, tt, "gemm_multi") if mma else (GEMM_TT, "gemm_dp4a")
         if not 0 < ntok <= tt * MAX_GRID:
             raise ValueError(f"gemm_multi: ntok = {ntok} outside 1…{tt * MAX_GRID}")
         pad = [(0, 0, 0)] * (MULTI_MATS - len(mats))

@@ -63,6 +63,8 @@ MMA_ARCH = 75
 def has_mma(tier: str, arch: int) -> bool:
     """Whether the variant (tier, arch) carries gemm_mma's kernels."""
     return tier == "dp4a" and arch >= MMA_ARCH
+
+
 def many_regs(tier: str) -> bool:
     """compat.cuh's LE_HAS_MANY_REGS: every tier but fermi (63 registers a thread). The kernel forms that hold more
     in registers exist only there: the int8 GEMMs' multi-matrix kernels (gemm_multi; on fermi the selected matrix
