@@ -400,8 +400,10 @@ def test_info_names_each_gpus_prefill_gemm():
     assert "tier dp4a" in cmp_ and "tensor cores" not in cmp_
     mm = next(ln for ln in lines if "matmuls:" in ln)
     assert "gemm_mma" in mm and "--gpu-no-mma" in mm and "gemm_dp4a" in mm and "--gpu-f32" in mm
+    assert "_multi GEMMs; not on fermi" in mm and "swiglu_q8_1" in mm
     gdn = next(ln for ln in lines if "GDN prefill:" in ln)    # the form each tier runs (gpu/kernels.py's table)
     assert "the chunked form (gdn_chunked) on the dp4a and kepler tiers" in gdn and "gdn_recurrent" in gdn
+    assert "gdn_chunk_prep_ahead_f32; not on fermi" in gdn
     att = next(ln for ln in lines if "attention prefill:" in ln)     # ATTN_TILED_TIERS, RESIDENT_CHUNKS
     assert "attn_prefill_tiled_f32) on the dp4a and kepler tiers" in att and "2048/1024/512 tokens" in att
     assert "attn_prefill_mma_f32) on the dp4a tier from sm_75 (--gpu-no-mma" in att

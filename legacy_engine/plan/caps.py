@@ -132,10 +132,13 @@ def gpu_lines(gpu: dict) -> list[str]:
     lines.append("  matmuls: dp4a tier int8 DP4A decode GEMVs (gemv_dp4a) and int8 prefill GEMMs on Q8_1 "
                  f"activations, on tensor cores from sm_{MMA_ARCH} (gemm_mma; --gpu-no-mma: gemm_dp4a), with DP4A "
                  "below (gemm_dp4a); --gpu-f32 for f32; fermi/kepler tiers f32 (gemv_f32, gemm_f32); MoE prefill "
-                 "orders its routing on the GPU (moe_sort) when the host needs no ids")
+                 "orders its routing on the GPU (moe_sort) when the host needs no ids; a layer's int8 projections of "
+                 "one input in one launch (the _multi GEMMs; not on fermi), the FFN's SiLU product quantised in its "
+                 "own launch (swiglu_q8_1)")
     chunked = " and ".join(sorted(GDN_CHUNKED_TIERS))
     lines.append(f"  GDN prefill: the chunked form (gdn_chunked) on the {chunked} tiers, token by token "
-                 "(gdn_recurrent) elsewhere, where the chunked one measured slower")
+                 "(gdn_recurrent) elsewhere, where the chunked one measured slower; its prep loads a tile ahead "
+                 "(gdn_chunk_prep_ahead_f32; not on fermi) where a short pass leaves at most a block an SM")
     tiled = " and ".join(sorted(ATTN_TILED_TIERS))
     lines.append(f"  attention prefill: f16 tensor cores at f32 grade (hi + lo halves: attn_prefill_mma_f32) on the dp4a "
                  f"tier from sm_{MMA_ARCH} (--gpu-no-mma: the FMA kernels), register tiles (attn_prefill_tiled_f32) "
