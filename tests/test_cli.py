@@ -251,8 +251,7 @@ def test_bench_decode_defaults_to_the_chosen_tier():
 
     assert bench.parse_isas("chosen") == [_native.get_isa()]
     assert bench.parse_isas("chosen,all")[0] == _native.get_isa() and len(bench.parse_isas("all")) >= 1
-    out = subprocess.run([sys.executable, "-m", "legacy_engine", "bench", "decode", "-h"], capture_output=True,
-                         text=True, timeout=60).stdout
+    out = _cli("bench", "decode", "-h", timeout=60).stdout
     assert re.search(r"chosen: the\s+one `info`\s+chooses.*\(chosen\)", out, re.S), out
 
 
