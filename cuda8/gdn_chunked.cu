@@ -86,8 +86,9 @@ struct gdnc_prep_smem { /* declared by each prep kernel (a device function's __s
 
 template <bool AHEAD>
 __device__ __forceinline__ void gdnc_prep(const float *LE_RESTRICT u, const float *LE_RESTRICT g,
-                                          const float *LE_RESTRICT beta, float *W, float *Uo, float *P, float *Gc, int n,
-                                          int conv_dim, int Hk, int Hv, int dk, int dv, int tiled, gdnc_prep_smem &sm) {
+                                          const float *LE_RESTRICT beta, float *W, float *Uo, float *P, float *Gc,
+                                          int n, int conv_dim, int Hk, int Hv, int dk, int dv, int tiled,
+                                          gdnc_prep_smem &sm) {
     float(*T)[GDNC_C + 1] = sm.T;
     float(*tab)[GDNC_C][GDNC_TILE + 1] = sm.tab;
     float(*ta)[GDNC_TILE + 1] = tab[0]; /* a tile of K (then of beta e^G K, beta V) */
@@ -123,22 +124,23 @@ __device__ __forceinline__ void gdnc_prep(const float *LE_RESTRICT u, const floa
     for (int d0 = 0; d0 < dk; d0 += GDNC_TILE) {
         if (AHEAD) {
 #pragma unroll
-        for (int i = 0; i < GDNC_PT; i++) {
-            const int e = tid + GDNC_THREADS * i, r = e / GDNC_TILE, d = e % GDNC_TILE;
-            ta[r][d] = kq[0][i];
-            tb[r][d] = kq[1][i];
-        }
-        __syncthreads();
-        if (d0 + GDNC_TILE < dk) gdnc_prep_fetch(K, Q, conv_dim, L, dk, d0 + GDNC_TILE, kq); /* in flight meanwhile */
+            for (int i = 0; i < GDNC_PT; i++) {
+                const int e = tid + GDNC_THREADS * i, r = e / GDNC_TILE, d = e % GDNC_TILE;
+                ta[r][d] = kq[0][i];
+                tb[r][d] = kq[1][i];
+            }
+            __syncthreads();
+            if (d0 + GDNC_TILE < dk) /* in flight meanwhile */
+                gdnc_prep_fetch(K, Q, conv_dim, L, dk, d0 + GDNC_TILE, kq);
         } else {
 #pragma unroll 1
-        for (int e = tid; e < GDNC_C * GDNC_TILE; e += GDNC_THREADS) {
-            const int r = e / GDNC_TILE, d = e % GDNC_TILE;
-            const bool in = r < L && d0 + d < dk;
-            ta[r][d] = in ? K[(size_t)r * conv_dim + d0 + d] : 0.0f;
-            tb[r][d] = in ? Q[(size_t)r * conv_dim + d0 + d] : 0.0f;
-        }
-        __syncthreads();
+            for (int e = tid; e < GDNC_C * GDNC_TILE; e += GDNC_THREADS) {
+                const int r = e / GDNC_TILE, d = e % GDNC_TILE;
+                const bool in = r < L && d0 + d < dk;
+                ta[r][d] = in ? K[(size_t)r * conv_dim + d0 + d] : 0.0f;
+                tb[r][d] = in ? Q[(size_t)r * conv_dim + d0 + d] : 0.0f;
+            }
+            __syncthreads();
         }
 #pragma unroll 1
         for (int d = 0; d < GDNC_TILE; d++)
@@ -201,21 +203,21 @@ __device__ __forceinline__ void gdnc_prep(const float *LE_RESTRICT u, const floa
         for (int d0 = 0; d0 < width; d0 += GDNC_TILE) {
             if (AHEAD) {
 #pragma unroll
-            for (int i = 0; i < GDNC_PT; i++) {
-                const int e = tid + GDNC_THREADS * i, r = e / GDNC_TILE, d = e % GDNC_TILE;
-                const float scale = r < L ? (pass ? B[r] * expf(G[r]) : B[r]) : 0.0f;
-                ta[r][d] = r < L && d0 + d < width ? scale * xr[0][i] : 0.0f;
-            }
-            __syncthreads();
-            if (d0 + GDNC_TILE < width) gdnc_prep_fetch(X, X, conv_dim, L, width, d0 + GDNC_TILE, xr);
+                for (int i = 0; i < GDNC_PT; i++) {
+                    const int e = tid + GDNC_THREADS * i, r = e / GDNC_TILE, d = e % GDNC_TILE;
+                    const float scale = r < L ? (pass ? B[r] * expf(G[r]) : B[r]) : 0.0f;
+                    ta[r][d] = r < L && d0 + d < width ? scale * xr[0][i] : 0.0f;
+                }
+                __syncthreads();
+                if (d0 + GDNC_TILE < width) gdnc_prep_fetch(X, X, conv_dim, L, width, d0 + GDNC_TILE, xr);
             } else {
 #pragma unroll 1
-            for (int e = tid; e < GDNC_C * GDNC_TILE; e += GDNC_THREADS) {
-                const int r = e / GDNC_TILE, d = e % GDNC_TILE;
-                const float scale = r < L ? (pass ? B[r] * expf(G[r]) : B[r]) : 0.0f;
-                ta[r][d] = r < L && d0 + d < width ? scale * X[(size_t)r * conv_dim + d0 + d] : 0.0f;
-            }
-            __syncthreads();
+                for (int e = tid; e < GDNC_C * GDNC_TILE; e += GDNC_THREADS) {
+                    const int r = e / GDNC_TILE, d = e % GDNC_TILE;
+                    const float scale = r < L ? (pass ? B[r] * expf(G[r]) : B[r]) : 0.0f;
+                    ta[r][d] = r < L && d0 + d < width ? scale * X[(size_t)r * conv_dim + d0 + d] : 0.0f;
+                }
+                __syncthreads();
             }
             float acc[8];
 #pragma unroll
