@@ -83,6 +83,8 @@
 #define LE_HAS_MMA_16816 (LE_CC >= LE_CC_AMPERE && LE_CUDACC_VERSION >= 1100)
 /* f16 mma.sync with f32 accumulators: m16n8k8 from PTX ISA 6.5 (CUDA 10.2) on sm_75, m16n8k16 from sm_80 */
 #define LE_HAS_MMA_F16 (LE_CC >= LE_CC_TURING && LE_CUDACC_VERSION >= 1002)
+/* tf32 mma.sync m16n8k8 with f32 accumulators and cvt.rna.tf32.f32: PTX ISA 7.0 (CUDA 11.0) on sm_80 */
+#define LE_HAS_MMA_TF32 LE_HAS_MMA_16816
 
 #define LE_WARP 32
 /* A block-sized scratch array for the reduction helpers. */
@@ -227,6 +229,29 @@ __device__ __forceinline__ void le_split_f16x2(float x, float y, unsigned &hi, u
     const uint16_t lx = le_float_to_half(x - le_half_to_float(hx)), ly = le_float_to_half(y - le_half_to_float(hy));
     hi = (unsigned)hx | ((unsigned)hy << 16);
     lo = (unsigned)lx | ((unsigned)ly << 16);
+}
+#endif
+
+/* One warp's tf32 tensor-core product D[16 x 8] += A[16 x 8] B[8 x 8] in f32 (g = lane / 4, t = lane % 4; operands
+ * are f32 words rounded to tf32: le_split_tf32): a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4];
+ * b0 = B[t][g], b1 = B[t+4][g]; d[0], d[1] = D[g][2t, 2t+1], d[2], d[3] = D[g+8][2t, 2t+1]. Only where
+ * LE_HAS_MMA_TF32 (every lane of the warp must call it). */
+#if LE_HAS_MMA_TF32
+__device__ __forceinline__ void le_mma_tf32_16x8x8(float *d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                                   unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* x (finite) as hi = x rounded to tf32's 11 significant bits (half an ulp up in magnitude, then the 13 low bits
+ * cleared: two integer instructions; cvt.rna.tf32.f32 is a dozen on sm_90) and lo = x - hi (exact in f32; the mma
+ * reads its top 11 bits): hi + lo holds 21 of x's 24 bits at any magnitude, so hi.hi + hi.lo + lo.hi is an f32-grade
+ * product where f16 halves (le_split_f16x2) would flush small decays and states */
+__device__ __forceinline__ void le_split_tf32(float x, unsigned &hi, unsigned &lo) {
+    hi = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
+    lo = __float_as_uint(x - __uint_as_float(hi));
 }
 #endif
 

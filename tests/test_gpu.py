@@ -133,7 +133,8 @@ def _entries(ptx: bytes) -> set[bytes]:
 ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1", "swiglu_q8_1"},
            "conv1d": {"conv1d_silu_f32", "conv1d_state_f32"},
            "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
-           "gdn_chunked": {"gdn_chunk_prep_f32", "gdn_chunk_prep_ahead_f32", "gdn_chunk_scan_f32"},
+           "gdn_chunked": {"gdn_chunk_prep_f32", "gdn_chunk_prep_ahead_f32", "gdn_chunk_scan_f32",
+                           "gdn_chunk_scan_tf32"},
            "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32", "attn_kv_store_f32",
                          "attn_prefill_tiled_f32", "attn_prefill_mma_f32", "attn_kv_planes_f16"},
            "moe_route": {"moe_route_f32"}, "moe_sort": {"moe_sort"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
@@ -159,8 +160,10 @@ def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
         drop = ({"attn_prefill_tiled_f32"} if tier == "fermi" else set()) | \
             (set() if gpu.has_mma(tier, arch) else {"attn_prefill_mma_f32", "attn_kv_planes_f16"})
         return {e.encode() for e in ENTRIES[name] - drop} | {b"le_tier_probe"}
-    if name == "gdn_chunked" and not gpu.many_regs(tier):
-        return {e.encode() for e in ENTRIES[name] - {"gdn_chunk_prep_ahead_f32"}} | {b"le_tier_probe"}
+    if name == "gdn_chunked":
+        drop = (set() if gpu.many_regs(tier) else {"gdn_chunk_prep_ahead_f32"}) | \
+            (set() if gpu.has_tf32(tier, arch) else {"gdn_chunk_scan_tf32"})
+        return {e.encode() for e in ENTRIES[name] - drop} | {b"le_tier_probe"}
     if name == "peak" and not gpu.has_mma(tier, arch):
         return {e.encode() for e in ENTRIES[name] - {"peak_mma_s8"}} | {b"le_tier_probe"}
     if name in ("gemv_f32", "gemv_dp4a"):
@@ -1528,7 +1531,13 @@ def test_gdn_split_equals_whole(kernels):
 # forward substitution of up to 63 terms whose entries the decays and beta <= 1 bound), then W S, Q S, P V' and
 # K^T V' (chains of dk or of <= 64). It has no per-step proof like the recurrence's; it is held to the recurrent bound
 # (GDN_CHUNK_FACTOR = 1): on the test inputs its largest error was 0.023 of that bound on every tier (H200, 2026-11-29).
+# The tf32 scan (sm_80+) is held to the same bound: its products carry ~2^-21 instead of 2^-24.
 GDN_CHUNK_FACTOR = 1
+
+
+def gdn_scan_forms(kernels) -> tuple[bool, ...]:
+    """The chunked scan's forms a variant has: the f32 FMA scan, and the tf32 tensor-core one where has_tf32."""
+    return (False, True) if kernels.has_tf32 else (False,)
 
 
 @pytest.mark.gpu
@@ -1537,9 +1546,10 @@ def test_gdn_chunked(kernels):
     """The chunked form against the f64 rule (o and the state, GDN_CHUNK_FACTOR x the recurrent bound), with partial
     last chunks, one chunk and several, dk and dv below the tiles, and the k-head mapping's negative control."""
     rng = np.random.default_rng(23)
-    worst = 0.0
-    for n, Hk, Hv, dk, dv, tiled in ((200, 2, 4, 128, 128, True), (64, 2, 6, 16, 32, True), (7, 1, 3, 32, 16, True),
-                                     (130, 2, 4, 32, 40, False), (129, 1, 2, 128, 128, True)):
+    worst = dict.fromkeys(gdn_scan_forms(kernels), 0.0)
+    cases = ((200, 2, 4, 128, 128, True), (64, 2, 6, 16, 32, True), (7, 1, 3, 32, 16, True),
+             (130, 2, 4, 32, 40, False), (129, 1, 2, 128, 128, True))
+    for (n, Hk, Hv, dk, dv, tiled), mma in itertools.product(cases, worst):
         u, g, beta, S0 = gdn_inputs(rng, n, Hk, Hv, dk, dv)
         o_ref, S_ref, cmax = gdn_ref(u, g, beta, S0, Hk, Hv, dk, dv, tiled)
         chunks = -(-n // 64)
@@ -1547,7 +1557,7 @@ def test_gdn_chunked(kernels):
                 gpu.Buffer.from_array(S0) as bS, gpu.Buffer(4 * n * Hv * dv) as bo, gpu.Buffer(4 * n * Hv * dk) as w, \
                 gpu.Buffer(4 * n * Hv * dv) as bu2, gpu.Buffer(4 * chunks * Hv * 64 * 64) as bp, \
                 gpu.Buffer(4 * n * Hv) as bgc:
-            kernels.gdn_chunked(bu, bg, bb, bS, bo, n, Hk, Hv, dk, dv, (w, bu2, bp, bgc), tiled)
+            kernels.gdn_chunked(bu, bg, bb, bS, bo, n, Hk, Hv, dk, dv, (w, bu2, bp, bgc), tiled, mma=mma)
             o = bo.download(dtype=np.float32).reshape(n, Hv, dv)
             S = bS.download(dtype=np.float32).reshape(Hv, dk, dv)
         qn = np.float64(1) / np.sqrt(dk)
@@ -1556,14 +1566,15 @@ def test_gdn_chunked(kernels):
         err_o = np.abs(o - o_ref.reshape(n, Hv, dv))
         bound_S = GDN_CHUNK_FACTOR * (cmax[-1] * n * (dk + GDN_STEP_EXTRA) * U)[:, None, :]
         err_S = np.abs(S - S_ref)
-        worst = max(worst, GDN_CHUNK_FACTOR * max(np.max(err_o / bound_o), np.max(err_S / bound_S)))
-        what = f"gdn_chunked n={n} Hk={Hk} Hv={Hv} dk={dk} dv={dv} tiled={tiled}"
+        worst[mma] = max(worst[mma], GDN_CHUNK_FACTOR * max(np.max(err_o / bound_o), np.max(err_S / bound_S)))
+        what = f"gdn_chunked n={n} Hk={Hk} Hv={Hv} dk={dk} dv={dv} tiled={tiled} mma={mma}"
         assert (err_o <= bound_o).all(), f"{what}: o max err/bound {np.max(err_o / bound_o):.3g}"
         assert (err_S <= bound_S).all(), f"{what}: state max err/bound {np.max(err_S / bound_S):.3g}"
         if (np.arange(Hv) % Hk != np.arange(Hv) // (Hv // Hk)).any():   # negative control: the other mapping
             o_bad, _, _ = gdn_ref(u, g, beta, S0, Hk, Hv, dk, dv, not tiled)
             assert (np.abs(o - o_bad.reshape(n, Hv, dv)) > bound_o).any()
-    print(f"gdn_chunked {kernels.name}: largest error / recurrent bound {worst:.3g}")
+    for mma, x in worst.items():
+        print(f"gdn_chunked {kernels.name} {'tf32' if mma else 'f32'} scan: largest error / recurrent bound {x:.3g}")
 
 
 @pytest.mark.gpu
@@ -1580,20 +1591,26 @@ def test_gdn_chunked_split_at_a_chunk_equals_whole(kernels):
             gpu.Buffer(4 * n * Hv * dv) as o2, gpu.Buffer(4 * n * Hv * dk) as w, gpu.Buffer(4 * n * Hv * dv) as uu, \
             gpu.Buffer(4 * 4 * Hv * 64 * 64) as p, gpu.Buffer(4 * n * Hv) as gc:
         work = (w, uu, p, gc)
-        kernels.gdn_chunked(bu, bg, bb, s1, o1, n, Hk, Hv, dk, dv, work)
-        kernels.gdn_chunked(bu, bg, bb, s2, o2, cut, Hk, Hv, dk, dv, work)
-        kernels.gdn_chunked(bu.ptr + cut * 4 * conv_dim, bg.ptr + cut * 4 * Hv, bb.ptr + cut * 4 * Hv, s2,
-                            o2.ptr + cut * 4 * Hv * dv, n - cut, Hk, Hv, dk, dv, work)
-        assert np.array_equal(o1.download(dtype=np.float32), o2.download(dtype=np.float32))
-        assert np.array_equal(s1.download(dtype=np.float32), s2.download(dtype=np.float32))
-        # the prep's two forms (a tile ahead where the grid is short, plain where occupancy hides the loads): same bits
-        forms = (False, True) if kernels.many_regs else (False,)
-        for ahead in forms:
-            s2.upload(S0)
-            o2.upload(np.full(n * Hv * dv, np.nan, np.float32))
-            kernels.gdn_chunked(bu, bg, bb, s2, o2, n, Hk, Hv, dk, dv, work, prep_ahead=ahead)
-            assert np.array_equal(o1.download(dtype=np.float32), o2.download(dtype=np.float32)), ahead
-            assert np.array_equal(s1.download(dtype=np.float32), s2.download(dtype=np.float32)), ahead
+        for mma in gdn_scan_forms(kernels):         # each scan form: its own bits, a cut at a chunk keeps them
+            for s in (s1, s2):
+                s.upload(S0)
+            kernels.gdn_chunked(bu, bg, bb, s1, o1, n, Hk, Hv, dk, dv, work, mma=mma)
+            kernels.gdn_chunked(bu, bg, bb, s2, o2, cut, Hk, Hv, dk, dv, work, mma=mma)
+            kernels.gdn_chunked(bu.ptr + cut * 4 * conv_dim, bg.ptr + cut * 4 * Hv, bb.ptr + cut * 4 * Hv, s2,
+                                o2.ptr + cut * 4 * Hv * dv, n - cut, Hk, Hv, dk, dv, work, mma=mma)
+            assert np.array_equal(o1.download(dtype=np.float32), o2.download(dtype=np.float32)), mma
+            assert np.array_equal(s1.download(dtype=np.float32), s2.download(dtype=np.float32)), mma
+            # the prep's two forms (a tile ahead where the grid is short, plain where occupancy hides the loads): same
+            # bits
+            for ahead in (False, True) if kernels.many_regs else (False,):
+                s2.upload(S0)
+                o2.upload(np.full(n * Hv * dv, np.nan, np.float32))
+                kernels.gdn_chunked(bu, bg, bb, s2, o2, n, Hk, Hv, dk, dv, work, prep_ahead=ahead, mma=mma)
+                assert np.array_equal(o1.download(dtype=np.float32), o2.download(dtype=np.float32)), (mma, ahead)
+                assert np.array_equal(s1.download(dtype=np.float32), s2.download(dtype=np.float32)), (mma, ahead)
+        if not kernels.has_tf32:
+            with pytest.raises(UnavailableError, match="tf32 scan"):
+                kernels.gdn_chunked(bu, bg, bb, s2, o2, n, Hk, Hv, dk, dv, work, mma=True)
         if not kernels.many_regs:
             with pytest.raises(UnavailableError, match="prep ahead"):
                 kernels.gdn_chunked(bu, bg, bb, s2, o2, n, Hk, Hv, dk, dv, work, prep_ahead=True)

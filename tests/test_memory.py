@@ -404,6 +404,7 @@ def test_info_names_each_gpus_prefill_gemm():
     gdn = next(ln for ln in lines if "GDN prefill:" in ln)    # the form each tier runs (gpu/kernels.py's table)
     assert "the chunked form (gdn_chunked) on the dp4a and kepler tiers" in gdn and "gdn_recurrent" in gdn
     assert "gdn_chunk_prep_ahead_f32; not on fermi" in gdn
+    assert "(gdn_chunk_scan_tf32) on the dp4a tier from sm_80 (--gpu-no-mma" in gdn
     att = next(ln for ln in lines if "attention prefill:" in ln)     # ATTN_TILED_TIERS, RESIDENT_CHUNKS
     assert "attn_prefill_tiled_f32) on the dp4a and kepler tiers" in att and "2048/1024/512 tokens" in att
     assert "attn_prefill_mma_f32) on the dp4a tier from sm_75 (--gpu-no-mma" in att

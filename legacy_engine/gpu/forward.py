@@ -21,8 +21,8 @@ shared memory, f32 accumulate). MoE experts run as (token, expert) GEMVs indexed
 host round trip), or in a pass of several tokens sorted by expert as grouped GEMMs; a hybrid decode step's MoE
 block is split between the GPU and the CPU through the hybrid channel (_ffn_hybrid).
 
-The host class provides hparams, k (Kernels), the precision flags (int8, int8_prefill, mma, attn_mma), sort_pairs,
-grouped, the placement's (stream, cpu_experts, pinned, decode_extras, link_experts, early_experts), graphs,
+The host class provides hparams, k (Kernels), the precision flags (int8, int8_prefill, mma, attn_mma, gdn_mma),
+sort_pairs, grouped, the placement's (stream, cpu_experts, pinned, decode_extras, link_experts, early_experts), graphs,
 route_counts and its rooms: res (Residency), scratch (Scratch), hy (HybridChannel)."""
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ class ForwardOps:
             k.gdn_gates(beta, g, L["ssm_dt"], L["ssm_a"], n, Hv)
         if n > 1 and chunked and k.tier in GDN_CHUNKED_TIERS:
             work = tuple(self.scratch.buf(name, nbytes).ptr for name, nbytes in gdn_chunk_work(hp, n).items())
-            k.gdn_chunked(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, work, tiled=tiled)
+            k.gdn_chunked(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, work, tiled=tiled, mma=self.gdn_mma)
         else:
             k.gdn_recurrent(u, g, beta, st.ssm_ptr(si), o, n, Hk, Hv, dk, dv, tiled=tiled,
                             dt_bias=L["ssm_dt"] if n == 1 else None, ssm_a=L["ssm_a"] if n == 1 else None)

@@ -21,7 +21,7 @@ from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_M_Q, ATTN_M_THREADS,
                      attn_planes_bytes, attn_planes_keys)
 from .matmul import MatmulLaunchers
 from .runtime import Buffer, BufferView, Module, Stream, _ensure_open, _native, device_arch
-from .toolchain import SOURCES, check_variant, get_ptx, has_mma, many_regs, variant_name
+from .toolchain import SOURCES, check_variant, get_ptx, has_mma, has_tf32, many_regs, variant_name
 from .vision_kernels import VisionLaunchers
 
 
@@ -47,6 +47,7 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         check_variant(tier, self.arch)
         self.has_mma = has_mma(tier, self.arch)     # gemm_mma's kernels (tensor cores) are in this variant
         self.many_regs = many_regs(tier)            # the register-hungry forms: gemm_multi, the GDN prep ahead
+        self.has_tf32 = has_tf32(tier, self.arch)   # the GDN scan on tf32 tensor cores (gdn_chunk_scan_tf32)
         # the open device's SMs (launch shapes that leave SMs idle pick smaller tiles: gemm_mma)
         self.sm_count = _native().gpu_info()["devices"][_native().gpu_current_device()]["multiprocessors"]
         self.modules: dict[str, Module] = {}
@@ -216,10 +217,13 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
              ("i32", int(bool(tiled))), ("ptr", _ptr(dt_bias)), ("ptr", _ptr(ssm_a))], stream=stream)
 
     def gdn_chunked(self, u, g, beta, S, o, n: int, Hk: int, Hv: int, dk: int, dv: int, work: tuple,
-                    tiled: bool = True, stream: Stream | None = None, prep_ahead: bool | None = None) -> None:
+                    tiled: bool = True, stream: Stream | None = None, prep_ahead: bool | None = None,
+                    mma: bool | None = None) -> None:
         """gdn_recurrent's rule over n tokens in chunks of GDNC_C (cuda8/gdn_chunked.cu; chunks counted from the first
         token), g and beta already gated. work: (W [n, Hv, dk], U [n, Hv, dv], P [chunks, Hv, C, C], G [n, Hv]) f32
-        buffers (layout.gdn_chunk_work). prep_ahead: the prep's form (the same bits): None chooses by the grid."""
+        buffers (layout.gdn_chunk_work). prep_ahead: the prep's form (the same bits): None chooses by the grid.
+        mma: the scan's products on tf32 tensor cores at f32 grade (gdn_chunk_scan_tf32: other bits, within the same
+        bound); None: where the variant has_tf32 and dk is a multiple of 16; False: the f32 FMA scan."""
         if not 0 < dk <= GDNC_MAX_DK:
             raise ValueError(f"gdn_chunked: dk = {dk} outside 1…{GDNC_MAX_DK}")
         if Hk <= 0 or Hv % Hk or dv <= 0 or n <= 0:
@@ -243,7 +247,15 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
             (chunks, Hv, 1), (GDNC_THREADS, 1, 1),
             [("ptr", _ptr(u)), ("ptr", _ptr(g)), ("ptr", _ptr(beta)), ("ptr", _ptr(W)), ("ptr", _ptr(U)),
              ("ptr", _ptr(P)), ("ptr", _ptr(G))] + shape, stream=stream)
-        mod.kernel("gdn_chunk_scan_f32").launch(
+        # its fragments are 16-byte loads of u's rows, W's and P's
+        tf32_ok = self.has_tf32 and dk % 16 == 0 and conv_dim % 4 == 0 and not (_ptr(u) | _ptr(W) | _ptr(P)) % 16
+        if mma is None:
+            mma = tf32_ok
+        elif mma and not tf32_ok:
+            raise UnavailableError(f"gdn_chunked: the tf32 scan needs the dp4a tier at compute_80+, dk a multiple of "
+                                   f"16 and 16-byte aligned rows, "
+                                   f"not {self.name} with dk = {dk}, conv_dim = {conv_dim}")
+        mod.kernel("gdn_chunk_scan_tf32" if mma else "gdn_chunk_scan_f32").launch(
             (Hv, -(-dv // GDNC_COLS), 1), (GDNC_THREADS, 1, 1),
             [("ptr", _ptr(u)), ("ptr", _ptr(W)), ("ptr", _ptr(U)), ("ptr", _ptr(P)), ("ptr", _ptr(G)),
              ("ptr", _ptr(S)), ("ptr", _ptr(o))] + shape, stream=stream)

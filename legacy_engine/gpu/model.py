@@ -95,6 +95,9 @@ class GpuModel(ForwardOps):
             raise UnavailableError(f"mma: the tensor-core attention needs a head size that is a multiple of 16, not "
                                    f"{hp.head_dim}")
         self.attn_mma = attn_ok if options.mma is None else bool(options.mma)
+        # the chunked GDN scan's products on tf32 tensor cores at f32 grade (gdn_chunk_scan_tf32, sm_80+), under the
+        # same switch; its dk (Qwen3.5: 128) a multiple of 16
+        self.gdn_mma = self.k.has_tf32 and hp.ssm_d_state % 16 == 0 and options.mma is not False
         self.model = model
         self.file = model.file
         self._faults = model_faults(model)
@@ -580,7 +583,8 @@ class GpuModel(ForwardOps):
         embd = ("; token embedding read from host memory over the link ("
                 + ("the page-locked map" if self.res.host is not None else "a page-locked copy") + ")"
                 if self.embd_where == "host" else "")
-        gdn = "chunked" if self.k.tier in GDN_CHUNKED_TIERS else "token by token (the chunked form is slower here)"
+        gdn = (("chunked, its scan on tf32 tensor cores (f32 grade)" if self.gdn_mma else "chunked")
+               if self.k.tier in GDN_CHUNKED_TIERS else "token by token (the chunked form is slower here)")
         return (f"GPU {self.device['name']} ({self.k.name} kernels, {kind(self.int8)} decode GEMVs, "
                 f"{gemm} prefill GEMMs, {attn} prefill attention, GDN prefill {gdn}), weights "
                 f"{self.vram_bytes / 2**30:.2f} GiB in "

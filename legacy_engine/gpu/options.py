@@ -24,10 +24,10 @@ class GpuOptions:
     int8_prefill: passes of several tokens run the quantised weights as int8 GEMMs too (gemm_dp4a: activations
     quantised to Q8_1 once per input, as decode does), default = int8. The f32 GEMM (gemm_f32) is the alternative:
     1.3-1.4x slower on an H100 (q4_K, same run), no activation rounding.
-    mma: the tensor cores: the int8 GEMMs (gemm_mma: the same bits as gemm_dp4a) and the attention prefill's
-    products (f16 hi + lo halves, f32 grade: attn_prefill_mma_f32), default on where the kernels have them (dp4a
-    tier, sm_75+: T4 and newer); False keeps gemm_dp4a and the f32 FMA attention (a card whose tensor cores are
-    throttled).
+    mma: the tensor cores: the int8 GEMMs (gemm_mma: the same bits as gemm_dp4a), the attention prefill's
+    products (f16 hi + lo halves, f32 grade: attn_prefill_mma_f32) and the chunked GDN scan's (tf32 hi + lo, f32
+    grade: gdn_chunk_scan_tf32, sm_80+), default on where the kernels have them (dp4a tier, sm_75+: T4 and newer);
+    False keeps gemm_dp4a and the f32 FMA attention and scan (a card whose tensor cores are throttled).
     plan: decode steps replay a recorded LaunchPlan (the first step of a state records it; the token and position go
     to the GPU, every argument stays fixed): ~1 µs of Python per launch instead of ~30.
     graphs: the plan also runs as one CUDA graph (one host call per token). Default: on where the driver has graphs

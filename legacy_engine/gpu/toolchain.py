@@ -65,6 +65,16 @@ def has_mma(tier: str, arch: int) -> bool:
     return tier == "dp4a" and arch >= MMA_ARCH
 
 
+# The GDN scan's products on tf32 tensor cores (gdn_chunk_scan_tf32; compat.cuh LE_HAS_MMA_TF32: mma.sync m16n8k8
+# .tf32 and cvt.rna.tf32 from sm_80, CUDA 11.0): the dp4a tier from this arch on.
+TF32_ARCH = 80
+
+
+def has_tf32(tier: str, arch: int) -> bool:
+    """Whether the variant (tier, arch) carries the tf32 tensor-core GDN scan."""
+    return tier == "dp4a" and arch >= TF32_ARCH
+
+
 def many_regs(tier: str) -> bool:
     """compat.cuh's LE_HAS_MANY_REGS: every tier but fermi (63 registers a thread). The kernel forms that hold more
     in registers exist only there: the int8 GEMMs' multi-matrix kernels (gemm_multi; on fermi the selected matrix

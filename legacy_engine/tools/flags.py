@@ -52,8 +52,9 @@ def gpu_flags(s) -> None:
                    help="with --gpu: f32 decode GEMVs and prefill GEMMs instead of the int8 DP4A ones (default: "
                         "DP4A on the dp4a tier)")
     s.add_argument("--gpu-no-mma", dest="gpu_mma", action="store_const", const=False, default=None,
-                   help="with --gpu: no tensor cores: int8 prefill GEMMs with DP4A and the attention prefill on f32 "
-                        "FMA (default: tensor cores from sm_75, e.g. T4; for cards whose tensor cores are throttled)")
+                   help="with --gpu: no tensor cores: int8 prefill GEMMs with DP4A, the attention prefill and the "
+                        "GDN scan on f32 FMA (default: tensor cores from sm_75, e.g. T4, the GDN scan's tf32 from "
+                        "sm_80; for cards whose tensor cores are throttled)")
     s.add_argument("--vram", dest="gpu_vram", default=None, metavar="SIZE",
                    help="with --gpu: VRAM budget, e.g. 6GiB (default: free VRAM minus 512 MiB). A model that does not "
                         "fit runs split: routed experts streamed per layer for GPU prefill, hot ones pinned, decode "
