@@ -508,12 +508,18 @@ __device__ __forceinline__ void gdnt_split_a(float a0, float a1, float a2, float
     le_split_tf32(a3, h[3], l[3]);
 }
 
-/* a 16-byte B read (k = 4t .. 4t + 3 of a group of 16) as tf32 halves: k-step s takes elements 2s, 2s + 1 */
-__device__ __forceinline__ void gdnt_split_b(float4 b, unsigned *h, unsigned *l) {
-    le_split_tf32(b.x, h[0], l[0]);
-    le_split_tf32(b.y, h[1], l[1]);
-    le_split_tf32(b.z, h[2], l[2]);
-    le_split_tf32(b.w, h[3], l[3]);
+/* The B operands (S^T, V'^T) live in shared memory as tf32 halves, split once by the thread that writes them (the 4
+ * or 8 warps that read an element would each split it): plane 0 hi, plane 1 lo */
+__device__ __forceinline__ void gdnt_put_b(unsigned *hi, unsigned *lo, float x) {
+    le_split_tf32(x, *hi, *lo);
+}
+
+/* a B fragment pair's halves (k = 4t .. 4t + 3 of a group of 16: k-step s takes elements 2s, 2s + 1): two 16-byte
+ * shared reads */
+__device__ __forceinline__ void gdnt_get_b(const unsigned *hi, const unsigned *lo, unsigned *h, unsigned *l) {
+    const uint4 a = *reinterpret_cast<const uint4 *>(hi), b = *reinterpret_cast<const uint4 *>(lo);
+    h[0] = a.x, h[1] = a.y, h[2] = a.z, h[3] = a.w;
+    l[0] = b.x, l[1] = b.y, l[2] = b.z, l[3] = b.w;
 }
 
 /* element i (a constant after unrolling) of v */
@@ -551,8 +557,8 @@ extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1)
     gdn_chunk_scan_tf32(const float *LE_RESTRICT u, const float *LE_RESTRICT W, const float *LE_RESTRICT Uo,
                         const float *LE_RESTRICT P, const float *LE_RESTRICT Gc, float *S, float *o, int n,
                         int conv_dim, int Hk, int Hv, int dk, int dv, int tiled) {
-    __shared__ __align__(16) float St[GDNC_COLS][GDNT_SP]; /* S^T: [column][dim] */
-    __shared__ __align__(16) float Vt[GDNC_COLS][GDNT_VP]; /* V'^T: [column][row] */
+    __shared__ __align__(16) unsigned St[2][GDNC_COLS][GDNT_SP]; /* S^T: [hi | lo][column][dim] */
+    __shared__ __align__(16) unsigned Vt[2][GDNC_COLS][GDNT_VP]; /* V'^T: [hi | lo][column][row] */
     __shared__ float red[GDNC_THREADS / 32][8][32];       /* phase 1's partial sums for the other column tile */
     __shared__ float G[GDNC_C], D[GDNC_C];                 /* G, and e^{G_L - G} */
     const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, g = lane / 4, t = lane % 4;
@@ -569,7 +575,7 @@ extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1)
         for (int c = 0; c < 4; c++) {
             const int dim = 16 * w + g + 8 * (c / 2), cl = 8 * nt + 2 * t + c % 2;
             sr[nt][c] = dim < dk && c0 + cl < dv ? Sj[(size_t)dim * dv + c0 + cl] : 0.0f;
-            St[cl][dim] = sr[nt][c];
+            gdnt_put_b(&St[0][cl][dim], &St[1][cl][dim], sr[nt][c]);
         }
     float4 aw[4][2], aq[4][2];
     float gv = 0.0f, gl = 0.0f; /* threads tid < GDNC_C: the chunk's G_tid and G_{L-1}, loaded a chunk ahead */
@@ -610,7 +616,7 @@ extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1)
                 unsigned bh[2][4], bl[2][4];
 #pragma unroll
                 for (int nt = 0; nt < 2; nt++)
-                    gdnt_split_b(*reinterpret_cast<const float4 *>(&St[8 * nt + g][d0 + 4 * t]), bh[nt], bl[nt]);
+                    gdnt_get_b(&St[0][8 * nt + g][d0 + 4 * t], &St[1][8 * nt + g][d0 + 4 * t], bh[nt], bl[nt]);
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
                     unsigned ah[4], al[4];
@@ -659,7 +665,7 @@ extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1)
             const float ws = (half ? wb[1][c] + wl[1][c] : wb[0][c] + wl[0][c]) + red[w ^ 4][c][lane];
             qs[c] = (half ? qb[1][c] + ql[1][c] : qb[0][c] + ql[0][c]) + red[w ^ 4][4 + c][lane];
             const int row = 16 * mt + g + 8 * (c / 2), cl = 8 * half + 2 * t + c % 2;
-            Vt[cl][row] = row < L && c0 + cl < dv ? uv[c] - ws : 0.0f; /* V' = U - W S */
+            gdnt_put_b(&Vt[0][cl][row], &Vt[1][cl][row], row < L && c0 + cl < dv ? uv[c] - ws : 0.0f); /* U - W S */
         }
         __syncthreads();
         /* phase 2: O = e^G (Q S) + P V' */
@@ -669,7 +675,7 @@ extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1)
             for (int kg = 0; kg < 4; kg++) {
                 if (kg > mt || 16 * kg >= L) break;
                 unsigned bh[4], bl[4], ah[4], al[4];
-                gdnt_split_b(*reinterpret_cast<const float4 *>(&Vt[8 * half + g][16 * kg + 4 * t]), bh, bl);
+                gdnt_get_b(&Vt[0][8 * half + g][16 * kg + 4 * t], &Vt[1][8 * half + g][16 * kg + 4 * t], bh, bl);
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
                     gdnt_split_a(gdnt_f4(ap[kg][0], 2 * s), gdnt_f4(ap[kg][1], 2 * s), gdnt_f4(ap[kg][0], 2 * s + 1),
@@ -697,7 +703,8 @@ extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1)
                 unsigned bh[2][4], bl[2][4];
 #pragma unroll
                 for (int nt = 0; nt < 2; nt++)
-                    gdnt_split_b(*reinterpret_cast<const float4 *>(&Vt[8 * nt + g][16 * kg + 4 * t]), bh[nt], bl[nt]);
+                    gdnt_get_b(&Vt[0][8 * nt + g][16 * kg + 4 * t], &Vt[1][8 * nt + g][16 * kg + 4 * t], bh[nt],
+                               bl[nt]);
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
                     const float d0 = D[16 * kg + 4 * t + 2 * s], d1 = D[16 * kg + 4 * t + 2 * s + 1];
@@ -716,7 +723,8 @@ extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1)
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
                     sr[nt][c] = el * sr[nt][c] + (sb[nt][c] + sl[nt][c]);
-                    St[8 * nt + 2 * t + c % 2][16 * w + g + 8 * (c / 2)] = sr[nt][c];
+                    const int cl = 8 * nt + 2 * t + c % 2, dim = 16 * w + g + 8 * (c / 2);
+                    gdnt_put_b(&St[0][cl][dim], &St[1][cl][dim], sr[nt][c]);
                 }
         }
         __syncthreads(); /* S^T, V'^T, G, D and the exchange free for the next chunk */
