@@ -431,7 +431,7 @@ def _rank(strategies: list[Strategy], gen: int) -> list[Strategy]:
 # ================================================================================================ the engine's choice
 
 VRAM_MARGIN = 512 * MiB      # left free when no budget is given (the driver, other processes, fragmentation)
-STREAM_CHUNKS = (2048, 1024, 512, 256)   # pass lengths the planner tries for streamed prefill
+STREAM_CHUNKS = (4096, 2048, 1024, 512, 256)   # pass lengths the planner tries for streamed prefill
 
 
 DECODES = ("auto", "cpu", "hybrid")
