@@ -80,9 +80,44 @@ __device__ __forceinline__ void gdnc_prep_fetch(const float *A, const float *B, 
  * the products of the tile before (gdnc_prep_fetch); the same shared contents and sums either way: the same bits. */
 struct gdnc_prep_smem { /* declared by each prep kernel (a device function's __shared__ would be every kernel's) */
     float T[GDNC_C][GDNC_C + 1];         /* A, then T = (I + A)^-1 */
-    float tab[2][GDNC_C][GDNC_TILE + 1]; /* one buffer: At below spans both */
+    __align__(16) float tab[2][GDNC_C][GDNC_TILE + 1]; /* one buffer: At and xt below span it */
     float G[GDNC_C], B[GDNC_C];
 };
+
+#if LE_HAS_SHFL
+/* T (holding A, strictly lower) <- (I + A)^-1 in place, rows >= L: the identity's. Warp w takes columns w + 8k (k < 8),
+ * lane l their rows l and l + 32 in registers; at step m each column's T_mc comes from lane m % 32 by a shuffle, so
+ * the steps need no barrier (pivot by pivot, one barrier a step, they had been most of the prep). The same terms in
+ * the same order as the barrier form: the same bits. */
+__device__ __forceinline__ void gdnc_invert_warps(float (*T)[GDNC_C + 1], int L) {
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, nw = GDNC_THREADS / 32;
+    float t[GDNC_C / (GDNC_THREADS / 32)][2]; /* [k][h]: T[lane + 32 h][w + 8 k] */
+#pragma unroll
+    for (int k = 0; k < GDNC_C / nw; k++) t[k][0] = t[k][1] = 0.0f;
+    for (int m = 0; m + 1 < L; m++) {
+        const float a0 = T[lane][m], a1 = T[lane + 32][m]; /* A's column m at this lane's rows */
+#pragma unroll
+        for (int k = 0; k < GDNC_C / nw; k++) {
+            const int c = w + nw * k;
+            const float mine = m < 32 ? t[k][0] : t[k][1]; /* (selected: m is uniform) */
+            const float tm = c == m ? 1.0f : __int_as_float(le_shfl_idx(__float_as_int(mine), m % 32, 32));
+            if (c <= m) {
+                if (lane > m && lane < L) t[k][0] -= a0 * tm;
+                if (lane + 32 > m && lane + 32 < L) t[k][1] -= a1 * tm;
+            }
+        }
+    }
+    __syncthreads(); /* A read by every warp */
+#pragma unroll
+    for (int k = 0; k < GDNC_C / nw; k++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = lane + 32 * h, c = w + nw * k;
+            T[r][c] = r == c ? 1.0f : r < L && c < r ? t[k][h] : 0.0f;
+        }
+    __syncthreads();
+}
+#endif
 
 template <bool AHEAD>
 __device__ __forceinline__ void gdnc_prep(const float *LE_RESTRICT u, const float *LE_RESTRICT g,
@@ -170,8 +205,12 @@ __device__ __forceinline__ void gdnc_prep(const float *LE_RESTRICT u, const floa
         }
     __syncthreads();
     /* T = (I + A)^-1 by forward substitution, T_rc = -sum_{m=c}^{r-1} A_rm T_mc (T_cc = 1), the terms in increasing m
-     * as row by row would take them, but pivot by pivot: at step m every row r > m takes its term m, A's column m read
-     * from a copy (At, in the tile buffers) while T fills in: one barrier a step, 4 rows a thread. */
+     * as row by row would take them, but pivot by pivot: at step m every row r > m takes its term m. */
+#if LE_HAS_SHFL
+    gdnc_invert_warps(T, L);
+#else
+    /* without shuffles (fermi): A's column m read from a copy (At, in the tile buffers) while T fills in: one barrier
+     * a step, 4 rows a thread */
     float(*At)[GDNC_C] = (float(*)[GDNC_C])tab; /* 2 * 64 * 33 >= 64 * 64 floats, free until U and W */
     for (int e = tid; e < GDNC_C * GDNC_C; e += GDNC_THREADS) {
         const int r = e / GDNC_C, s = e % GDNC_C;
@@ -191,8 +230,12 @@ __device__ __forceinline__ void gdnc_prep(const float *LE_RESTRICT u, const floa
     }
     if (tid < GDNC_C) T[tid][tid] = 1.0f;
     __syncthreads();
-    /* U = T (beta V), W = T (beta e^G K): thread row = tid / 4 (64 rows), columns (tid % 4) * 8 .. +7 of a tile */
-    const int row = tid / 4, c8 = (tid % 4) * 8;
+#endif
+    /* U = T (beta V), W = T (beta e^G K): thread rows p and 63 - p (p = tid / 8: a pair's rows take 65 terms
+     * together, so every warp's loop is about as long; by row, warps 0 .. 7 had taken 8 .. 64), columns c4 .. c4 + 3
+     * of a tile, read as one 16-byte word a term (xt: 16-byte rows, in the tile buffers) */
+    float(*xt)[GDNC_TILE + 4] = (float(*)[GDNC_TILE + 4])tab;
+    const int p = tid / 8, c4 = (tid % 8) * 4;
     for (int pass = 0; pass < 2; pass++) {
         const int width = pass ? dk : dv;
         const float *X = pass ? K : V;
@@ -206,7 +249,7 @@ __device__ __forceinline__ void gdnc_prep(const float *LE_RESTRICT u, const floa
                 for (int i = 0; i < GDNC_PT; i++) {
                     const int e = tid + GDNC_THREADS * i, r = e / GDNC_TILE, d = e % GDNC_TILE;
                     const float scale = r < L ? (pass ? B[r] * expf(G[r]) : B[r]) : 0.0f;
-                    ta[r][d] = r < L && d0 + d < width ? scale * xr[0][i] : 0.0f;
+                    xt[r][d] = r < L && d0 + d < width ? scale * xr[0][i] : 0.0f;
                 }
                 __syncthreads();
                 if (d0 + GDNC_TILE < width) gdnc_prep_fetch(X, X, conv_dim, L, width, d0 + GDNC_TILE, xr);
@@ -215,23 +258,26 @@ __device__ __forceinline__ void gdnc_prep(const float *LE_RESTRICT u, const floa
                 for (int e = tid; e < GDNC_C * GDNC_TILE; e += GDNC_THREADS) {
                     const int r = e / GDNC_TILE, d = e % GDNC_TILE;
                     const float scale = r < L ? (pass ? B[r] * expf(G[r]) : B[r]) : 0.0f;
-                    ta[r][d] = r < L && d0 + d < width ? scale * X[(size_t)r * conv_dim + d0 + d] : 0.0f;
+                    xt[r][d] = r < L && d0 + d < width ? scale * X[(size_t)r * conv_dim + d0 + d] : 0.0f;
                 }
                 __syncthreads();
             }
-            float acc[8];
-#pragma unroll
-            for (int b = 0; b < 8; b++) acc[b] = 0.0f;
-#pragma unroll 1
-            for (int m = 0; m <= row && m < L; m++) { /* T is lower triangular */
-                const float tm = T[row][m];
-#pragma unroll
-                for (int b = 0; b < 8; b++) acc[b] += tm * ta[m][c8 + b];
+            float lo[4] = {0.0f, 0.0f, 0.0f, 0.0f}, hi[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* rows p, 63 - p */
+            const int mend = min(GDNC_C - 1 - p, L - 1);
+#pragma unroll 4
+            for (int m = 0; m <= mend; m++) { /* T is lower triangular: row r takes terms m <= r, in order */
+                const float4 x = *reinterpret_cast<const float4 *>(&xt[m][c4]);
+                gdnc_axpy4(hi, T[GDNC_C - 1 - p][m], x);
+                if (m <= p) gdnc_axpy4(lo, T[p][m], x);
             }
-            if (row < L)
 #pragma unroll
-                for (int b = 0; b < 8; b++)
-                    if (d0 + c8 + b < width) out[(size_t)(t0 + row) * stride + d0 + c8 + b] = acc[b];
+            for (int h = 0; h < 2; h++) {
+                const int row = h ? GDNC_C - 1 - p : p;
+                if (row < L)
+#pragma unroll
+                    for (int b = 0; b < 4; b++)
+                        if (d0 + c4 + b < width) out[(size_t)(t0 + row) * stride + d0 + c4 + b] = h ? hi[b] : lo[b];
+            }
             __syncthreads();
         }
     }
