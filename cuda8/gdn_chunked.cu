@@ -16,11 +16,14 @@
  *     the chunks in order per (head, GDNC_COLS columns of S; columns are independent): S [Hv, dk, dv] in place,
  *     o [n, Hv * dv]
  *     launch: block GDNC_THREADS (256), grid Hv x ceil(dv / GDNC_COLS)
+ *   gdn_chunk_scan_tf32(same)   the scan's products on tf32 tensor cores at f32 grade (sm_80+: LE_HAS_MMA_TF32; other
+ *     bits, within the same bound); dk a multiple of 16, 16-byte aligned rows (Kernels.gdn_chunked checks)
  * u, g, beta as gdn_recurrent_f32 takes them (q, k normalised, q scaled; g and beta gated: gdn_gates_f32).
  * dk <= GDNC_MAX_DK; tiles of GDNC_TILE dims through shared memory (<= 34 KB a block: Fermi's and Kepler's 48 KB).
  * Sums run in a fixed order per element whatever the launch: a call's bits depend only on its inputs and its chunk
  * boundaries (a snapshot at a chunk boundary equals a recompute). Bound against the f64 rule: tests/test_gpu.py
- * (GDN_CHUNK_FACTOR). Tiers: all (shared memory and barriers only).
+ * (GDN_CHUNK_FACTOR). Tiers: all (shared memory and barriers; the prep's inverse by warp shuffles where the tier has
+ * them, by barriers on fermi: the same bits).
  * Build and test: python -m legacy_engine.gpu build --out DIR; pytest tests/test_gpu.py -m gpu -k gdn_chunk
  */
 #include "compat.cuh"
