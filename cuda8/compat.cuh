@@ -83,7 +83,7 @@
 #define LE_HAS_MMA_16816 (LE_CC >= LE_CC_AMPERE && LE_CUDACC_VERSION >= 1100)
 /* f16 mma.sync with f32 accumulators: m16n8k8 from PTX ISA 6.5 (CUDA 10.2) on sm_75, m16n8k16 from sm_80 */
 #define LE_HAS_MMA_F16 (LE_CC >= LE_CC_TURING && LE_CUDACC_VERSION >= 1002)
-/* tf32 mma.sync m16n8k8 with f32 accumulators and cvt.rna.tf32.f32: PTX ISA 7.0 (CUDA 11.0) on sm_80 */
+/* tf32 mma.sync m16n8k8 with f32 accumulators: PTX ISA 7.0 (CUDA 11.0) on sm_80 */
 #define LE_HAS_MMA_TF32 LE_HAS_MMA_16816
 
 #define LE_WARP 32

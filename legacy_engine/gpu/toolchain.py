@@ -66,7 +66,7 @@ def has_mma(tier: str, arch: int) -> bool:
 
 
 # The GDN scan's products on tf32 tensor cores (gdn_chunk_scan_tf32; compat.cuh LE_HAS_MMA_TF32: mma.sync m16n8k8
-# .tf32 and cvt.rna.tf32 from sm_80, CUDA 11.0): the dp4a tier from this arch on.
+# .tf32 from sm_80, CUDA 11.0): the dp4a tier from this arch on.
 TF32_ARCH = 80
 
 
