@@ -121,13 +121,13 @@ class ForwardOps:
         k = self.k
         if n > 1 and self.int8_prefill and w.qtype != gpu.F32:
             if xq is None:
-                xq = self._q8_1(x, n * w.ncols, "xq_mm")
+                xq = self._q8_1(x, n * w.ncols, self._xq_name(n))
             (k.gemm_mma if self.mma else k.gemm_dp4a)(w.qtype, w.ptr, xq, y, w.nrows, w.ncols, n)
         elif n > 1:
             k.gemm_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols, n)
         elif self.int8 and w.qtype != gpu.F32:
             if xq is None:
-                xq = self._q8_1(x, w.ncols, "xq")
+                xq = self._q8_1(x, w.ncols, self._xq_name(n))
             k.gemv_dp4a(w.qtype, w.ptr, xq, y, w.nrows, w.ncols)
         else:
             k.gemv_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols)
@@ -156,7 +156,7 @@ class ForwardOps:
                     self._mm(w, x, y, n, xq)
                 continue
             if xq is None:
-                xq = self._q8_1(x, n * group[0][0].ncols, "xq_mm")
+                xq = self._q8_1(x, n * group[0][0].ncols, self._xq_name(n))
             for i in range(0, len(group), MULTI_MATS):
                 self.k.gemm_multi(qtype, [(w.ptr, y, w.nrows) for w, y in group[i:i + MULTI_MATS]], xq,
                                   group[0][0].ncols, n, self.mma)
@@ -174,7 +174,7 @@ class ForwardOps:
         k = self.k
         if self._int8_for(w1, 1):
             if xq is None:
-                xq = self._q8_1(x, w1.ncols, "xq")
+                xq = self._q8_1(x, w1.ncols, self._xq_name(n))
             k.gemv_dp4a(w1.qtype, w1.ptr, xq, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2, nrows2=w2.nrows)
         else:
             k.gemv_f32(w1.qtype, w1.ptr, x, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2, nrows2=w2.nrows)
@@ -189,7 +189,7 @@ class ForwardOps:
         if not self._int8_for(w_down, n):
             self.k.swiglu(g, u, g, n_el)
             return None
-        xq = self.scratch.buf("xq_mm" if n > 1 else "xq", n_el // 32 * gpu.Q8_1_BYTES).ptr
+        xq = self.scratch.buf(self._xq_name(n), n_el // 32 * gpu.Q8_1_BYTES).ptr
         self.k.swiglu_q8_1(g, u, xq, n_el)
         return xq
 
@@ -201,6 +201,12 @@ class ForwardOps:
         if not (self.int8_prefill if n > 1 else self.int8):
             return None
         return self.scratch.buf("hq", n * self.hparams.n_embd // 32 * gpu.Q8_1_BYTES).ptr
+
+    @staticmethod
+    def _xq_name(n: int) -> str:
+        """The scratch buffer of a matmul input's Q8_1: "xq_mm" in a pass of several tokens, "xq" in a decode step
+        (their sizes differ; a step's planned launches keep their buffer)."""
+        return "xq_mm" if n > 1 else "xq"
 
     def _q8_1(self, x: int, n_el: int, name: str) -> int:
         """x[n_el] f32 (rows of a multiple of 32) quantised to Q8_1 in scratch buffer `name` -> its address."""

@@ -227,24 +227,26 @@ def gpu_kernel_info(kernel) -> dict:
     return struct_to_dict(p)
 
 
-# kernel argument kinds -> the C type a pointer to it is made of
-_ARG_CTYPES = {"ptr": "uint64_t *", "i32": "int32_t *", "u32": "uint32_t *", "i64": "int64_t *", "f32": "float *"}
-
-
-_ARG_LETTERS = {"ptr": ("p", "Q"), "i32": ("i", "i"), "u32": ("u", "I"), "i64": ("q", "q"), "f32": ("f", "f")}
+# kernel argument kinds -> (the C type a pointer to one is made of (gpu_launch_args), le_gpu_launch_packed's letter,
+# the struct code of its value (gpu_launch))
+_ARG_KINDS = {"ptr": ("uint64_t *", "p", "Q"), "i32": ("int32_t *", "i", "i"), "u32": ("uint32_t *", "u", "I"),
+              "i64": ("int64_t *", "q", "q"), "f32": ("float *", "f", "f")}
 _PACKERS: dict = {}   # kinds tuple -> (le_gpu_launch_packed's letters, struct.Struct)
+
+
+def _kind(kind: str) -> tuple:
+    try:
+        return _ARG_KINDS[kind]
+    except KeyError:
+        raise ValueError(f"gpu_launch: unknown argument kind {kind!r} ({'/'.join(_ARG_KINDS)})") from None
 
 
 def _packer(kinds: tuple):
     p = _PACKERS.get(kinds)
     if p is None:
-        try:
-            letters = [_ARG_LETTERS[k] for k in kinds]
-        except KeyError as e:
-            raise ValueError(f"gpu_launch: unknown argument kind {e.args[0]!r} (ptr/i32/u32/i64/f32)") from None
+        rows = [_kind(k) for k in kinds]
         # "@": each value at the next multiple of its size, as le_gpu_launch_packed reads them
-        p = _PACKERS[kinds] = ("".join(a for a, _ in letters).encode(),
-                               struct.Struct("@" + "".join(b for _, b in letters)))
+        p = _PACKERS[kinds] = ("".join(r[1] for r in rows).encode(), struct.Struct("@" + "".join(r[2] for r in rows)))
     return p
 
 
@@ -265,7 +267,7 @@ def gpu_launch(kernel, grid, block, args, shared_bytes: int = 0, stream=None) ->
 def gpu_launch_args(args):
     """Kernel parameters prepared once for gpu_replay: [(kind, value)] -> (params, keep); `keep` owns the storage
     `params` points into and must live as long as the launch may be replayed."""
-    keep = [ffi.new(_ARG_CTYPES[kind], value) for kind, value in args]
+    keep = [ffi.new(_kind(kind)[0], value) for kind, value in args]
     params = ffi.new("void *[]", [ffi.cast("void *", k) for k in keep]) if keep else ffi.NULL
     return params, keep
 
