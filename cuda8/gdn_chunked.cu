@@ -574,6 +574,19 @@ __device__ __forceinline__ void gdnt_get_b(const unsigned *hi, const unsigned *l
 /* element i (a constant after unrolling) of v */
 __device__ __forceinline__ float gdnt_f4(float4 v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
+/* k-step s (< 2) of a group of 16 whose A rows g and g + 8 are the 16-byte words a[0], a[1], against NT column tiles'
+ * B halves (gdnt_get_b): big[nt], small[nt] accumulate */
+template <int NT>
+__device__ __forceinline__ void gdnt_kstep(const float4 *a, int s, const unsigned (*bh)[4], const unsigned (*bl)[4],
+                                           float (*big)[4], float (*small)[4]) {
+    unsigned ah[4], al[4];
+    gdnt_split_a(gdnt_f4(a[0], 2 * s), gdnt_f4(a[1], 2 * s), gdnt_f4(a[0], 2 * s + 1), gdnt_f4(a[1], 2 * s + 1), ah,
+                 al);
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+        gdnt_mma3(big[nt], small[nt], ah, al, bh[nt][2 * s], bh[nt][2 * s + 1], bl[nt][2 * s], bl[nt][2 * s + 1]);
+}
+
 __device__ __forceinline__ float4 gdnt_ld4(const float *p, bool ok) {
     return ok ? *reinterpret_cast<const float4 *>(p) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
@@ -668,19 +681,8 @@ extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1)
                     gdnt_get_b(&St[0][8 * nt + g][d0 + 4 * t], &St[1][8 * nt + g][d0 + 4 * t], bh[nt], bl[nt]);
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
-                    unsigned ah[4], al[4];
-                    gdnt_split_a(gdnt_f4(aw[kk][0], 2 * s), gdnt_f4(aw[kk][1], 2 * s), gdnt_f4(aw[kk][0], 2 * s + 1),
-                                 gdnt_f4(aw[kk][1], 2 * s + 1), ah, al);
-#pragma unroll
-                    for (int nt = 0; nt < 2; nt++)
-                        gdnt_mma3(wb[nt], wl[nt], ah, al, bh[nt][2 * s], bh[nt][2 * s + 1], bl[nt][2 * s],
-                                  bl[nt][2 * s + 1]);
-                    gdnt_split_a(gdnt_f4(aq[kk][0], 2 * s), gdnt_f4(aq[kk][1], 2 * s), gdnt_f4(aq[kk][0], 2 * s + 1),
-                                 gdnt_f4(aq[kk][1], 2 * s + 1), ah, al);
-#pragma unroll
-                    for (int nt = 0; nt < 2; nt++)
-                        gdnt_mma3(qb[nt], ql[nt], ah, al, bh[nt][2 * s], bh[nt][2 * s + 1], bl[nt][2 * s],
-                                  bl[nt][2 * s + 1]);
+                    gdnt_kstep<2>(aw[kk], s, bh, bl, wb, wl);
+                    gdnt_kstep<2>(aq[kk], s, bh, bl, qb, ql);
                 }
             }
         }
@@ -719,18 +721,14 @@ extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1)
         __syncthreads();
         /* phase 2: O = e^G (Q S) + P V' */
         {
-            float ob[4] = {0.0f, 0.0f, 0.0f, 0.0f}, ol[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float ob[4] = {0.0f, 0.0f, 0.0f, 0.0f}, ol[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* big, small terms */
 #pragma unroll
             for (int kg = 0; kg < 4; kg++) {
                 if (kg > mt || 16 * kg >= L) break;
-                unsigned bh[4], bl[4], ah[4], al[4];
-                gdnt_get_b(&Vt[0][8 * half + g][16 * kg + 4 * t], &Vt[1][8 * half + g][16 * kg + 4 * t], bh, bl);
+                unsigned bh[1][4], bl[1][4];
+                gdnt_get_b(&Vt[0][8 * half + g][16 * kg + 4 * t], &Vt[1][8 * half + g][16 * kg + 4 * t], bh[0], bl[0]);
 #pragma unroll
-                for (int s = 0; s < 2; s++) {
-                    gdnt_split_a(gdnt_f4(ap[kg][0], 2 * s), gdnt_f4(ap[kg][1], 2 * s), gdnt_f4(ap[kg][0], 2 * s + 1),
-                                 gdnt_f4(ap[kg][1], 2 * s + 1), ah, al);
-                    gdnt_mma3(ob, ol, ah, al, bh[2 * s], bh[2 * s + 1], bl[2 * s], bl[2 * s + 1]);
-                }
+                for (int s = 0; s < 2; s++) gdnt_kstep<1>(ap[kg], s, bh, bl, &ob, &ol);
             }
 #pragma unroll
             for (int c = 0; c < 4; c++) {
