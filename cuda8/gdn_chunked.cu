@@ -122,6 +122,11 @@ __device__ __forceinline__ void gdnc_invert_warps(float (*T)[GDNC_C + 1], int L)
 }
 #endif
 
+/* row r's factor in the U (pass 0) / W (pass 1) input tiles: beta, or beta e^G; 0 past the chunk's L rows */
+__device__ __forceinline__ float gdnc_row_scale(int pass, int r, int L, const float *B, const float *G) {
+    return r < L ? (pass ? B[r] * expf(G[r]) : B[r]) : 0.0f;
+}
+
 template <bool AHEAD>
 __device__ __forceinline__ void gdnc_prep(const float *LE_RESTRICT u, const float *LE_RESTRICT g,
                                           const float *LE_RESTRICT beta, float *W, float *Uo, float *P, float *Gc,
@@ -251,7 +256,7 @@ __device__ __forceinline__ void gdnc_prep(const float *LE_RESTRICT u, const floa
 #pragma unroll
                 for (int i = 0; i < GDNC_PT; i++) {
                     const int e = tid + GDNC_THREADS * i, r = e / GDNC_TILE, d = e % GDNC_TILE;
-                    const float scale = r < L ? (pass ? B[r] * expf(G[r]) : B[r]) : 0.0f;
+                    const float scale = gdnc_row_scale(pass, r, L, B, G);
                     xt[r][d] = r < L && d0 + d < width ? scale * xr[0][i] : 0.0f;
                 }
                 __syncthreads();
@@ -260,7 +265,7 @@ __device__ __forceinline__ void gdnc_prep(const float *LE_RESTRICT u, const floa
 #pragma unroll 1
                 for (int e = tid; e < GDNC_C * GDNC_TILE; e += GDNC_THREADS) {
                     const int r = e / GDNC_TILE, d = e % GDNC_TILE;
-                    const float scale = r < L ? (pass ? B[r] * expf(G[r]) : B[r]) : 0.0f;
+                    const float scale = gdnc_row_scale(pass, r, L, B, G);
                     xt[r][d] = r < L && d0 + d < width ? scale * X[(size_t)r * conv_dim + d0 + d] : 0.0f;
                 }
                 __syncthreads();
