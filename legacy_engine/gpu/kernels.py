@@ -216,6 +216,11 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
              ("i32", n), ("i32", conv_dim), ("i32", Hk), ("i32", Hv), ("i32", dk), ("i32", dv),
              ("i32", int(bool(tiled))), ("ptr", _ptr(dt_bias)), ("ptr", _ptr(ssm_a))], stream=stream)
 
+    def gdn_scan_tf32(self, dk: int, conv_dim: int) -> bool:
+        """Whether gdn_chunked's scan can run on tf32 tensor cores for these shapes (gdn_chunk_scan_tf32: the variant
+        has_tf32, dk a multiple of 16, u's rows of a multiple of 4 floats; the buffers 16-byte aligned besides)."""
+        return self.has_tf32 and dk % 16 == 0 and conv_dim % 4 == 0
+
     def gdn_chunked(self, u, g, beta, S, o, n: int, Hk: int, Hv: int, dk: int, dv: int, work: tuple,
                     tiled: bool = True, stream: Stream | None = None, prep_ahead: bool | None = None,
                     mma: bool | None = None) -> None:
@@ -248,7 +253,7 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
             [("ptr", _ptr(u)), ("ptr", _ptr(g)), ("ptr", _ptr(beta)), ("ptr", _ptr(W)), ("ptr", _ptr(U)),
              ("ptr", _ptr(P)), ("ptr", _ptr(G))] + shape, stream=stream)
         # its fragments are 16-byte loads of u's rows, W's and P's
-        tf32_ok = self.has_tf32 and dk % 16 == 0 and conv_dim % 4 == 0 and not (_ptr(u) | _ptr(W) | _ptr(P)) % 16
+        tf32_ok = self.gdn_scan_tf32(dk, conv_dim) and not (_ptr(u) | _ptr(W) | _ptr(P)) % 16
         if mma is None:
             mma = tf32_ok
         elif mma and not tf32_ok:

@@ -96,8 +96,9 @@ class GpuModel(ForwardOps):
                                    f"{hp.head_dim}")
         self.attn_mma = attn_ok if options.mma is None else bool(options.mma)
         # the chunked GDN scan's products on tf32 tensor cores at f32 grade (gdn_chunk_scan_tf32, sm_80+), under the
-        # same switch; its dk (Qwen3.5: 128) a multiple of 16
-        self.gdn_mma = self.k.has_tf32 and hp.ssm_d_state % 16 == 0 and options.mma is not False
+        # same switch, where the shapes allow (Qwen3.5: dk 128)
+        self.gdn_mma = options.mma is not False and self.k.gdn_scan_tf32(
+            hp.ssm_d_state, 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_d_inner)
         self.model = model
         self.file = model.file
         self._faults = model_faults(model)
