@@ -1091,6 +1091,50 @@ def test_long_pass_head_in_pieces(stream, gpu_device, tiny_file, cpu_model):
         gm.close()
 
 
+@pytest.mark.parametrize("form", ["resident", "streamed", "streamed-paced", "resident-int8"])
+def test_last_layer_ffn_on_the_head_rows(form, gpu_device, tiny_file, quant_file, cpu_model):
+    """A pass runs its last layer's FFN on the rows the head reads only (GpuModel._forward_chunk: none in a pass
+    that wants no logits, the last row for the last logits): passes of 64, 64 and 22 tokens give the last logits of
+    the CPU and of the all-logits passes' last row (f32: within the f32 bar; int8 on the Q8_0 file: one row's GEMVs
+    against the pass's GEMMs on the same Q8_1 rows, within the f32 bar too). Streamed, the last layer brings in the
+    last token's experts once and nothing in the passes that want no logits: fetched by the GPU from the
+    page-locked map (Residency.fetch), or staged by the host when the link is paced (simulate_link: the copy
+    stream's pacing)."""
+    from legacy_engine.gpu.model import GpuModel, GpuOptions
+    from legacy_engine.gpu.placement import place
+    int8 = form.endswith("int8")
+    cpu = Model(quant_file("moe", "q8_0"), n_threads=2, pin=False) if int8 else cpu_model("moe")
+    hp = cpu.hparams
+    ids = sequence(150, hp.n_vocab)
+    opts = {"tier": "dp4a", "int8": True} if int8 else {"int8": False}
+    if form == "streamed-paced":
+        opts["simulate_link"] = 1000.0
+    gm = GpuModel(cpu, place(cpu.file, n_ctx=N_CTX, chunk=64, int8=int8, stream=form.startswith("streamed")),
+                  GpuOptions(**opts))
+    brought = []
+    if form.startswith("streamed"):
+        stage, fetch = gm.res.stage, gm.res.fetch
+        gm.res.stage = lambda i, want, wait=True: brought.append((i, "stage", len(want))) or stage(i, want, wait)
+        gm.res.fetch = lambda i, e, k: brought.append((i, "fetch", k)) or fetch(i, e, k)
+    try:
+        last = gm.forward(gm.new_state(N_CTX), ids)
+        last_layer = [b[1:] for b in brought if b[0] == hp.n_layer - 1]
+        pinned_map = gm.res.host is not None
+        full = gm.forward(gm.new_state(N_CTX), ids, all_logits=True)
+    finally:
+        gm.close()
+    ref = cpu.forward(cpu.new_state(N_CTX), ids)
+    assert last.shape == (1, hp.n_vocab) and full.shape == (len(ids), hp.n_vocab)
+    assert np.abs(last.astype(np.float64) - full[-1]).max() <= tol.LOGIT_ABS_F32
+    if not int8:             # the int8 paths against the CPU's f32: the quantised gates above
+        assert np.abs(last.astype(np.float64) - ref[-1]).max() <= tol.LOGIT_ABS_F32
+    if form == "streamed" and pinned_map:
+        assert last_layer == [("fetch", hp.n_expert_used)], brought
+    elif form.startswith("streamed"):
+        assert len(last_layer) == 1 and last_layer[0][0] == "stage", brought
+        assert 1 <= last_layer[0][1] <= hp.n_expert_used, brought
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["f32", "int8"])
 def test_sorted_pairs_bit_identical(int8, gpu_device, tiny_file, quant_file):
     """Prefill with the (token, expert) pairs in expert order (gathered, then scattered back) gives bit-identical

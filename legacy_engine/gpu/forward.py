@@ -42,6 +42,10 @@ from .state import GpuState
 
 
 class ForwardOps:
+    def _ffn_rows(self, i: int, n: int) -> int:
+        """Rows layer i's FFN runs on in a pass of n tokens (the last layer's: _forward_chunk's _last_rows)."""
+        return self._last_rows if i == self.hparams.n_layer - 1 and self._last_rows is not None else n
+
     def _ids_buf(self, ids: int, pairs: int) -> np.ndarray:
         """The router's expert ids of this pass, on the host (waits for the routing)."""
         out = np.empty(pairs, dtype=np.int32)
@@ -358,7 +362,7 @@ class ForwardOps:
             self._mm2(L["ffn_gate"], L["ffn_up"], h, g, u, n, hq)
             self._mm(L["ffn_down"], g, y, n, self._swiglu(L["ffn_down"], g, u, n * ff, n))
             return
-        if n == 1 and self.cpu_experts:
+        if n == 1 and self.cpu_experts and self.scratch.tag == "d":      # a decode step (not a pass's last row)
             return self._ffn_hybrid(L, h, hq, y)
         ne, kk, ff = hp.n_expert, hp.n_expert_used, hp.n_ff_exp
         pairs = n * kk
@@ -376,16 +380,20 @@ class ForwardOps:
         # the grouped GEMMs' work list made on the GPU (moe_sort): no host wait, where the host needs no ids
         # (resident experts, or all of the layer staged because the pass routes to most of them)
         dev_sort = sort and self.grouped and ne <= gpu.MOE_SORT_MAX_E and (not self.stream or self.res.stages_all(n))
-        if (self.stream or sort) and not dev_sort:
+        # a pass's last row (the last layer's FFN: _forward_chunk): its experts fetched by the GPU, no host wait
+        fetch = self.stream and n == 1 and self.scratch.tag == "p" and self.res.can_fetch(L["index"])
+        if (self.stream or sort) and not dev_sort and not fetch:
             self._mark("ffn rest")
             used = self._ids_buf(ids, pairs)
             c = self.route_counts.setdefault(L["index"], np.zeros(ne, dtype=np.int64))
             c += np.bincount(used, minlength=ne)[:ne]
         if self.stream:
             i = L["index"]
-            base = self.res.stage(i, range(ne) if dev_sort else np.unique(used))
+            base = (self.res.fetch(i, ids, kk) if fetch else
+                    self.res.stage(i, range(ne) if dev_sort else np.unique(used)))
             self._mark("waiting for expert copies")
-            self.res.prefetch_all(self.res.next_moe(i), n)      # the next layer's copy overlaps this layer's experts
+            nxt = self.res.next_moe(i)
+            self.res.prefetch_all(nxt, self._ffn_rows(nxt, n))   # the next layer's copy overlaps this layer's experts
         x_tok, xg, eids, x_group = h, h, ids, kk
         if dev_sort:
             n_tiles = gpu.Kernels.sort_tiles_max(pairs, ne, self._group_tile(L))

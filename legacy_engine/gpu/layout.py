@@ -1,9 +1,9 @@
-"""VRAM accounting of a GPU model (`vram_footprint`): every device allocation a GPU model of a file makes: the
-resident weights (one allocation, `weight_layout`), pinned experts, the two expert staging buffers of streamed
-prefill (where the hybrid decode keeps its extras between prefills: `extras_regions`), the states of a context, the
-rope table and the scratch of a prefill chunk (the blocks' buffers in one arena: `block_scratch`) and of a decode
-step. The planner checks a placement against its budget with it (`check_fits`: PlanningError naming the parts), the
-GPU model lays its allocations out by the same functions, and the driver layer enforces the budget."""
+"""VRAM accounting of a GPU model (`vram_footprint`): every device allocation a GPU model of a file makes: the resident
+weights (one allocation, `weight_layout`), pinned experts, the expert staging buffers of streamed prefill
+(STAGING_LAYERS; where the hybrid decode keeps its extras between prefills: `extras_regions`), the states of a
+context, the rope table and the scratch of a prefill chunk (the blocks' buffers in one arena: `block_scratch`) and of
+a decode step. The planner checks a placement against its budget with it (`check_fits`: PlanningError naming the
+parts), the GPU model lays its allocations out by the same functions, and the driver layer enforces the budget."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +22,9 @@ MiB = 2**20
 # after a prefill chunk and decode steps stays under the footprint's total).
 SCRATCH_SLACK = 32 * MiB
 ALLOC_GRANULE = 2 * MiB
+# Streamed prefill: layers' experts in the staging at once. Two keep the link busy the whole pass (measured: the
+# copy stream idle < 1 ms of a 2048-token pass of the 35B-A3B); a third costs pins (benchmarks/split_timeline.py).
+STAGING_LAYERS = 2
 
 
 WEIGHT_ALIGN = 256           # each resident tensor's offset inside the one weight allocation (cuMemAlloc's own)
@@ -233,8 +236,8 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
                    chunk: int = 512, int8: bool = True, logit_rows: int | None = None,
                    link_experts: int = 0, early_experts: int = 0) -> VramFootprint:
     """What a GPU model of `file` allocates. stream_experts: routed experts stay in host RAM except `pinned`
-    {layer: [expert ids]}; two staging buffers of the largest layer's experts. logit_rows: rows of logits a
-    head pass computes (default head_rows). link_experts: the hybrid decode's staging of experts fetched per
+    {layer: [expert ids]}; STAGING_LAYERS staging buffers of the largest layer's experts. logit_rows: rows of logits
+    a head pass computes (default head_rows). link_experts: the hybrid decode's staging of experts fetched per
     layer over the link (GpuModel link_experts). early_experts: the hybrid decode's early experts (GpuModel
     early_experts): that many more staging slots, and the CPU's early buffer (two halves of that many slots of the
     largest expert tensor's expert for each of gate, up, down)."""
@@ -250,7 +253,7 @@ def vram_footprint(file, *, stream_experts: bool = False, pinned: dict | None = 
     parts = {"weights": resident}
     if stream_experts:
         parts["pinned experts"] = pin_total
-        parts["expert staging (2 layers)"] = 2 * _round(layer_max)
+        parts[f"expert staging ({STAGING_LAYERS} layers)"] = STAGING_LAYERS * _round(layer_max)
         if link_experts or early_experts:
             parts["link staging"] = _round((link_experts + early_experts) * max(per_expert.values()))
         if early_experts:
@@ -273,10 +276,10 @@ def check_fits(fp: VramFootprint, budget: int, what: str = "this placement") -> 
 
 
 def staging_pool_bytes(file) -> int:
-    """Bytes of the streamed prefill's expert staging (two layers' worth, one allocation): idle between prefills,
-    where the hybrid decode keeps its extras (choose_decode_extras)."""
+    """Bytes of the streamed prefill's expert staging (STAGING_LAYERS layers' worth, one allocation): idle between
+    prefills, where the hybrid decode keeps its extras (choose_decode_extras)."""
     per = layer_expert_bytes(file)
-    return 2 * _round(max(per.values())) if per else 0
+    return STAGING_LAYERS * _round(max(per.values())) if per else 0
 
 
 def extras_regions(file, extras: dict, slots: int = 0) -> dict:

@@ -132,6 +132,7 @@ class GpuModel(ForwardOps):
         self.repins = 0
         self._handoff = None                                     # page-locked staging of GpuState's handoff
         self._prof = None
+        self._last_rows = None     # rows of a pass the last layer's FFN runs on (_forward_chunk; None: all)
 
     def _load(self, progress) -> None:
         """The budget held by the driver layer, then everything into VRAM (a failed load leaves no budget)."""
@@ -459,8 +460,13 @@ class GpuModel(ForwardOps):
         x = self.scratch.buf("x", 4 * n * E).ptr
         h = self.scratch.buf("h", 4 * n * E).ptr
         y = self.scratch.buf("y", 4 * n * E).ptr
+        # the last layer's states take every row, its FFN only the rows the head reads (none when no logits are
+        # wanted): the residual stream's other rows end there (a 2048-token pass of the 35B-A3B streams its last
+        # layer's experts for one token, not all 256)
+        last, self._last_rows = len(self.layers) - 1, (n if all_logits or n == 1 else int(want))
         if self.stream:
-            self.res.prefetch_all(self.res.next_moe(-1), n)
+            first = self.res.next_moe(-1)
+            self.res.prefetch_all(first, self._ffn_rows(first, n))
         if embd is not None:
             self._embed_rows(ids, embd, x)
         else:
@@ -478,13 +484,17 @@ class GpuModel(ForwardOps):
             else:
                 self._attention(L, h, hq, n, st, si, y)
                 self._mark("attention")
-            k.add_rmsnorm(x, y, L["post_attention_norm"], h, hq, E, n, hp.rms_eps)      # residual add, norm, Q8_1: one launch
-            self._ffn(L, h, hq, n, y)
-            if i + 1 < len(self.layers):
+            if i < last:
+                k.add_rmsnorm(x, y, L["post_attention_norm"], h, hq, E, n, hp.rms_eps)   # residual add, norm, Q8_1
+                self._ffn(L, h, hq, n, y)
                 k.add_rmsnorm(x, y, self.layers[i + 1]["attn_norm"], h, hq, E, n, hp.rms_eps)
-            else:
-                k.add(x, y, x, n * E)
+            elif (r := self._last_rows):      # rows n - r … n - 1 of x, through h / y rows 0 … r - 1
+                xr, hqr = x + 4 * (n - r) * E, (hq if r == n else self._hq(r))
+                k.add_rmsnorm(xr, y + 4 * (n - r) * E, L["post_attention_norm"], h, hqr, E, r, hp.rms_eps)
+                self._ffn(L, h, hqr, r, y)
+                k.add(xr, y, xr, r * E)
             self._mark("ffn rest")
+        self._last_rows = None
         st._pos += n
         if positions is not None:        # the next text position: one past the largest used (le_forward_embd)
             st.rope_delta = int(positions.max()) + 1 - st.pos

@@ -1,9 +1,10 @@
 """Residency: every weight and expert byte of a GPU model and where it lives, as its Placement says. The resident
 tensors in one allocation (uploaded once, types without a GPU kernel dequantised to f32 and listed in `converted`);
 a tensor read from host memory over the link; where the routed experts stream: the weight map page-locked in place,
-per layer the pinned experts in a pin store, the two staging slots (one allocation: the staging pool) a pass copies
-its experts into on a copy stream (the next layer's while this one computes), the pinned ones put beside them by a
-copy kernel; the decode extras copied back into the pool after a prefill (the hybrid channel keeps their state)."""
+per layer the pinned experts in a pin store, the staging slots (layout.STAGING_LAYERS of them, one allocation: the
+staging pool) a pass copies its experts into on a copy stream (the next layer's while this one computes), the pinned
+ones put beside them by a copy kernel, a pass's last row's experts fetched by the GPU itself (fetch); the decode
+extras copied back into the pool after a prefill (the hybrid channel keeps their state)."""
 from __future__ import annotations
 
 import time
@@ -14,6 +15,7 @@ from .. import gpu
 from ..core import _native
 from ..core.errors import EngineError, UnavailableError
 from ..format.schema import weights
+from . import layout
 from .layout import ALLOC_GRANULE, align_up, expert_tensors, expected_distinct
 
 # The streamed prefill puts a layer's pinned experts into its staging (beside the copied ones: the grouped GEMMs read
@@ -237,21 +239,21 @@ class Residency:
                 self.stage_names[i] = expert_tensors(self.file, i)
                 layer_max = max(layer_max, off)
         self._build_pins()
-        # the two staging slots in one allocation (layout.staging_pool_bytes), which holds the hybrid decode's
+        # the staging slots in one allocation (layout.staging_pool_bytes), which holds the hybrid decode's
         # extras between prefills (the placement's extras_at: per layer its link/early slots, then its extras)
-        half = align_up(max(layer_max, 256), ALLOC_GRANULE)
-        self.pool = gpu.Buffer(2 * half, "expert staging (2 layers)")
-        self._staging = [gpu.BufferView(self.pool, j * half, half, f"expert staging {j}") for j in range(2)]
-        self._staged = [(-1, set()), (-1, set())]
+        half, d = align_up(max(layer_max, 256), ALLOC_GRANULE), layout.STAGING_LAYERS
+        self.pool = gpu.Buffer(d * half, f"expert staging ({d} layers)")
+        self._staging = [gpu.BufferView(self.pool, j * half, half, f"expert staging {j}") for j in range(d)]
+        self._staged = [(-1, set()) for _ in range(d)]
         if self.placement.decode_extras and self.host is None:
             raise UnavailableError(f"decode_extras: the weight map is {self.host_pinned_why}; the extras are "
                                    "copied back after each prefill from page-locked memory only")
         self.copy_stream = gpu.Stream()
-        self._slot_free = [gpu.Event(), gpu.Event()]
-        self._slot_ready = [gpu.Event(), gpu.Event()]
-        self._slot_used = [False, False]
-        self._d2d: list[list] = [[], []]     # per slot: pinned experts' (dst, src, bytes) not yet copied in
-        self._pin_copy: list = [None, None]    # per slot: the layer whose pins the copy kernel puts there at the wait
+        self._slot_free = [gpu.Event() for _ in range(d)]
+        self._slot_ready = [gpu.Event() for _ in range(d)]
+        self._slot_used = [False] * d
+        self._d2d: list[list] = [[] for _ in range(d)]   # per slot: pinned experts' (dst, src, bytes) not yet copied
+        self._pin_copy: list = [None] * d    # per slot: the layer whose pins the copy kernel puts there at the wait
 
     def _build_pins(self) -> None:
         """Every layer's pin store from the placement's pins: its experts tensor-major, then the copy kernel's lists;
@@ -298,16 +300,17 @@ class Residency:
         self.pin_store, self.pin_off, self.pin_idx, self.pin_lists = {}, {}, {}, {}
         self.placement = placement
         self._build_pins()
-        self._staged = [(-1, set()), (-1, set())]
-        self._d2d, self._pin_copy = [[], []], [None, None]
+        d = len(self._staging)
+        self._staged = [(-1, set()) for _ in range(d)]
+        self._d2d, self._pin_copy = [[] for _ in range(d)], [None] * d
 
     def stage(self, i: int, want, wait: bool = True) -> int:
-        """Makes staging slot i % 2 hold experts `want` of layer i (host copies on the copy stream, after the
+        """Makes staging slot i % depth hold experts `want` of layer i (host copies on the copy stream, after the
         compute that last read the slot); records the slot's ready event, and (wait) makes the default stream wait
         for it and copies the pinned experts in there on the default stream (on the copy stream they stalled its host
         copies behind the SMs' work): all of the layer's by the copy kernel (pin_copy_kernel, _copy_pins), else
         cuMemcpyDtoD runs of consecutive pins. -> the slot's device address."""
-        s = i % 2
+        s = i % len(self._staging)
         layer, have = self._staged[s]
         if layer != i:
             have = set()
@@ -376,6 +379,29 @@ class Residency:
             self._d2d[s], self._pin_copy[s] = [], None
         return self._staging[s].ptr
 
+    def can_fetch(self, i: int) -> bool:
+        """Whether layer i's experts for one token can be fetched by the GPU itself (fetch): the weight map
+        page-locked and addressable from the device, 16-byte expert rows, the link not simulated (its pacing is the
+        copy stream's), and the layer not staged already (a prefetch of all of it)."""
+        return (self.host is not None and not self.simulate_link and i in self.stage_layout
+                and self._staged[i % len(self._staging)][0] != i
+                and _native.gpu_attribute(gpu.ATTR_UNIFIED_ADDRESSING)
+                and all(eb % 16 == 0 and off % 16 == 0 and host % 16 == 0
+                        for host, _tb, eb, off, _po in self.stage_layout[i]))
+
+    def fetch(self, i: int, ids: int, k: int) -> int:
+        """Layer i's experts ids (device int32 [k], one token's routing) from the page-locked weight map into their
+        places in staging slot i % depth, by the copy kernel on the compute stream: no host wait for the routing (a
+        pass's last row: _forward_chunk's last layer). The slot's earlier readers are on this stream, later copies
+        into it wait for release(i). -> the slot's device address."""
+        s = i % len(self._staging)
+        dst0, dev = self._staging[s].ptr, _native.gpu_host_device_pointer(self.map_base)
+        tensors = [(dev + host - self.map_base, dst0 + off, eb) for host, _tb, eb, off, _po in self.stage_layout[i]]
+        self.k.hybrid_fetch(ids, ids, k, tensors)
+        self._staged[s] = (-1, set())          # the slot now holds neither its last layer's experts nor a full set
+        self.stream_stats["h2d_bytes"] += k * sum(eb for _src, _dst, eb in tensors)
+        return dst0
+
     def _copy_pins(self, i: int, dst0: int) -> None:
         """Every pinned expert of layer i from its pin store into its place in the staging at dst0, by the copy
         kernel on the default stream (cuMemcpyDtoD runs on a copy engine, queued with the link's copies: measured
@@ -410,8 +436,8 @@ class Residency:
         return i + 1 if i + 1 in self.stage_layout else self.hparams.n_layer
 
     def release(self, i: int) -> None:
-        """The compute that reads slot i % 2 has been issued: its end frees the slot for the copy stream."""
-        s = i % 2
+        """The compute that reads slot i % depth has been issued: its end frees the slot for the copy stream."""
+        s = i % len(self._staging)
         self._slot_free[s].record(None)
         self._slot_used[s] = True
 
@@ -433,10 +459,10 @@ class Residency:
         """The placement's decode extras back into their regions of the staging pool (after a prefill's last reads
         of its slots, on the copy stream; runs of consecutive experts), past each layer's `slots` link/early slots
         -> the bytes copied. The staging then holds no prefill's experts."""
-        for s_ in range(2):
+        for s_ in range(len(self._staging)):
             if self._slot_used[s_]:
                 self.copy_stream.wait(self._slot_free[s_])
-        self._staged = [(-1, set()), (-1, set())]
+        self._staged = [(-1, set()) for _ in self._staging]
         h = self.copy_stream.handle
         for i, es in self.placement.decode_extras.items():
             base, per = self.pool.ptr + self.placement.extras_at[i][0], slots + len(es)
