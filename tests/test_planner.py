@@ -491,3 +491,21 @@ def test_repin_follows_the_drift():
     assert all(not set(v) & set(new.pinned.get(i, ())) for i, v in new.decode_extras.items())
     assert new.footprint.total <= pl.budget and new.offsets == pl.offsets and new.decode == pl.decode
     assert P.repin(A3B, place(A3B, stream=True, pinned=pins), hot) is None          # no budget: nothing to follow
+
+
+def test_noise_counts_pin_consecutive_experts():
+    """Routing counts that uniform routing could have drawn rank no expert above another (_hotness): the pins take
+    the lowest ids, consecutive, as without counts (a streamed pass copies around them in fewer, longer copies);
+    counts with a real skew (a few hot experts) still take the hot ones."""
+    rng = np.random.default_rng(3)
+    hp = A3B.hparams
+    noise = {i: rng.poisson(640, hp.n_expert) for i in range(hp.n_layer)}      # a 2048-token pass's counts, uniform
+    plain, _ = P.fill_pins(A3B, 6 * L.GiB, 4096, 2048, True)
+    pins, _ = P.fill_pins(A3B, 6 * L.GiB, 4096, 2048, True, noise)
+    assert pins == plain and all(v == list(range(len(v))) for v in pins.values())
+    skew = {i: c.copy() for i, c in noise.items()}
+    for c in skew.values():
+        c[[200, 230]] = 5000
+    pins, _ = P.fill_pins(A3B, 6 * L.GiB, 4096, 2048, True, skew)
+    assert all({200, 230} <= set(v) for v in pins.values())
+    assert not np.any(P._hotness(noise[0].astype(float))) and np.array_equal(P._hotness(skew[0] * 1.0), skew[0])
