@@ -272,6 +272,9 @@ static int forward_layers(le_model *m, le_arena *ar, le_state *const *states, in
     double tp = le_prof_start(m);
     if ((rc = embed_rows(m, tokens, embd, n, x)) || (rc = rope_positions(sq, pos3, rope_pos))) return rc;
 
+    /* the last layer's FFN runs on the rows the head reads only (none without logits; each sequence's last row, or
+     * every row with all_logits): the residual stream's other rows end at its mixer */
+    const int n_out = !logits ? 0 : all_logits ? n : sq->n_seq;
     for (int l = 0; l < hp->n_layer && !rc; l++) {
         const le_weight *w = m->layer[l];
         add_norm(m, x, NULL, &w[LE_W_ATTN_NORM], h, n);
@@ -282,11 +285,21 @@ static int forward_layers(le_model *m, le_arena *ar, le_state *const *states, in
             rc = le_attention_layer(m, ar, w, h, sq, m->state_index[l], rope_pos, y);
         if (rc) break;
         tp = le_prof_start(m);
-        add_norm(m, x, y, &w[LE_W_POST_NORM], h, n);
+        int rows = n;
+        if (l + 1 == hp->n_layer && n_out < n) { /* those rows of x and y first, in order (row t_i >= i) */
+            for (int i = 0; i < n_out; i++) {
+                const int t = row0[i + 1] - 1;
+                memmove(x + (size_t)i * E, x + (size_t)t * E, (size_t)E * sizeof(float));
+                memmove(y + (size_t)i * E, y + (size_t)t * E, (size_t)E * sizeof(float));
+            }
+            rows = n_out;
+        }
+        if (!rows) break;
+        add_norm(m, x, y, &w[LE_W_POST_NORM], h, rows);
         le_prof(m, &tp, LE_PROF_EMBED_NORM);
-        if ((rc = le_ffn_layer(m, ar, w, h, n, y))) break;
+        if ((rc = le_ffn_layer(m, ar, w, h, rows, y))) break;
         tp = le_prof_start(m);
-        add_norm(m, x, y, NULL, NULL, n);
+        add_norm(m, x, y, NULL, NULL, rows);
         if (l + 1 < hp->n_layer) {
             maybe_yield(m, yield_fp);
             tp = le_prof_start(m);
@@ -300,13 +313,10 @@ static int forward_layers(le_model *m, le_arena *ar, le_state *const *states, in
         sq->st[0]->rope_delta = most + 1 - sq->st[0]->pos;
     }
     if (!logits) return LE_OK;
-    /* the head's rows, gathered into h: every row, or each sequence's last */
-    int n_out = all_logits ? n : sq->n_seq;
-    for (int i = 0; i < n_out; i++) {
-        int t = all_logits ? i : row0[i + 1] - 1;
-        le_rmsnorm(x + (size_t)t * E, (const float *)m->global[LE_W_OUTPUT_NORM].data, E, hp->rms_eps,
+    /* the head's rows (every row, or each sequence's last: rows 0 … n_out - 1 of x since the last layer), normed */
+    for (int i = 0; i < n_out; i++)
+        le_rmsnorm(x + (size_t)i * E, (const float *)m->global[LE_W_OUTPUT_NORM].data, E, hp->rms_eps,
                    h + (size_t)i * E);
-    }
     const le_weight *head = m->global[LE_W_OUTPUT].data ? &m->global[LE_W_OUTPUT] : &m->global[LE_W_TOKEN_EMBD];
     le_prof(m, &tp, LE_PROF_EMBED_NORM);
     rc = le_matmul(m->pool, ar, m->int8, head, 0, h, n_out, E, logits, hp->n_vocab);

@@ -407,6 +407,26 @@ def test_save_restore_continues_bit_identically(moe):
     assert np.array_equal(first, logits_after(moe, bigger, (ids[50:130], True), (ids[130:135], False)))
 
 
+def test_last_layer_ffn_runs_on_the_head_rows(moe):
+    """A pass runs its last layer's FFN on the rows the head reads only (native/model.c forward_layers): the last
+    logits equal the all-logits pass's last row bit for bit (the row's arithmetic does not depend on the others),
+    a pass without logits leaves the state a pass with logits leaves, and a batch's rows (each sequence's last)
+    equal the sequences' own passes."""
+    ids = sequence(200)
+    last = moe.forward(moe.new_state(N_CTX), ids[:150])
+    assert last.shape == (1, moe.hparams.n_vocab)
+    assert np.array_equal(last[0], moe.forward(moe.new_state(N_CTX), ids[:150], all_logits=True)[-1])
+    a, b = moe.new_state(N_CTX), moe.new_state(N_CTX)
+    assert moe.forward(a, ids[:150], want_logits=False) is None
+    moe.forward(b, ids[:150])
+    assert a.save() == b.save()
+    assert np.array_equal(moe.forward(a, ids[150:160]), moe.forward(b, ids[150:160]))
+    s1, s2 = moe.new_state(N_CTX), moe.new_state(N_CTX)
+    rows = moe.forward_batch([s1, s2], [ids[:40], ids[40:100]])
+    assert np.array_equal(rows[0], moe.forward(moe.new_state(N_CTX), ids[:40])[0])
+    assert np.array_equal(rows[1], moe.forward(moe.new_state(N_CTX), ids[40:100])[0])
+
+
 def test_copy_from_is_independent(moe):
     ids = sequence(200)
     a, b = moe.new_state(N_CTX), moe.new_state(N_CTX)

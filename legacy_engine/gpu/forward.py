@@ -376,24 +376,7 @@ class ForwardOps:
         yd = None if sort else self.scratch.buf("ed", 4 * pairs * E).ptr     # sorted: the outputs stay in xg (pinv)
         self._mm(L["ffn_gate_inp"], h, logits, n, hq)
         k.moe_route(logits, ids, wts, n, ne, kk)
-        base = 0
-        # the grouped GEMMs' work list made on the GPU (moe_sort): no host wait, where the host needs no ids
-        # (resident experts, or all of the layer staged because the pass routes to most of them)
-        dev_sort = sort and self.grouped and ne <= gpu.MOE_SORT_MAX_E and (not self.stream or self.res.stages_all(n))
-        # a pass's last row (the last layer's FFN: _forward_chunk): its experts fetched by the GPU, no host wait
-        fetch = self.stream and n == 1 and self.scratch.tag == "p" and self.res.can_fetch(L["index"])
-        if (self.stream or sort) and not dev_sort and not fetch:
-            self._mark("ffn rest")
-            used = self._ids_buf(ids, pairs)
-            c = self.route_counts.setdefault(L["index"], np.zeros(ne, dtype=np.int64))
-            c += np.bincount(used, minlength=ne)[:ne]
-        if self.stream:
-            i = L["index"]
-            base = (self.res.fetch(i, ids, kk) if fetch else
-                    self.res.stage(i, range(ne) if dev_sort else np.unique(used)))
-            self._mark("waiting for expert copies")
-            nxt = self.res.next_moe(i)
-            self.res.prefetch_all(nxt, self._ffn_rows(nxt, n))   # the next layer's copy overlaps this layer's experts
+        base, used, dev_sort = self._experts_in_vram(L, ids, n, sort)
         x_tok, xg, eids, x_group = h, h, ids, kk
         if dev_sort:
             n_tiles = gpu.Kernels.sort_tiles_max(pairs, ne, self._group_tile(L))
@@ -428,12 +411,38 @@ class ForwardOps:
                              x_group)
         self._mark("routed experts")
         if self.stream:
-            self.res.release(i)
+            self.res.release(L["index"])
             self.res.stream_stats["layers"] += 1
         if sort:       # the outputs in expert order: the combine reads pair (t, s) from row pinv[t*k + s] of xg
             self._shared_and_combine(L, h, hq, n, xg, wts, y, rows=pinv)
         else:
             self._shared_and_combine(L, h, hq, n, yd, wts, y)
+
+    def _experts_in_vram(self, L: dict, ids: int, n: int, sort: bool) -> tuple[int, np.ndarray | None, bool]:
+        """Layer L's routed experts for a pass of n tokens routed to `ids` (device int32 [n * k]) -> (the address
+        their tensors' offsets count from: 0 resident, the staging slot streamed; the ids on the host where it read
+        them, else None; whether the grouped GEMMs' work list is made on the GPU: moe_sort)."""
+        hp = self.hparams
+        ne, i, pairs = hp.n_expert, L["index"], n * hp.n_expert_used
+        # the grouped GEMMs' work list made on the GPU (moe_sort): no host wait, where the host needs no ids
+        # (resident experts, or all of the layer staged because the pass routes to most of them)
+        dev_sort = sort and self.grouped and ne <= gpu.MOE_SORT_MAX_E and (not self.stream or self.res.stages_all(n))
+        # a pass's last row (the last layer's FFN: _forward_chunk): its experts fetched by the GPU, no host wait
+        fetch = self.stream and n == 1 and self.scratch.tag == "p" and self.res.can_fetch(i)
+        used = None
+        if (self.stream or sort) and not dev_sort and not fetch:
+            self._mark("ffn rest")
+            used = self._ids_buf(ids, pairs)
+            c = self.route_counts.setdefault(i, np.zeros(ne, dtype=np.int64))
+            c += np.bincount(used, minlength=ne)[:ne]
+        if not self.stream:
+            return 0, used, dev_sort
+        base = (self.res.fetch(i, ids, hp.n_expert_used) if fetch else
+                self.res.stage(i, range(ne) if dev_sort else np.unique(used)))
+        self._mark("waiting for expert copies")
+        nxt = self.res.next_moe(i)
+        self.res.prefetch_all(nxt, self._ffn_rows(nxt, n))   # the next layer's copy overlaps this layer's experts
+        return base, used, dev_sort
 
     def _ffn_hybrid(self, L: dict, h: int, hq, y: int) -> None:
         """One token's MoE block split between the GPU and the CPU (cpu_experts), exchanged through the channel
