@@ -88,6 +88,9 @@ CPU_PREFILL_GAIN = 1.0       # CPU prefill tok/s / CPU decode tok/s (one integer
 # 2026-11-25: pp2048 1,555 tok/s (uniform routing) where the probe alone predicts 1.86 s at 0.47, i.e. 0.66;
 # the first calibration (0.47, GEMVs per (token, expert) pair instead of the grouped GEMM) is superseded.
 GPU_PREFILL_EFF = 0.66
+# The attention's scores and P V in a prefill (2 x 2 FLOPs per (query, key) pair, head and attention layer, causal)
+# against the GEMM probe's rate: the quadratic part of a long pass, which the weights' FLOPs do not see.
+GPU_ATTN_EFF = 0.5
 GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu/forward.py: 544 for 24 layers + head ≈ 22.5/layer
 #                                     on the 0.8B incl. quantise/route; 14 is the MoE-free GDN average)
 # The hybrid decode (gpu/forward.py _ffn_hybrid: the GPU and the CPU exchange each MoE layer through a host channel that
@@ -316,12 +319,23 @@ def _cpu_times(m: Machine, decode_bytes: int) -> tuple[float, float]:
     return t_tok, t_tok / CPU_PREFILL_GAIN
 
 
+def _attention_pairs(c0: int, c: int) -> float:
+    """(query, key) pairs a causal pass of c tokens after c0 already in the context scores, per attention layer."""
+    return c * (c0 + (c + 1) / 2)
+
+
 def _gpu_prefill(m: Machine, file, fp_decode, n: int, chunk: int, stream: bool, pinned: dict) -> tuple[float, dict]:
-    """Seconds to prefill n tokens on the GPU and where they go (compute, expert copies, overlap)."""
+    """Seconds to prefill n tokens on the GPU in passes of `chunk` and where they go (compute: the weights' GEMMs per
+    token and the attention's scores per (query, key) pair; expert copies, overlap)."""
     hp = file.hparams
+    rate = m.gpu_gemm_tflops * 1e12
     per_tok_flops = 2 * (fp_decode.decode_params - fp_decode.head_params) / GPU_PREFILL_EFF
-    compute = n * per_tok_flops / (m.gpu_gemm_tflops * 1e12) + 2 * fp_decode.head_params / (m.gpu_gemm_tflops * 1e12)
-    parts = {"compute": compute, "copy": 0.0, "total": compute}
+    n_attn = sum(1 for r in hp.recurrent if not r)
+    pair_s = 4 * hp.n_head * hp.head_dim * n_attn / (rate * GPU_ATTN_EFF)      # QK^T and PV of every attention layer
+    passes = [(c0, min(chunk, n - c0)) for c0 in range(0, n, chunk)]
+    attn = sum(_attention_pairs(c0, c) for c0, c in passes) * pair_s
+    compute = n * per_tok_flops / rate + attn + 2 * fp_decode.head_params / rate
+    parts = {"compute": compute, "attention": attn, "copy": 0.0, "total": compute}
     if not stream or not hp.n_expert:
         return compute, parts
     # the split hands the sequence over both ways: GDN states and the new KV rows (SplitModel.forward)
@@ -331,16 +345,15 @@ def _gpu_prefill(m: Machine, file, fp_decode, n: int, chunk: int, stream: bool, 
     unpinned = {i: (hp.n_expert - len(pinned.get(i, ()))) * (full // hp.n_expert)
                 for i, full in layer_expert_bytes(file).items()}
     n_layers = len(unpinned)
-    for c0 in range(0, n, chunk):
-        c = min(chunk, n - c0)
+    for c0, c in passes:
         share = expected_distinct(hp.n_expert, hp.n_expert_used, c) / hp.n_expert
         overlap = share >= 0.5                     # the GPU model prefetches the layer ahead then
-        layer_compute = c * per_tok_flops / (m.gpu_gemm_tflops * 1e12) / max(n_layers, 1)
+        layer_compute = (c * per_tok_flops / rate + _attention_pairs(c0, c) * pair_s) / max(n_layers, 1)
         for b in unpinned.values():
             t_copy = share * b / (m.link_gbps * 1e9)
             copy_total += t_copy
             total += max(t_copy, layer_compute) if overlap else t_copy + layer_compute
-    total += 2 * fp_decode.head_params / (m.gpu_gemm_tflops * 1e12)
+    total += 2 * fp_decode.head_params / rate
     parts.update(copy=copy_total, handoff=handoff, total=total)
     return total, parts
 
