@@ -509,3 +509,16 @@ def test_noise_counts_pin_consecutive_experts():
     pins, _ = P.fill_pins(A3B, 6 * L.GiB, 4096, 2048, True, skew)
     assert all({200, 230} <= set(v) for v in pins.values())
     assert not np.any(P._hotness(noise[0].astype(float))) and np.array_equal(P._hotness(skew[0] * 1.0), skew[0])
+
+
+def test_gpu_prefill_counts_the_attention_pairs():
+    """The GPU prefill's compute counts the attention's causal (query, key) pairs, n (n + 1) / 2 per attention layer
+    however the passes cut n: four times the prompt, sixteen times the attention term (within the pairs' + n / 2),
+    and the same term in passes of 2,048 and 4,096 tokens."""
+    fpd = weight_footprint(A3B)
+    t1, p1 = P._gpu_prefill(H100, A3B, fpd, 2048, 2048, True, {})
+    t4, p4 = P._gpu_prefill(H100, A3B, fpd, 8192, 4096, True, {})
+    _, p4b = P._gpu_prefill(H100, A3B, fpd, 8192, 2048, True, {})
+    assert p1["attention"] > 0 and abs(p4["attention"] / p1["attention"] - 16) < 0.01
+    assert p4b["attention"] == pytest.approx(p4["attention"], rel=1e-12)
+    assert p4["compute"] > 4 * p1["compute"]             # the quadratic term: more than 4x the compute

@@ -28,9 +28,9 @@ Models of time (a roofline per phase, each term from one measurement; shown by `
   CPU decode  t = decode_bytes / cpu_bw_eff            (bytes read per token: dense + top-k experts + LM head)
   CPU prefill t = n * decode_params * 2 / cpu_flops    (one integer dot product per token and weight)
   GPU prefill t = max(copy, compute) per layer summed, copy = streamed expert bytes / link_bw, compute =
-              n * active_params * 2 / (gpu_flops * GPU_PREFILL_EFF) (the GEMM probe's rate, derated by the
-              measured share of expert GEMVs, GDN recurrence and attention); the stream split adds the state
-              handoff both ways at SPLIT_HANDOFF_GBPS (the hybrid split has none)
+              n * active_params * 2 / (gpu_flops * GPU_PREFILL_EFF) + attention pairs * 4 * heads * head_dim *
+              attention layers / (gpu_flops * GPU_ATTN_EFF) (the GEMM probe's rate, derated as measured); the
+              stream split adds the state handoff both ways at SPLIT_HANDOFF_GBPS (the hybrid split has none)
   GPU decode  t = decode_bytes / gpu_bw_eff + launches * launch_s
   hybrid step t = (dense + pinned share of expert bytes) / gpu_bw + launches * launch_s
                   + unpinned expert bytes / (cpu_bw * HYBRID_CPU_EFF) + MoE layers * HYBRID_HOST_S_PER_LAYER
@@ -82,15 +82,14 @@ def parse_size(text: str) -> int:
 # probes (probe.py).
 CPU_DECODE_EFF = 0.62        # CPU decode tok/s / (read bandwidth / bytes per token): 59-64 % at 16 threads
 CPU_PREFILL_GAIN = 1.0       # CPU prefill tok/s / CPU decode tok/s (one integer dot per token and row: ~1x)
-# Whole GPU prefill / the GEMM probe's rate: the prefill also runs the grouped expert GEMMs (tiles of <= 32 tokens
-# of one expert), the GDN recurrence token by token and attention, which the f32 GEMM probe does not see. Measured
-# with `bench split --strategies hybrid` (no handoff to the CPU) on the 35B-A3B Q4_K_M file under 6 GiB, H100,
-# 2026-11-25: pp2048 1,555 tok/s (uniform routing) where the probe alone predicts 1.86 s at 0.47, i.e. 0.66;
-# the first calibration (0.47, GEMVs per (token, expert) pair instead of the grouped GEMM) is superseded.
-GPU_PREFILL_EFF = 0.66
-# The attention's scores and P V in a prefill (2 x 2 FLOPs per (query, key) pair, head and attention layer, causal)
-# against the GEMM probe's rate: the quadratic part of a long pass, which the weights' FLOPs do not see.
-GPU_ATTN_EFF = 0.5
+# Whole GPU prefill / the GEMM probe's rate (gpu_gemm_tflops): the weights' FLOPs (2 per weight and token) run at
+# GPU_PREFILL_EFF of it, the attention's scores and P V (4 FLOPs per (query, key) pair, head and attention layer,
+# causal: n (n + 1) / 2 pairs however the passes cut n) at GPU_ATTN_EFF. Calibrated on the GPU's phases of `bench
+# split --strategies hybrid` (35B-A3B Q4_K_M under 6 GiB, H200, probe 113 TFLOP/s; 2,048 and 8,192 tokens:
+# benchmarks/results/prefill_s43_2026-11-29.md); the first calibration (0.66, H100, token-by-token GDN) left out
+# the attention and read 13.3k tok/s where 9.7k ran.
+GPU_PREFILL_EFF = 0.53
+GPU_ATTN_EFF = 0.26
 GPU_DECODE_LAUNCHES_PER_LAYER = 14   # kernels per layer and token (gpu/forward.py: 544 for 24 layers + head ≈ 22.5/layer
 #                                     on the 0.8B incl. quantise/route; 14 is the MoE-free GDN average)
 # The hybrid decode (gpu/forward.py _ffn_hybrid: the GPU and the CPU exchange each MoE layer through a host channel that
