@@ -133,8 +133,8 @@ def _entries(ptx: bytes) -> set[bytes]:
 ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1", "swiglu_q8_1"},
            "conv1d": {"conv1d_silu_f32", "conv1d_state_f32"},
            "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
-           "gdn_chunked": {"gdn_chunk_prep_f32", "gdn_chunk_prep_ahead_f32", "gdn_chunk_scan_f32",
-                           "gdn_chunk_scan_tf32"},
+           "gdn_chunked": {"gdn_chunk_prep_f32", "gdn_chunk_prep_ahead_f32", "gdn_chunk_scan_f32"},
+           "gdn_scan_tf32": {"gdn_chunk_scan_tf32"},
            "attention": {"attn_decode_partial_f32", "attn_decode_merge_f32", "attn_prefill_f32", "attn_kv_store_f32",
                          "attn_prefill_tiled_f32", "attn_prefill_mma_f32", "attn_kv_planes_f16"},
            "moe_route": {"moe_route_f32"}, "moe_sort": {"moe_sort"}, "argmax": {"argmax_partial_f32", "argmax_final_i32"},
@@ -161,9 +161,10 @@ def expected_entries(name: str, tier: str = "dp4a", arch: int = 90) -> set[str]:
             (set() if gpu.has_mma(tier, arch) else {"attn_prefill_mma_f32", "attn_kv_planes_f16"})
         return {e.encode() for e in ENTRIES[name] - drop} | {b"le_tier_probe"}
     if name == "gdn_chunked":
-        drop = (set() if gpu.many_regs(tier) else {"gdn_chunk_prep_ahead_f32"}) | \
-            (set() if gpu.has_tf32(tier, arch) else {"gdn_chunk_scan_tf32"})
+        drop = set() if gpu.many_regs(tier) else {"gdn_chunk_prep_ahead_f32"}
         return {e.encode() for e in ENTRIES[name] - drop} | {b"le_tier_probe"}
+    if name == "gdn_scan_tf32" and not gpu.has_tf32(tier, arch):
+        return {b"le_tier_probe"}
     if name == "peak" and not gpu.has_mma(tier, arch):
         return {e.encode() for e in ENTRIES[name] - {"peak_mma_s8"}} | {b"le_tier_probe"}
     if name in ("gemv_f32", "gemv_dp4a"):

@@ -260,7 +260,8 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
             raise UnavailableError(f"gdn_chunked: the tf32 scan needs the dp4a tier at compute_80+, dk a multiple of "
                                    f"16 and 16-byte aligned rows, not {self.name} with dk = {dk}, conv_dim = "
                                    f"{conv_dim}")
-        mod.kernel("gdn_chunk_scan_tf32" if mma else "gdn_chunk_scan_f32").launch(
+        scan = self.modules["gdn_scan_tf32"].kernel("gdn_chunk_scan_tf32") if mma else mod.kernel("gdn_chunk_scan_f32")
+        scan.launch(
             (Hv, -(-dv // GDNC_COLS), 1), (GDNC_THREADS, 1, 1),
             [("ptr", _ptr(u)), ("ptr", _ptr(W)), ("ptr", _ptr(U)), ("ptr", _ptr(P)), ("ptr", _ptr(G)),
              ("ptr", _ptr(S)), ("ptr", _ptr(o))] + shape, stream=stream)
