@@ -1,6 +1,6 @@
-/* gdn_chunked.cuh — what the chunked GDN's kernels share (gdn_chunked.cu: the prep and the f32 scan; gdn_scan_tf32.cu:
- * the scan on tf32 tensor cores): the chunk, a block's threads, the shared tiles' width, a scan block's columns of S,
- * the largest key dim, and the k-head of a v-head. */
+/* gdn_chunked.cuh — what the chunked GDN's kernels share (gdn_chunked.cu: the prep and the f32 scan;
+ * gdn_scan_tf32.cu: the scan on tf32 tensor cores): the chunk, a block's threads, the shared tiles' width, a scan
+ * block's columns of S, the largest key dim, and the k-head of a v-head. */
 #ifndef LE_GDN_CHUNKED_CUH
 #define LE_GDN_CHUNKED_CUH
 
