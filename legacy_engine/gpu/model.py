@@ -308,20 +308,12 @@ class GpuModel(ForwardOps):
         h = self.scratch.buf("h", 4 * B * E).ptr
         y = self.scratch.buf("y", 4 * B * E).ptr
         k.get_rows(self.embd.qtype, self.embd.ptr, idb.ptr, x, B, E)
-        hq = self._hq(B)
-        k.add_rmsnorm(x, None, self.layers[0]["attn_norm"], h, hq, E, B, hp.rms_eps)
-        for i, L in enumerate(self.layers):
-            si_of = lambda st, i=i: st.index[i]   # noqa: E731
-            if hp.recurrent[i]:
-                self._gdn_seqs(L, h, hq, states, si_of, y)
-            else:
-                self._attention_seqs(L, h, hq, states, si_of, y)
-            k.add_rmsnorm(x, y, L["post_attention_norm"], h, hq, E, B, hp.rms_eps)
-            self._ffn(L, h, hq, B, y)
-            if i + 1 < len(self.layers):
-                k.add_rmsnorm(x, y, self.layers[i + 1]["attn_norm"], h, hq, E, B, hp.rms_eps)
-            else:
-                k.add(x, y, x, B * E)
+
+        def mixer(i: int, L: dict, hq) -> None:
+            si_of = lambda st: st.index[i]   # noqa: E731
+            (self._gdn_seqs if hp.recurrent[i] else self._attention_seqs)(L, h, hq, states, si_of, y)
+        self._last_rows = B                                 # every sequence's row has its logits read
+        self._layers(x, h, y, B, mixer)
         for st in states:
             st._pos += 1
         outs = []
@@ -463,7 +455,7 @@ class GpuModel(ForwardOps):
         # the last layer's states take every row, its FFN only the rows the head reads (none when no logits are
         # wanted): the residual stream's other rows end there (a 2048-token pass of the 35B-A3B streams its last
         # layer's experts for one token, not all 256)
-        last, self._last_rows = len(self.layers) - 1, (n if all_logits or n == 1 else int(want))
+        self._last_rows = n if all_logits or n == 1 else int(want)
         if self.stream:
             first = self.res.next_moe(-1)
             self.res.prefetch_all(first, self._ffn_rows(first, n))
@@ -472,9 +464,8 @@ class GpuModel(ForwardOps):
         else:
             k.get_rows(self.embd.qtype, self.embd.ptr, idb.ptr, x, n, E)
         self._mark("embed")
-        hq = self._hq(n)        # h's Q8_1 (int8 paths): each add_rmsnorm writes it with h
-        k.add_rmsnorm(x, None, self.layers[0]["attn_norm"], h, hq, E, n, hp.rms_eps)
-        for i, L in enumerate(self.layers):
+
+        def mixer(i: int, L: dict, hq) -> None:
             si = st.index[i]
             if hp.recurrent[i]:
                 self._gdn(L, h, hq, n, st, si, y, chunked)
@@ -484,17 +475,7 @@ class GpuModel(ForwardOps):
             else:
                 self._attention(L, h, hq, n, st, si, y)
                 self._mark("attention")
-            if i < last:
-                k.add_rmsnorm(x, y, L["post_attention_norm"], h, hq, E, n, hp.rms_eps)   # residual add, norm, Q8_1
-                self._ffn(L, h, hq, n, y)
-                k.add_rmsnorm(x, y, self.layers[i + 1]["attn_norm"], h, hq, E, n, hp.rms_eps)
-            elif (r := self._last_rows):      # rows n - r … n - 1 of x, through h / y rows 0 … r - 1
-                xr, hqr = x + 4 * (n - r) * E, (hq if r == n else self._hq(r))
-                k.add_rmsnorm(xr, y + 4 * (n - r) * E, L["post_attention_norm"], h, hqr, E, r, hp.rms_eps)
-                self._ffn(L, h, hqr, r, y)
-                k.add(xr, y, xr, r * E)
-            self._mark("ffn rest")
-        self._last_rows = None
+        self._layers(x, h, y, n, mixer)
         st._pos += n
         if positions is not None:        # the next text position: one past the largest used (le_forward_embd)
             st.rope_delta = int(positions.max()) + 1 - st.pos
@@ -516,6 +497,29 @@ class GpuModel(ForwardOps):
         self._mark("head")
         self._flush_counts()
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _layers(self, x: int, h: int, y: int, n: int, mixer) -> None:
+        """Every layer over the residual stream x [n, E]: mixer(i, L, hq) runs layer i's attention or GDN from h
+        (x's rows normed; hq their Q8_1 on the int8 paths) into y; then its FFN between the residual adds, the last
+        layer's on rows n - r … n - 1 of x only (r = _last_rows: the rows the head reads; 0: none), through rows
+        0 … r - 1 of h and y."""
+        hp, k, E = self.hparams, self.k, self.hparams.n_embd
+        last = len(self.layers) - 1
+        hq = self._hq(n)        # h's Q8_1 (int8 paths): each add_rmsnorm writes it with h
+        k.add_rmsnorm(x, None, self.layers[0]["attn_norm"], h, hq, E, n, hp.rms_eps)
+        for i, L in enumerate(self.layers):
+            mixer(i, L, hq)
+            if i < last:
+                k.add_rmsnorm(x, y, L["post_attention_norm"], h, hq, E, n, hp.rms_eps)   # residual add, norm, Q8_1
+                self._ffn(L, h, hq, n, y)
+                k.add_rmsnorm(x, y, self.layers[i + 1]["attn_norm"], h, hq, E, n, hp.rms_eps)
+            elif (r := self._last_rows):
+                xr, hqr = x + 4 * (n - r) * E, (hq if r == n else self._hq(r))
+                k.add_rmsnorm(xr, y + 4 * (n - r) * E, L["post_attention_norm"], h, hqr, E, r, hp.rms_eps)
+                self._ffn(L, h, hqr, r, y)
+                k.add(xr, y, xr, r * E)
+            self._mark("ffn rest")
+        self._last_rows = None
 
     def _handoff_buffer(self, nbytes: int):
         """A uint8 view of >= nbytes of page-locked host memory for GpuState's handoff (grown as needed, freed by
