@@ -179,8 +179,8 @@ def choose_pins(file, budget_bytes: int, counts: dict | None = None) -> dict:
 # A layer's routing counts that uniform routing could have drawn (Pearson's chi-square against their mean within
 # UNIFORM_SIGMAS standard deviations of its expectation, n - 1) rank no expert above another: its pins then take
 # consecutive ids, around which a streamed pass copies the rest in one copy a tensor, not one per run between pins
-# scattered by noise (2,048-token passes of the 35B-A3B, H200: 55.1 GB/s against 52.5; a copy costs ~2.5 us more
-# than its bytes: benchmarks/results/prefill_s43_2026-11-29.md).
+# scattered by noise (a copy costs ~2.5 us beyond its bytes: 3 MiB copies 53.1 GB/s against 55.5 for one long copy,
+# H200, benchmarks/h2d_copy_sizes.py).
 UNIFORM_SIGMAS = 4.0
 
 
