@@ -4,9 +4,12 @@ when the copy stream ran it, when the compute stream waited for it and when the 
 stream's idle time is split by cause: waiting for a staging slot (the experts STAGING_LAYERS layers back still
 running), a late issue (the host had not asked yet), or nothing to copy.
 
-    python benchmarks/split_timeline.py MODEL.gguf [--vram 6GiB] [--n 2048] [--depths 2,3] [--reps 3] [--layers]
+    python benchmarks/split_timeline.py MODEL.gguf [--vram 6GiB] [--n 2048] [--depths 2,3] [--pins counts,lowest]
+                                       [--reps 3] [--layers]
 
---depths: staging depths to compare (layout.STAGING_LAYERS, the planner refilling the pins for each).
+--depths: staging depths to compare (layout.STAGING_LAYERS, the planner refilling the pins for each); --pins: the
+pins from the saved routing counts (as the planner places them) and / or at consecutive ids (as without counts),
+each timed in this process, with the host copies a layer issued (one per run of experts between its pins).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import time
 import numpy as np
 
 from legacy_engine import gpu
+from legacy_engine.core import _native
 from legacy_engine.cpu.model import Model
 from legacy_engine.gpu import layout
 from legacy_engine.plan import planner, probe
@@ -26,16 +30,17 @@ from legacy_engine.tools.bench_split import _gpu_model
 
 
 def instrument(res) -> dict:
-    """Wraps res.stage / res.release to record, per call, the host time and GPU events on the right streams."""
-    log = {"stage": [], "release": []}
+    """Wraps res.stage / res.release to record, per call, the host time, the host copies it issued (one per run of
+    experts between the layer's pins) and GPU events on the right streams."""
+    log = {"stage": [], "release": [], "copies": 0}
     stage0, release0 = res.stage, res.release
 
     def stage(i, want, wait=True):
-        t, k, s = time.perf_counter(), len(res._copy_marks), len(res._stalls)
+        t, k, s, c = time.perf_counter(), len(res._copy_marks), len(res._stalls), log["copies"]
         out = stage0(i, want, wait)
         copy = res._copy_marks[k] if len(res._copy_marks) > k else None
         stall = res._stalls[s] if len(res._stalls) > s else None
-        log["stage"].append((i, t, copy, stall))
+        log["stage"].append((i, t, copy, stall, log["copies"] - c))
         return out
 
     def release(i):
@@ -52,6 +57,12 @@ def timeline(gm, ids) -> tuple[float, list, dict]:
     """One instrumented pass -> (pass ms, per-layer rows, idle split)."""
     res = gm.res
     log = instrument(res)
+    htod0 = _native.gpu_copy_htod_addr
+
+    def htod(*args):
+        log["copies"] += 1
+        return htod0(*args)
+    _native.gpu_copy_htod_addr = htod
     st = gm.new_state(len(ids) + 8)
     gpu.synchronize()
     t0 = gpu.Event()
@@ -62,12 +73,13 @@ def timeline(gm, ids) -> tuple[float, list, dict]:
     t1.record()
     gpu.synchronize()
     del res.stage, res.release                  # the class's methods again
+    _native.gpu_copy_htod_addr = htod0
     ms = lambda e: t0.elapsed_ms(e)             # noqa: E731
     freed = {i: ms(e) for i, _t, e in log["release"]}
     rows, idle = [], {"slot": 0.0, "late issue": 0.0, "other": 0.0}
     prev_end = 0.0
     d = len(res._staging)
-    for i, t_host, copy, stall in log["stage"]:
+    for i, t_host, copy, stall, n_copies in log["stage"]:
         if copy is None:
             continue
         c0, c1, nb = copy
@@ -79,9 +91,9 @@ def timeline(gm, ids) -> tuple[float, list, dict]:
             cause = "slot" if slot >= start - 0.05 else "late issue" if issued >= start - 0.2 else "other"
             idle[cause] += gap
         rows.append({"layer": i, "issued": issued, "slot_free": slot, "start": start, "end": end,
-                     "gbps": nb / max(end - start, 1e-6) / 1e6, "mib": nb / 2**20, "gap": gap})
+                     "gbps": nb / max(end - start, 1e-6) / 1e6, "mib": nb / 2**20, "gap": gap, "copies": n_copies})
         prev_end = end
-    for i, _t, _copy, stall in log["stage"]:
+    for i, _t, _copy, stall, _n in log["stage"]:
         if stall is not None:
             for r in rows:
                 if r["layer"] == i:
@@ -100,6 +112,9 @@ def main() -> None:
     ap.add_argument("--vram", default="6GiB")
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--depths", default="2")
+    ap.add_argument("--pins", default="counts",
+                    help="counts (the saved routing's hottest, as the planner pins), lowest (consecutive ids, as "
+                         "without counts), or both, comma-separated: each timed in this process")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", action="store_true", help="print every layer's row")
     a = ap.parse_args()
@@ -111,11 +126,12 @@ def main() -> None:
     ids = seeded_tokens(a.n, model.hparams.n_vocab)
     n_ctx = a.n + 16
     print(f"{dev.get('name', 'GPU')}, {a.model}, {a.n} tokens, budget {a.vram}")
-    for depth in [int(x) for x in a.depths.split(",")]:
+    for depth, pins_by in [(int(d), p) for d in a.depths.split(",") for p in a.pins.split(",")]:
         layout.STAGING_LAYERS = depth
-        st0 = next(s for s in planner.plan(model.file, m, vram, a.n, 8, n_ctx=n_ctx, counts=counts)
+        c = counts if pins_by == "counts" else None
+        st0 = next(s for s in planner.plan(model.file, m, vram, a.n, 8, n_ctx=n_ctx, counts=c)
                    if s.name == "hybrid")
-        gm, _runner, _link = _gpu_model(model, "hybrid", st0, m, vram, n_ctx, counts, None, None, [a.n])
+        gm, _runner, _link = _gpu_model(model, "hybrid", st0, m, vram, n_ctx, c, None, None, [a.n])
         try:
             pins = sum(map(len, gm.placement.pinned.values()))
             times = []
@@ -129,18 +145,21 @@ def main() -> None:
             gm.res._copy_marks, gm.res._stalls = [], []
             pass_ms, rows, idle = timeline(gm, ids)
             med = statistics.median(times[1:])
-            print(f"depth {depth}: chunk {st0.chunk}, {pins} pinned, pp{a.n} {a.n / med:,.0f} tok/s "
+            copies = sum(r["copies"] for r in rows)
+            print(f"depth {depth}, pins by {pins_by}{'' if c or pins_by != 'counts' else ' (none saved)'}: chunk "
+                  f"{st0.chunk}, {pins} pinned, {copies} host copies ({copies / max(len(rows), 1):.0f} a layer), "
+                  f"pp{a.n} {a.n / med:,.0f} tok/s "
                   f"(median of {a.reps}: {med * 1e3:.1f} ms; runs {', '.join(f'{x * 1e3:.1f}' for x in times)}); "
                   f"instrumented pass {pass_ms:.1f} ms: copy busy {idle['busy']:.1f} ms "
                   f"({np.mean([r['gbps'] for r in rows]):.1f} GB/s mean), idle waiting for a slot "
                   f"{idle['slot']:.1f}, late issue {idle['late issue']:.1f}, other {idle['other']:.1f}, after the "
                   f"last copy {idle['tail']:.1f} ms", flush=True)
             if a.layers:
-                print("  layer  issued  slot_free  start    end    gap  MiB    GB/s  wait(start-end)  freed")
+                print("  layer  issued  slot_free  start    end    gap  MiB  copies   GB/s  wait(start-end)  freed")
                 for r in rows:
                     w = r.get("wait")
                     print(f"  {r['layer']:5d} {r['issued']:7.1f} {r['slot_free']:9.1f} {r['start']:7.1f} "
-                          f"{r['end']:7.1f} {r['gap']:5.1f} {r['mib']:5.0f} {r['gbps']:6.1f}  "
+                          f"{r['end']:7.1f} {r['gap']:5.1f} {r['mib']:5.0f} {r['copies']:6d} {r['gbps']:6.1f}  "
                           + (f"{w[0]:7.1f}-{w[1]:7.1f}" if w else " " * 15) + f"  {r['freed']:7.1f}")
         finally:
             gm.close()
