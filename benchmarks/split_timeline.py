@@ -63,17 +63,19 @@ def timeline(gm, ids) -> tuple[float, list, dict]:
         log["copies"] += 1
         return htod0(*args)
     _native.gpu_copy_htod_addr = htod
-    st = gm.new_state(len(ids) + 8)
-    gpu.synchronize()
-    t0 = gpu.Event()
-    t0.record()
-    h0 = time.perf_counter()
-    gm.forward(st, ids)
-    t1 = gpu.Event()
-    t1.record()
-    gpu.synchronize()
-    del res.stage, res.release                  # the class's methods again
-    _native.gpu_copy_htod_addr = htod0
+    try:
+        st = gm.new_state(len(ids) + 8)
+        gpu.synchronize()
+        t0 = gpu.Event()
+        t0.record()
+        h0 = time.perf_counter()
+        gm.forward(st, ids)
+        t1 = gpu.Event()
+        t1.record()
+        gpu.synchronize()
+    finally:
+        del res.stage, res.release                  # the class's methods again
+        _native.gpu_copy_htod_addr = htod0
     ms = lambda e: t0.elapsed_ms(e)             # noqa: E731
     freed = {i: ms(e) for i, _t, e in log["release"]}
     rows, idle = [], {"slot": 0.0, "late issue": 0.0, "other": 0.0}
@@ -93,13 +95,12 @@ def timeline(gm, ids) -> tuple[float, list, dict]:
         rows.append({"layer": i, "issued": issued, "slot_free": slot, "start": start, "end": end,
                      "gbps": nb / max(end - start, 1e-6) / 1e6, "mib": nb / 2**20, "gap": gap, "copies": n_copies})
         prev_end = end
-    for i, _t, _copy, stall, _n in log["stage"]:
-        if stall is not None:
-            for r in rows:
-                if r["layer"] == i:
-                    r["wait"] = (ms(stall[0]), ms(stall[1]))
+    # a layer's wait comes with its stage(wait=True), its copies with the prefetch a layer before (wait=False)
+    waits = {i: (ms(stall[0]), ms(stall[1])) for i, _t, _c, stall, _n in log["stage"] if stall is not None}
     for r in rows:
         r["freed"] = freed.get(r["layer"], float("nan"))
+        if r["layer"] in waits:
+            r["wait"] = waits[r["layer"]]
     idle["tail"] = ms(t1) - prev_end
     idle["busy"] = sum(r["end"] - r["start"] for r in rows)
     res._copy_marks, res._stalls = [], []

@@ -227,8 +227,9 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         """gdn_recurrent's rule over n tokens in chunks of GDNC_C (cuda8/gdn_chunked.cu; chunks counted from the first
         token), g and beta already gated. work: (W [n, Hv, dk], U [n, Hv, dv], P [chunks, Hv, C, C], G [n, Hv]) f32
         buffers (layout.gdn_chunk_work). prep_ahead: the prep's form (the same bits): None chooses by the grid.
-        mma: the scan's products on tf32 tensor cores at f32 grade (gdn_chunk_scan_tf32: other bits, within the same
-        bound); None: where the variant has_tf32 and dk is a multiple of 16; False: the f32 FMA scan."""
+        mma: the scan's products on tf32 tensor cores at f32 grade (gdn_chunk_scan_tf32, cuda8/gdn_scan_tf32.cu:
+        other bits, within the same bound); None: where gdn_scan_tf32 allows these shapes and u, W and P are 16-byte
+        aligned; False: the f32 FMA scan."""
         if not 0 < dk <= GDNC_MAX_DK:
             raise ValueError(f"gdn_chunked: dk = {dk} outside 1…{GDNC_MAX_DK}")
         if Hk <= 0 or Hv % Hk or dv <= 0 or n <= 0:
