@@ -116,7 +116,7 @@ def kernel_shared(text: str, macros: dict[str, str]) -> tuple[dict[str, int], li
     device functions: counted for each kernel, an upper bound). {'': file total} when text has no kernel."""
     decls, problems = _shared_decls(text, macros)
     spans = []
-    for m in re.finditer(r"__global__\s+void\s+(\w+)\s*\(", text):
+    for m in re.finditer(r"__global__\s+void\s+(\w+(?:\s*##\s*\w+)*)\s*\(", text):   # a macro's name##suffix too
         brace = text.index("{", m.end())
         spans.append((m.group(1), brace, brace + 1 + len(_body(text, brace))))
     inside = {pos for pos, _ in decls for _, a, b in spans if a < pos < b}
