@@ -511,6 +511,35 @@ def test_noise_counts_pin_consecutive_experts():
     assert not np.any(P._hotness(noise[0].astype(float))) and np.array_equal(P._hotness(skew[0] * 1.0), skew[0])
 
 
+def test_pin_order_weighs_the_copies_against_the_decode():
+    """A streamed pass issues a copy a tensor and run of experts between a layer's pins (H2D_COPY_S each beyond its
+    bytes): as many pins scattered predict the copies' extra time exactly. The stream strategy (CPU decode) then
+    pins consecutive ids for a long prompt; the hybrid pins the saved routing's hottest where the decode they speed
+    up pays for their copies over a reply (max(gen, EXTRAS_MIN_GEN)), consecutive ids where the skew is too mild."""
+    hp, fpd = A3B.hparams, weight_footprint(A3B)
+    layers = list(L.layer_expert_bytes(A3B))
+    lined = {i: list(range(45)) for i in layers}
+    spread = {i: list(range(0, 225, 5)) for i in layers}
+    assert P._runs_between(lined[layers[0]], hp.n_expert) == 1 and P._runs_between(spread[layers[0]], 256) == 45
+    _, a = P._gpu_prefill(H100, A3B, fpd, 2048, 2048, True, lined)
+    _, b = P._gpu_prefill(H100, A3B, fpd, 2048, 2048, True, spread)
+    n_t = len(L.expert_tensors(A3B, layers[0]))
+    assert a["copies"] == n_t * len(layers) and b["copies"] == 45 * n_t * len(layers)
+    assert b["copy"] - a["copy"] == pytest.approx((b["copies"] - a["copies"]) * P.H2D_COPY_S, rel=1e-9)
+    h200 = dataclasses.replace(H100, link_gbps=52.5, gpu_gemm_tflops=113.2)   # as probed: the copies set the pace
+    mild = {i: 1000 + 100 * (np.arange(hp.n_expert) % 2) for i in layers}      # odd ids 10 % hotter: no noise
+    perm = np.random.default_rng(5).permutation(hp.n_expert)                  # hot experts at scattered ids
+    zipf = {i: (1e6 / (1 + perm) ** 1.2).astype(np.int64) for i in layers}
+    for counts, hybrid_by in ((mild, "ids"), (zipf, "counts")):
+        ss = {s.name: s for s in P.plan(A3B, h200, 6 * L.GiB, 2048, 8, counts=counts)}
+        assert ss["stream"].pins_by == "ids" and ss["hybrid"].pins_by == hybrid_by
+        assert all(v == list(range(v[0], v[0] + len(v))) for v in ss["stream"].pinned.values())
+        hot = P.fill_pins(A3B, 6 * L.GiB, 2048 + 8, ss["hybrid"].chunk, True, counts)[0]
+        seq = P.fill_pins(A3B, 6 * L.GiB, 2048 + 8, ss["hybrid"].chunk, True)[0]
+        assert hot != seq and P._gpu_prefill(h200, A3B, fpd, 2048, 2048, True, hot)[0] > \
+            P._gpu_prefill(h200, A3B, fpd, 2048, 2048, True, seq)[0]
+
+
 def test_gpu_prefill_counts_the_attention_pairs():
     """The GPU prefill's compute counts the attention's causal (query, key) pairs, n (n + 1) / 2 per attention layer
     however the passes cut n: four times the prompt, sixteen times the attention term (within the pairs' + n / 2),

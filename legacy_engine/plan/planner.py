@@ -19,7 +19,8 @@ Three parts, each usable alone:
      stream     prefill on the GPU with the routed experts copied per layer from host RAM (pinned experts stay in
                 VRAM), decode on the CPU (the seed paper's split)
      hybrid     the same prefill; decode steps with attention, GDN, router, shared and pinned experts on the GPU
-                and the other routed experts on the CPU (pins chosen from the file's saved routing counts)
+                and the other routed experts on the CPU (pins: the file's saved routing's hottest where the decode
+                they speed up pays for their copies, else consecutive ids)
      resident   everything in VRAM, prefill and decode on the GPU
    and choose the fastest that fits the VRAM budget; short prompts stay on the CPU when the copy cannot pay
    (`min_gpu_tokens`, the crossover).
@@ -27,7 +28,8 @@ Three parts, each usable alone:
 Models of time (a roofline per phase, each term from one measurement; shown by `legacy-engine plan`):
   CPU decode  t = decode_bytes / cpu_bw_eff            (bytes read per token: dense + top-k experts + LM head)
   CPU prefill t = n * decode_params * 2 / cpu_flops    (one integer dot product per token and weight)
-  GPU prefill t = max(copy, compute) per layer summed, copy = streamed expert bytes / link_bw, compute =
+  GPU prefill t = max(copy, compute) per layer summed, copy = streamed expert bytes / link_bw + copies *
+              H2D_COPY_S (one a tensor and run of experts between the pins), compute =
               n * active_params * 2 / (gpu_flops * GPU_PREFILL_EFF) + attention pairs * 4 * heads * head_dim *
               attention layers / (gpu_flops * GPU_ATTN_EFF) (the GEMM probe's rate, derated as measured); the
               stream split adds the state handoff both ways at SPLIT_HANDOFF_GBPS (the hybrid split has none)
@@ -50,7 +52,8 @@ from ..core.paths import cache_dir
 from ..format.fingerprint import model_fingerprint
 from ..format.footprint import weight_footprint
 from ..gpu.layout import (ALLOC_GRANULE, GiB, MiB, VramFootprint, WEIGHT_ALIGN, align_up, expected_distinct,
-                          expert_bytes, layer_expert_bytes, staging_pool_bytes, state_bytes, vram_footprint)
+                          expert_bytes, expert_tensors, layer_expert_bytes, staging_pool_bytes, state_bytes,
+                          vram_footprint)
 from ..gpu.options import GpuOptions
 from ..gpu.placement import Placement, place, resident_chunk
 from .probe import Machine, measure
@@ -135,6 +138,13 @@ LINK_COMMIT = 0.8
 # process, 16 threads): the CPU's experts per token 193 -> 174 (uniform) and 87 -> 72 (skewed); decode tok/s
 # within the runs' spread (+-5 %) on that 16-core host, where the GPU's chain and not the CPU's bytes set the pace.
 EXTRAS_MIN_GEN = 128
+# A host-to-VRAM copy's cost beyond its bytes: a streamed layer issues one a tensor and run of experts between its pins
+# (Residency.stage). benchmarks/h2d_copy_sizes.py, H200, 2026-11-29: one long copy 55.4 GB/s, 3 MiB copies 53.0,
+# 1.12 MiB 49.3, 0.56 MiB 44.3: 2.6 us each. Pins scattered by hotness (~46 runs a layer of the 35B-A3B under 6 GiB)
+# cost a 2048-token pass ~14 ms: 6,625-6,704 tok/s against 6,849-6,994 with consecutive pins, alternated in one
+# process (benchmarks/split_timeline.py --pins counts,lowest; prefill_s44_2026-11-29.md). The pins follow the
+# routing only where the decode they speed up pays for that (_split_strategies).
+H2D_COPY_S = 2.6e-6
 
 
 # ================================================================================================ predictions
@@ -154,6 +164,7 @@ class Strategy:
     decode_parts: dict = dataclasses.field(default_factory=dict)      # where the decode time goes (hybrid)
     link_experts: int = 0           # hybrid: experts per layer the GPU fetches over the link (GpuModel link_experts)
     decode_extras: dict = dataclasses.field(default_factory=dict)    # hybrid: GpuModel decode_extras
+    pins_by: str = "ids"            # "counts": the saved routing's hottest; "ids": consecutive (fewer copies a pass)
 
     def total_s(self, gen: int) -> float:
         return self.prefill_s + gen * self.decode_s_per_tok
@@ -318,6 +329,13 @@ def _cpu_times(m: Machine, decode_bytes: int) -> tuple[float, float]:
     return t_tok, t_tok / CPU_PREFILL_GAIN
 
 
+def _runs_between(pins, n: int) -> int:
+    """Runs of consecutive ids of 0 … n-1 not in `pins`: the copies a layer's full stage issues per expert tensor."""
+    free = np.ones(n, dtype=bool)
+    free[list(pins)] = False
+    return int(np.count_nonzero(free & ~np.r_[False, free[:-1]]))
+
+
 def _attention_pairs(c0: int, c: int) -> float:
     """(query, key) pairs a causal pass of c tokens after c0 already in the context scores, per attention layer."""
     return c * (c0 + (c + 1) / 2)
@@ -339,21 +357,26 @@ def _gpu_prefill(m: Machine, file, fp_decode, n: int, chunk: int, stream: bool, 
         return compute, parts
     # the split hands the sequence over both ways: GDN states and the new KV rows (SplitModel.forward)
     handoff = (state_bytes(hp, 0) + state_bytes(hp, n)) / (SPLIT_HANDOFF_GBPS * 1e9)   # up, then down
-    copy_total, total = 0.0, handoff
-    # bytes a chunk copies per layer when it routes to every expert: the unpinned experts
+    copy_total, copies_total, total = 0.0, 0.0, handoff
+    # bytes a chunk copies per layer when it routes to every expert: the unpinned experts; the copies that takes
+    # (per tensor, a run between the pins), or one an expert routed to in a pass that routes to fewer
     unpinned = {i: (hp.n_expert - len(pinned.get(i, ()))) * (full // hp.n_expert)
                 for i, full in layer_expert_bytes(file).items()}
+    tensors = {i: len(expert_tensors(file, i)) for i in unpinned}
+    runs = {i: _runs_between(pinned.get(i, ()), hp.n_expert) for i in unpinned}
     n_layers = len(unpinned)
     for c0, c in passes:
         share = expected_distinct(hp.n_expert, hp.n_expert_used, c) / hp.n_expert
         overlap = share >= 0.5                     # the GPU model prefetches the layer ahead then
         layer_compute = (c * per_tok_flops / rate + _attention_pairs(c0, c) * pair_s) / max(n_layers, 1)
-        for b in unpinned.values():
-            t_copy = share * b / (m.link_gbps * 1e9)
+        for i, b in unpinned.items():
+            copies = tensors[i] * (runs[i] if overlap else share * (hp.n_expert - len(pinned.get(i, ()))))
+            t_copy = share * b / (m.link_gbps * 1e9) + copies * H2D_COPY_S
             copy_total += t_copy
+            copies_total += copies
             total += max(t_copy, layer_compute) if overlap else t_copy + layer_compute
     total += 2 * fp_decode.head_params / rate
-    parts.update(copy=copy_total, handoff=handoff, total=total)
+    parts.update(copy=copy_total, copies=copies_total, handoff=handoff, total=total)
     return total, parts
 
 
@@ -395,7 +418,10 @@ def plan(file, m: Machine, vram: int | None, prompt: int, gen: int, n_ctx: int |
 def _split_strategies(file, m: Machine, budget: int, prompt: int, gen: int, n_ctx: int, int8: bool, fpd,
                       cpu_dec: float, cpu_pre: float, counts: dict | None) -> list[Strategy]:
     """plan's stream and hybrid strategies of a MoE file: the pass length whose streamed prefill is fastest, its
-    pins, and the same placement with the hybrid decode (link experts, decode extras)."""
+    pins, and the same placement with the hybrid decode (link experts, decode extras). With routing counts each
+    strategy takes the saved routing's hottest pins or consecutive ids (fewer copies a pass), whichever is predicted
+    faster for the job: the prefill with the CPU's decode, the prefill and max(gen, EXTRAS_MIN_GEN) tokens of the
+    hybrid decode (a reply as long as the extras' rule counts)."""
     hp = file.hparams
     best = None
     for c in STREAM_CHUNKS:                # a longer pass copies each layer's experts fewer times, pins fewer
@@ -412,19 +438,52 @@ def _split_strategies(file, m: Machine, budget: int, prompt: int, gen: int, n_ct
         why = (f"even without pinned experts it needs {fp0.total / GiB:.2f} GiB of VRAM ({fp0.describe()}), "
                f"budget {budget / GiB:.2f} GiB")
         return [Strategy("stream", False, why, fp0.total), Strategy("hybrid", False, why, fp0.total)]
-    pre, parts, c, pins, fp = best
+    c = best[2]
+    orders = [("ids", None)] + ([("counts", counts)] if counts else [])    # a tie: consecutive ids, fewer copies
+    streams, hybrids = [], []
+    for by, pin_counts in orders:
+        pins, fp = fill_pins(file, budget, n_ctx, c, int8, pin_counts)
+        if fp.total > budget:
+            continue
+        pre, parts = _gpu_prefill(m, file, fpd, prompt, c, True, pins)
+        st = _stream_strategy(file, m, fpd, c, pins, fp, pre, parts, prompt, cpu_dec, cpu_pre, by)
+        streams.append(st)
+        hybrids.append(_hybrid_strategy(file, m, budget, n_ctx, int8, fpd, st, (pre, parts), prompt, gen, counts,
+                                        pin_counts))
+    reply = max(gen, EXTRAS_MIN_GEN)
+    return [min(streams, key=lambda s: s.prefill_s), min(hybrids, key=lambda s: s.total_s(reply))]
+
+
+def _stream_strategy(file, m: Machine, fpd, c: int, pins: dict, fp, pre: float, parts: dict, prompt: int,
+                     cpu_dec: float, cpu_pre: float, pins_by: str) -> Strategy:
+    """The stream strategy of passes of c tokens with `pins` (footprint fp, prefill pre seconds and its parts)."""
+    hp = file.hparams
     n_pin = sum(len(v) for v in pins.values())
     st = Strategy("stream", True, f"dense weights in VRAM, {n_pin} of {hp.n_expert * len(fp.expert_bytes)} "
-                  f"experts pinned, the rest copied per layer at {m.link_gbps:.1f} GB/s, passes of {c} "
-                  f"tokens: {fp.describe()}", fp.total, pre, cpu_dec, parts, pins, chunk=c)
+                  f"experts pinned ({_PINS_BY[pins_by]}), the rest copied per layer at {m.link_gbps:.1f} GB/s, "
+                  f"passes of {c} tokens: {fp.describe()}", fp.total, pre, cpu_dec, parts, pins, chunk=c,
+                  pins_by=pins_by)
     st.min_gpu_tokens = crossover(m, file, fpd, c, pins, cpu_pre)
     if prompt < st.min_gpu_tokens:       # the split runs short prompts on the CPU
         st.prefill_s, st.prefill_parts = prompt * cpu_pre, {"cpu": prompt * cpu_pre}
-    # the same placement with the hybrid decode: short passes run as hybrid steps, token by token; with
-    # link experts, their staging comes out of the pins
+    return st
+
+
+_PINS_BY = {"counts": "the hottest by the saved routing counts", "ids": "consecutive ids"}
+
+
+def _hybrid_strategy(file, m: Machine, budget: int, n_ctx: int, int8: bool, fpd, st: Strategy, gpu_pre: tuple,
+                     prompt: int, gen: int, counts: dict | None, pin_counts: dict | None) -> Strategy:
+    """The stream strategy st's placement (its GPU passes predicted: gpu_pre = (seconds, parts)) with the hybrid
+    decode: short passes run as hybrid steps, token by token; with link experts, their staging comes out of the pins
+    (chosen by pin_counts, as st's)."""
+    c, pins = st.chunk, st.pinned
     link = choose_link(m, file, pins, counts)
-    hpins, hfp = fill_pins(file, budget, n_ctx, c, int8, counts, link) if link else (pins, fp)
-    hpre, hpre_parts = (pre, parts) if hpins is pins else _gpu_prefill(m, file, fpd, prompt, c, True, hpins)
+    hpins, hvram = (pins, st.vram)
+    if link:
+        hpins, hfp = fill_pins(file, budget, n_ctx, c, int8, pin_counts, link)
+        hvram = hfp.total
+    hpre, hpre_parts = gpu_pre if hpins is pins else _gpu_prefill(m, file, fpd, prompt, c, True, hpins)
     extras = choose_decode_extras(file, hpins, counts, link)       # the staging's bytes between prefills
     hyb, hparts = _hybrid_decode(m, file, fpd, merge_pins(hpins, extras), counts, link)
     hyb0, hparts0 = _hybrid_decode(m, file, fpd, hpins, counts, link)
@@ -434,7 +493,7 @@ def _split_strategies(file, m: Machine, budget: int, prompt: int, gen: int, n_ct
         extras, hyb, hparts = {}, hyb0, hparts0
     link_why = (f", {link} more per layer fetched over the link to the GPU" if link else "")
     hy = dataclasses.replace(st, name="hybrid", decode_s_per_tok=hyb, decode_parts=hparts, pinned=hpins,
-                             vram=hfp.total, link_experts=link, decode_extras=extras,
+                             vram=hvram, link_experts=link, decode_extras=extras,
                              why=st.why + f"; decode hybrid: {hparts['pinned_share']:.0%} of the routed "
                              f"experts' work on the GPU (pinned, and {sum(map(len, extras.values()))} more "
                              f"kept in the staging between prefills){link_why}, the rest on the CPU")
@@ -444,7 +503,7 @@ def _split_strategies(file, m: Machine, budget: int, prompt: int, gen: int, n_ct
     hy.prefill_parts = dict(hpre_parts, handoff=0.0, total=hpre_parts["total"] - hpre_parts["handoff"])
     if prompt < hy.min_gpu_tokens:
         hy.prefill_s, hy.prefill_parts = prompt * hyb, {"hybrid steps": prompt * hyb}
-    return [st, hy]
+    return hy
 
 
 def crossover(m: Machine, file, fpd, chunk: int, pins: dict, cpu_pre: float) -> int:
@@ -535,7 +594,9 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, options: Gp
     pl = place(file, budget=held, reserved=reserve, n_ctx=n_ctx, chunk=chunk, int8=int8, stream=True, pinned=pins,
                decode=decode, link_experts=link, decode_extras=extras, min_gpu_tokens=int(min_gpu_tokens))
     n_pin = sum(len(v) for v in pins.values())
-    how = "the hottest by the saved routing counts" if counts else "spread evenly: no routing statistics yet"
+    how = ("spread evenly: no routing statistics yet" if not counts else _PINS_BY[st.pins_by] if st.pins_by == "counts"
+           else "consecutive ids: the saved routing's hottest would save the decode less than their copies cost a "
+                "prefill")
     return dataclasses.replace(
         pl, why=f"streamed experts ({n_pin} pinned, {how}): {pl.footprint.describe()} in a budget of "
                 f"{budget / GiB:.2f} GiB{kept}; "
