@@ -270,3 +270,13 @@ def test_every_command_prints_its_help():
     for cmd in [[c] for c in top] + [["bench", w] for w in bench]:
         r = _cli(*cmd, "-h")
         assert r.returncode == 0 and r.stdout.startswith("usage:") and "Traceback" not in r.stderr, (cmd, r.stderr)
+
+
+def test_bench_gpu_lengths_are_checked_before_anything_runs(tmp_path):
+    """`bench gpu --pp`: 0 skips the prefill test (it ran a prefill of no tokens and printed an error per row);
+    a negative or non-integer length, or nothing left to measure, is a clear error before any GPU work."""
+    f = tmp_path / "none.gguf"                       # never opened: the lengths are checked first
+    for args, msg in ((["--pp", "0", "--tg", "0"], "nothing to measure"), (["--pp", "-1"], "lengths are >= 0"),
+                      (["--pp", "5x"], "integers, comma-separated")):
+        r = _cli("bench", "gpu", str(f), *args)
+        assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

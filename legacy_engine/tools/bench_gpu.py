@@ -179,7 +179,7 @@ def bench_llama(binary: str, path: str, pps, tg: int, reps: int, flags=("-ngl", 
     """One llama-bench run (its JSON output) -> {"engine", "pp": {n: tok/s}, "tg", "tg_at": {depth: tok/s}, "build",
     "backend"}; `flags` are llama-bench's placement flags (-ngl, -ncmoe, -t …; with -d, pp counts depth 0 only and
     tg is depth 0's when there). UnavailableError with its stderr when it fails."""
-    cmd = [binary, "-m", str(path), *flags, "-p", ",".join(str(p) for p in pps), "-n", str(tg), "-r", str(reps),
+    cmd = [binary, "-m", str(path), *flags, "-p", ",".join(str(p) for p in pps) or "0", "-n", str(tg), "-r", str(reps),
            "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace")
     if out.returncode != 0:
@@ -277,7 +277,15 @@ def print_profiles(res: dict) -> None:
 
 
 def main(args) -> int:
-    pps = [int(p) for p in str(args.pp).split(",") if p]
+    try:
+        pps = [int(p) for p in str(args.pp).split(",") if p.strip()]
+    except ValueError:
+        raise SystemExit(f"bench gpu: --pp {args.pp!r}: prompt lengths are integers, comma-separated")
+    if any(p < 0 for p in pps) or args.tg < 0:
+        raise SystemExit(f"bench gpu: --pp {args.pp} / --tg {args.tg}: lengths are >= 0 (0 skips the test)")
+    pps = [p for p in pps if p]                      # --pp 0: no prefill test
+    if not pps and not args.tg:
+        raise SystemExit("bench gpu: --pp 0 and --tg 0: nothing to measure")
     variants = None
     if args.variants != "all":
         variants = []
@@ -299,7 +307,8 @@ def add_parser(sub) -> None:
     gp = sub.add_parser("gpu", help="GPU-resident prefill/decode tok/s per kernel tier next to llama.cpp's CUDA build",
                         description=__doc__)
     gp.add_argument("model", help="a Qwen3.5/3.6 GGUF file that fits the VRAM")
-    gp.add_argument("--pp", default="512,2048", help="prompt lengths, comma-separated (512,2048)")
+    gp.add_argument("--pp", default="512,2048", help="prompt lengths, comma-separated; 0 skips the prefill test "
+                    "(512,2048)")
     gp.add_argument("--tg", type=int, default=64, help="decoded tokens (64)")
     gp.add_argument("--reps", type=int, default=3, help="timed runs after one warm-up; the median counts (3)")
     gp.add_argument("--variants", default="all", help="all, or TIER-smARCH,... e.g. dp4a-sm90,fermi-sm35 (all)")

@@ -1,0 +1,67 @@
+"""What a GPU decode step's kernel count costs (GPU machine): one token of the resident model as its CUDA graph replays
+it (N launches) against a graph of N launches of a one-element kernel (add_f32 on 4 floats: the per-node floor,
+launch and gap with no work), per kernel variant. The step less the floor is the kernels' work; the floor's share is
+what running the step as fewer kernels can win at most (issue 26's fused decode).
+
+    python benchmarks/decode_graph_floor.py FILE [--variants dp4a:90,kepler:90] [--reps 300]
+
+Prints one JSON line per variant: {"variant", "launches", "graph", "step_us", "floor_us", "floor_share"}; the
+median of --reps replays, each timed by events around it on the default stream.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from legacy_engine import gpu
+from legacy_engine.cpu.model import Model
+from legacy_engine.gpu.model import GpuModel
+from legacy_engine.gpu.options import GpuOptions
+from legacy_engine.tools.bench import seeded_tokens
+
+
+def timed(replay, reps: int) -> float:
+    """Median microseconds of replay(), events around each."""
+    out = []
+    for _ in range(reps):
+        e0, e1 = gpu.Event(), gpu.Event()
+        e0.record()
+        replay()
+        e1.record()
+        out.append(1e3 * e0.elapsed_ms(e1))
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("file")
+    ap.add_argument("--variants", default="dp4a", help="TIER[:ARCH], comma-separated (default: dp4a, the card's arch)")
+    ap.add_argument("--reps", type=int, default=300)
+    a = ap.parse_args()
+    gpu.init()
+    model = Model(a.file, pin=False)
+    for v in a.variants.split(","):
+        tier, _, arch_s = v.partition(":")
+        gm = GpuModel.resident(model, GpuOptions(tier=tier, arch=int(arch_s) if arch_s else None), n_ctx=64)
+        st = gm.new_state(64)
+        gm.forward(st, seeded_tokens(8, model.hparams.n_vocab))
+        for t in range(3):                          # the step's plan recorded, then replayed
+            gm.forward(st, [100 + t])
+        plan = st._plan
+        n = len(plan)
+        step = timed(plan.replay, a.reps)
+        with gpu.Buffer(64) as b:
+            with gpu.record() as launches:
+                for _ in range(n):
+                    gm.k.add(b, b, b, 4)
+            floor_plan = gpu.LaunchPlan(launches, graph=plan.graph)
+            floor = timed(floor_plan.replay, a.reps)
+            del floor_plan
+        print(json.dumps({"variant": gm.k.name, "launches": n, "graph": plan.graph, "step_us": round(step, 1),
+                          "floor_us": round(floor, 1), "floor_share": round(floor / step, 3)}), flush=True)
+        gm.close()
+
+
+if __name__ == "__main__":
+    main()
