@@ -131,7 +131,7 @@ def _entries(ptx: bytes) -> set[bytes]:
 
 
 ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"quantize_q8_1", "swiglu_q8_1"},
-           "conv1d": {"conv1d_silu_f32", "conv1d_state_f32"},
+           "conv1d": {"conv1d_silu_f32", "conv1d_state_f32", "conv1d_step_l2norm_f32"},
            "gdn": {"gdn_gates_f32", "gdn_l2norm_qk_f32", "gdn_recurrent_f32", "gdn_gated_rmsnorm_f32"},
            "gdn_chunked": {"gdn_chunk_prep_f32", "gdn_chunk_prep_ahead_f32", "gdn_chunk_scan_f32"},
            "gdn_scan_tf32": {"gdn_chunk_scan_tf32"},
@@ -1360,6 +1360,33 @@ def test_conv1d_chunked_equals_stepwise(kernels):
             kernels.conv1d_silu(bx.ptr + t * row, bw, s2, by2.ptr + t * row, 1, conv_dim, K)
         assert np.array_equal(by1.download(dtype=np.float32), by2.download(dtype=np.float32))
         assert np.array_equal(s1.download(dtype=np.float32), s2.download(dtype=np.float32))
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_conv1d_step_l2norm_equals_its_three_launches(kernels):
+    """A decode step's conv, state update and q/k l2 norms in one launch give bit for bit what conv1d_silu and
+    gdn_l2norm_qk give (y and the state, several steps through one state), for Qwen3.5's heads (dk 128), a head
+    narrower than the block and a v part that ends a block early; bad shapes are refused."""
+    rng = np.random.default_rng(13)
+    for K, Hk, dk, vdim in ((4, 16, 128, 4096), (4, 3, 40, 200), (3, 2, 128, 30)):
+        conv_dim = 2 * Hk * dk + vdim
+        w = rng.standard_normal((conv_dim, K)).astype(np.float32)
+        state = rng.standard_normal((K - 1, conv_dim)).astype(np.float32)
+        with gpu.Buffer.from_array(w) as bw, gpu.Buffer.from_array(state) as s1, gpu.Buffer.from_array(state) as s2, \
+                gpu.Buffer(4 * conv_dim) as bx, gpu.Buffer(4 * conv_dim) as y1, gpu.Buffer(4 * conv_dim) as y2:
+            for step in range(3):
+                bx.upload(rng.standard_normal(conv_dim).astype(np.float32) * 2)
+                kernels.conv1d_silu(bx, bw, s1, y1, 1, conv_dim, K)
+                kernels.gdn_l2norm_qk(y1, 1, conv_dim, Hk, dk)
+                kernels.conv1d_step_l2norm(bx, bw, s2, y2, conv_dim, K, Hk, dk)
+                what = f"K={K} Hk={Hk} dk={dk} step {step}"
+                np.testing.assert_array_equal(y2.download(dtype=np.float32), y1.download(dtype=np.float32), what)
+                np.testing.assert_array_equal(s2.download(dtype=np.float32), s1.download(dtype=np.float32), what)
+            with pytest.raises(ValueError):
+                kernels.conv1d_step_l2norm(bx, bw, s2, y2, conv_dim, K, Hk, gpu.CONV_THREADS + 1)
+            with pytest.raises(ValueError):
+                kernels.conv1d_step_l2norm(bx, bw, s2, bx, conv_dim, K, Hk, dk)
 
 
 @pytest.mark.gpu

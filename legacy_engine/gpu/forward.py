@@ -233,8 +233,11 @@ class ForwardOps:
         beta = self.scratch.buf("beta", 4 * n * Hv).ptr
         g = self.scratch.buf("g", 4 * n * Hv).ptr
         self._mm_many([L["attn_qkv"], L["attn_gate"], L["ssm_beta"], L["ssm_alpha"]], h, [qkv, z, beta, g], n, hq)
-        k.conv1d_silu(qkv, L["ssm_conv1d"], st.conv_ptr(si), u, n, conv_dim, hp.ssm_conv_kernel)
-        k.gdn_l2norm_qk(u, n, conv_dim, Hk, dk)
+        if n == 1 and dk <= gpu.CONV_THREADS:      # a decode step: conv, its state and the q/k norms in one launch
+            k.conv1d_step_l2norm(qkv, L["ssm_conv1d"], st.conv_ptr(si), u, conv_dim, hp.ssm_conv_kernel, Hk, dk)
+        else:
+            k.conv1d_silu(qkv, L["ssm_conv1d"], st.conv_ptr(si), u, n, conv_dim, hp.ssm_conv_kernel)
+            k.gdn_l2norm_qk(u, n, conv_dim, Hk, dk)
         tiled = not self._faults.get("gdn_grouped")
         if n > 1:          # a long recurrence: the gates in a launch of their own (on its serial path they cost more)
             k.gdn_gates(beta, g, L["ssm_dt"], L["ssm_a"], n, Hv)
@@ -272,9 +275,14 @@ class ForwardOps:
         g = self.scratch.buf("g", 4 * B * Hv).ptr
         self._mm_many([L["attn_qkv"], L["attn_gate"], L["ssm_beta"], L["ssm_alpha"]], h, [qkv, z, beta, g], B, hq)
         for s, st in enumerate(states):
-            k.conv1d_silu(qkv + 4 * s * conv_dim, L["ssm_conv1d"], st.conv_ptr(si_of(st)), u + 4 * s * conv_dim, 1,
-                          conv_dim, hp.ssm_conv_kernel)
-        k.gdn_l2norm_qk(u, B, conv_dim, Hk, dk)
+            if dk <= gpu.CONV_THREADS:
+                k.conv1d_step_l2norm(qkv + 4 * s * conv_dim, L["ssm_conv1d"], st.conv_ptr(si_of(st)),
+                                     u + 4 * s * conv_dim, conv_dim, hp.ssm_conv_kernel, Hk, dk)
+            else:
+                k.conv1d_silu(qkv + 4 * s * conv_dim, L["ssm_conv1d"], st.conv_ptr(si_of(st)), u + 4 * s * conv_dim,
+                              1, conv_dim, hp.ssm_conv_kernel)
+        if dk > gpu.CONV_THREADS:
+            k.gdn_l2norm_qk(u, B, conv_dim, Hk, dk)
         for s, st in enumerate(states):
             k.gdn_recurrent(u + 4 * s * conv_dim, g + 4 * s * Hv, beta + 4 * s * Hv, st.ssm_ptr(si_of(st)),
                             o + 4 * s * di, 1, Hk, Hv, dk, dv, tiled=not self._faults.get("gdn_grouped"),

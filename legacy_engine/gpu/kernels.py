@@ -176,6 +176,25 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
             [("ptr", _ptr(beta)), ("ptr", _ptr(g)), ("ptr", _ptr(dt_bias)), ("ptr", _ptr(ssm_a)), ("i32", n),
              ("i32", Hv)], stream=stream)
 
+    def conv1d_step_l2norm(self, x, w, state, y, conv_dim: int, K: int, Hk: int, dk: int, eps: float = 1e-6,
+                           stream: Stream | None = None) -> None:
+        """One token's conv1d_silu (its state updated) and gdn_l2norm_qk on y in one launch, the same bits as the
+        three: y[conv_dim] (q | k | v) from x[conv_dim]; dk <= CONV_THREADS (a q or k head a block)."""
+        if not 1 <= K <= CONV_MAX_K or not 0 < dk <= CONV_THREADS or Hk <= 0 or conv_dim < 2 * Hk * dk:
+            raise ValueError(f"conv1d_step_l2norm: K = {K} (1…{CONV_MAX_K}), dk = {dk} (1…{CONV_THREADS}), Hk = {Hk}, "
+                             f"conv_dim = {conv_dim} (>= 2 Hk dk)")
+        if _ptr(x) == _ptr(y):
+            raise ValueError("conv1d_step_l2norm: y must not be x")
+        _need(x, 4 * conv_dim, "conv1d_step_l2norm x")
+        _need(y, 4 * conv_dim, "conv1d_step_l2norm y")
+        _need(w, 4 * conv_dim * K, "conv1d_step_l2norm w")
+        _need(state, 4 * max(K - 1, 1) * conv_dim, "conv1d_step_l2norm state")
+        qscale = float(np.float32(1) / np.sqrt(np.float32(dk)))      # gdn_l2norm_qk's default
+        self.modules["conv1d"].kernel("conv1d_step_l2norm_f32").launch(
+            (2 * Hk + -(-(conv_dim - 2 * Hk * dk) // CONV_THREADS), 1, 1), (CONV_THREADS, 1, 1),
+            [("ptr", _ptr(x)), ("ptr", _ptr(w)), ("ptr", _ptr(state)), ("ptr", _ptr(y)), ("i32", conv_dim),
+             ("i32", K), ("i32", Hk), ("i32", dk), ("f32", qscale), ("f32", eps)], stream=stream)
+
     def gdn_l2norm_qk(self, u, n: int, conv_dim: int, Hk: int, dk: int, eps: float = 1e-6,
                       qscale: float | None = None, stream: Stream | None = None) -> None:
         """In place on u[n, conv_dim] (q | k | v per row): each of the Hk q and Hk k heads of dk <- l2-normalised
