@@ -170,6 +170,9 @@ class Strategy:
         return self.prefill_s + gen * self.decode_s_per_tok
 
 
+_PINS_BY = {"counts": "the hottest by the saved routing counts", "ids": "consecutive ids"}   # Strategy.pins_by, said
+
+
 def choose_pins(file, budget_bytes: int, counts: dict | None = None) -> dict:
     """{layer: [expert ids]} that fill budget_bytes, hottest first by `counts` {layer: [count per expert]}
     (routing statistics); without counts (or a layer's uniform within noise: _hotness) every expert is equally hot
@@ -469,8 +472,6 @@ def _stream_strategy(file, m: Machine, fpd, c: int, pins: dict, fp, pre: float, 
     return st
 
 
-_PINS_BY = {"counts": "the hottest by the saved routing counts", "ids": "consecutive ids"}
-
 
 def _hybrid_strategy(file, m: Machine, budget: int, n_ctx: int, int8: bool, fpd, st: Strategy, gpu_pre: tuple,
                      prompt: int, gen: int, counts: dict | None, pin_counts: dict | None) -> Strategy:
@@ -594,9 +595,12 @@ def gpu_placement(model, vram: int | None = None, n_ctx: int = 4096, options: Gp
     pl = place(file, budget=held, reserved=reserve, n_ctx=n_ctx, chunk=chunk, int8=int8, stream=True, pinned=pins,
                decode=decode, link_experts=link, decode_extras=extras, min_gpu_tokens=int(min_gpu_tokens))
     n_pin = sum(len(v) for v in pins.values())
-    how = ("spread evenly: no routing statistics yet" if not counts else _PINS_BY[st.pins_by] if st.pins_by == "counts"
-           else "consecutive ids: the saved routing's hottest would save the decode less than their copies cost a "
-                "prefill")
+    if not counts:
+        how = "spread evenly: no routing statistics yet"
+    elif st.pins_by == "counts":
+        how = _PINS_BY["counts"]
+    else:
+        how = "consecutive ids: the saved routing's hottest would save the decode less than their copies cost a prefill"
     return dataclasses.replace(
         pl, why=f"streamed experts ({n_pin} pinned, {how}): {pl.footprint.describe()} in a budget of "
                 f"{budget / GiB:.2f} GiB{kept}; "
