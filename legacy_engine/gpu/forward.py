@@ -274,14 +274,15 @@ class ForwardOps:
         beta = self.scratch.buf("beta", 4 * B * Hv).ptr
         g = self.scratch.buf("g", 4 * B * Hv).ptr
         self._mm_many([L["attn_qkv"], L["attn_gate"], L["ssm_beta"], L["ssm_alpha"]], h, [qkv, z, beta, g], B, hq)
+        fused = dk <= gpu.CONV_THREADS      # each sequence's conv, state and q/k norms in one launch
         for s, st in enumerate(states):
-            if dk <= gpu.CONV_THREADS:
-                k.conv1d_step_l2norm(qkv + 4 * s * conv_dim, L["ssm_conv1d"], st.conv_ptr(si_of(st)),
-                                     u + 4 * s * conv_dim, conv_dim, hp.ssm_conv_kernel, Hk, dk)
+            x_s, u_s = qkv + 4 * s * conv_dim, u + 4 * s * conv_dim
+            if fused:
+                k.conv1d_step_l2norm(x_s, L["ssm_conv1d"], st.conv_ptr(si_of(st)), u_s, conv_dim, hp.ssm_conv_kernel,
+                                     Hk, dk)
             else:
-                k.conv1d_silu(qkv + 4 * s * conv_dim, L["ssm_conv1d"], st.conv_ptr(si_of(st)), u + 4 * s * conv_dim,
-                              1, conv_dim, hp.ssm_conv_kernel)
-        if dk > gpu.CONV_THREADS:
+                k.conv1d_silu(x_s, L["ssm_conv1d"], st.conv_ptr(si_of(st)), u_s, 1, conv_dim, hp.ssm_conv_kernel)
+        if not fused:
             k.gdn_l2norm_qk(u, B, conv_dim, Hk, dk)
         for s, st in enumerate(states):
             k.gdn_recurrent(u + 4 * s * conv_dim, g + 4 * s * Hv, beta + 4 * s * Hv, st.ssm_ptr(si_of(st)),

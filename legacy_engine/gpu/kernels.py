@@ -17,7 +17,7 @@ from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_M_Q, ATTN_M_THREADS,
                      MOE_SORT_MAX_E, MOE_SORT_MAX_TILE, MOE_SORT_THREADS, MOE_THREADS, MOE_WSUM_MIN, PEAK_CHAINS,
                      PEAK_MMA_CHAINS, PEAK_THREADS, Q8_1_BYTES, Q8_THREADS, RMSNORM_THREADS, ROPE_MAX_HD, ROPE_THREADS,
                      SAMPLE_BINS, SAMPLE_BINS_PER_NAT, SAMPLE_DRAW_AT, SAMPLE_DRAW_BLOCK, SAMPLE_HEAD,
-                     SAMPLE_MAX_PARTS, SAMPLE_THREADS, SAMPLE_WORK_BYTES, _need, _ptr,
+                     SAMPLE_MAX_PARTS, SAMPLE_THREADS, SAMPLE_WORK_BYTES, _inv_sqrt_f32, _need, _ptr,
                      attn_planes_bytes, attn_planes_keys)
 from .matmul import MatmulLaunchers
 from .runtime import Buffer, BufferView, Module, Stream, _ensure_open, _native, device_arch
@@ -181,15 +181,15 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         """One token's conv1d_silu (its state updated) and gdn_l2norm_qk on y in one launch, the same bits as the
         three: y[conv_dim] (q | k | v) from x[conv_dim]; dk <= CONV_THREADS (a q or k head a block)."""
         if not 1 <= K <= CONV_MAX_K or not 0 < dk <= CONV_THREADS or Hk <= 0 or conv_dim < 2 * Hk * dk:
-            raise ValueError(f"conv1d_step_l2norm: K = {K} (1…{CONV_MAX_K}), dk = {dk} (1…{CONV_THREADS}), Hk = {Hk}, "
-                             f"conv_dim = {conv_dim} (>= 2 Hk dk)")
+            raise ValueError(f"conv1d_step_l2norm: K = {K} (1…{CONV_MAX_K}), dk = {dk} (1…{CONV_THREADS}), "
+                             f"Hk = {Hk}, conv_dim = {conv_dim} (>= 2 Hk dk)")
         if _ptr(x) == _ptr(y):
             raise ValueError("conv1d_step_l2norm: y must not be x")
         _need(x, 4 * conv_dim, "conv1d_step_l2norm x")
         _need(y, 4 * conv_dim, "conv1d_step_l2norm y")
         _need(w, 4 * conv_dim * K, "conv1d_step_l2norm w")
         _need(state, 4 * max(K - 1, 1) * conv_dim, "conv1d_step_l2norm state")
-        qscale = float(np.float32(1) / np.sqrt(np.float32(dk)))      # gdn_l2norm_qk's default
+        qscale = _inv_sqrt_f32(dk)      # gdn_l2norm_qk's default
         self.modules["conv1d"].kernel("conv1d_step_l2norm_f32").launch(
             (2 * Hk + -(-(conv_dim - 2 * Hk * dk) // CONV_THREADS), 1, 1), (CONV_THREADS, 1, 1),
             [("ptr", _ptr(x)), ("ptr", _ptr(w)), ("ptr", _ptr(state)), ("ptr", _ptr(y)), ("i32", conv_dim),
@@ -202,7 +202,7 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         if conv_dim < 2 * Hk * dk:
             raise ValueError(f"gdn_l2norm_qk: conv_dim {conv_dim} < 2 * {Hk} * {dk}")
         _need(u, 4 * n * conv_dim, "gdn_l2norm_qk u")
-        qscale = float(np.float32(1) / np.sqrt(np.float32(dk))) if qscale is None else qscale
+        qscale = _inv_sqrt_f32(dk) if qscale is None else qscale
         self.modules["gdn"].kernel("gdn_l2norm_qk_f32").launch(
             (self._grid(n * 2 * Hk), 1, 1), (GDN_NORM_THREADS, 1, 1),
             [("ptr", _ptr(u)), ("i32", n), ("i32", conv_dim), ("i32", Hk), ("i32", dk), ("f32", qscale),
@@ -341,7 +341,7 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
             if not 0 < n_split <= MAX_GRID:
                 raise ValueError(f"attention_decode: n_split = {n_split} outside 1…{MAX_GRID}")
             kps = -(-n_keys // n_split)
-        scale = float(np.float32(1) / np.sqrt(np.float32(hd))) if scale is None else scale
+        scale = _inv_sqrt_f32(hd) if scale is None else scale
         _need(qg, 4 * n_head * 2 * hd, "attention_decode qg")
         _need(kc, 4 * n_keys * n_kv * hd, "attention_decode kc")
         _need(vc, 4 * n_keys * n_kv * hd, "attention_decode vc")
@@ -376,7 +376,7 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         elif mma and not (self.has_mma and hd % 16 == 0):
             raise UnavailableError(f"attention_prefill: the tensor-core kernel needs the dp4a tier at compute_75+ and "
                                    f"a head size that is a multiple of 16, not {self.name} with hd = {hd}")
-        scale = float(np.float32(1) / np.sqrt(np.float32(hd))) if scale is None else scale
+        scale = _inv_sqrt_f32(hd) if scale is None else scale
         _need(qg, 4 * n * n_head * 2 * hd, "attention_prefill qg")
         _need(kc, 4 * (pos + n) * n_kv * hd, "attention_prefill kc")
         _need(vc, 4 * (pos + n) * n_kv * hd, "attention_prefill vc")

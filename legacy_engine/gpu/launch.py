@@ -66,6 +66,11 @@ GET_ROWS_THREADS, MOE_COMBINE_THREADS = _D["GET_ROWS_THREADS"], _D["MOE_COMBINE_
 PEAK_THREADS, PEAK_CHAINS, PEAK_MMA_CHAINS = _D["PEAK_THREADS"], _D["PEAK_CHAINS"], _D["PEAK_MMA_CHAINS"]
 
 
+def _inv_sqrt_f32(d: int) -> float:
+    """1 / sqrt(d) rounded as the C core rounds it (f32 operands): the q scale of attention and of the GDN's q heads."""
+    return float(np.float32(1) / np.sqrt(np.float32(d)))
+
+
 def _aligned16(b, what: str) -> None:
     """gemm_f32.cu reads X as float4: its address must be a multiple of 16 bytes (every Buffer is)."""
     if _ptr(b) % 16:

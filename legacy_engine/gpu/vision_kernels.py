@@ -3,9 +3,7 @@
 None) without waiting; the geometry is each source's #defines (launch.py reads them)."""
 from __future__ import annotations
 
-import numpy as np
-
-from .launch import MAX_GRID, _D, _need, _ptr
+from .launch import MAX_GRID, _D, _inv_sqrt_f32, _need, _ptr
 from .runtime import Stream
 
 LN_THREADS, GELU_THREADS, ROPEV_THREADS = _D["LN_THREADS"], _D["GELU_THREADS"], _D["ROPEV_THREADS"]
@@ -82,7 +80,7 @@ class VisionLaunchers:
         H = n_head * hd
         _need(qkv, 4 * 3 * H * n, "attention_bidir qkv")
         _need(o, 4 * H * n, "attention_bidir o")
-        scale = float(np.float32(1) / np.sqrt(np.float32(hd))) if scale is None else scale
+        scale = _inv_sqrt_f32(hd) if scale is None else scale
         tiles = n // seg * -(-seg // ATTNB_QTILE)
         self.modules["attention_bidir"].kernel("attn_bidir_f32").launch(
             (n_head, self._grid(tiles), 1), (ATTNB_THREADS, 1, 1),

@@ -445,10 +445,13 @@ def _split_strategies(file, m: Machine, budget: int, prompt: int, gen: int, n_ct
     orders = [("ids", None)] + ([("counts", counts)] if counts else [])    # a tie: consecutive ids, fewer copies
     streams, hybrids = [], []
     for by, pin_counts in orders:
-        pins, fp = fill_pins(file, budget, n_ctx, c, int8, pin_counts)
-        if fp.total > budget:
-            continue
-        pre, parts = _gpu_prefill(m, file, fpd, prompt, c, True, pins)
+        if pin_counts is counts:         # the pins the pass length was chosen with: as predicted above
+            pre, parts, _, pins, fp = best
+        else:
+            pins, fp = fill_pins(file, budget, n_ctx, c, int8, pin_counts)
+            if fp.total > budget:
+                continue
+            pre, parts = _gpu_prefill(m, file, fpd, prompt, c, True, pins)
         st = _stream_strategy(file, m, fpd, c, pins, fp, pre, parts, prompt, cpu_dec, cpu_pre, by)
         streams.append(st)
         hybrids.append(_hybrid_strategy(file, m, budget, n_ctx, int8, fpd, st, (pre, parts), prompt, gen, counts,
@@ -470,7 +473,6 @@ def _stream_strategy(file, m: Machine, fpd, c: int, pins: dict, fp, pre: float, 
     if prompt < st.min_gpu_tokens:       # the split runs short prompts on the CPU
         st.prefill_s, st.prefill_parts = prompt * cpu_pre, {"cpu": prompt * cpu_pre}
     return st
-
 
 
 def _hybrid_strategy(file, m: Machine, budget: int, n_ctx: int, int8: bool, fpd, st: Strategy, gpu_pre: tuple,

@@ -40,7 +40,8 @@ def print_plan(name: str, m: Machine, strategies: list[Strategy], prompt: int, g
     if best.name in ("stream", "hybrid"):
         parts = best.prefill_parts
         print(f" (GPU prefill for passes of >= {best.min_gpu_tokens} tokens; predicted prefill time: copies "
-              f"{parts.get('copy', 0):.2f} s ({parts.get('copies', 0):.0f} of them), compute {parts.get('compute', 0):.2f} s, handoff "
+              f"{parts.get('copy', 0):.2f} s ({parts.get('copies', 0):.0f} of them), compute "
+              f"{parts.get('compute', 0):.2f} s, handoff "
               f"{parts.get('handoff', 0):.3f} s, overlapped per layer when a chunk routes to most experts; decode "
               + ("on the CPU)" if best.name == "stream" else
                  "hybrid: {gpu:.1f} ms GPU + {cpu:.1f} ms CPU + {host:.1f} ms host steps per token)".format(
