@@ -141,6 +141,8 @@ def gpu_lines(gpu: dict) -> list[str]:
                  "(gdn_chunk_prep_ahead_f32; not on fermi) where a short pass leaves at most a block an SM; its scan's "
                  f"products on tf32 tensor cores at f32 grade (gdn_chunk_scan_tf32) on the dp4a tier from "
                  f"sm_{TF32_ARCH} (--gpu-no-mma: the FMA scan)")
+    lines.append("  GDN decode: a step's conv, its state update and the q/k norms in one launch "
+                 "(conv1d_step_l2norm_f32, every tier), the recurrence with its gates in one more (gdn_recurrent_f32)")
     tiled = " and ".join(sorted(ATTN_TILED_TIERS))
     lines.append(f"  attention prefill: f16 tensor cores at f32 grade (hi + lo halves: attn_prefill_mma_f32) on the dp4a "
                  f"tier from sm_{MMA_ARCH} (--gpu-no-mma: the FMA kernels), register tiles (attn_prefill_tiled_f32) "
