@@ -141,6 +141,7 @@ ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"qua
            "elementwise": {"swiglu_f32", "add_f32", "add_scaled_f32"}, "rope": {"qk_norm_rope_f32"},
            "moe_combine": {"moe_combine_f32"}, "hybrid_sync": {"hybrid_publish_f32", "hybrid_wait_f32", "hybrid_fetch_u8",
                                                           "hybrid_predict_f32", "hybrid_predict_publish_i32"},
+           "grid_sync": {"grid_sync_check_u32", "grid_sync_time_u32"},
            "sample_cut": {"sample_max_f32", "sample_hist_f32", "sample_cut_f32", "sample_compact_f32",
                           "sample_draw_blocks_f32", "sample_draw_pick_f32"},
            # the vision tower's (tests/test_gpu_vision.py)
@@ -238,6 +239,7 @@ LAUNCH_CONSTANTS = {"conv1d": ("CONV_THREADS", "CONV_TOKENS", "CONV_MAX_K"),
                     "rope": ("ROPE_THREADS", "ROPE_MAX_HD"), "get_rows": ("GET_ROWS_THREADS",),
                     "moe_combine": ("MOE_COMBINE_THREADS",), "hybrid_sync": ("HYBRID_THREADS", "HYBRID_FETCH_BLOCKS",
                                                                                     "HYBRID_PRED_E"),
+                    "grid_sync": ("GRID_SYNC_THREADS",),
                     "sample_cut": ("SAMPLE_THREADS", "SAMPLE_MAX_PARTS", "SAMPLE_BINS", "SAMPLE_BINS_PER_NAT",
                                    "SAMPLE_FIX_BITS", "SAMPLE_DRAW_BLOCK")}
 
@@ -1387,6 +1389,24 @@ def test_conv1d_step_l2norm_equals_its_three_launches(kernels):
                 kernels.conv1d_step_l2norm(bx, bw, s2, y2, conv_dim, K, Hk, gpu.CONV_THREADS + 1)
             with pytest.raises(ValueError):
                 kernels.conv1d_step_l2norm(bx, bw, s2, bx, conv_dim, K, Hk, dk)
+
+
+@pytest.mark.gpu
+@variant_params()
+def test_grid_sync_holds(kernels):
+    """le_grid_sync (cuda8/grid_sync.cuh): one, several and every SM's worth of co-resident blocks meet 200 times; no
+    block ever sees another's count of a round stale past a barrier, each cell counts every round, and the barrier's
+    words are back at (0, even count of rounds x 2) for the next launch."""
+    for n_blocks in (1, 7, kernels.sm_count):
+        with gpu.Buffer(8) as bar, gpu.Buffer(4 * (n_blocks + 1)) as cells:
+            _native.gpu_memset8(bar.ptr, 0, 8)
+            _native.gpu_memset8(cells.ptr, 0, cells.nbytes)
+            kernels.grid_sync_check(bar, cells, n_blocks, 200)
+            got = cells.download(dtype=np.uint32)
+            assert got[n_blocks] == 0 and (got[:n_blocks] == 200).all(), (n_blocks, got[n_blocks], got[:4])
+            assert list(bar.download(dtype=np.uint32)) == [0, 400], n_blocks
+            kernels.grid_sync_time(bar, n_blocks, 50)
+            assert list(bar.download(dtype=np.uint32)) == [0, 450], n_blocks
 
 
 @pytest.mark.gpu

@@ -12,7 +12,8 @@ from .launch import (ARGMAX_MAX_PARTS, ARGMAX_THREADS, ATTN_M_Q, ATTN_M_THREADS,
                      ATTN_MIN_KEYS_PER_SPLIT, ATTN_P_THREADS, ATTN_PREFILL_THREADS, ATTN_QTILE, ATTN_T_D, ATTN_T_Q,
                      ATTN_T_THREADS, ATTN_THREADS, ATTN_WARPS, CONV_MAX_K, CONV_THREADS, CONV_TOKENS, EW_THREADS,
                      GDNC_C, GDNC_COLS, GDNC_MAX_DK, GDNC_THREADS, GDN_COLS, GDN_EW_THREADS, GDN_MAX_DK,
-                     GDN_NORM_THREADS, GDN_THREADS, GEMM_TT, GET_ROWS_THREADS, HYBRID_FETCH_BLOCKS, HYBRID_PRED_E,
+                     GDN_NORM_THREADS, GDN_THREADS, GEMM_TT, GET_ROWS_THREADS, GRID_SYNC_THREADS, HYBRID_FETCH_BLOCKS,
+                     HYBRID_PRED_E,
                      HYBRID_THREADS, HY_EARLY_MAX, HY_PRED_MAX, MAX_GRID, MAX_PAIRS, MOE_COMBINE_THREADS, MOE_MAX_K,
                      MOE_SORT_MAX_E, MOE_SORT_MAX_TILE, MOE_SORT_THREADS, MOE_THREADS, MOE_WSUM_MIN, PEAK_CHAINS,
                      PEAK_MMA_CHAINS, PEAK_THREADS, Q8_1_BYTES, Q8_THREADS, RMSNORM_THREADS, ROPE_MAX_HD, ROPE_THREADS,
@@ -32,6 +33,9 @@ GDN_CHUNKED_TIERS = frozenset({"kepler", "dp4a"})
 # The tiers whose attention prefill runs attn_prefill_tiled_f32 (register tiles: 64 accumulators a thread, more than
 # Fermi's 63 registers hold; there the one-query-per-warp attn_prefill_f32). Head sizes a multiple of ATTN_T_D.
 ATTN_TILED_TIERS = frozenset({"kepler", "dp4a"})
+# Blocks of GRID_SYNC_THREADS an SM that every tier holds at once (Fermi: 8 blocks, 1536 threads an SM): the most
+# grid_sync's launches take, so that every block of the grid is resident (le_grid_sync waits for all of them)
+GRID_SYNC_PER_SM = 8
 
 
 class Kernels(MatmulLaunchers, VisionLaunchers):
@@ -686,6 +690,28 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         self.modules["hybrid_sync"].kernel("hybrid_fetch_u8").launch(
             (HYBRID_FETCH_BLOCKS, k, 3), (HYBRID_THREADS, 1, 1),
             [("ptr", _ptr(lids)), ("ptr", _ptr(lslots)), ("i32", k)] + args, stream=stream)
+
+    def grid_sync_check(self, bar, cells, n_blocks: int, rounds: int, stream: Stream | None = None) -> None:
+        """le_grid_sync under test (cuda8/grid_sync.cu): n_blocks blocks (all co-resident: the caller's care) meet
+        `rounds` times; bar: uint32 [2] zero, cells: uint32 [n_blocks + 1] zero; afterwards cells[:n] == rounds and
+        cells[n] counts the blocks that saw another's count stale past a barrier (0 when every barrier held)."""
+        if not 0 < n_blocks <= GRID_SYNC_PER_SM * self.sm_count or rounds <= 0:
+            raise ValueError(f"grid_sync_check: {n_blocks} blocks (1…{GRID_SYNC_PER_SM * self.sm_count}), "
+                             f"rounds = {rounds}")
+        _need(bar, 8, "grid_sync_check bar")
+        _need(cells, 4 * (n_blocks + 1), "grid_sync_check cells")
+        self.modules["grid_sync"].kernel("grid_sync_check_u32").launch(
+            (n_blocks, 1, 1), (GRID_SYNC_THREADS, 1, 1), [("ptr", _ptr(bar)), ("ptr", _ptr(cells)), ("i32", rounds)],
+            stream=stream)
+
+    def grid_sync_time(self, bar, n_blocks: int, rounds: int, stream: Stream | None = None) -> None:
+        """`rounds` grid barriers of n_blocks co-resident blocks and nothing else (bar: uint32 [2], zero)."""
+        if not 0 < n_blocks <= GRID_SYNC_PER_SM * self.sm_count or rounds <= 0:
+            raise ValueError(f"grid_sync_time: {n_blocks} blocks (1…{GRID_SYNC_PER_SM * self.sm_count}), "
+                             f"rounds = {rounds}")
+        _need(bar, 8, "grid_sync_time bar")
+        self.modules["grid_sync"].kernel("grid_sync_time_u32").launch(
+            (n_blocks, 1, 1), (GRID_SYNC_THREADS, 1, 1), [("ptr", _ptr(bar)), ("i32", rounds)], stream=stream)
 
     def hybrid_wait(self, slot: int, chan: int, row, E: int, k: int, max_cycles: int,
                     stream: Stream | None = None) -> None:

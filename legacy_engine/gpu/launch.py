@@ -25,6 +25,7 @@ _D = source_defines()
 ATTR_UNIFIED_ADDRESSING = 41    # CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: host pointers usable in kernels
 HYBRID_THREADS, HYBRID_FETCH_BLOCKS, HYBRID_PRED_E = _D["HYBRID_THREADS"], _D["HYBRID_FETCH_BLOCKS"], _D["HYBRID_PRED_E"]
 HY_PRED_MAX, HY_EARLY_MAX = _D["LE_HY_PRED_MAX"], _D["LE_HY_EARLY_MAX"]
+GRID_SYNC_THREADS = _D["GRID_SYNC_THREADS"]
 # ggml type id -> kernel suffix (cuda8/quants.cuh le_t_*), elements per block, bytes per block
 GPU_TYPES = {2: ("q4_0", 32, 18), 8: ("q8_0", 32, 34), 12: ("q4_K", 256, 144), 13: ("q5_K", 256, 176),
              14: ("q6_K", 256, 210), 23: ("iq4_xs", 256, 136)}

@@ -47,9 +47,9 @@ CUDA_DIR, INCLUDE_DIR = kernel_source_dirs()
 
 SOURCES = ("rmsnorm", "quantize_q8_1", "gemv_f32", "gemv_dp4a", "gemm_f32", "gemm_dp4a", "gemm_mma", "conv1d", "gdn",
            "gdn_chunked", "gdn_scan_tf32", "attention", "moe_route", "moe_sort", "argmax", "elementwise", "rope",
-           "get_rows", "moe_combine", "hybrid_sync", "sample_cut", "layernorm", "gelu", "rope_vision",
+           "get_rows", "moe_combine", "hybrid_sync", "grid_sync", "sample_cut", "layernorm", "gelu", "rope_vision",
            "attention_bidir", "peak")
-HEADERS = ("compat.cuh", "quants.cuh", "gemm_tile.cuh", "gemm_q8.cuh", "gdn_chunked.cuh")   # in cuda8/
+HEADERS = ("compat.cuh", "quants.cuh", "gemm_tile.cuh", "gemm_q8.cuh", "gdn_chunked.cuh", "grid_sync.cuh")   # in cuda8/
 SHARED_HEADERS = ("le_blocks.h", "le_hybrid.h")  # in native/include/
 
 # tier -> the LE_FORCE_TIER value, and the lowest arch whose own path it is
