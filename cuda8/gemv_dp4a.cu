@@ -1,17 +1,17 @@
 /* gemv_dp4a.cu — decode GEMV in int8: y = W xq, W quantised (W4A8 / W8A8), xq = x as Q8_1.
  *
- *   gemv_dp4a_<type>(W, xq, y, nrows, ncols, w_z, y_z, nrows_z)    type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
+ *   gemv_dp4a_<type>(W, xq, y, nrows, ncols, w_1, y_1, n_1, w_2, y_2, n_2, w_3, y_3, n_3)
+ *     type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
  *     W: [nrows, ncols] rows of quant blocks (as gemv_f32.cu), xq: [ncols/32] block_q8_1 in the
  *     GPU layout of quantize_q8_1.cu (d, s = sum of x), y: [nrows] f32
- *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(nrows/4), 65535) x 1 x Z
- *     Z = 2: a second matrix of the same type and width on the same input in the same launch (a SwiGLU's gate
- *     and up, GDN's qkv and z, beta and alpha, attention's k and v): grid.z = 1 reads nrows_z rows at W + w_z
- *     (bytes, may be negative) into y + y_z (floats; the grid covers the larger of nrows and nrows_z); Z = 1
- *     ignores them
+ *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(rows/4), 65535) x 1 x Z
+ *     Z <= GEMV_MAX_MATS (4) matrices of the same type and width on the same input in one launch (GDN's qkv, z,
+ *     beta and alpha; a SwiGLU's gate and up): grid.z = m > 0 reads n_m rows at W + w_m (bytes, may be negative)
+ *     into y + y_m (floats); rows: the most of any (quants.cuh LE_GEMV_MATS); the unused ones are ignored
  *   gemv_dp4a_<type>_ids(W, xq, y, nrows, ncols, ids, expert_bytes, x_group, x_stride, w_z, y_z)
  *     the MoE form (as gemv_f32.cu's): grid.y = pairs p; expert ids[p], activation blocks
  *     xq + (p / x_group) * x_stride (x_stride in Q8_1 blocks), output y + p * nrows; ids[p] < 0: row zero;
- *     grid.z as above (every expert's second matrix at the same offset w_z from its first)
+ *     grid.z = 2: every expert's second matrix at the same offset w_z from its first (a SwiGLU's up)
  * Per 32-element sub-block s (weights decoded by quants.cuh to y = d[h]*q - m) against Q8_1
  * block s (values d8*q8):
  *     d8 * (d[0] * sum_{j<16} q*q8 + d[1] * sum_{j>=16} q*q8) - m * s8
@@ -30,11 +30,12 @@
 
 template <class T>
 __device__ __forceinline__ void gemv_dp4a(const uint8_t *LE_RESTRICT W, const block_q8_1 *LE_RESTRICT xq,
-                                          float *LE_RESTRICT y, int nrows, int ncols, float *scratch) {
+                                          float *LE_RESTRICT y, int nrows, int ncols, int blk, int nblk,
+                                          float *scratch) {
     const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP;
     const int nsub = ncols / 32;
     const size_t row_bytes = le_row_bytes<T>(ncols);
-    for (int base = blockIdx.x * GEMV_WARPS; base < nrows; base += gridDim.x * GEMV_WARPS) {
+    for (int base = blk * GEMV_WARPS; base < nrows; base += nblk * GEMV_WARPS) {
         const int row = base + warp;
         float acc = 0.0f;
         if (row < nrows) {
@@ -60,10 +61,12 @@ __device__ __forceinline__ void gemv_dp4a(const uint8_t *LE_RESTRICT W, const bl
 
 #define LE_GEMV_DP4A(name, T)                                                                             \
     extern "C" __global__ void name(const uint8_t *W, const block_q8_1 *xq, float *y, int nrows,          \
-                                    int ncols, long long w_z, long long y_z, int nrows_z) {               \
+                                    int ncols, LE_GEMV_MATS) {                                            \
         LE_SCRATCH(scratch, GEMV_THREADS);                                                                \
-        gemv_dp4a<T>(W + blockIdx.z * w_z, xq, y + blockIdx.z * y_z, blockIdx.z ? nrows_z : nrows, ncols, \
-                     scratch);                                                                            \
+        const le_gemv_mat g = le_gemv_mat_of(nrows, n_1, n_2, n_3, GEMV_WARPS);                           \
+        gemv_dp4a<T>(W + LE_GEMV_PICK(g.m, 0LL, w_1, w_2, w_3), xq,                                       \
+                     y + LE_GEMV_PICK(g.m, 0LL, y_1, y_2, y_3), LE_GEMV_PICK(g.m, nrows, n_1, n_2, n_3), ncols, \
+                     g.blk, g.nblk, scratch);                                                             \
     }
 
 LE_GEMV_DP4A(gemv_dp4a_q4_0, le_t_q4_0)
@@ -83,7 +86,7 @@ LE_GEMV_DP4A(gemv_dp4a_iq4_xs, le_t_iq4_xs)
         y += blockIdx.z * y_z;                                                                            \
         if (le_zero_skipped_pair(ids[p], y + (size_t)p * nrows, nrows)) return;                           \
         gemv_dp4a<T>(W + (size_t)ids[p] * expert_bytes, xq + (size_t)(p / x_group) * x_stride,            \
-                     y + (size_t)p * nrows, nrows, ncols, scratch);                                       \
+                     y + (size_t)p * nrows, nrows, ncols, blockIdx.x, gridDim.x, scratch);                \
     }
 
 LE_GEMV_DP4A_IDS(gemv_dp4a_q4_0_ids, le_t_q4_0)

@@ -1,19 +1,20 @@
 /* gemv_f32.cu — decode GEMV with f32 activations: y = W x, W quantised, dequantised on the fly.
  *
- *   gemv_f32_<type>(W, x, y, nrows, ncols, w_z, y_z, nrows_z)      type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs f32
+ *   gemv_f32_<type>(W, x, y, nrows, ncols, w_1, y_1, n_1, w_2, y_2, n_2, w_3, y_3, n_3)
+ *     type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs f32
  *     W: [nrows, ncols] rows of quant blocks (row r at W + r * ncols/BLOCK*BYTES; W 4-byte aligned),
  *        or f32 rows (16-byte aligned, ncols % 4 == 0)
  *     x: [ncols] f32 (16-byte aligned), y: [nrows] f32; ncols a multiple of the block size
- *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(nrows/4), 65535) x 1 x Z
- *     Z = 2: a second matrix of the same type and width on the same x in the same launch: grid.z = 1 reads
- *     nrows_z rows at W + w_z (bytes, may be negative) into y + y_z (floats; the grid covers the larger of
- *     nrows and nrows_z); Z = 1 ignores them
+ *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(rows/4), 65535) x 1 x Z
+ *     Z <= GEMV_MAX_MATS (4) matrices of the same type and width on the same x in one launch: grid.z = m > 0
+ *     reads n_m rows at W + w_m (bytes, may be negative) into y + y_m (floats); rows: the most of any
+ *     (quants.cuh LE_GEMV_MATS); the unused ones are ignored
  *   gemv_f32_<type>_ids(W, x, y, nrows, ncols, ids, expert_bytes, x_group, x_stride, w_z, y_z)
  *     the MoE form: grid.y = number of (token, slot) pairs p; pair p multiplies expert ids[p]
  *     (W + ids[p] * expert_bytes) with x + (p / x_group) * x_stride into y + p * nrows
  *     (gate/up: x_group = k, the token's input; down: x_group = 1, the pair's own activation);
  *     ids[p] < 0: the pair is skipped and its output row is zero (the hybrid decode's CPU-side experts);
- *     grid.z as above (every expert's second matrix at the same offset w_z from its first: gate and up)
+ *     grid.z = 2: every expert's second matrix at the same offset w_z from its first (gate and up)
  * One warp per row (rows grid-strided); lane l takes the 4-element words l, l+32, … of the row
  * (quants.cuh word() decodes one to the reference's exact weights), so that a warp reads 128
  * consecutive elements of x and the matching weight bytes per step (coalesced), multiplies in
@@ -30,12 +31,13 @@
 
 template <class T>
 __device__ __forceinline__ void gemv_f32(const uint8_t *LE_RESTRICT W, const float *LE_RESTRICT x,
-                                         float *LE_RESTRICT y, int nrows, int ncols, float *scratch) {
+                                         float *LE_RESTRICT y, int nrows, int ncols, int blk, int nblk,
+                                         float *scratch) {
     const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP;
     const int nsub = ncols / 32;
     const size_t row_bytes = le_row_bytes<T>(ncols);
     /* the loop bound is the block's, not the warp's: le_warp_sum synchronises the block on fermi */
-    for (int base = blockIdx.x * GEMV_WARPS; base < nrows; base += gridDim.x * GEMV_WARPS) {
+    for (int base = blk * GEMV_WARPS; base < nrows; base += nblk * GEMV_WARPS) {
         const int row = base + warp;
         float acc = 0.0f;
         if (row < nrows) {
@@ -57,10 +59,11 @@ __device__ __forceinline__ void gemv_f32(const uint8_t *LE_RESTRICT W, const flo
 
 #define LE_GEMV_F32(name, T)                                                                              \
     extern "C" __global__ void name(const uint8_t *W, const float *x, float *y, int nrows, int ncols,     \
-                                    long long w_z, long long y_z, int nrows_z) {                          \
+                                    LE_GEMV_MATS) {                                                       \
         LE_SCRATCH(scratch, GEMV_THREADS);                                                                \
-        gemv_f32<T>(W + blockIdx.z * w_z, x, y + blockIdx.z * y_z, blockIdx.z ? nrows_z : nrows, ncols,   \
-                    scratch);                                                                             \
+        const le_gemv_mat g = le_gemv_mat_of(nrows, n_1, n_2, n_3, GEMV_WARPS);                           \
+        gemv_f32<T>(W + LE_GEMV_PICK(g.m, 0LL, w_1, w_2, w_3), x, y + LE_GEMV_PICK(g.m, 0LL, y_1, y_2, y_3),  \
+                    LE_GEMV_PICK(g.m, nrows, n_1, n_2, n_3), ncols, g.blk, g.nblk, scratch);              \
     }
 
 #define LE_GEMV_F32_IDS(name, T)                                                                          \
@@ -73,7 +76,7 @@ __device__ __forceinline__ void gemv_f32(const uint8_t *LE_RESTRICT W, const flo
         y += blockIdx.z * y_z;                                                                            \
         if (le_zero_skipped_pair(ids[p], y + (size_t)p * nrows, nrows)) return;                           \
         gemv_f32<T>(W + (size_t)ids[p] * expert_bytes, x + (size_t)(p / x_group) * x_stride,              \
-                    y + (size_t)p * nrows, nrows, ncols, scratch);                                        \
+                    y + (size_t)p * nrows, nrows, ncols, blockIdx.x, gridDim.x, scratch);                 \
     }
 
 LE_GEMV_F32(gemv_f32_q4_0, le_t_q4_0)
@@ -92,9 +95,10 @@ LE_GEMV_F32_IDS(gemv_f32_iq4_xs_ids, le_t_iq4_xs)
 /* f32 weights (the oracle's f32 files; small f32 tensors of quantised files): lane l takes the
  * float4 words l, l+32, … of the row, as the quantised path takes its 4-element words. */
 __device__ __forceinline__ void gemv_f32w(const float *LE_RESTRICT W, const float *LE_RESTRICT x,
-                                          float *LE_RESTRICT y, int nrows, int ncols, float *scratch) {
+                                          float *LE_RESTRICT y, int nrows, int ncols, int blk, int nblk,
+                                          float *scratch) {
     const int lane = threadIdx.x % LE_WARP, warp = threadIdx.x / LE_WARP;
-    for (int base = blockIdx.x * GEMV_WARPS; base < nrows; base += gridDim.x * GEMV_WARPS) {
+    for (int base = blk * GEMV_WARPS; base < nrows; base += nblk * GEMV_WARPS) {
         const int row = base + warp;
         float acc = 0.0f;
         if (row < nrows) {
@@ -113,10 +117,12 @@ __device__ __forceinline__ void gemv_f32w(const float *LE_RESTRICT W, const floa
 }
 
 extern "C" __global__ void gemv_f32_f32(const float *W, const float *x, float *y, int nrows, int ncols,
-                                        long long w_z, long long y_z, int nrows_z) {
+                                        LE_GEMV_MATS) {
     LE_SCRATCH(scratch, GEMV_THREADS);
-    gemv_f32w((const float *)((const uint8_t *)W + blockIdx.z * w_z), x, y + blockIdx.z * y_z,
-              blockIdx.z ? nrows_z : nrows, ncols, scratch);
+    const le_gemv_mat g = le_gemv_mat_of(nrows, n_1, n_2, n_3, GEMV_WARPS);
+    gemv_f32w((const float *)((const uint8_t *)W + LE_GEMV_PICK(g.m, 0LL, w_1, w_2, w_3)), x,
+              y + LE_GEMV_PICK(g.m, 0LL, y_1, y_2, y_3), LE_GEMV_PICK(g.m, nrows, n_1, n_2, n_3), ncols, g.blk, g.nblk,
+              scratch);
 }
 
 extern "C" __global__ void gemv_f32_f32_ids(const float *W, const float *x, float *y, int nrows, int ncols,
@@ -128,5 +134,6 @@ extern "C" __global__ void gemv_f32_f32_ids(const float *W, const float *x, floa
     y += blockIdx.z * y_z;
     if (le_zero_skipped_pair(ids[p], y + (size_t)p * nrows, nrows)) return;
     gemv_f32w((const float *)((const uint8_t *)W + (size_t)ids[p] * expert_bytes),
-              x + (size_t)(p / x_group) * x_stride, y + (size_t)p * nrows, nrows, ncols, scratch);
+              x + (size_t)(p / x_group) * x_stride, y + (size_t)p * nrows, nrows, ncols, blockIdx.x, gridDim.x,
+              scratch);
 }

@@ -353,4 +353,33 @@ __device__ __forceinline__ size_t le_row_bytes(int n) {
     return (size_t)(n / T::BLOCK) * T::BYTES;
 }
 
+/* The dense GEMVs' matrices of one launch (gemv_f32.cu, gemv_dp4a.cu): up to GEMV_MAX_MATS of one type and width on
+ * the same input (GDN's qkv, z, beta and alpha; a SwiGLU's gate and up; attention's q, k and v): matrix 0 is nrows
+ * rows of W into y, matrix m > 0 n_m rows at W + w_m bytes (may be negative) into y + y_m floats (n_m = 0: none).
+ * The grid is the matrices' blocks one after another (ceil(rows / warps) each, no empty block: a decode token is a
+ * chain of dependent launches, each mostly latency); with one matrix, the grid as launched, grid-strided. */
+#define GEMV_MAX_MATS 4
+#define LE_GEMV_MATS \
+    long long w_1, long long y_1, int n_1, long long w_2, long long y_2, int n_2, long long w_3, long long y_3, int n_3
+#define LE_GEMV_PICK(m, v0, v1, v2, v3) ((m) == 0 ? (v0) : (m) == 1 ? (v1) : (m) == 2 ? (v2) : (v3))
+
+struct le_gemv_mat {
+    int m, blk, nblk; /* the block's matrix, its index among that matrix's blocks, their count */
+};
+
+__device__ __forceinline__ le_gemv_mat le_gemv_mat_of(int nrows, int n_1, int n_2, int n_3, int warps) {
+    le_gemv_mat g;
+    g.m = 0;
+    g.blk = blockIdx.x;
+    g.nblk = gridDim.x;
+    if (n_1 == 0) return g;
+    const int nb[GEMV_MAX_MATS] = {(nrows + warps - 1) / warps, (n_1 + warps - 1) / warps,
+                                   (n_2 + warps - 1) / warps, (n_3 + warps - 1) / warps};
+    int b = blockIdx.x;
+    while (g.m < GEMV_MAX_MATS - 1 && b >= nb[g.m]) b -= nb[g.m++];
+    g.blk = b;
+    g.nblk = nb[g.m];
+    return g;
+}
+
 #endif

@@ -141,7 +141,8 @@ ENTRIES = {"rmsnorm": {"rmsnorm_f32", "add_rmsnorm_f32"}, "quantize_q8_1": {"qua
            "elementwise": {"swiglu_f32", "add_f32", "add_scaled_f32"}, "rope": {"qk_norm_rope_f32"},
            "moe_combine": {"moe_combine_f32"}, "hybrid_sync": {"hybrid_publish_f32", "hybrid_wait_f32", "hybrid_fetch_u8",
                                                           "hybrid_predict_f32", "hybrid_predict_publish_i32"},
-           "grid_sync": {"grid_sync_check_u32", "grid_sync_time_u32"},
+           "grid_sync": {"grid_sync_check_u32", "grid_sync_time_u32", "grid_sync_stream_u32",
+                         "grid_sync_stream_ahead_u32"},
            "sample_cut": {"sample_max_f32", "sample_hist_f32", "sample_cut_f32", "sample_compact_f32",
                           "sample_draw_blocks_f32", "sample_draw_pick_f32"},
            # the vision tower's (tests/test_gpu_vision.py)
@@ -609,10 +610,14 @@ def test_rmsnorm(kernels):
 @variant_params()
 def test_add_rmsnorm(kernels):
     """add_rmsnorm_f32 bit-equals add_f32, rmsnorm_f32 and quantize_q8_1 in sequence (each tested against its own
-    reference above): x += y in place, h, and h's Q8_1; without y, without w, without hq; rows grid-strided."""
+    reference above): x += y in place, h, and h's Q8_1; without y, without w, without hq; rows grid-strided; rows
+    held in registers and rows looped."""
     rng = np.random.default_rng(3)
+    # rows in registers of 4 and 8 elements a thread (<= 1024, <= 2048, whole warps of Q8_1 blocks or not), looped
     for nrows, ncols, with_y, with_w, with_q in ((1, 2048, True, True, True), (3, 96, True, False, True),
-                                                 (2, 1000, False, True, False), (70000, 64, True, True, True)):
+                                                 (2, 1000, False, True, False), (70000, 64, True, True, True),
+                                                 (1, 1024, True, True, True), (2, 1312, True, True, True),
+                                                 (2, 5120, True, True, True), (1, 3000, True, False, False)):
         x = (rng.standard_normal((nrows, ncols)) * rng.uniform(0.1, 10, (nrows, 1))).astype(np.float32)
         y = rng.standard_normal((nrows, ncols)).astype(np.float32)
         w = rng.uniform(0.5, 1.5, ncols).astype(np.float32)
@@ -730,9 +735,10 @@ def test_gemv_dp4a(kernels, qtype):
 @pytest.mark.parametrize("qtype", [gpu.F32, 12], ids=["f32", "q4_K"])
 @variant_params()
 def test_gemv_second_matrix(kernels, qtype):
-    """A GEMV's second matrix (grid.z = 2: gate and up, qkv and z, beta and alpha, k and v in one launch): the same
-    bits as two launches, for the dense (the second of the same height, fewer rows or more) and the MoE (ids) forms,
-    f32 and int8 activations, the second matrix after the first in memory and before it (a negative offset)."""
+    """A GEMV's further matrices (grid.z: gate and up, GDN's qkv, z, beta and alpha, q, k and v in one launch): the
+    same bits as a launch each (two, and four of three heights), for the dense (the second of the same height, fewer
+    rows or more) and the MoE (ids) forms, f32 and int8 activations, the second matrix after the first in memory and
+    before it (a negative offset)."""
     rng = np.random.default_rng(31)
     nrows, ncols, ne, pairs = 96, 512, 3, 4
     w = [expert_weights(rng, qtype, ne, nrows, ncols)[0].view(np.uint8) for _ in range(2)]
@@ -752,11 +758,11 @@ def test_gemv_second_matrix(kernels, qtype):
                 if int8:
                     kernels.gemv_dp4a(qtype, first, xin, y[0], nrows, ncols)
                     kernels.gemv_dp4a(qtype, second, xin, y[1], nrows, ncols)
-                    kernels.gemv_dp4a(qtype, first, xin, y[2], nrows, ncols, W2=second, y2=y[3])
+                    kernels.gemv_dp4a(qtype, first, xin, y[2], nrows, ncols, more=[(second, y[3], nrows)])
                 else:
                     kernels.gemv_f32(qtype, first, xin, y[0], nrows, ncols)
                     kernels.gemv_f32(qtype, second, xin, y[1], nrows, ncols)
-                    kernels.gemv_f32(qtype, first, xin, y[2], nrows, ncols, W2=second, y2=y[3])
+                    kernels.gemv_f32(qtype, first, xin, y[2], nrows, ncols, more=[(second, y[3], nrows)])
                 out = by.download(dtype=np.float32).reshape(4, -1)[:, :nrows]
                 np.testing.assert_array_equal(out[2], out[0])
                 np.testing.assert_array_equal(out[3], out[1])
@@ -766,14 +772,31 @@ def test_gemv_second_matrix(kernels, qtype):
                     by.upload(np.full(4 * nrows * pairs, 7.0, np.float32))
                     if int8:
                         kernels.gemv_dp4a(qtype, second, xin, y[1], n2, ncols)
-                        kernels.gemv_dp4a(qtype, first, xin, y[2], nrows, ncols, W2=second, y2=y[3], nrows2=n2)
+                        kernels.gemv_dp4a(qtype, first, xin, y[2], nrows, ncols, more=[(second, y[3], n2)])
                     else:
                         kernels.gemv_f32(qtype, second, xin, y[1], n2, ncols)
-                        kernels.gemv_f32(qtype, first, xin, y[2], nrows, ncols, W2=second, y2=y[3], nrows2=n2)
+                        kernels.gemv_f32(qtype, first, xin, y[2], nrows, ncols, more=[(second, y[3], n2)])
                     o2 = by.download(dtype=np.float32).reshape(4, -1)
                     np.testing.assert_array_equal(o2[2][:nrows], out[0])
                     np.testing.assert_array_equal(o2[3][:n2], o2[1][:n2])
                     assert (o2[3][n2:] == 7.0).all()
+                # four matrices of four heights in one launch (GDN's qkv, z, beta, alpha): each as its own launch
+                heights = (nrows, 40, nrows, 8)
+                mats = [(first if m % 2 == 0 else second) for m in range(4)]
+                gemv = kernels.gemv_dp4a if int8 else kernels.gemv_f32
+                by.upload(np.full(4 * nrows * pairs, 7.0, np.float32))
+                ys = y
+                gemv(qtype, mats[0], xin, ys[0], heights[0], ncols,
+                     more=[(mats[m], ys[m], heights[m]) for m in range(1, 4)])
+                got4 = by.download(dtype=np.float32).reshape(4, -1)
+                for m in range(4):
+                    hm = heights[m]
+                    with gpu.Buffer(4 * hm) as one:
+                        gemv(qtype, mats[m], xin, one, hm, ncols)
+                        np.testing.assert_array_equal(got4[m][:hm], one.download(dtype=np.float32))
+                    assert (got4[m][hm:] == 7.0).all(), m
+                with pytest.raises(ValueError, match="at most"):
+                    gemv(qtype, first, xin, ys[0], nrows, ncols, more=[(second, ys[1], nrows)] * 4)
                 # the MoE form: pairs over experts ids (one skipped), x shared (x_group = pairs)
                 xs = 0
                 kernels.gemv_ids(qtype, first, xin, y[0], nrows, ncols, bi, pairs, eb, pairs, xs, int8=int8)
@@ -1407,6 +1430,11 @@ def test_grid_sync_holds(kernels):
             assert list(bar.download(dtype=np.uint32)) == [0, 400], n_blocks
             kernels.grid_sync_time(bar, n_blocks, 50)
             assert list(bar.download(dtype=np.uint32)) == [0, 450], n_blocks
+            with gpu.Buffer(16 * 64 * 3) as src, gpu.Buffer(4) as sink:
+                _native.gpu_memset8(src.ptr, 0, src.nbytes)
+                kernels.grid_sync_stream(bar, src, 64, 3, sink, n_blocks)
+                kernels.grid_sync_stream(bar, src, 64, 3, sink, n_blocks, ahead=True)
+                assert list(bar.download(dtype=np.uint32)) == [0, 456], n_blocks
 
 
 @pytest.mark.gpu

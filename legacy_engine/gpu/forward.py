@@ -137,15 +137,18 @@ class ForwardOps:
             k.gemv_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols)
 
     def _mm_many(self, ws: list, x: int, ys: list, n: int, xq: int | None = None) -> None:
-        """_mm of several matrices on the same input x (ys: their outputs). A pass of several tokens on the int8 GEMMs
-        runs those of one type as gemm_multi launches (MULTI_MATS at most each; a lone one by _mm): a layer's narrow
-        projections share the wide one's waves. One token: consecutive pairs by _mm2."""
+        """_mm of several matrices on the same input x (ys: their outputs). One token: those of one type and width
+        as one GEMV launch each GEMV_MAX_MATS (grid.z: GDN's qkv, z, beta and alpha; a decode token is a chain of
+        dependent launches, each mostly latency). A pass of several tokens on the int8 GEMMs runs those of one type
+        as gemm_multi launches (MULTI_MATS at most each; a lone one by _mm): a layer's narrow projections share
+        the wide one's waves."""
         if n == 1:
-            for i in range(0, len(ws), 2):
-                if i + 1 < len(ws):
-                    self._mm2(ws[i], ws[i + 1], x, ys[i], ys[i + 1], n, xq)
-                else:
-                    self._mm(ws[i], x, ys[i], n, xq)
+            same: dict[tuple, list] = {}
+            for w, y in zip(ws, ys):
+                same.setdefault((w.qtype, w.ncols), []).append((w, y))
+            for group in same.values():
+                for i in range(0, len(group), gpu.GEMV_MAX_MATS):
+                    self._gemv_mats(group[i:i + gpu.GEMV_MAX_MATS], x, xq)
             return
         if not (self.int8_prefill and self.k.many_regs):
             for w, y in zip(ws, ys):
@@ -165,23 +168,20 @@ class ForwardOps:
                 self.k.gemm_multi(qtype, [(w.ptr, y, w.nrows) for w, y in group[i:i + MULTI_MATS]], xq,
                                   group[0][0].ncols, n, self.mma)
 
-    def _mm2(self, w1: _W, w2: _W, x: int, y1: int, y2: int, n: int, xq: int | None = None) -> None:
-        """_mm of two matrices on the same input; one token and the same type and width: one launch (the GEMV's
-        second matrix, grid.z = 2), else two; several tokens: _mm_many."""
-        if n != 1:
-            self._mm_many([w1, w2], x, [y1, y2], n, xq)
-            return
-        if (w1.qtype, w1.ncols) != (w2.qtype, w2.ncols):
-            self._mm(w1, x, y1, n, xq)
-            self._mm(w2, x, y2, n, xq)
-            return
-        k = self.k
-        if self._int8_for(w1, 1):
+    def _gemv_mats(self, group: list, x: int, xq: int | None) -> None:
+        """One token through [(w, y)] of one type and width (at most GEMV_MAX_MATS) in one GEMV launch."""
+        (w, y), more = group[0], [(wm.ptr, ym, wm.nrows) for wm, ym in group[1:]]
+        if more and sum(-(-wm.nrows // gpu.GEMV_ROWS) for wm, _ in group) > gpu.MAX_GRID:
+            for wm, ym in group:           # more blocks than one launch's grid: apart, each grid-strided
+                self._mm(wm, x, ym, 1, xq)
+        elif not more:
+            self._mm(w, x, y, 1, xq)
+        elif self._int8_for(w, 1):
             if xq is None:
-                xq = self._q8_1(x, w1.ncols, self._xq_name(n))
-            k.gemv_dp4a(w1.qtype, w1.ptr, xq, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2, nrows2=w2.nrows)
+                xq = self._q8_1(x, w.ncols, self._xq_name(1))
+            self.k.gemv_dp4a(w.qtype, w.ptr, xq, y, w.nrows, w.ncols, more=more)
         else:
-            k.gemv_f32(w1.qtype, w1.ptr, x, y1, w1.nrows, w1.ncols, W2=w2.ptr, y2=y2, nrows2=w2.nrows)
+            self.k.gemv_f32(w.qtype, w.ptr, x, y, w.nrows, w.ncols, more=more)
 
     def _int8_for(self, w: _W, n: int) -> bool:
         """Whether _mm runs w on int8 activations (Q8_1) for a pass of n tokens."""
@@ -327,8 +327,7 @@ class ForwardOps:
         o = self.scratch.buf("ao", 4 * nh * hd).ptr
         kb, vb = self.scratch.buf("kb", 4 * kvw).ptr, self.scratch.buf("vb", 4 * kvw).ptr
         kc, vc, pos_dev = st.k_ptr(si), st.v_ptr(si), st.io.ptr + 4
-        self._mm(L["attn_q"], h, qg, 1, hq)
-        self._mm2(L["attn_k"], L["attn_v"], h, kb, vb, 1, hq)
+        self._mm_many([L["attn_q"], L["attn_k"], L["attn_v"]], h, [qg, kb, vb], 1, hq)
         cs, rope_dev = self.scratch.rope_cs(st.n_ctx).ptr, st.io.ptr + 8
         k.qk_norm_rope(qg, L["attn_q_norm"], cs, 1, nh, 2 * hd, qw, hd, hp.n_rot, hp.rms_eps, pos_dev=rope_dev)
         k.qk_norm_rope(kb, L["attn_k_norm"], cs, 1, nkv, hd, kvw, hd, hp.n_rot, hp.rms_eps, pos_dev=rope_dev)
@@ -368,7 +367,7 @@ class ForwardOps:
             self.scratch.arena_open("ffn")
             g = self.scratch.buf("ffg", 4 * n * ff).ptr
             u = self.scratch.buf("ffu", 4 * n * ff).ptr
-            self._mm2(L["ffn_gate"], L["ffn_up"], h, g, u, n, hq)
+            self._mm_many([L["ffn_gate"], L["ffn_up"]], h, [g, u], n, hq)
             self._mm(L["ffn_down"], g, y, n, self._swiglu(L["ffn_down"], g, u, n * ff, n))
             return
         if n == 1 and self.cpu_experts and self.scratch.tag == "d":      # a decode step (not a pass's last row)
@@ -568,7 +567,7 @@ class ForwardOps:
             su = self.scratch.buf("su", 4 * n * fs).ptr
             sh = self.scratch.buf("sh", 4 * n * E).ptr
             shg = self.scratch.buf("shg", 4 * n).ptr
-            self._mm2(L["ffn_gate_shexp"], L["ffn_up_shexp"], h, sg, su, n, hq)
+            self._mm_many([L["ffn_gate_shexp"], L["ffn_up_shexp"]], h, [sg, su], n, hq)
             self._mm(L["ffn_down_shexp"], sg, sh, n, self._swiglu(L["ffn_down_shexp"], sg, su, n * fs, n))
             self._mm(L["ffn_gate_inp_shexp"], h, shg, n, hq)
         return sh, shg

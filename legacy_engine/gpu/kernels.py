@@ -713,6 +713,22 @@ class Kernels(MatmulLaunchers, VisionLaunchers):
         self.modules["grid_sync"].kernel("grid_sync_time_u32").launch(
             (n_blocks, 1, 1), (GRID_SYNC_THREADS, 1, 1), [("ptr", _ptr(bar)), ("i32", rounds)], stream=stream)
 
+    def grid_sync_stream(self, bar, src, n16: int, phases: int, sink, n_blocks: int, ahead: bool = False,
+                         stream: Stream | None = None) -> None:
+        """`phases` phases each reading its own n16 x 16 bytes of src over n_blocks co-resident blocks, a grid barrier
+        after each (cuda8/grid_sync.cu): a fused step's weight stream without its arithmetic; ahead: the next phase's
+        first GRID_SYNC_AHEAD uint4 a thread loaded before each barrier."""
+        if not 0 < n_blocks <= GRID_SYNC_PER_SM * self.sm_count or phases <= 0 or n16 <= 0:
+            raise ValueError(f"grid_sync_stream: {n_blocks} blocks (1…{GRID_SYNC_PER_SM * self.sm_count}), "
+                             f"phases = {phases}, n16 = {n16}")
+        _need(bar, 8, "grid_sync_stream bar")
+        _need(src, 16 * n16 * phases, "grid_sync_stream src")
+        _need(sink, 4, "grid_sync_stream sink")
+        name = "grid_sync_stream_ahead_u32" if ahead else "grid_sync_stream_u32"
+        self.modules["grid_sync"].kernel(name).launch(
+            (n_blocks, 1, 1), (GRID_SYNC_THREADS, 1, 1),
+            [("ptr", _ptr(bar)), ("ptr", _ptr(src)), ("i64", n16), ("i32", phases), ("ptr", _ptr(sink))], stream=stream)
+
     def hybrid_wait(self, slot: int, chan: int, row, E: int, k: int, max_cycles: int,
                     stream: Stream | None = None) -> None:
         """Waits (on the GPU) until the CPU marks `slot` DONE for chan's SEQ, then row [E] (device) = its ROW; NaN

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.errors import UnavailableError
-from .launch import (F32, GEMM_MMA_TT, GEMM_ROWS, GEMM_THREADS, GEMM_TT, GEMV_ROWS, GEMV_THREADS, GPU_TYPES,
-                     MAX_GRID, MAX_PAIRS, Q8_1_BYTES, _aligned16, _need, _ptr)
+from .launch import (F32, GEMM_MMA_TT, GEMM_ROWS, GEMM_THREADS, GEMM_TT, GEMV_MAX_MATS, GEMV_ROWS, GEMV_THREADS,
+                     GPU_TYPES, MAX_GRID, MAX_PAIRS, Q8_1_BYTES, _aligned16, _need, _ptr)
 from .runtime import Event, Stream
 from .toolchain import MMA_ARCH
 
@@ -56,21 +56,47 @@ class MatmulLaunchers:
         _need(W, nrows * (ncols // bs) * ts, f"{what} W")
         return suffix
 
-    def gemv_f32(self, qtype: int, W, x, y, nrows: int, ncols: int, W2=None, y2=None, nrows2: int | None = None,
-                 stream: Stream | None = None) -> None:
-        """y[nrows] = W[nrows, ncols] (ggml type `qtype`) x[ncols] f32; with W2 (a matrix of the same type and
-        width, nrows2 rows: default nrows) also y2 = W2 x in the same launch."""
+    def gemv_f32(self, qtype: int, W, x, y, nrows: int, ncols: int, more=(), stream: Stream | None = None) -> None:
+        """y[nrows] = W[nrows, ncols] (ggml type `qtype`) x[ncols] f32; more: up to GEMV_MAX_MATS - 1 further
+        (W_m, y_m, nrows_m) of the same type and width on the same x, in the same launch."""
         suffix = self._weights(qtype, W, nrows, ncols, "gemv_f32")
         if _ptr(x) % 16:
             raise ValueError("gemv_f32: x must be 16-byte aligned (it is read as float4)")
         _need(x, 4 * ncols, "gemv_f32 x")
         _need(y, 4 * nrows, "gemv_f32 y")
-        n2 = nrows if nrows2 is None else int(nrows2)
-        z, w_z, y_z = self._second(qtype, W, y, W2, y2, n2, ncols, n2, "gemv_f32")
+        blocks, mats = self._mats(qtype, W, y, nrows, ncols, more, "gemv_f32")
         self.modules["gemv_f32"].kernel(f"gemv_f32_{suffix}").launch(
-            (self._grid(-(-max(nrows, n2 if z == 2 else 0) // GEMV_ROWS)), 1, z), (GEMV_THREADS, 1, 1),
-            [("ptr", _ptr(W)), ("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols), ("i64", w_z),
-             ("i64", y_z), ("i32", n2)], stream=stream)
+            (blocks, 1, 1), (GEMV_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(x)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols)] + mats,
+            stream=stream)
+
+    def _mats(self, qtype: int, W, y, nrows: int, ncols: int, more, what: str) -> tuple[int, list]:
+        """A dense GEMV's further matrices (quants.cuh LE_GEMV_MATS), each checked as the first: -> (grid.x: their
+        blocks one after another, or one matrix's grid-strided grid; the kernel's arguments (W_m - W bytes, y_m - y
+        floats, rows) for m = 1 … 3, zeros where unused)."""
+        more = list(more)
+        if len(more) >= GEMV_MAX_MATS:
+            raise ValueError(f"{what}: {1 + len(more)} matrices in one launch (at most {GEMV_MAX_MATS})")
+        blocks = -(-nrows // GEMV_ROWS)
+        if not more:
+            return self._grid(blocks), [("i64", 0), ("i64", 0), ("i32", 0)] * (GEMV_MAX_MATS - 1)
+        args = []
+        for m, (Wm, ym, nm) in enumerate(more, 1):
+            nm = int(nm)
+            self._weights(qtype, Wm, nm, ncols, what)
+            _need(ym, 4 * nm, f"{what} y_{m}")
+            dy = _ptr(ym) - _ptr(y)
+            if dy % 4:
+                raise ValueError(f"{what}: y_{m} - y = {dy} bytes is not a whole number of floats")
+            if nm <= 0:
+                raise ValueError(f"{what}: matrix {m} has {nm} rows")
+            args += [("i64", _ptr(Wm) - _ptr(W)), ("i64", dy // 4), ("i32", nm)]
+            blocks += -(-nm // GEMV_ROWS)
+        if blocks > MAX_GRID:
+            raise ValueError(f"{what}: {blocks} blocks for {1 + len(more)} matrices in one launch (at most "
+                             f"{MAX_GRID}: launch them apart)")
+        args += [("i64", 0), ("i64", 0), ("i32", 0)] * (GEMV_MAX_MATS - 1 - len(more))
+        return blocks, args
 
     def _second(self, qtype: int, W, y, W2, y2, nrows: int, ncols: int, out_rows: int,
                 what: str) -> tuple[int, int, int]:
@@ -116,21 +142,20 @@ class MatmulLaunchers:
              ("i64", int(expert_bytes)), ("i32", x_group), ("i32", x_stride), ("i64", w_z), ("i64", y_z)],
             stream=stream)
 
-    def gemv_dp4a(self, qtype: int, W, xq, y, nrows: int, ncols: int, W2=None, y2=None, nrows2: int | None = None,
-                  stream: Stream | None = None) -> None:
-        """y[nrows] = W[nrows, ncols] xq, xq: [ncols/32] block_q8_1 from quantize_q8_1; with W2 (a matrix of the
-        same type and width, nrows2 rows: default nrows) also y2 = W2 xq in the same launch."""
+    def gemv_dp4a(self, qtype: int, W, xq, y, nrows: int, ncols: int, more=(), stream: Stream | None = None) -> None:
+        """y[nrows] = W[nrows, ncols] xq, xq: [ncols/32] block_q8_1 from quantize_q8_1; more: up to
+        GEMV_MAX_MATS - 1 further (W_m, y_m, nrows_m) of the same type and width on the same xq, in the same
+        launch."""
         if qtype == F32:
             raise ValueError("gemv_dp4a: f32 weights have no int8 path (use gemv_f32)")
         suffix = self._weights(qtype, W, nrows, ncols, "gemv_dp4a")
         _need(xq, ncols // 32 * Q8_1_BYTES, "gemv_dp4a xq")
         _need(y, 4 * nrows, "gemv_dp4a y")
-        n2 = nrows if nrows2 is None else int(nrows2)
-        z, w_z, y_z = self._second(qtype, W, y, W2, y2, n2, ncols, n2, "gemv_dp4a")
+        blocks, mats = self._mats(qtype, W, y, nrows, ncols, more, "gemv_dp4a")
         self.modules["gemv_dp4a"].kernel(f"gemv_dp4a_{suffix}").launch(
-            (self._grid(-(-max(nrows, n2 if z == 2 else 0) // GEMV_ROWS)), 1, z), (GEMV_THREADS, 1, 1),
-            [("ptr", _ptr(W)), ("ptr", _ptr(xq)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols), ("i64", w_z),
-             ("i64", y_z), ("i32", n2)], stream=stream)
+            (blocks, 1, 1), (GEMV_THREADS, 1, 1),
+            [("ptr", _ptr(W)), ("ptr", _ptr(xq)), ("ptr", _ptr(y)), ("i32", nrows), ("i32", ncols)] + mats,
+            stream=stream)
 
     def gemm_f32(self, qtype: int, W, X, Y, nrows: int, ncols: int, ntok: int, stream: Stream | None = None) -> None:
         """Y[ntok, nrows] = X[ntok, ncols] f32 times W[nrows, ncols]^T."""
