@@ -39,7 +39,7 @@ MOE_WSUM_MIN = 6.103515625e-5                            # native/moe.c MOE_WSUM
 # launch geometry: each source's #defines
 GEMV_THREADS = _D["GEMV_THREADS"]
 GEMV_ROWS = GEMV_THREADS // 32   # a warp a row (the sources' GEMV_WARPS)
-GEMV_MAX_MATS = _D["GEMV_MAX_MATS"]   # matrices on one input in one dense GEMV launch (grid.z)
+GEMV_MAX_MATS = _D["GEMV_MAX_MATS"]   # matrices on one input in one dense GEMV launch (quants.cuh LE_GEMV_MATS)
 GEMM_THREADS, GEMM_ROWS, GEMM_TT = _D["GEMM_THREADS"], _D["GEMM_ROWS"], _D["GEMM_TT"]   # a block's tile: rows x tokens
 GEMM_MMA_TT = _D["GEMM_MMA_TT"]    # tokens per block of gemm_mma, plain and grouped (its tiles: up to that many pairs)
 RMSNORM_THREADS, Q8_THREADS = _D["RMSNORM_THREADS"], _D["Q8_THREADS"]
