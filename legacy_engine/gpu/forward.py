@@ -382,7 +382,7 @@ class ForwardOps:
         u = self.scratch.buf("eu", 4 * pairs * ff).ptr
         sort = n > 1 and self.sort_pairs
         yd = None if sort else self.scratch.buf("ed", 4 * pairs * E).ptr     # sorted: the outputs stay in xg (pinv)
-        self._mm(L["ffn_gate_inp"], h, logits, n, hq)
+        shg = self._router(L, h, hq, n, logits)
         k.moe_route(logits, ids, wts, n, ne, kk)
         base, used, dev_sort = self._experts_in_vram(L, ids, n, sort)
         x_tok, xg, eids, x_group = h, h, ids, kk
@@ -422,9 +422,9 @@ class ForwardOps:
             self.res.release(L["index"])
             self.res.stream_stats["layers"] += 1
         if sort:       # the outputs in expert order: the combine reads pair (t, s) from row pinv[t*k + s] of xg
-            self._shared_and_combine(L, h, hq, n, xg, wts, y, rows=pinv)
+            self._shared_and_combine(L, h, hq, n, xg, wts, y, rows=pinv, shg=shg)
         else:
-            self._shared_and_combine(L, h, hq, n, yd, wts, y)
+            self._shared_and_combine(L, h, hq, n, yd, wts, y, shg=shg)
 
     def _experts_in_vram(self, L: dict, ids: int, n: int, sort: bool) -> tuple[int, np.ndarray | None, bool]:
         """Layer L's routed experts for a pass of n tokens routed to `ids` (device int32 [n * k]) -> (the address
@@ -476,7 +476,7 @@ class ForwardOps:
         ids = self.scratch.buf("hy_ids", 4 * kk).ptr
         wts = self.scratch.buf("hy_wts", 4 * kk).ptr
         logits = self.scratch.buf("router", 4 * ne).ptr
-        self._mm(L["ffn_gate_inp"], h, logits, 1, hq)
+        shg = self._router(L, h, hq, 1, logits)
         k.moe_route(logits, ids, wts, 1, ne, kk)
         la = hy["lookahead"]
         parity = int(np.searchsorted(hy["layers"], i)) % 2        # the early buffer's half this layer uses
@@ -500,7 +500,7 @@ class ForwardOps:
                            [(ea[parity][name], staged[name], eb) for (_src, _dst, eb), name
                             in zip(tensors, self.res.stage_names[i])])
         # queued before the wait, so the GPU computes these while the CPU runs its experts
-        sh, shg = self._shared_expert(L, h, hq, 1)
+        sh, shg = self._shared_expert(L, h, hq, 1, shg)
         g = self.scratch.buf("eg", 4 * kk * ff).ptr
         u = self.scratch.buf("eu", 4 * kk * ff).ptr
         if pinned:         # rows 1..kk: the pinned experts (gids: index in the pin store)
@@ -541,35 +541,52 @@ class ForwardOps:
         else:
             for w, a, o in ((wg, addr["ffn_gate_exps"], g), (wu, addr["ffn_up_exps"], u)):
                 k.gemv_ids(w.qtype, a, x, o, w.nrows, w.ncols, eids, pairs, w.expert_bytes, x_group, xs, int8=int8)
-        k.swiglu(g, u, g, pairs * ff)
         w = L["ffn_down_exps"]
         int8d = self.int8 and w.qtype != gpu.F32
         xd, xds = g, ff
-        if int8d:
-            xd, xds = self._q8_1(g, pairs * ff, "xq_down"), ff // 32
+        if int8d:          # SiLU(g) * u straight into Q8_1: one launch, the bits of swiglu then quantize_q8_1
+            xd, xds = self.scratch.buf("xq_down", pairs * ff // 32 * gpu.Q8_1_BYTES).ptr, ff // 32
+            k.swiglu_q8_1(g, u, xd, pairs * ff)
+        else:
+            k.swiglu(g, u, g, pairs * ff)
         k.gemv_ids(w.qtype, addr["ffn_down_exps"], xd, out, w.nrows, w.ncols, eids, pairs, w.expert_bytes, 1, xds,
                    int8=int8d)
 
-    def _shared_and_combine(self, L: dict, h: int, hq, n: int, yd: int, wts: int, y: int, rows=None) -> None:
+    def _shared_and_combine(self, L: dict, h: int, hq, n: int, yd: int, wts: int, y: int, rows=None,
+                            shg: int | None = None) -> None:
         """y[n, E] = the routed experts' outputs yd [n*k, E] (pair (t, s) in row t*k + s, or rows[t*k + s])
-        weighted by wts, plus the gated shared expert."""
-        sh, shg = self._shared_expert(L, h, hq, n)
+        weighted by wts, plus the gated shared expert (shg: its gate logit, made with the router)."""
+        sh, shg = self._shared_expert(L, h, hq, n, shg)
         self.k.moe_combine(yd, wts, sh, shg, y, n, self.hparams.n_expert_used, self.hparams.n_embd, rows=rows)
 
-    def _shared_expert(self, L: dict, h: int, hq, n: int) -> tuple:
-        """The shared expert's output sh [n, E] and gate logit shg [n] (device addresses), or (None, None)."""
+    def _router(self, L: dict, h: int, hq, n: int, logits: int) -> int | None:
+        """The router's logits [n, n_expert] of h into `logits`. One token: the shared expert's gate logit in the
+        same GEMV launch where its matrix has the router's type and width -> its address (shg), else None."""
+        hp, w = self.hparams, L["ffn_gate_inp"]
+        ws = L.get("ffn_gate_inp_shexp")
+        if n == 1 and hp.n_ff_shexp and ws is not None and (ws.qtype, ws.ncols) == (w.qtype, w.ncols):
+            shg = self.scratch.buf("shg", 4).ptr
+            self._mm_many([w, ws], h, [logits, shg], 1, hq)
+            return shg
+        self._mm(w, h, logits, n, hq)
+        return None
+
+    def _shared_expert(self, L: dict, h: int, hq, n: int, shg: int | None = None) -> tuple:
+        """The shared expert's output sh [n, E] and gate logit shg [n] (device addresses; shg given: made
+        already, by _router), or (None, None)."""
         hp = self.hparams
         E = hp.n_embd
-        sh = shg = None
+        given, sh, shg = shg, None, None
         if hp.n_ff_shexp:
             fs = hp.n_ff_shexp
             sg = self.scratch.buf("sg", 4 * n * fs).ptr
             su = self.scratch.buf("su", 4 * n * fs).ptr
             sh = self.scratch.buf("sh", 4 * n * E).ptr
-            shg = self.scratch.buf("shg", 4 * n).ptr
+            shg = self.scratch.buf("shg", 4 * n).ptr if given is None else given
             self._mm_many([L["ffn_gate_shexp"], L["ffn_up_shexp"]], h, [sg, su], n, hq)
             self._mm(L["ffn_down_shexp"], sg, sh, n, self._swiglu(L["ffn_down_shexp"], sg, su, n * fs, n))
-            self._mm(L["ffn_gate_inp_shexp"], h, shg, n, hq)
+            if given is None:
+                self._mm(L["ffn_gate_inp_shexp"], h, shg, n, hq)
         return sh, shg
 
     def _group_tile(self, L: dict) -> int:
