@@ -139,9 +139,9 @@ class ForwardOps:
     def _mm_many(self, ws: list, x: int, ys: list, n: int, xq: int | None = None) -> None:
         """_mm of several matrices on the same input x (ys: their outputs). One token: those of one type and width
         as one GEMV launch each GEMV_MAX_MATS (their blocks one after another: GDN's qkv, z, beta and alpha; a
-        decode token is a chain of dependent launches, each mostly latency). A pass of several tokens on the int8 GEMMs runs those of one type
-        as gemm_multi launches (MULTI_MATS at most each; a lone one by _mm): a layer's narrow projections share
-        the wide one's waves."""
+        decode token is a chain of dependent launches, each mostly latency). A pass of several tokens on the int8
+        GEMMs runs those of one type as gemm_multi launches (MULTI_MATS at most each; a lone one by _mm): a layer's
+        narrow projections share the wide one's waves."""
         if n == 1:
             same: dict[tuple, list] = {}
             for w, y in zip(ws, ys):
