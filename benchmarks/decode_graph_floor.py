@@ -12,25 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 from legacy_engine import gpu
 from legacy_engine.cpu.model import Model
 from legacy_engine.gpu.model import GpuModel
 from legacy_engine.gpu.options import GpuOptions
 from legacy_engine.tools.bench import seeded_tokens
-
-
-def timed(replay, reps: int) -> float:
-    """Median microseconds of replay(), events around each."""
-    out = []
-    for _ in range(reps):
-        e0, e1 = gpu.Event(), gpu.Event()
-        e0.record()
-        replay()
-        e1.record()
-        out.append(1e3 * e0.elapsed_ms(e1))
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -50,13 +37,13 @@ def main() -> None:
             gm.forward(st, [100 + t])
         plan = st._plan
         n = len(plan)
-        step = timed(plan.replay, a.reps)
+        step = 1e3 * gpu.median_ms(plan.replay, a.reps)
         with gpu.Buffer(64) as b:
             with gpu.record() as launches:
                 for _ in range(n):
                     gm.k.add(b, b, b, 4)
             floor_plan = gpu.LaunchPlan(launches, graph=plan.graph)
-            floor = timed(floor_plan.replay, a.reps)
+            floor = 1e3 * gpu.median_ms(floor_plan.replay, a.reps)
             del floor_plan
         print(json.dumps({"variant": gm.k.name, "launches": n, "graph": plan.graph, "step_us": round(step, 1),
                           "floor_us": round(floor, 1), "floor_share": round(floor / step, 3)}), flush=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 
 from legacy_engine import gpu
 from legacy_engine.cpu.model import Model
@@ -20,18 +19,6 @@ from legacy_engine.gpu import runtime
 from legacy_engine.gpu.model import GpuModel
 from legacy_engine.gpu.options import GpuOptions
 from legacy_engine.tools.bench import seeded_tokens
-
-
-def timed(replay, reps: int) -> float:
-    """Median microseconds of replay(), events around each."""
-    out = []
-    for _ in range(reps):
-        e0, e1 = gpu.Event(), gpu.Event()
-        e0.record()
-        replay()
-        e1.record()
-        out.append(1e3 * e0.elapsed_ms(e1))
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -63,14 +50,14 @@ def main() -> None:
     if len(launches) != len(names):
         raise SystemExit(f"{len(launches)} launches recorded, {len(names)} named: host steps in the step?")
     full = gpu.LaunchPlan(launches, graph=gm.graphs)
-    base = timed(full.replay, a.reps)
+    base = 1e3 * gpu.median_ms(full.replay, a.reps)
     print(f"{gm.k.name} ({'graph' if gm.graphs else 'launches'}): {len(launches)} launches, step {base:.1f} us")
     for name, count in collections.Counter(names).most_common():
         plan = gpu.LaunchPlan([x for x, nm in zip(launches, names) if nm != name], graph=gm.graphs)
-        t = timed(plan.replay, a.reps)
+        t = 1e3 * gpu.median_ms(plan.replay, a.reps)
         del plan
         print(f"  {count:4d} x {name:30s} {base - t:8.1f} us = {(base - t) / count:5.2f} us a launch", flush=True)
-    print(f"  the whole step again: {timed(full.replay, a.reps):.1f} us")
+    print(f"  the whole step again: {1e3 * gpu.median_ms(full.replay, a.reps):.1f} us")
     gm.close()
 
 

@@ -15,22 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 from legacy_engine import gpu
 from legacy_engine.core import _native
-
-
-def _timed(fn, reps: int) -> float:
-    """Median ms of fn() over reps, between two events."""
-    times = []
-    for _ in range(reps):
-        e0, e1 = gpu.Event(), gpu.Event()
-        e0.record()
-        fn()
-        e1.record()
-        times.append(e0.elapsed_ms(e1))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -54,23 +41,24 @@ def main() -> None:
             for per in per_sm:
                 n = per * k.sm_count
                 k.grid_sync_time(bar, n, 10)                     # warm: the module loaded, the blocks placed
-                ms = _timed(lambda: k.grid_sync_time(bar, n, a.rounds), a.reps)
+                ms = gpu.median_ms(lambda: k.grid_sync_time(bar, n, a.rounds), a.reps)
                 print(json.dumps({"variant": k.name, "blocks": n, "per_sm": per,
                                   "barrier_us": round(1e3 * ms / a.rounds, 3)}), flush=True)
             for per in per_sm:
                 n = per * k.sm_count
-                one = _timed(lambda: k.grid_sync_stream(bar, src, total // 16, 1, sink, n), a.reps)
+                one = gpu.median_ms(lambda: k.grid_sync_stream(bar, src, total // 16, 1, sink, n), a.reps)
                 for kib in (int(x) for x in a.phase_kib.split(",")):
                     n16, phases = (kib << 10) // 16, total // (kib << 10)
-                    fused = _timed(lambda: k.grid_sync_stream(bar, src, n16, phases, sink, n), a.reps)
-                    ahead = _timed(lambda: k.grid_sync_stream(bar, src, n16, phases, sink, n, ahead=True), a.reps)
+                    fused = gpu.median_ms(lambda: k.grid_sync_stream(bar, src, n16, phases, sink, n), a.reps)
+                    ahead = gpu.median_ms(lambda: k.grid_sync_stream(bar, src, n16, phases, sink, n, ahead=True),
+                                          a.reps)
 
                     with gpu.record() as rec:           # today's form: one launch a phase, replayed as a graph
                         for p in range(phases):
                             k.grid_sync_stream(bar, src.ptr + p * 16 * n16, n16, 1, sink, n)
                     plan = gpu.LaunchPlan(rec, graph=True)
                     plan.replay()
-                    split = _timed(plan.replay, a.reps)
+                    split = gpu.median_ms(plan.replay, a.reps)
                     del plan
                     nbytes = phases * n16 * 16
                     print(json.dumps({"variant": k.name, "per_sm": per, "phase_kib": kib, "phases": phases,

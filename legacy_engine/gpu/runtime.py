@@ -3,6 +3,8 @@ pinned host), streams, events, modules and kernels, recorded launch plans (repla
 graphs)."""
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
 
 from ..core.errors import UnavailableError
@@ -368,3 +370,16 @@ def time_ms(launch, reps: int, warmup: int = 1) -> float:
         launch()
     e1.record()
     return e0.elapsed_ms(e1) / reps
+
+
+def median_ms(launch, reps: int) -> float:
+    """The median milliseconds of one call of `launch` (work on the default stream), events around each call: a
+    call's own time, where time_ms averages calls in a row."""
+    out = []
+    for _ in range(reps):
+        e0, e1 = Event(), Event()
+        e0.record()
+        launch()
+        e1.record()
+        out.append(e0.elapsed_ms(e1))
+    return statistics.median(out)
