@@ -143,6 +143,11 @@ def gpu_lines(gpu: dict) -> list[str]:
                  f"sm_{TF32_ARCH} (--gpu-no-mma: the FMA scan)")
     lines.append("  GDN decode: a step's conv, its state update and the q/k norms in one launch "
                  "(conv1d_step_l2norm_f32, every tier), the recurrence with its gates in one more (gdn_recurrent_f32)")
+    lines.append("  decode step: one token's kernels in a CUDA graph (fermi: launched one by one); a layer's GEMVs of "
+                 "one input and type in one launch (up to 4: GDN's qkv, z, beta, alpha; the router and the shared "
+                 "expert's gate), the residual add + norm + Q8_1 in one (add_rmsnorm_f32, the row in registers), the "
+                 "experts' SiLU product into Q8_1 in one (swiglu_q8_1); `benchmarks/decode_kernel_costs.py` says what "
+                 "each kernel costs")
     tiled = " and ".join(sorted(ATTN_TILED_TIERS))
     lines.append(f"  attention prefill: f16 tensor cores at f32 grade (hi + lo halves: attn_prefill_mma_f32) on the dp4a "
                  f"tier from sm_{MMA_ARCH} (--gpu-no-mma: the FMA kernels), register tiles (attn_prefill_tiled_f32) "
