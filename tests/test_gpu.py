@@ -99,6 +99,74 @@ __global__ void k(float *x) {
     assert lint_cuda8.lint_text("compat.cuh", "__shfl_xor_sync(0xffffffffu, v, 1); __ldg(p);") == []
 
 
+class _MatsProbe(gpu.matmul.MatmulLaunchers):
+    """MatmulLaunchers' argument checks without a device (_weights, _grid and _mats are pure)."""
+    _grid = staticmethod(gpu.Kernels._grid)
+
+
+@pytest.mark.cpu
+def test_gemv_matrices_of_one_launch_cpu():
+    """The dense GEMV's further matrices (quants.cuh LE_GEMV_MATS): one matrix keeps its grid-strided grid; several
+    get their blocks one after another (ceil(rows / 4) each) and the kernel's offsets; too many matrices, a y not a
+    whole float away, no rows, or more blocks than a grid holds are errors."""
+    q8, rb = 8, 34 * 512 // 32                          # Q8_0 rows of 512: 544 bytes
+    k, W, y = _MatsProbe(), 1 << 20, 1 << 24
+    blocks, args = k._mats(q8, W, y, 300000, 512, (), "t")
+    assert blocks == gpu.MAX_GRID and [v for _, v in args] == [0] * 9
+    blocks, args = k._mats(q8, W, y, 6144, 512, [(W + 6144 * rb, y + 4 * 6144, 2048), (W - 16 * rb, y - 64, 16),
+                                                 (W + 9000 * rb, y + 4 * 9000, 5)], "t")
+    assert blocks == 1536 + 512 + 4 + 2
+    assert [v for _, v in args] == [6144 * rb, 6144, 2048, -16 * rb, -16, 16, 9000 * rb, 9000, 5]
+    blocks, args = k._mats(q8, W, y, 8, 512, [(W, y + 4 * 8, 8)], "t")
+    assert blocks == 4 and [v for _, v in args][3:] == [0] * 6
+    for more, match in (([(W, y + 4, 1)] * 4, "at most"), ([(W, y + 2, 8)], "whole number of floats"),
+                        ([(W, y + 4, 0)], "0 rows"), ([(W, y + 4, 4 * gpu.MAX_GRID)], "launch them apart")):
+        with pytest.raises(ValueError, match=match):
+            k._mats(q8, W, y, 8, 512, more, "t")
+
+
+@pytest.mark.cpu
+def test_one_token_projections_share_a_launch_cpu():
+    """_mm_many of one token: matrices of one type and width in one GEMV launch (GEMV_MAX_MATS at most), others
+    apart; int8 where the weights are quantised (one Q8_1 of x for all), f32 GEMV for f32 weights; a group whose
+    blocks exceed a grid runs apart. Recorded against a stand-in of the kernels (no device)."""
+    from legacy_engine.gpu.forward import ForwardOps
+    from legacy_engine.gpu.residency import _W
+
+    calls = []
+
+    class K:
+        def gemv_dp4a(self, qtype, W, xq, y, nrows, ncols, more=()):
+            calls.append(("dp4a", qtype, W, nrows, [m[2] for m in more]))
+
+        def gemv_f32(self, qtype, W, x, y, nrows, ncols, more=()):
+            calls.append(("f32", qtype, W, nrows, [m[2] for m in more]))
+
+    class Ops(ForwardOps):
+        k, int8, int8_prefill = K(), True, True
+
+        def _q8_1(self, x, n_el, name):
+            calls.append(("q8_1", n_el))
+            return 77
+
+    ops, E = Ops(), 1024
+    qkv, z, b, a = (_W(100 * i, 8, r, E) for i, r in ((1, 6144), (2, 2048), (3, 16), (4, 16)))
+    ops._mm_many([qkv, z, b, a], 0, [1, 2, 3, 4], 1)
+    assert calls == [("q8_1", E), ("dp4a", 8, 100, 6144, [2048, 16, 16])]
+    calls.clear()
+    router, gate = _W(500, gpu.F32, 256, E), _W(600, gpu.F32, 1, E)
+    ops._mm_many([router, _W(700, 12, 512, E), gate], 0, [1, 2, 3], 1, xq=55)
+    assert calls == [("f32", gpu.F32, 500, 256, [1]), ("dp4a", 12, 700, 512, [])]
+    calls.clear()
+    five = [_W(i, 8, 8, E) for i in range(5)]
+    ops._mm_many(five, 0, list(range(5)), 1, xq=55)
+    assert calls == [("dp4a", 8, 0, 8, [8, 8, 8]), ("dp4a", 8, 4, 8, [])]
+    calls.clear()
+    wide = [_W(1, 8, 4 * gpu.MAX_GRID - 4, E), _W(2, 8, 64, E)]
+    ops._mm_many(wide, 0, [1, 2], 1, xq=55)
+    assert calls == [("dp4a", 8, 1, 4 * gpu.MAX_GRID - 4, []), ("dp4a", 8, 2, 64, [])]
+
+
 @pytest.mark.cpu
 def test_shared_memory_fits_fermi():
     sizes = lint_cuda8.shared_report()
