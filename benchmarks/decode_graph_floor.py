@@ -20,6 +20,18 @@ from legacy_engine.gpu.options import GpuOptions
 from legacy_engine.tools.bench import seeded_tokens
 
 
+def decode_step(model: Model, variant: str) -> tuple[GpuModel, object]:
+    """The resident model on variant TIER[:ARCH] and a state past a short prompt and three decode tokens: its step's
+    LaunchPlan recorded and replayed (st._plan), its io and scratch as a decode token has them -> (gm, st)."""
+    tier, _, arch_s = variant.partition(":")
+    gm = GpuModel.resident(model, GpuOptions(tier=tier, arch=int(arch_s) if arch_s else None), n_ctx=64)
+    st = gm.new_state(64)
+    gm.forward(st, seeded_tokens(8, model.hparams.n_vocab))
+    for t in range(3):
+        gm.forward(st, [100 + t])
+    return gm, st
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file")
@@ -29,12 +41,7 @@ def main() -> None:
     gpu.init()
     model = Model(a.file, pin=False)
     for v in a.variants.split(","):
-        tier, _, arch_s = v.partition(":")
-        gm = GpuModel.resident(model, GpuOptions(tier=tier, arch=int(arch_s) if arch_s else None), n_ctx=64)
-        st = gm.new_state(64)
-        gm.forward(st, seeded_tokens(8, model.hparams.n_vocab))
-        for t in range(3):                          # the step's plan recorded, then replayed
-            gm.forward(st, [100 + t])
+        gm, st = decode_step(model, v)
         plan = st._plan
         n = len(plan)
         step = 1e3 * gpu.median_ms(plan.replay, a.reps)

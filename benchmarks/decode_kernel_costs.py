@@ -16,9 +16,8 @@ import collections
 from legacy_engine import gpu
 from legacy_engine.cpu.model import Model
 from legacy_engine.gpu import runtime
-from legacy_engine.gpu.model import GpuModel
-from legacy_engine.gpu.options import GpuOptions
-from legacy_engine.tools.bench import seeded_tokens
+
+from decode_graph_floor import decode_step      # the sibling benchmark's resident model at a decode step
 
 
 def main() -> None:
@@ -29,11 +28,7 @@ def main() -> None:
     a = ap.parse_args()
     gpu.init()
     model = Model(a.file, pin=False)
-    tier, _, arch = a.variant.partition(":")
-    gm = GpuModel.resident(model, GpuOptions(tier=tier, arch=int(arch) if arch else None), n_ctx=64)
-    st = gm.new_state(64)
-    gm.forward(st, seeded_tokens(8, model.hparams.n_vocab))
-    gm.forward(st, [100])                             # the step's state, io and scratch as a decode token has them
+    gm, st = decode_step(model, a.variant)
     names: list[str] = []
     launch = runtime.Kernel.launch
 

@@ -4,10 +4,11 @@
  *     type: q4_0 q8_0 q4_K q5_K q6_K iq4_xs
  *     W: [nrows, ncols] rows of quant blocks (as gemv_f32.cu), xq: [ncols/32] block_q8_1 in the
  *     GPU layout of quantize_q8_1.cu (d, s = sum of x), y: [nrows] f32
- *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(rows/4), 65535) x 1 x Z
- *     Z <= GEMV_MAX_MATS (4) matrices of the same type and width on the same input in one launch (GDN's qkv, z,
- *     beta and alpha; a SwiGLU's gate and up): grid.z = m > 0 reads n_m rows at W + w_m (bytes, may be negative)
- *     into y + y_m (floats); rows: the most of any (quants.cuh LE_GEMV_MATS); the unused ones are ignored
+ *     up to GEMV_MAX_MATS (4) matrices of the same type and width on the same input in one launch (GDN's qkv,
+ *     z, beta and alpha; a SwiGLU's gate and up): matrix m > 0 is n_m rows at W + w_m (bytes, may be negative)
+ *     into y + y_m (floats); n_1 = 0: one matrix (quants.cuh LE_GEMV_MATS, le_gemv_mat_of)
+ *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1; one matrix: grid min(ceil(nrows/4), 65535) x 1 x 1
+ *     (rows grid-strided); several: grid sum of ceil(rows_m/4) x 1 x 1 (their blocks one after another, <= 65535)
  *   gemv_dp4a_<type>_ids(W, xq, y, nrows, ncols, ids, expert_bytes, x_group, x_stride, w_z, y_z)
  *     the MoE form (as gemv_f32.cu's): grid.y = pairs p; expert ids[p], activation blocks
  *     xq + (p / x_group) * x_stride (x_stride in Q8_1 blocks), output y + p * nrows; ids[p] < 0: row zero;

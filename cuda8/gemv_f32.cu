@@ -5,10 +5,11 @@
  *     W: [nrows, ncols] rows of quant blocks (row r at W + r * ncols/BLOCK*BYTES; W 4-byte aligned),
  *        or f32 rows (16-byte aligned, ncols % 4 == 0)
  *     x: [ncols] f32 (16-byte aligned), y: [nrows] f32; ncols a multiple of the block size
- *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1, grid min(ceil(rows/4), 65535) x 1 x Z
- *     Z <= GEMV_MAX_MATS (4) matrices of the same type and width on the same x in one launch: grid.z = m > 0
- *     reads n_m rows at W + w_m (bytes, may be negative) into y + y_m (floats); rows: the most of any
- *     (quants.cuh LE_GEMV_MATS); the unused ones are ignored
+ *     up to GEMV_MAX_MATS (4) matrices of the same type and width on the same input in one launch (GDN's qkv,
+ *     z, beta and alpha; a SwiGLU's gate and up): matrix m > 0 is n_m rows at W + w_m (bytes, may be negative)
+ *     into y + y_m (floats); n_1 = 0: one matrix (quants.cuh LE_GEMV_MATS, le_gemv_mat_of)
+ *     launch: block GEMV_THREADS (128 = 4 warps) x 1 x 1; one matrix: grid min(ceil(nrows/4), 65535) x 1 x 1
+ *     (rows grid-strided); several: grid sum of ceil(rows_m/4) x 1 x 1 (their blocks one after another, <= 65535)
  *   gemv_f32_<type>_ids(W, x, y, nrows, ncols, ids, expert_bytes, x_group, x_stride, w_z, y_z)
  *     the MoE form: grid.y = number of (token, slot) pairs p; pair p multiplies expert ids[p]
  *     (W + ids[p] * expert_bytes) with x + (p / x_group) * x_stride into y + p * nrows

@@ -576,16 +576,16 @@ class ForwardOps:
         already, by _router), or (None, None)."""
         hp = self.hparams
         E = hp.n_embd
-        given, sh, shg = shg, None, None
+        sh = None
         if hp.n_ff_shexp:
             fs = hp.n_ff_shexp
             sg = self.scratch.buf("sg", 4 * n * fs).ptr
             su = self.scratch.buf("su", 4 * n * fs).ptr
             sh = self.scratch.buf("sh", 4 * n * E).ptr
-            shg = self.scratch.buf("shg", 4 * n).ptr if given is None else given
             self._mm_many([L["ffn_gate_shexp"], L["ffn_up_shexp"]], h, [sg, su], n, hq)
             self._mm(L["ffn_down_shexp"], sg, sh, n, self._swiglu(L["ffn_down_shexp"], sg, su, n * fs, n))
-            if given is None:
+            if shg is None:
+                shg = self.scratch.buf("shg", 4 * n).ptr
                 self._mm(L["ffn_gate_inp_shexp"], h, shg, n, hq)
         return sh, shg
 

@@ -83,13 +83,13 @@ class MatmulLaunchers:
         args = []
         for m, (Wm, ym, nm) in enumerate(more, 1):
             nm = int(nm)
+            if nm <= 0:
+                raise ValueError(f"{what}: matrix {m} has {nm} rows")
             self._weights(qtype, Wm, nm, ncols, what)
             _need(ym, 4 * nm, f"{what} y_{m}")
             dy = _ptr(ym) - _ptr(y)
             if dy % 4:
                 raise ValueError(f"{what}: y_{m} - y = {dy} bytes is not a whole number of floats")
-            if nm <= 0:
-                raise ValueError(f"{what}: matrix {m} has {nm} rows")
             args += [("i64", _ptr(Wm) - _ptr(W)), ("i64", dy // 4), ("i32", nm)]
             blocks += -(-nm // GEMV_ROWS)
         if blocks > MAX_GRID:

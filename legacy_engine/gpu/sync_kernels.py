@@ -81,44 +81,6 @@ class SyncLaunchers:
             (HYBRID_FETCH_BLOCKS, k, 3), (HYBRID_THREADS, 1, 1),
             [("ptr", _ptr(lids)), ("ptr", _ptr(lslots)), ("i32", k)] + args, stream=stream)
 
-    def grid_sync_check(self, bar, cells, n_blocks: int, rounds: int, stream: Stream | None = None) -> None:
-        """le_grid_sync under test (cuda8/grid_sync.cu): n_blocks blocks (all co-resident: the caller's care) meet
-        `rounds` times; bar: uint32 [2] zero, cells: uint32 [n_blocks + 1] zero; afterwards cells[:n] == rounds and
-        cells[n] counts the blocks that saw another's count stale past a barrier (0 when every barrier held)."""
-        if not 0 < n_blocks <= GRID_SYNC_PER_SM * self.sm_count or rounds <= 0:
-            raise ValueError(f"grid_sync_check: {n_blocks} blocks (1…{GRID_SYNC_PER_SM * self.sm_count}), "
-                             f"rounds = {rounds}")
-        _need(bar, 8, "grid_sync_check bar")
-        _need(cells, 4 * (n_blocks + 1), "grid_sync_check cells")
-        self.modules["grid_sync"].kernel("grid_sync_check_u32").launch(
-            (n_blocks, 1, 1), (GRID_SYNC_THREADS, 1, 1), [("ptr", _ptr(bar)), ("ptr", _ptr(cells)), ("i32", rounds)],
-            stream=stream)
-
-    def grid_sync_time(self, bar, n_blocks: int, rounds: int, stream: Stream | None = None) -> None:
-        """`rounds` grid barriers of n_blocks co-resident blocks and nothing else (bar: uint32 [2], zero)."""
-        if not 0 < n_blocks <= GRID_SYNC_PER_SM * self.sm_count or rounds <= 0:
-            raise ValueError(f"grid_sync_time: {n_blocks} blocks (1…{GRID_SYNC_PER_SM * self.sm_count}), "
-                             f"rounds = {rounds}")
-        _need(bar, 8, "grid_sync_time bar")
-        self.modules["grid_sync"].kernel("grid_sync_time_u32").launch(
-            (n_blocks, 1, 1), (GRID_SYNC_THREADS, 1, 1), [("ptr", _ptr(bar)), ("i32", rounds)], stream=stream)
-
-    def grid_sync_stream(self, bar, src, n16: int, phases: int, sink, n_blocks: int, ahead: bool = False,
-                         stream: Stream | None = None) -> None:
-        """`phases` phases each reading its own n16 x 16 bytes of src over n_blocks co-resident blocks, a grid barrier
-        after each (cuda8/grid_sync.cu): a fused step's weight stream without its arithmetic; ahead: the next phase's
-        first GRID_SYNC_AHEAD uint4 a thread loaded before each barrier."""
-        if not 0 < n_blocks <= GRID_SYNC_PER_SM * self.sm_count or phases <= 0 or n16 <= 0:
-            raise ValueError(f"grid_sync_stream: {n_blocks} blocks (1…{GRID_SYNC_PER_SM * self.sm_count}), "
-                             f"phases = {phases}, n16 = {n16}")
-        _need(bar, 8, "grid_sync_stream bar")
-        _need(src, 16 * n16 * phases, "grid_sync_stream src")
-        _need(sink, 4, "grid_sync_stream sink")
-        name = "grid_sync_stream_ahead_u32" if ahead else "grid_sync_stream_u32"
-        self.modules["grid_sync"].kernel(name).launch(
-            (n_blocks, 1, 1), (GRID_SYNC_THREADS, 1, 1),
-            [("ptr", _ptr(bar)), ("ptr", _ptr(src)), ("i64", n16), ("i32", phases), ("ptr", _ptr(sink))], stream=stream)
-
     def hybrid_wait(self, slot: int, chan: int, row, E: int, k: int, max_cycles: int,
                     stream: Stream | None = None) -> None:
         """Waits (on the GPU) until the CPU marks `slot` DONE for chan's SEQ, then row [E] (device) = its ROW; NaN
@@ -131,3 +93,39 @@ class SyncLaunchers:
             (1, 1, 1), (HYBRID_THREADS, 1, 1),
             [("ptr", int(slot)), ("ptr", int(chan)), ("ptr", _ptr(row)), ("i32", E), ("i32", k),
              ("i64", int(max_cycles))], stream=stream)
+
+    def _grid_sync_launch(self, kernel: str, bar, n_blocks: int, args: list, bad: str,
+                          stream: Stream | None) -> None:
+        """The grid_sync kernels' common part: n_blocks co-resident blocks (at most GRID_SYNC_PER_SM an SM; the
+        caller's other arguments valid unless `bad` says why not), bar: uint32 [2]; bar then args."""
+        most = GRID_SYNC_PER_SM * self.sm_count
+        if not 0 < n_blocks <= most or bad:
+            raise ValueError(f"{kernel}: {n_blocks} blocks (1…{most})" + (f", {bad}" if bad else ""))
+        _need(bar, 8, f"{kernel} bar")
+        self.modules["grid_sync"].kernel(kernel).launch(
+            (n_blocks, 1, 1), (GRID_SYNC_THREADS, 1, 1), [("ptr", _ptr(bar))] + args, stream=stream)
+
+    def grid_sync_check(self, bar, cells, n_blocks: int, rounds: int, stream: Stream | None = None) -> None:
+        """le_grid_sync under test (cuda8/grid_sync.cu): n_blocks blocks (all co-resident: the caller's care) meet
+        `rounds` times; bar: uint32 [2] zero, cells: uint32 [n_blocks + 1] zero; afterwards cells[:n] == rounds and
+        cells[n] counts the blocks that saw another's count stale past a barrier (0 when every barrier held)."""
+        _need(cells, 4 * (n_blocks + 1), "grid_sync_check cells")
+        self._grid_sync_launch("grid_sync_check_u32", bar, n_blocks, [("ptr", _ptr(cells)), ("i32", rounds)],
+                               "" if rounds > 0 else f"rounds = {rounds}", stream)
+
+    def grid_sync_time(self, bar, n_blocks: int, rounds: int, stream: Stream | None = None) -> None:
+        """`rounds` grid barriers of n_blocks co-resident blocks and nothing else (bar: uint32 [2], zero)."""
+        self._grid_sync_launch("grid_sync_time_u32", bar, n_blocks, [("i32", rounds)],
+                               "" if rounds > 0 else f"rounds = {rounds}", stream)
+
+    def grid_sync_stream(self, bar, src, n16: int, phases: int, sink, n_blocks: int, ahead: bool = False,
+                         stream: Stream | None = None) -> None:
+        """`phases` phases each reading its own n16 x 16 bytes of src over n_blocks co-resident blocks, a grid barrier
+        after each (cuda8/grid_sync.cu): a fused step's weight stream without its arithmetic; ahead: the next phase's
+        first GRID_SYNC_AHEAD uint4 a thread loaded before each barrier."""
+        bad = "" if phases > 0 and n16 > 0 else f"phases = {phases}, n16 = {n16}"
+        if not bad:
+            _need(src, 16 * n16 * phases, "grid_sync_stream src")
+            _need(sink, 4, "grid_sync_stream sink")
+        self._grid_sync_launch("grid_sync_stream_ahead_u32" if ahead else "grid_sync_stream_u32", bar, n_blocks,
+                               [("ptr", _ptr(src)), ("i64", n16), ("i32", phases), ("ptr", _ptr(sink))], bad, stream)
