@@ -85,12 +85,8 @@ class MatmulLaunchers:
             nm = int(nm)
             if nm <= 0:
                 raise ValueError(f"{what}: matrix {m} has {nm} rows")
-            self._weights(qtype, Wm, nm, ncols, what)
-            _need(ym, 4 * nm, f"{what} y_{m}")
-            dy = _ptr(ym) - _ptr(y)
-            if dy % 4:
-                raise ValueError(f"{what}: y_{m} - y = {dy} bytes is not a whole number of floats")
-            args += [("i64", _ptr(Wm) - _ptr(W)), ("i64", dy // 4), ("i32", nm)]
+            dw, dy = self._offsets(qtype, W, y, Wm, ym, nm, ncols, nm, what, f"y_{m}")
+            args += [("i64", dw), ("i64", dy), ("i32", nm)]
             blocks += -(-nm // GEMV_ROWS)
         if blocks > MAX_GRID:
             raise ValueError(f"{what}: {blocks} blocks for {1 + len(more)} matrices in one launch (at most "
@@ -106,12 +102,18 @@ class MatmulLaunchers:
             return 1, 0, 0
         if W2 is None or y2 is None:
             raise ValueError(f"{what}: a second matrix needs both W2 and y2")
-        self._weights(qtype, W2, nrows, ncols, what)
-        _need(y2, 4 * out_rows, f"{what} y2")
-        dy = _ptr(y2) - _ptr(y)
+        return (2,) + self._offsets(qtype, W, y, W2, y2, nrows, ncols, out_rows, what, "y2")
+
+    def _offsets(self, qtype: int, W, y, Wm, ym, nrows: int, ncols: int, out_rows: int, what: str,
+                 label: str) -> tuple[int, int]:
+        """A further matrix Wm [nrows, ncols] of W's type into ym [out_rows] of one launch, checked as the first:
+        -> (Wm - W in bytes, ym - y in floats)."""
+        self._weights(qtype, Wm, nrows, ncols, what)
+        _need(ym, 4 * out_rows, f"{what} {label}")
+        dy = _ptr(ym) - _ptr(y)
         if dy % 4:
-            raise ValueError(f"{what}: y2 - y = {dy} bytes is not a whole number of floats")
-        return 2, _ptr(W2) - _ptr(W), dy // 4
+            raise ValueError(f"{what}: {label} - y = {dy} bytes is not a whole number of floats")
+        return _ptr(Wm) - _ptr(W), dy // 4
 
     def gemv_ids(self, qtype: int, W, x, y, nrows: int, ncols: int, ids, n_pairs: int, expert_bytes: int,
                  x_group: int, x_stride: int, int8: bool = False, n_experts: int | None = None, W2=None, y2=None,
